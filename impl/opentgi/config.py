@@ -1,0 +1,58 @@
+"""The one settings object.
+
+Built once by the CLI (`opentgi.cli`) from flags and environment variables and passed down; no module
+reads the environment on its own. Every field has the launcher's default; `None` means "derive it
+from the model / device at start-up" (the engine writes back what it derived, see `EngineInfo`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Settings:
+    # --- model -------------------------------------------------------------------------------
+    model_id: str | None = None  # hub id, local folder or .gguf file; None = the default model
+    revision: str | None = None
+    dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = float32 on CPU, bf16 on CUDA
+    device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda when available
+    num_threads: int | None = None  # torch.set_num_threads on CPU; None = torch's default
+    trust_remote_code: bool = False
+
+    # --- server ------------------------------------------------------------------------------
+    hostname: str = "0.0.0.0"
+    port: int = 8080
+    json_output: bool = False
+    api: str = "tgi"  # which dialect owns the root paths: "tgi" | "lightllm"
+    api_key: str | None = None  # bearer token required on every non-health route when set
+
+    # --- TGI router limits ---------------------------------------------------------------------
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None  # None = min(model context - 1, 4095)
+    max_total_tokens: int | None = None  # None = min(model context, 4096)
+    max_client_batch_size: int = 4
+    disable_grammar_support: bool = False
+    watermark_gamma: float = 0.5
+    watermark_delta: float = 2.0
+
+    # --- scheduler -----------------------------------------------------------------------------
+    max_batch_prefill_tokens: int | None = None  # None = max_input_tokens + 50 (TGI's default)
+    max_batch_total_tokens: int | None = None  # KV pool size in tokens; None = from memory budget
+    max_batch_size: int | None = None  # running sequences at most; None = unbounded
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 1.2
+    chunked_prefill_tokens: int | None = 512  # per-step token budget for prefill chunks; None = off
+    enable_prefix_caching: bool = True
+    block_size: int | None = None  # None = the attention backend's preference (16 CPU, 256 flash-attn)
+    kv_cache_memory_fraction: float = 0.9  # CUDA: fraction of free memory given to the KV pool
+    kv_cache_cpu_bytes: int = 2 << 30  # CPU: KV pool budget when max_batch_total_tokens is unset
+
+    # --- dialect extras ------------------------------------------------------------------------
+    fim_template: str | None = None  # e.g. "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
+    sensitive_words_file: str | None = None  # SenseNova: one term a line
+    sensitive_words: list[str] = field(default_factory=list)
+    cache_dir: str | None = None  # where converted weights are kept; None = ~/.cache/opentgi

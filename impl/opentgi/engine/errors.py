@@ -1,0 +1,49 @@
+"""Typed errors, raised where they arise. Each API dialect maps them once to its status and body."""
+
+from __future__ import annotations
+
+
+class OpenTGIError(Exception):
+    """Base of every error a client may see."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ValidationError(OpenTGIError):
+    """The request is invalid (TGI: 422, error_type "validation")."""
+
+
+class InputTooLongError(ValidationError):
+    """Prompt tokens (+ max_new_tokens) do not fit the limits."""
+
+    def __init__(self, message: str, *, input_tokens: int, max_new_tokens: int | None, limit: int):
+        super().__init__(message)
+        self.input_tokens = input_tokens
+        self.max_new_tokens = max_new_tokens
+        self.limit = limit
+
+
+class GrammarError(ValidationError):
+    """A grammar (JSON schema / regex) could not be compiled."""
+
+
+class TemplateError(ValidationError):
+    """A chat template failed to render (TGI: 422, error_type "template_error")."""
+
+
+class NotSupportedError(ValidationError):
+    """A feature this model or server does not support (e.g. grammar disabled, no FIM tokens)."""
+
+
+class OverloadedError(OpenTGIError):
+    """Too many concurrent requests (TGI: 429 "Model is overloaded", error_type "overloaded")."""
+
+
+class GenerationError(OpenTGIError):
+    """The model failed while generating (TGI: 424, error_type "generation")."""
+
+
+class UnhealthyError(OpenTGIError):
+    """The engine loop is dead or stalled (TGI: 503, error_type "healthcheck")."""

@@ -1,0 +1,25 @@
+"""How the engine reports what it does, without depending on prometheus-client.
+
+`opentgi.metrics` implements this interface with TGI's metric names; the engine calls the hooks
+from its loop thread, so implementations must be cheap and thread-safe.
+"""
+
+from __future__ import annotations
+
+
+class EngineObserver:
+    """No-op base; override what you need."""
+
+    def on_queue_size(self, waiting: int) -> None: ...
+
+    def on_batch(self, *, method: str, size: int, max_tokens: int, duration_s: float, ok: bool) -> None:
+        """One forward: method is "prefill" (a step with any prompt tokens) or "decode"."""
+
+    def on_request_finished(self, *, request_id: str, ok: bool, input_tokens: int, generated_tokens: int,
+                            queue_s: float, inference_s: float) -> None: ...
+
+    def on_preemption(self, num_sequences: int) -> None: ...
+
+    def on_kv_blocks(self, *, used: int, free: int, cached: int) -> None: ...
+
+    def on_prefix_cache(self, *, hit_tokens: int, query_tokens: int) -> None: ...

@@ -1,0 +1,74 @@
+"""What a handler asks of the engine: one engine-neutral request, built by a dialect's handler."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+_request_ids = itertools.count()
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"  # max_new_tokens generated
+    EOS_TOKEN = "eos_token"  # the model's end-of-sequence token (or a stop token id)
+    STOP_SEQUENCE = "stop_sequence"  # a stop string matched
+    CONTEXT = "context"  # the sequence filled the context window (max_total_tokens) first
+    SENSITIVE = "sensitive"  # a sensitive word would have been emitted (SenseNova)
+    GRAMMAR = "grammar"  # the grammar accepts no further token (output complete)
+
+
+@dataclass
+class SamplingParams:
+    """Per-sequence sampling parameters; the sampler holds them as per-row tensors of the batch."""
+
+    do_sample: bool = False  # False: greedy (argmax), the warpers below are ignored
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    typical_p: float = 1.0  # 1.0 = off
+    repetition_penalty: float = 1.0  # HF/TGI style: divides positive logits of seen tokens
+    frequency_penalty: float = 0.0  # OpenAI style: logit -= penalty * count(token in output)
+    presence_penalty: float = 0.0  # OpenAI style: logit -= penalty if token in output
+    seed: int | None = None  # sequence i of a request uses seed + i; None = a random seed each
+    watermark: bool = False  # Kirchenbauer soft watermark (gamma/delta from Settings)
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to the logit
+
+
+@dataclass
+class StoppingParams:
+    max_new_tokens: int
+    stop_sequences: list[str] = field(default_factory=list)
+    # TGI keeps a matched stop string in the output; OpenAI routes drop it (and hold back text that
+    # could still become one while streaming).
+    include_stop_str_in_output: bool = True
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the sequence
+    # Never emitted; generation stops before them with FinishReason.SENSITIVE.
+    sensitive_words: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GrammarSpec:
+    """A constraint on the output, compiled by `opentgi.engine.grammar` off the engine loop."""
+
+    type: str  # "json" (value: a JSON schema as text) | "regex" (value: a regular expression)
+    value: str
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    n: int = 1  # sequences sampled from this prompt; they share the prompt's KV blocks
+    top_n_tokens: int = 0  # per generated token, the n most likely alternatives (ties included)
+    prompt_logprobs: bool = False  # logprobs of every prompt token (TGI decoder_input_details)
+    grammar: GrammarSpec | None = None
+    score: bool = False  # reward model: one prefill pass, result.score, no tokens generated
+    request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -1,0 +1,31 @@
+"""The attention interface's per-step inputs, built by the engine's model runner.
+
+A step packs the new tokens of B sequences into one flat batch of T tokens ("varlen" layout, as
+flash-attn wants it). Sequence b owns q positions cu_seqlens_q[b]:cu_seqlens_q[b+1]; its keys are
+the first context_lens[b] tokens of its paged KV (the cached ones and this step's new ones), found
+through block_tables[b]. KV caches are per layer, shaped [num_blocks, block_size, num_kv_heads,
+head_dim]; token t of a sequence lives in slot block_table[t // block_size] * block_size
++ t % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]: where each new token's k/v is written; -1 = skip
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]: prefix sums of new-token counts
+    cu_seqlens_k: torch.Tensor  # int32 [B+1]: prefix sums of context_lens
+    max_seqlen_q: int
+    max_seqlen_k: int
+    context_lens: torch.Tensor  # int32 [B]: tokens in the KV after this step (cached + new)
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with -1 (CPU) / 0 (flash)
+    decode_only: bool  # every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
