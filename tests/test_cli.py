@@ -1,0 +1,58 @@
+"""The launcher's flags and environment variables become one Settings object."""
+
+import pytest
+
+from opentgi.cli import build_parser, settings_from
+
+
+def parse(argv, environ=None):
+    return settings_from(build_parser().parse_args(["serve", *argv]), environ or {})
+
+
+def test_defaults_match_tgi_launcher():
+    settings = parse([])
+    assert settings.model_id is None
+    assert settings.port == 8080
+    assert settings.max_concurrent_requests == 128
+    assert settings.max_best_of == 2
+    assert settings.max_stop_sequences == 4
+    assert settings.max_top_n_tokens == 5
+    assert settings.api == "tgi"
+
+
+def test_flags_fill_settings():
+    settings = parse(["--model-id", "/models/x", "--port", "9000", "--max-input-tokens", "100",
+                      "--max-total-tokens", "200", "--json-output", "--dtype", "bfloat16",
+                      "--num-threads", "1", "--max-batch-total-tokens", "4096"])
+    assert (settings.model_id, settings.port, settings.max_input_tokens) == ("/models/x", 9000, 100)
+    assert (settings.max_total_tokens, settings.json_output, settings.dtype) == (200, True, "bfloat16")
+    assert (settings.num_threads, settings.max_batch_total_tokens) == (1, 4096)
+
+
+def test_environment_variables_like_tgi_and_flag_wins():
+    env = {"MODEL_ID": "env-model", "PORT": "7000", "MAX_INPUT_LENGTH": "50", "JSON_OUTPUT": "true",
+           "MAX_BEST_OF": "3"}
+    settings = parse(["--port", "7001"], env)
+    assert settings.model_id == "env-model"
+    assert settings.port == 7001
+    assert settings.max_input_tokens == 50  # TGI's legacy name still works
+    assert settings.json_output is True
+    assert settings.max_best_of == 3
+
+
+def test_switches_and_renamed_fields(tmp_path):
+    words = tmp_path / "words.txt"
+    words.write_text("alpha\n\n beta \n", encoding="utf-8")
+    settings = parse(["--disable-prefix-caching", "--chunked-prefill-tokens", "0",
+                      "--sensitive-words", str(words), "--api", "lightllm"])
+    assert settings.enable_prefix_caching is False
+    assert settings.chunked_prefill_tokens is None
+    assert settings.sensitive_words == ["alpha", "beta"]
+    assert settings.api == "lightllm"
+
+
+@pytest.mark.parametrize("argv,env", [(["--api", "grpc"], {}), ([], {"PORT": "eighty"})])
+def test_bad_values_exit_with_a_message(argv, env):
+    with pytest.raises(SystemExit) as info:
+        parse(argv, env)
+    assert "opentgi:" in str(info.value)
