@@ -1,0 +1,1 @@
+"""Generates pydantic models from the OpenAPI documents in openapi/ (see generate.py)."""

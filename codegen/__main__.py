@@ -1,0 +1,3 @@
+from codegen.generate import main
+
+raise SystemExit(main())
