@@ -1,0 +1,102 @@
+"""Optional bearer-token authentication (`--api-key` / `API_KEY`), as one ASGI middleware.
+
+When the server has an API key, every HTTP route of every dialect needs `Authorization: Bearer <key>`
+except the health checks (`/health`, `/healthz` under any mount) and the API documents with their
+Swagger UI (`/openapi.json`, `/docs`, `/ui/...`), which hold nothing secret. A missing or wrong key
+gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authenticate: Bearer`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable, Iterable
+
+UNAUTHORIZED_MESSAGE = "Unauthorized: missing or invalid bearer token"
+# SenseNova's (gRPC-style) error code for a request without valid credentials.
+SENSENOVA_UNAUTHENTICATED = 16
+
+OPEN_PATH_NAMES = frozenset({"health", "healthz"})
+DOC_PATH_NAMES = frozenset({"openapi.json", "openapi.yaml", "docs", "swagger.json"})
+
+
+def unauthorized_body(dialect: str, message: str = UNAUTHORIZED_MESSAGE) -> dict:
+    """The 401 body in `dialect`'s error shape ("tgi", "lightllm" or "sensenova")."""
+    if dialect == "lightllm":
+        return {"message": message}
+    if dialect == "sensenova":
+        return {"error": {"code": SENSENOVA_UNAUTHENTICATED, "message": message, "details": []}}
+    return {"error": message, "error_type": "unauthorized"}
+
+
+def is_open_path(path: str) -> bool:
+    """Health checks and the API documents never need the key."""
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        return False
+    if parts[-1] in OPEN_PATH_NAMES or parts[-1] in DOC_PATH_NAMES:
+        return True
+    return "ui" in parts[:-1] or parts[-1] == "ui"
+
+
+def dialect_resolver(
+    mounts: Iterable[tuple[str, str, Iterable[str]]], default: str = "tgi"
+) -> Callable[[str], str]:
+    """Map a request path to its dialect from the app's mounts: (base path, dialect, document paths).
+
+    The longest base path whose document has the rest of the path wins; a path no document has
+    (a 404 to be) gets `default`'s shape.
+    """
+    table = sorted(
+        ((base.rstrip("/"), dialect, frozenset(paths)) for base, dialect, paths in mounts),
+        key=lambda m: len(m[0]),
+        reverse=True,
+    )
+
+    def dialect_of(path: str) -> str:
+        for base, dialect, paths in table:
+            if path.startswith(base) and (path[len(base):] or "/") in paths:
+                return dialect
+        for base, dialect, _ in table:  # under a dialect's prefix, but no such path
+            if base and (path == base or path.startswith(base + "/")):
+                return dialect
+        return default
+
+    return dialect_of
+
+
+class BearerAuthMiddleware:
+    """ASGI middleware: a 401 in the path's dialect shape unless the bearer token matches."""
+
+    def __init__(self, app, *, api_key: str, dialect_of: Callable[[str], str]):
+        if not api_key:
+            raise ValueError("BearerAuthMiddleware needs a non-empty api_key")
+        self.app = app
+        self._expected = api_key.encode()
+        self._dialect_of = dialect_of
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or is_open_path(scope["path"]) or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(unauthorized_body(self._dialect_of(scope["path"])), separators=(",", ":"))
+        payload = body.encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.strip().partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
+        return False
