@@ -10,7 +10,7 @@ head_dim]; token t of a sequence lives in slot block_table[t // block_size] * bl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # int32 [B]: tokens in the KV after this step (cached + new)
     block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with -1 (CPU) / 0 (flash)
     decode_only: bool  # every sequence has exactly one new token
+    # Per-step data a backend derives from the fields above once and reuses in every layer (e.g.
+    # the torch backend's gathered block ids and masks). The model runner leaves it empty.
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

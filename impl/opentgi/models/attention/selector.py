@@ -1,0 +1,41 @@
+"""The one place that picks the attention backend and the KV block size for a device."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from opentgi.models.attention.backend import AttentionBackend
+
+CPU_BLOCK_SIZE = 16
+FLASH_BLOCK_SIZE = 256  # flash-attn's paged kernels need a multiple of 256
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """flash-attn on CUDA when it is installed, else the torch reference backend."""
+    if flash_attn_available(device):
+        from opentgi.models.attention.flash_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    from opentgi.models.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def select_block_size(backend: AttentionBackend, requested: int | None) -> int:
+    """Settings.block_size when given (checked against the backend), else the backend's choice."""
+    if backend.name == "flash-attn":
+        if requested is None:
+            return FLASH_BLOCK_SIZE
+        if requested % FLASH_BLOCK_SIZE:
+            raise ValueError(f"block size {requested} is not supported by flash-attn's paged "
+                             f"attention: use a multiple of {FLASH_BLOCK_SIZE}")
+        return requested
+    if requested is not None and requested < 1:
+        raise ValueError(f"block size must be positive, got {requested}")
+    return requested or CPU_BLOCK_SIZE

@@ -1,0 +1,137 @@
+"""The torch attention backend against naive attention over contiguous keys."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.attention.selector import select_backend, select_block_size
+from opentgi.models.attention.torch_backend import TorchAttentionBackend
+
+NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM = 64, 16, 4, 2, 8
+
+
+def naive_attention(q, keys, values, window=None):
+    """q [n, H, D] at the last n positions of keys/values [ctx, Hkv, D]."""
+    n, ctx = q.shape[0], keys.shape[0]
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(q.shape[2])
+    q_pos = torch.arange(ctx - n, ctx)[:, None]
+    k_pos = torch.arange(ctx)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+class PagedSequences:
+    """Sequences with random (scattered) block tables and their full k/v kept contiguously too."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.free = list(range(NUM_BLOCKS))
+        self.rng.shuffle(self.free)
+        self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM)
+        self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM)
+        self.tables: list[list[int]] = []
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self) -> int:
+        self.tables.append([])
+        self.keys.append(torch.zeros(0, KV_HEADS, DIM))
+        self.values.append(torch.zeros(0, KV_HEADS, DIM))
+        return len(self.tables) - 1
+
+    def step(self, new_lens: dict[int, int], window=None):
+        """Run one step where sequence s gets new_lens[s] tokens; return (out, expected)."""
+        seqs = list(new_lens)
+        q_parts, k_parts, v_parts, slots, expected = [], [], [], [], []
+        for s in seqs:
+            n = new_lens[s]
+            start = self.keys[s].shape[0]
+            while len(self.tables[s]) * BLOCK_SIZE < start + n:
+                self.tables[s].append(self.free.pop())
+            q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(n, KV_HEADS, DIM)
+            self.keys[s] = torch.cat([self.keys[s], k])
+            self.values[s] = torch.cat([self.values[s], v])
+            q_parts.append(q), k_parts.append(k), v_parts.append(v)
+            slots += [self.tables[s][t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
+                      for t in range(start, start + n)]
+            expected.append(naive_attention(q, self.keys[s], self.values[s], window))
+        ctx = [self.keys[s].shape[0] for s in seqs]
+        q_lens = [new_lens[s] for s in seqs]
+        width = max(len(self.tables[s]) for s in seqs) + 1
+        tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(self.tables[s])] = torch.tensor(self.tables[s])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            cu_seqlens_q=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0] + list(torch.tensor(ctx).cumsum(0)), dtype=torch.int32),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx),
+            context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=tables,
+            decode_only=all(n == 1 for n in q_lens))
+        out = TorchAttentionBackend().forward(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts),
+                                              self.k_cache, self.v_cache, meta, 1 / math.sqrt(DIM),
+                                              sliding_window=window)
+        return out, torch.cat(expected)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_chunks_and_decode_match_naive_attention(window):
+    paged = PagedSequences(seed=1)
+    a, b, c = paged.add(), paged.add(), paged.add()
+    steps = [
+        {a: 7, b: 33},  # two whole prompts, unaligned lengths
+        {a: 1, b: 1},  # decode
+        {a: 1, b: 20, c: 16},  # decode + a chunk continuing b's cache + a new prompt
+        {a: 1, b: 1, c: 1},
+        {c: 3, a: 1},  # a small chunk in a mixed step
+        {a: 1, b: 1, c: 1},
+    ]
+    for new_lens in steps:
+        out, expected = paged.step(new_lens, window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_batch_with_different_lengths():
+    paged = PagedSequences(seed=2)
+    seqs = [paged.add() for _ in range(5)]
+    paged.step({s: n for s, n in zip(seqs, [1, 15, 16, 17, 40])})
+    for _ in range(3):
+        out, expected = paged.step({s: 1 for s in seqs})
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_slots_marked_minus_one_are_not_written():
+    paged = PagedSequences(seed=3)
+    s = paged.add()
+    paged.step({s: 4})
+    before = paged.k_cache.clone()
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([-1], dtype=torch.long), cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=4,
+        context_lens=torch.tensor([4], dtype=torch.int32),
+        block_tables=torch.tensor([paged.tables[s]], dtype=torch.int32), decode_only=True)
+    q = torch.randn(1, HEADS, DIM)
+    out = TorchAttentionBackend().forward(q, torch.randn(1, KV_HEADS, DIM), torch.randn(1, KV_HEADS, DIM),
+                                          paged.k_cache, paged.v_cache, meta, 1 / math.sqrt(DIM))
+    assert torch.equal(paged.k_cache, before)
+    torch.testing.assert_close(out, naive_attention(q, paged.keys[s], paged.values[s]), atol=1e-5, rtol=1e-5)
+
+
+def test_selector_uses_torch_on_cpu_with_block_size_16():
+    backend = select_backend(torch.device("cpu"))
+    assert backend.name == "torch"
+    assert select_block_size(backend, None) == 16
+    assert select_block_size(backend, 32) == 32
+    with pytest.raises(ValueError):
+        select_block_size(backend, 0)
