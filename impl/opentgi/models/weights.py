@@ -1,0 +1,59 @@
+"""Reading Hugging Face checkpoints from a folder: safetensors (single or sharded with an index),
+else PyTorch .bin files (loaded with weights_only)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [folder / shard for shard in shards]
+    for pattern in ("model.safetensors", "*.safetensors", "pytorch_model.bin"):
+        found = sorted(folder.glob(pattern))
+        if found:
+            return found
+    raise FileNotFoundError(f"no safetensors or pytorch_model.bin weights in {folder}")
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(folder):
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def load_weights(module: nn.Module, folder: Path, ignore_unexpected: tuple[str, ...] = ()) -> None:
+    """Copy every tensor of the checkpoint into the parameter of the same name (converting dtype
+    and device). Fails on a missing parameter or a shape mismatch; checkpoint entries with no
+    parameter are fine only when they end with one of `ignore_unexpected`."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in iter_checkpoint(folder):
+            param = params.get(name)
+            if param is None:
+                if name.endswith(ignore_unexpected) or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(module).__name__}")
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
+                                 f"shape {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
