@@ -1,4 +1,4 @@
-# GENERATED from openapi/lightllm.yaml (sha256 ae469aa736525c1a) by codegen with
+# GENERATED from openapi/lightllm.yaml (sha256 4c7c6070a0c1a8d1) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -47,7 +47,9 @@ class GenerateParameters(BaseModel):
         extra='forbid',
     )
     do_sample: bool = False
-    temperature: float = Field(1.0, gt=0.0)
+    temperature: float = Field(
+        1.0, description='Below 1e-5 decoding is greedy (as in LightLLM)', ge=0.0
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, description='-1 considers all tokens', ge=-1)
     presence_penalty: float = Field(0.0, ge=0.0)
