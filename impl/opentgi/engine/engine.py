@@ -1,0 +1,275 @@
+"""The engine front: `submit(request)` from asyncio, the model in its own thread.
+
+    engine = Engine.from_settings(settings)   # loads the model, sizes the KV pool
+    await engine.start()
+    handle = await engine.submit(request)      # GenerationRequest -> RequestHandle
+    async for event in handle: ...             # TokenEvents, all sequences interleaved
+    result = await handle.result()
+
+The loop thread runs `EngineCore.step()` while there is work and hands each step's deliveries to
+the event loop with one `loop.call_soon_threadsafe`; HTTP handlers never wait on torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import threading
+import time
+
+import torch
+
+from opentgi.config import Settings
+from opentgi.engine.block_manager import BlockManager
+from opentgi.engine.detokenizer import IncrementalDetokenizer
+from opentgi.engine.engine_core import EngineCore
+from opentgi.engine.errors import (
+    GenerationError,
+    InputTooLongError,
+    NotSupportedError,
+    OverloadedError,
+    UnhealthyError,
+    ValidationError,
+)
+from opentgi.engine.handle import RequestHandle
+from opentgi.engine.info import EngineInfo, EngineStats
+from opentgi.engine.observer import EngineObserver
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.engine.request_state import Delivery, RequestState
+from opentgi.engine.sampler import Sampler
+from opentgi.engine.scheduler import Scheduler, SchedulerConfig
+from opentgi.engine.sequence import Sequence
+from opentgi.engine.setup import build_info, build_runner
+from opentgi.engine.stop_checker import StopChecker
+
+log = logging.getLogger(__name__)
+
+STALL_AFTER_S = 120.0  # a step running longer than this marks the engine unhealthy
+
+__all__ = ["Engine", "EngineInfo", "EngineStats"]
+
+
+class Engine:
+    def __init__(self, loaded, settings: Settings, observer: EngineObserver | None = None):
+        self.settings = settings
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.observer = observer or EngineObserver()
+        runner, spec, num_blocks, block_size = build_runner(loaded, settings)
+        self.runner = runner
+        self.spec = spec
+        self.info: EngineInfo = build_info(loaded, settings, spec, num_blocks, block_size, runner.kind)
+        info = self.info
+        self.block_manager = BlockManager(num_blocks, block_size, settings.enable_prefix_caching)
+        chunked = settings.chunked_prefill_tokens is not None
+        budget = info.max_batch_prefill_tokens
+        if settings.chunked_prefill_tokens is not None:
+            budget = max(1, min(settings.chunked_prefill_tokens, budget))
+        self.scheduler = Scheduler(SchedulerConfig(
+            prefill_budget=budget, chunked_prefill=chunked, max_waiting_tokens=settings.max_waiting_tokens,
+            waiting_served_ratio=settings.waiting_served_ratio, max_batch_size=settings.max_batch_size,
+            watermark_blocks=max(0, num_blocks // 100), share_prefix=runner.kind == "paged"),
+            self.block_manager)
+        self.sampler = Sampler(spec.vocab_size, torch.device(spec.device))
+        self.core = EngineCore(runner=runner, scheduler=self.scheduler, block_manager=self.block_manager,
+                               sampler=self.sampler, tokenizer=self.tokenizer, observer=self.observer)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._live: dict[str, RequestHandle] = {}
+        self._grammar_compiler = None
+        self._rng = random.SystemRandom()
+        self._step_started_at: float | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings, observer: EngineObserver | None = None) -> Engine:
+        from opentgi.models.loader import load_model
+
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        return cls(load_model(settings), settings, observer=observer)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="opentgi-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.core.wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+        for handle in list(self._live.values()):
+            handle._deliver([], None, UnhealthyError("the engine stopped"))
+        self._live.clear()
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stopping:
+            if not core.has_work():
+                core.wakeup.wait(0.5)
+                core.wakeup.clear()
+                continue
+            self._step_started_at = time.monotonic()
+            try:
+                deliveries = core.step()
+            except Exception as exc:  # a bug outside the model: fail what is in flight, keep going
+                log.exception("engine loop error")
+                deliveries = self._fail_all(exc)
+            self._step_started_at = None
+            if deliveries:
+                self._loop.call_soon_threadsafe(self._deliver, deliveries)
+
+    def _fail_all(self, exc: Exception) -> list[Delivery]:
+        deliveries = []
+        for state in list(self.core.requests.values()):
+            self.core._release(state)
+            deliveries.append(Delivery(state, error=GenerationError(f"engine error: {exc}")))
+        self.core.requests.clear()
+        return deliveries
+
+    def _deliver(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            handle = d.state.handle
+            handle._deliver(d.events, d.result, d.error)
+            if d.result is not None or d.error is not None:
+                self._live.pop(d.state.request_id, None)
+
+    def _cancel(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self.core.abort(request_id)
+
+    # --- requests ----------------------------------------------------------------------------------
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.to_thread(
+            lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """The checks `submit` makes before queueing (limits that can never be met)."""
+        info = self.info
+        n_prompt = request.num_prompt_tokens
+        if n_prompt == 0:
+            raise ValidationError("the prompt must contain at least one token")
+        if request.n < 1:
+            raise ValidationError(f"n must be at least 1, got {request.n}")
+        if request.score and not info.is_reward_model:
+            raise NotSupportedError("scoring needs a reward model (a *ForSequenceClassification model)")
+        if not request.score and info.is_reward_model:
+            raise NotSupportedError("this is a reward model: it scores prompts and does not generate")
+        if request.stopping.max_new_tokens < 1 and not request.score:
+            raise ValidationError("max_new_tokens must be at least 1")
+        max_new = None if request.score else request.stopping.max_new_tokens
+        if request.score:
+            needed = n_prompt
+            if n_prompt > info.max_total_tokens:
+                raise InputTooLongError(
+                    f"the input has {n_prompt} tokens; the limit is {info.max_total_tokens}",
+                    input_tokens=n_prompt, max_new_tokens=None, limit=info.max_total_tokens)
+        else:
+            if n_prompt >= info.max_total_tokens:
+                raise InputTooLongError(
+                    f"the input has {n_prompt} tokens, which leaves no room to generate within the "
+                    f"{info.max_total_tokens}-token context (max_total_tokens)",
+                    input_tokens=n_prompt, max_new_tokens=max_new, limit=info.max_total_tokens)
+            needed = min(n_prompt + request.stopping.max_new_tokens, info.max_total_tokens)
+        if needed > info.max_batch_total_tokens:
+            raise InputTooLongError(
+                f"the input ({n_prompt} tokens) and the tokens to generate need {needed} tokens of KV "
+                f"cache, more than the whole pool holds ({info.max_batch_total_tokens} tokens, "
+                f"max_batch_total_tokens)", input_tokens=n_prompt, max_new_tokens=max_new,
+                limit=info.max_batch_total_tokens)
+        if not self.scheduler.config.chunked_prefill and n_prompt > info.max_batch_prefill_tokens:
+            raise InputTooLongError(
+                f"the input has {n_prompt} tokens, more than one prefill step takes "
+                f"({info.max_batch_prefill_tokens}, max_batch_prefill_tokens) with chunked prefill off",
+                input_tokens=n_prompt, max_new_tokens=max_new, limit=info.max_batch_prefill_tokens)
+
+    async def submit(self, request: GenerationRequest) -> RequestHandle:
+        if self._thread is None or self._loop is None:
+            raise UnhealthyError("the engine is not started")
+        if len(self._live) >= self.settings.max_concurrent_requests:
+            raise OverloadedError("Model is overloaded")
+        self.check_request(request)
+        grammar_factory = await self._compile_grammar(request) if request.grammar is not None else None
+        handle = RequestHandle(request, self._cancel)
+        seqs = self._make_sequences(request, grammar_factory)
+        state = RequestState(request, seqs, handle, queued_at=time.monotonic())
+        self._live[request.request_id] = handle
+        self.core.add(state)
+        return handle
+
+    async def _compile_grammar(self, request: GenerationRequest):
+        if self.settings.disable_grammar_support:
+            raise NotSupportedError("Grammar and tools are not supported with this model")
+        if self._grammar_compiler is None:
+            from opentgi.engine.grammar import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+        return await self._grammar_compiler.compile(request.grammar)
+
+    def _make_sequences(self, request: GenerationRequest, grammar_factory) -> list[Sequence]:
+        sampling = request.sampling
+        seqs: list[Sequence] = []
+        for i in range(request.n):
+            seed = None
+            if sampling.do_sample:
+                seed = sampling.seed + i if sampling.seed is not None else self._rng.getrandbits(63)
+            processors = []
+            if grammar_factory is not None:
+                processors.append(grammar_factory())
+            if sampling.watermark:
+                from opentgi.engine.watermark import make_watermark_processor
+
+                processors.append(make_watermark_processor(
+                    self.spec.vocab_size, self.settings.watermark_gamma, self.settings.watermark_delta,
+                    request.prompt_token_ids[-1]))
+            seqs.append(Sequence(
+                request, i, seed=seed,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+                stop_checker=StopChecker(request.stopping, self.info.eos_token_ids, self.info.max_total_tokens),
+                processors=processors, parent=seqs[0] if seqs else None))
+        return seqs
+
+    # --- health and stats ----------------------------------------------------------------------------
+    def healthy(self) -> bool:
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        started = self._step_started_at
+        return started is None or time.monotonic() - started < STALL_AFTER_S
+
+    async def probe(self, timeout_s: float = 60.0) -> bool:
+        """One greedy one-token generation through the whole engine."""
+        if not self.healthy():
+            return False
+        token = (self.info.eos_token_ids or [0])[0]
+        if self.info.is_reward_model:
+            request = GenerationRequest([token], SamplingParams(), StoppingParams(max_new_tokens=1), score=True)
+        else:
+            request = GenerationRequest([token], SamplingParams(),
+                                        StoppingParams(max_new_tokens=1, ignore_eos=True))
+        try:
+            handle = await self.submit(request)
+            await asyncio.wait_for(handle.result(), timeout_s)
+            return True
+        except Exception:
+            log.exception("engine probe failed")
+            return False
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        sched = self.scheduler
+        running = list(sched.running)
+        return EngineStats(
+            waiting=sched.num_waiting, running=len(running), num_blocks=bm.num_blocks,
+            used_blocks=bm.num_used_blocks, cached_blocks=bm.num_cached_blocks,
+            tokens_held_running=sum(len(s) for s in running),
+            peak_tokens_running=self.core.tokens_committed_running(),
+            preemptions_total=sched.preemptions_total, prefix_hit_tokens=bm.prefix_hit_tokens,
+            prefix_query_tokens=bm.prefix_query_tokens, steps_total=self.core.steps_total,
+            last_step_at=self.core.last_step_at, requests_in_flight=len(self._live))

@@ -1,0 +1,83 @@
+"""The asyncio side of one request: an async iterator of TokenEvents and the final result.
+
+The engine thread never touches a handle directly: it hands each step's deliveries to the event
+loop with `loop.call_soon_threadsafe`, and `_deliver` runs there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+from opentgi.engine.errors import GenerationError
+from opentgi.engine.events import GenerationResult, TokenEvent
+from opentgi.engine.request import GenerationRequest
+
+
+class RequestHandle:
+    def __init__(self, request: GenerationRequest, on_cancel: Callable[[str], None]):
+        self.request = request
+        self._on_cancel = on_cancel
+        self._events: deque[TokenEvent] = deque()
+        self._wakeup = asyncio.Event()
+        self._result: GenerationResult | None = None
+        self._error: Exception | None = None
+        self._cancelled = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None or self._cancelled
+
+    # --- filled from the event loop by the engine ----------------------------------------------------
+    def _deliver(self, events: list[TokenEvent], result: GenerationResult | None, error: Exception | None) -> None:
+        if self._cancelled:
+            return
+        self._events.extend(events)
+        if result is not None:
+            self._result = result
+        if error is not None:
+            self._error = error
+        self._wakeup.set()
+
+    # --- consumer side ---------------------------------------------------------------------------
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        while True:
+            if self._events:
+                return self._events.popleft()
+            if self._error is not None:
+                raise self._error
+            if self._result is not None or self._cancelled:
+                raise StopAsyncIteration
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    async def result(self) -> GenerationResult:
+        """Waits for the end of generation (consuming any events not yet read)."""
+        async for _ in self:
+            pass
+        if self._cancelled:
+            raise GenerationError("request was cancelled")
+        return self._result
+
+    def cancel(self) -> None:
+        """The client is gone: end its sequences; their KV blocks are freed by the next step."""
+        if self.done:
+            return
+        self._cancelled = True
+        self._events.clear()
+        self._wakeup.set()
+        self._on_cancel(self.request_id)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()

@@ -1,0 +1,54 @@
+"""What the engine tells the APIs about itself: static facts (EngineInfo) and live counters
+(EngineStats)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineInfo:
+    model_id: str
+    model_sha: str | None
+    model_dtype: str  # e.g. "torch.float32"
+    model_device_type: str  # "cpu" | "cuda"
+    architecture: str
+    pipeline_tag: str  # "text-generation" (or "text-classification" for a reward model)
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_total_tokens: int  # the real KV pool, in tokens
+    max_batch_prefill_tokens: int
+    block_size: int
+    num_blocks: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    chat_template: str | None = None
+    is_reward_model: bool = False
+    bos_token: str | None = None
+    eos_token: str | None = None
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    waiting_served_ratio: float = 1.2
+    chunked_prefill_tokens: int | None = None
+    runner_kind: str = "paged"  # "paged" | "generic"
+    vocab_size: int = 0
+
+
+@dataclass
+class EngineStats:
+    waiting: int
+    running: int
+    num_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    tokens_held_running: int
+    peak_tokens_running: int
+    preemptions_total: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    steps_total: int
+    last_step_at: float
+    requests_in_flight: int = 0

@@ -1,0 +1,38 @@
+"""Sizing and allocating the paged KV pool.
+
+One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]. On
+CUDA the pool takes `kv_cache_memory_fraction` of the memory free after loading the model; on CPU it
+holds `max_batch_total_tokens` tokens when that is set, else as many as `kv_cache_cpu_bytes` buys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opentgi.config import Settings
+from opentgi.models.base import ModelSpec
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int) -> int:
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int) -> int:
+    """How many blocks the pool gets (at least one)."""
+    per_block = bytes_per_block(spec, block_size)
+    if settings.max_batch_total_tokens is not None:
+        return max(1, -(-settings.max_batch_total_tokens // block_size))
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * settings.kv_cache_memory_fraction)
+    else:
+        budget = settings.kv_cache_cpu_bytes
+    return max(1, budget // per_block)
+
+
+def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    return [(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+             torch.zeros(shape, dtype=spec.dtype, device=spec.device)) for _ in range(spec.num_layers)]

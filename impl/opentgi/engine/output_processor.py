@@ -1,0 +1,49 @@
+"""After the sampler: append each row's token, detokenize it, decide whether the sequence ends and
+build its TokenEvent."""
+
+from __future__ import annotations
+
+from opentgi.engine.events import TokenEvent, TopToken
+from opentgi.engine.request import FinishReason
+from opentgi.engine.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (for top-n alternatives); memoized."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def process(self, seq: Sequence, token_id: int, logprob: float,
+                top: list[tuple[int, float]] | None) -> TokenEvent:
+        seq.token_ids.append(token_id)
+        seq.cumulative_logprob += logprob
+        num_generated = seq.num_generated_tokens
+        special = token_id in self.special_ids
+        token_text = seq.detokenizer.step(seq.token_ids)
+        stop = seq.stop_checker
+        shown, reason = stop.check_text("" if special else token_text, num_generated)
+        if reason is None:
+            reason = stop.check_token(token_id, num_generated, len(seq.token_ids))
+            if reason is None and seq.processors and any(p.is_terminated() for p in seq.processors):
+                reason = FinishReason.EOS_TOKEN if token_id in stop.eos_token_ids else FinishReason.GRAMMAR
+            if reason is not None:
+                shown += stop.flush()
+        seq.text += shown
+        if reason is not None:
+            seq.finish_reason = reason
+        top_tokens = None
+        if top is not None:
+            top_tokens = [TopToken(id=t, text=self.token_text(t), logprob=lp, special=t in self.special_ids)
+                          for t, lp in top]
+        return TokenEvent(index=seq.index, token_id=token_id, token_text=token_text, logprob=logprob,
+                          special=special, text_delta=shown, generated_tokens=num_generated,
+                          top_tokens=top_tokens, finish_reason=reason)

@@ -1,0 +1,138 @@
+"""Chooses every row's next token at once.
+
+Order (TGI's): penalties (repetition, frequency/presence), logit bias, min-new-tokens EOS mask,
+per-row processors (grammar, watermark), then for sampled rows temperature, top-k, top-p,
+typical-p and a draw from the row's own seeded generator (so a seed reproduces its output whatever
+the batch around it); greedy rows take the argmax. The reported logprob of the chosen token and
+the top-n alternatives come from the raw logits' log-softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from opentgi.engine.sampling_batch import SamplingBatch
+from opentgi.engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]] | None]  # per row: (token id, logprob), best first
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self._batch: SamplingBatch | None = None
+
+    def batch_for(self, seqs: list[Sequence]) -> SamplingBatch:
+        key = tuple(s.seq_id for s in seqs)
+        if self._batch is None or self._batch.key != key:
+            self._batch = SamplingBatch(seqs, self.vocab_size, self.device)
+        return self._batch
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        batch = self.batch_for(seqs)
+        logits = logits[:, :self.vocab_size].float()
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        if batch.plain_greedy:
+            next_tokens = logits.argmax(dim=-1)
+        else:
+            scores = self._process(batch, logits.clone())
+            next_tokens = self._choose(batch, scores)
+        chosen_logprobs = (logits.gather(1, next_tokens.unsqueeze(1)) - lse).squeeze(1)
+        top = self._top_n(batch, logits, lse) if batch.any_top_n else [None] * batch.size
+        batch.update(next_tokens)
+        token_list = next_tokens.tolist()
+        if batch.any_processors:
+            for procs, tok in zip(batch.processors, token_list):
+                for proc in procs:
+                    proc.accept(tok)
+        return SamplerOutput(token_list, chosen_logprobs.tolist(), top)
+
+    # --- logits processors -----------------------------------------------------------------------
+    def _process(self, batch: SamplingBatch, scores: torch.Tensor) -> torch.Tensor:
+        if batch.any_repetition:
+            penalty = torch.where(batch.seen, batch.repetition_penalty, 1.0)
+            scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+        if batch.any_output_penalty:
+            scores -= batch.frequency_penalty * batch.counts + batch.presence_penalty * (batch.counts > 0)
+        if batch.any_bias:
+            scores.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
+        if batch.any_min_tokens:
+            for i, seq in enumerate(batch.seqs):
+                if seq.num_generated_tokens < batch.min_new_tokens[i] and batch.eos_ids[i]:
+                    scores[i, [t for t in batch.eos_ids[i] if t < self.vocab_size]] = float("-inf")
+        if batch.any_processors:
+            for i, procs in enumerate(batch.processors):
+                for proc in procs:
+                    proc(scores[i])
+        return scores
+
+    # --- choice --------------------------------------------------------------------------------
+    def _choose(self, batch: SamplingBatch, scores: torch.Tensor) -> torch.Tensor:
+        next_tokens = scores.argmax(dim=-1)
+        if not batch.any_sample:
+            return next_tokens
+        s = scores.index_select(0, batch.sample_index)
+        if batch.any_temperature:
+            s = s / batch.temperature
+        s = self._warp(batch, s)
+        probs = torch.softmax(s, dim=-1)
+        noise = torch.empty_like(probs)
+        for row, g in enumerate(batch.generators):
+            noise[row].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)  # exponential race: a draw from probs
+        next_tokens.index_copy_(0, batch.sample_index, sampled)
+        return next_tokens
+
+    def _warp(self, batch: SamplingBatch, s: torch.Tensor) -> torch.Tensor:
+        if not (batch.any_top_k or batch.any_top_p or batch.any_typical):
+            return s
+        neg_inf = float("-inf")
+        if batch.any_top_k or batch.any_top_p:
+            sorted_s, sorted_idx = s.sort(dim=-1, descending=True)
+            if batch.any_top_k:
+                positions = torch.arange(s.shape[-1], device=s.device).unsqueeze(0)
+                sorted_s = sorted_s.masked_fill(positions >= batch.top_k_t, neg_inf)
+            if batch.any_top_p:
+                probs = torch.softmax(sorted_s, dim=-1)
+                mass_before = probs.cumsum(dim=-1) - probs
+                remove = (mass_before >= batch.top_p) & batch.top_p_on
+                remove[:, 0] = False
+                sorted_s = sorted_s.masked_fill(remove, neg_inf)
+            s = torch.full_like(s, neg_inf).scatter_(1, sorted_idx, sorted_s)
+        if batch.any_typical:
+            log_p = torch.log_softmax(s, dim=-1)
+            p = log_p.exp()
+            entropy = -(torch.nan_to_num(p * log_p)).sum(dim=-1, keepdim=True)
+            shifted = (-log_p - entropy).abs()
+            sorted_shift, order = shifted.sort(dim=-1)
+            sorted_p = p.gather(1, order)
+            cum = sorted_p.cumsum(dim=-1)
+            last_ind = (cum < batch.typical_p).sum(dim=-1, keepdim=True).clamp_(max=s.shape[-1] - 1)
+            cutoff = sorted_shift.gather(1, last_ind)
+            remove = (shifted > cutoff) & batch.typical_on
+            s = s.masked_fill(remove, neg_inf)
+        return s
+
+    # --- reporting -------------------------------------------------------------------------------
+    def _top_n(self, batch: SamplingBatch, logits: torch.Tensor, lse: torch.Tensor):
+        n_max = max(batch.top_n)
+        k = min(self.vocab_size, n_max + 16)  # room for ties at the n-th value
+        values, ids = torch.topk(logits, k, dim=-1)
+        values = (values - lse).tolist()
+        ids = ids.tolist()
+        out: list[list[tuple[int, float]] | None] = []
+        for row, n in enumerate(batch.top_n):
+            if not n:
+                out.append(None)
+                continue
+            nth = values[row][min(n, k) - 1]
+            out.append([(t, v) for t, v in zip(ids[row], values[row]) if v >= nth])
+        return out

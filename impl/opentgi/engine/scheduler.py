@@ -1,0 +1,185 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+Every step runs all running sequences (a decode is one token; a prompt still being prefilled or
+recomputed gets a chunk of the step's prefill budget), then admits waiting sequences into what is
+left of the budget. Knobs, with TGI's meaning:
+
+- prefill budget per step: `chunked_prefill_tokens` (capped by `max_batch_prefill_tokens`); with
+  chunking off, `max_batch_prefill_tokens` and a new prompt is prefilled whole in one step;
+- `max_waiting_tokens` / `waiting_served_ratio`: while sequences are running, new ones are admitted
+  only when at least `waiting_served_ratio` x running are waiting, or after `max_waiting_tokens`
+  steps without admission;
+- `max_batch_size`: running sequences at most;
+- the KV pool (`max_batch_total_tokens`): when a running sequence needs a block and none is free,
+  the newest running sequence is preempted (its blocks freed, recomputed later from its tokens).
+  The oldest running sequence can always proceed, since every sequence fits the pool alone (the
+  engine rejects those that cannot up front), so the loop never deadlocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from opentgi.engine.block_manager import BlockManager
+from opentgi.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    prefill_budget: int  # prompt tokens per step
+    chunked_prefill: bool
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 1.2
+    max_batch_size: int | None = None
+    watermark_blocks: int = 0  # admissions leave this many blocks free for running decodes
+    share_prefix: bool = True  # reuse cached KV blocks (False on the generic path: HF caches)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_admitted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(n > 1 for n in self.num_new_tokens) or self.num_admitted > 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self.steps_since_admission = 0
+        self.preemptions_total = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.prefill_budget
+        budget = self._schedule_running(out, budget)
+        if not out.preempted and self.waiting:
+            self._admit_waiting(out, budget)
+        if out.num_admitted:
+            self.steps_since_admission = 0
+        else:
+            self.steps_since_admission += 1
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            n = seq.num_uncomputed_tokens
+            if n > 1:  # prompt chunk or recompute
+                n = min(n, budget)
+                if n <= 0:
+                    i += 1
+                    continue
+            while not bm.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                if n > 1:
+                    budget -= n
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                i += 1
+                continue
+            # seq itself was preempted (it was the newest): everything after it is gone too
+            break
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.preemptions_total += 1
+
+    def _may_admit(self) -> bool:
+        if not self.running:
+            return True
+        if self.steps_since_admission >= self.config.max_waiting_tokens:
+            return True
+        return len(self.waiting) >= int(len(self.running) * self.config.waiting_served_ratio)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self._may_admit():
+            return
+        bm = self.block_manager
+        cfg = self.config
+        skipped: list[Sequence] = []
+        now = time.monotonic()
+        while self.waiting and budget > 0:
+            if cfg.max_batch_size is not None and len(self.running) >= cfg.max_batch_size:
+                break
+            seq = self.waiting[0]
+            parent = seq.parent
+            if parent is not None and parent.status is SequenceStatus.RUNNING and parent.is_prefilling:
+                # n > 1: wait until sequence 0 has computed the prompt, then share its blocks
+                skipped.append(self.waiting.popleft())
+                continue
+            bm.admit(seq, use_prefix_cache=cfg.share_prefix and seq.prompt_logprobs is None)
+            n = seq.num_uncomputed_tokens
+            fresh_prompt = seq.num_generated_tokens == 0
+            if n > budget and fresh_prompt and not cfg.chunked_prefill and (self.running or out.seqs):
+                bm.free(seq)  # a whole prompt must fit this step's budget; try next step
+                break
+            n = min(n, budget)
+            watermark = cfg.watermark_blocks if self.running else 0
+            if bm.num_new_blocks_needed(seq, n) + watermark > bm.num_free_blocks \
+                    or not bm.allocate_slots(seq, n):
+                bm.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_at = now
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            out.num_admitted += 1
+            budget -= n
+        for seq in reversed(skipped):
+            self.waiting.appendleft(seq)
+
+    # --- after the step ------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or cancelled) sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
