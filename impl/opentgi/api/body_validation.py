@@ -1,0 +1,92 @@
+"""Connexion's JSON body validator, made to fail with typed errors that each dialect maps to its shape.
+
+Connexion's own validator raises a `BadRequestProblem` whose detail is a formatted string, and lets a
+non-UTF-8 body or an unknown charset escape as a 500. This one parses the body itself and raises:
+  * `BodyParseError` (a `BadRequestProblem`): the body is not JSON, not UTF-8, or missing;
+  * `BodySchemaError` (a `BadRequestProblem`): the JSON does not match the operation's schema, with
+    the failing field's path, the JSON-schema keyword that failed and the offending value, so a
+    dialect can answer with its own message ("`temperature` must be strictly positive").
+"""
+
+from __future__ import annotations
+
+import json
+import typing as t
+
+from connexion.datastructures import MediaTypeDict
+from connexion.exceptions import BadRequestProblem
+from connexion.validators import VALIDATOR_MAP, JSONRequestBodyValidator
+from jsonschema import ValidationError as JsonSchemaValidationError
+from jsonschema.exceptions import best_match
+
+
+class BodyParseError(BadRequestProblem):
+    """The body could not be read as JSON (TGI/axum: 400 "Failed to parse the request body as JSON")."""
+
+    def __init__(self, reason: str):
+        super().__init__(detail=reason)
+        self.reason = reason
+
+
+class BodySchemaError(BadRequestProblem):
+    """The JSON body breaks the operation's schema."""
+
+    def __init__(self, *, path: tuple, keyword: str, instance: t.Any, message: str):
+        super().__init__(detail=f"{message} - {'.'.join(map(str, path)) or '<body>'}")
+        self.path = path  # e.g. ("parameters", "temperature")
+        self.keyword = keyword  # the JSON-schema keyword that failed: "type", "minimum", "required"...
+        self.instance = instance
+        self.message = message
+
+    @property
+    def field(self) -> str:
+        return ".".join(map(str, self.path))
+
+    @classmethod
+    def from_jsonschema(cls, error: JsonSchemaValidationError) -> BodySchemaError:
+        # Inside anyOf/oneOf the most specific sub-error names the field that is wrong.
+        if error.context:
+            error = best_match(error.context) or error
+        path = tuple(error.absolute_path)
+        message = error.message
+        if error.validator == "required" and isinstance(error.instance, dict):
+            required = error.validator_value or []
+            missing = [name for name in required if name not in error.instance]
+            if missing:
+                path = (*path, missing[0])
+                message = f"missing field `{missing[0]}`"
+        return cls(path=path, keyword=str(error.validator), instance=error.instance, message=message)
+
+
+class TypedJSONBodyValidator(JSONRequestBodyValidator):
+    """Drop-in for Connexion's `JSONRequestBodyValidator` raising the typed errors above."""
+
+    async def _parse(self, stream: t.AsyncGenerator[bytes, None], scope) -> t.Any:
+        raw = b"".join([message async for message in stream])
+        try:
+            text = raw.decode(self._encoding)
+        except (UnicodeDecodeError, LookupError) as exc:
+            raise BodyParseError(f"invalid {self._encoding} body: {exc}") from exc
+        if not text.strip():
+            if raw:
+                raise BodyParseError("EOF while parsing a value at line 1 column 0")
+            return None
+        try:
+            return json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise BodyParseError(str(exc)) from exc
+
+    def _validate(self, body: t.Any) -> dict | None:
+        if not self._nullable and body is None:
+            raise BodyParseError("EOF while parsing a value at line 1 column 0")
+        errors = sorted(self._validator.iter_errors(body), key=lambda e: list(e.absolute_path))
+        if errors:
+            raise BodySchemaError.from_jsonschema(best_match(errors) or errors[0])
+        return None
+
+
+def validator_map() -> dict:
+    """Connexion's validator map with JSON bodies checked by `TypedJSONBodyValidator`."""
+    body = MediaTypeDict(dict(VALIDATOR_MAP["body"]))
+    body["*/*json"] = TypedJSONBodyValidator
+    return {"body": body}

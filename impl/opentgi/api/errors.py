@@ -1,0 +1,141 @@
+"""TGI's error shape: every error a client can see, mapped once to TGI's status code and body.
+
+Body: `{"error": "...", "error_type": "..."}`, as TGI 2.1's router writes it (`server.rs`,
+`impl From<InferError> for (StatusCode, Json<ErrorResponse>)`):
+
+    validation            422  "Input validation error: <reason>"
+    template_error        422  "Template error: <reason>"
+    generation            424  "Request failed during generation: <reason>"
+    overloaded            429  "Model is overloaded"
+    incomplete_generation 500  "Incomplete generation"
+    healthcheck           503  "unhealthy"
+
+Connexion's request-validation failures (typed by `body_validation`) get TGI's answer too: a field
+TGI itself checks gets TGI's message for it; any other schema failure gets axum's deserialization
+message (422), a body that is not JSON axum's parse message (400), a wrong content type 415.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from connexion.exceptions import BadRequestProblem, ProblemException, UnsupportedMediaTypeProblem
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+
+from opentgi.api.body_validation import BodyParseError, BodySchemaError
+from opentgi.engine import errors as engine_errors
+
+log = logging.getLogger(__name__)
+
+VALIDATION_PREFIX = "Input validation error: "
+DESERIALIZE_PREFIX = "Failed to deserialize the JSON body into the target type: "
+PARSE_PREFIX = "Failed to parse the request body as JSON: "
+RANGE_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "maxItems",
+                            "minItems"})
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    status: int
+    error: str
+    error_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def body(self) -> dict[str, str]:
+        return {"error": self.error, "error_type": self.error_type}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers or None)
+
+
+class IncompleteGenerationError(engine_errors.OpenTGIError):
+    """The engine's stream ended without a final event (TGI: 500 "Incomplete generation")."""
+
+    def __init__(self, message: str = "Incomplete generation"):
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class FieldLimits:
+    """The limits TGI's messages quote (Settings + the engine's derived token limits)."""
+
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int = 1024
+
+
+def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorReply:
+    """The one mapping from an exception to TGI's status code and body."""
+    if isinstance(exc, engine_errors.TemplateError):
+        return ErrorReply(422, f"Template error: {exc.message}", "template_error")
+    if isinstance(exc, engine_errors.ValidationError):
+        return ErrorReply(422, VALIDATION_PREFIX + exc.message, "validation")
+    if isinstance(exc, engine_errors.OverloadedError):
+        return ErrorReply(429, "Model is overloaded", "overloaded")
+    if isinstance(exc, engine_errors.GenerationError):
+        return ErrorReply(424, f"Request failed during generation: {exc.message}", "generation")
+    if isinstance(exc, engine_errors.UnhealthyError):
+        return ErrorReply(503, "unhealthy", "healthcheck")
+    if isinstance(exc, IncompleteGenerationError):
+        return ErrorReply(500, "Incomplete generation", "incomplete_generation")
+    if isinstance(exc, ProblemException | HTTPException):
+        return request_error(exc, limits or FieldLimits())
+    log.error("unexpected error: %r", exc, exc_info=exc)
+    return ErrorReply(500, f"Internal server error: {type(exc).__name__}", "internal_error")
+
+
+def request_error(exc: ProblemException | HTTPException, limits: FieldLimits) -> ErrorReply:
+    """Connexion's and Starlette's own errors (validation, routing) in TGI's shape."""
+    if isinstance(exc, BodySchemaError):
+        message = tgi_field_message(exc, limits)
+        if message is not None:
+            return ErrorReply(422, VALIDATION_PREFIX + message, "validation")
+        return ErrorReply(422, DESERIALIZE_PREFIX + schema_error_text(exc), "validation")
+    if isinstance(exc, BodyParseError):
+        return ErrorReply(400, PARSE_PREFIX + exc.reason, "validation")
+    if isinstance(exc, UnsupportedMediaTypeProblem):
+        return ErrorReply(415, "Expected request with `Content-Type: application/json`", "validation")
+    if isinstance(exc, BadRequestProblem):
+        if exc.detail == "RequestBody is required":
+            return ErrorReply(400, PARSE_PREFIX + "EOF while parsing a value at line 1 column 0", "validation")
+        return ErrorReply(422, VALIDATION_PREFIX + str(exc.detail), "validation")
+    status = getattr(exc, "status_code", None) or getattr(exc, "status", 500)
+    headers = dict(getattr(exc, "headers", None) or {})
+    if status == 404:
+        return ErrorReply(404, "Not Found", "not_found", headers)
+    if status == 405:
+        return ErrorReply(405, "Method Not Allowed", "method_not_allowed", headers)
+    detail = getattr(exc, "detail", None) or getattr(exc, "title", None) or "error"
+    return ErrorReply(status, str(detail), "validation" if 400 <= status < 500 else "internal_error", headers)
+
+
+def schema_error_text(exc: BodySchemaError) -> str:
+    return f"{exc.field}: {exc.message}" if exc.path and not exc.message.startswith("missing field") \
+        else exc.message
+
+
+def tgi_field_message(exc: BodySchemaError, limits: FieldLimits) -> str | None:
+    """TGI's own message for a range failure on a parameter TGI validates itself, else None."""
+    if len(exc.path) != 2 or exc.path[0] != "parameters" or exc.keyword not in RANGE_KEYWORDS:
+        return None
+    name, value = exc.path[1], exc.instance
+    messages = {
+        "temperature": "`temperature` must be strictly positive",
+        "repetition_penalty": "`repetition_penalty` must be strictly positive",
+        "frequency_penalty": "`frequency_penalty` must be >= -2.0 and <= 2.0",
+        "top_p": "`top_p` must be > 0.0 and < 1.0",
+        "typical_p": "`typical_p` must be > 0.0 and < 1.0",
+        "top_k": "`top_k` must be strictly positive",
+        "max_new_tokens": "`max_new_tokens` must be strictly positive",
+        "best_of": f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {value}",
+        "top_n_tokens": f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {value}",
+        "truncate": f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
+                    f"Given: {value}",
+    }
+    if name == "stop" and isinstance(value, list):
+        return f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(value)}"
+    return messages.get(name)

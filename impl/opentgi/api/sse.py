@@ -1,0 +1,105 @@
+"""The one Server-Sent Events helper every dialect streams through.
+
+Framing as TGI's axum server writes it: `data:{json}\\n\\n` (no space after the colon), compact JSON,
+`Content-Type: text/event-stream`, `X-Accel-Buffering: no` (so nginx does not buffer the stream).
+An error while streaming becomes one last event in the dialect's error shape, then the stream ends.
+A client that goes away cancels the stream: the event source is closed at once (its `finally` runs,
+which cancels the engine handle), not when the next token would have been written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+# An event source yields dicts (JSON-encoded into one event each) or str (sent as the data verbatim,
+# e.g. OpenAI's closing "[DONE]").
+Event = Mapping[str, Any] | str
+ErrorEvent = Callable[[BaseException], Mapping[str, Any]]
+
+
+def tgi_error_event(exc: BaseException) -> Mapping[str, Any]:
+    """The default last event: TGI's `{"error": ..., "error_type": ...}`."""
+    from opentgi.api.errors import tgi_error
+
+    return tgi_error(exc).body
+
+
+def dumps(payload: Any) -> str:
+    """Compact JSON as serde_json writes it: no spaces, non-ASCII kept as is."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def sse_event(payload: Event) -> bytes:
+    data = payload if isinstance(payload, str) else dumps(payload)
+    return f"data:{data}\n\n".encode()
+
+
+async def _frame(events: AsyncIterator[Event], error_event: ErrorEvent) -> AsyncIterator[bytes]:
+    try:
+        async for payload in events:
+            yield sse_event(payload)
+    except Exception as exc:  # noqa: BLE001 - every error becomes the stream's last event
+        yield sse_event(error_event(exc))
+    finally:
+        await _aclose(events)
+
+
+async def _aclose(events: AsyncIterator[Event]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client going away and then closes its source."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[Event], *, error_event: ErrorEvent = tgi_error_event,
+                 handle=None, status_code: int = 200, headers: Mapping[str, str] | None = None):
+        self._events = events
+        self._handle = handle
+        all_headers = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+        all_headers.update(headers or {})
+        super().__init__(_frame(events, error_event), status_code=status_code, headers=all_headers,
+                         media_type=self.media_type)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        log.info("client disconnected while streaming")
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _aclose(self.body_iterator)
+                await _aclose(self._events)
+            if self._handle is not None:
+                self._handle.cancel()  # a no-op once the request is done
+
+
+def sse_response(events: AsyncIterator[Event], *, error_event: ErrorEvent = tgi_error_event, handle=None,
+                 headers: Mapping[str, str] | None = None) -> SSEResponse:
+    """Stream `events` as SSE.
+
+    `error_event(exc)` is the last event when the source raises (default: TGI's error shape);
+    `handle` (an engine RequestHandle) is cancelled when the stream closes before it is done.
+    """
+    return SSEResponse(events, error_event=error_event, handle=handle, headers=headers)
