@@ -1,0 +1,292 @@
+"""LightLLM's HTTP API (openapi/lightllm.yaml): thin handlers, LightLLM's names and shapes.
+
+Request: LightLLM's `parameters` -> one engine `GenerationRequest`. Responses are serialized the way
+LightLLM's server writes them: `json.dumps(..., ensure_ascii=False)` for /generate, /generate_stream
+and /get_score, starlette's compact JSONResponse for /health, /token_load and errors.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import JSONResponse, Response
+
+from opentgi.api import runtime
+from opentgi.api.sse import sse_response
+from opentgi.engine.errors import (
+    GenerationError,
+    NotSupportedError,
+    OpenTGIError,
+    OverloadedError,
+    UnhealthyError,
+    ValidationError,
+)
+from opentgi.engine.events import GenerationResult, SequenceResult, TokenEvent
+from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
+from opentgi.schemas import lightllm as schema
+
+# LightLLM turns sampling off below this temperature (py_sampling_params._SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# Score requests generate nothing: one prefill pass through the reward model.
+SCORE_MAX_NEW_TOKENS = 1
+
+ERROR_STATUS = (
+    (ValidationError, 400),
+    (OverloadedError, 429),
+    (GenerationError, 500),
+    (UnhealthyError, 503),
+)
+
+
+# --- request ----------------------------------------------------------------------------------
+
+
+def lightllm_finish_reason(reason: FinishReason) -> str:
+    """LightLLM knows two reasons: "length" (out of tokens or context) and "stop" (anything else)."""
+    return "length" if reason in (FinishReason.LENGTH, FinishReason.CONTEXT) else "stop"
+
+
+def num_sequences(params: schema.GenerateParameters) -> int:
+    """`n` defaults to `best_of` and, as in LightLLM, must equal it."""
+    if params.n is not None and "best_of" in params.model_fields_set and params.n != params.best_of:
+        raise ValidationError(f"current only supported n == best_of, got n={params.n}, best_of={params.best_of}")
+    return params.n if params.n is not None else params.best_of
+
+
+def sampling_params(params: schema.GenerateParameters) -> SamplingParams:
+    do_sample = params.do_sample and params.temperature >= SAMPLING_EPS
+    return SamplingParams(
+        do_sample=do_sample,
+        temperature=params.temperature if do_sample else 1.0,
+        top_k=0 if params.top_k == -1 else params.top_k,
+        top_p=params.top_p,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        seed=params.seed,
+    )
+
+
+def stopping_params(params: schema.GenerateParameters) -> StoppingParams:
+    if params.min_new_tokens > params.max_new_tokens:
+        raise ValidationError(
+            f"min_new_tokens must <= max_new_tokens, but got min {params.min_new_tokens}, "
+            f"max {params.max_new_tokens}."
+        )
+    stops = params.stop_sequences
+    stop_sequences = [stops] if isinstance(stops, str) else list(stops or [])
+    return StoppingParams(
+        max_new_tokens=params.max_new_tokens,
+        min_new_tokens=params.min_new_tokens,
+        stop_sequences=[s for s in stop_sequences if s],
+        ignore_eos=params.ignore_eos,
+    )
+
+
+def check_text_only(multimodal: schema.MultimodalParams | None, model_id: str) -> None:
+    if multimodal is not None and (multimodal.images or multimodal.audios):
+        raise NotSupportedError(
+            f"multimodal input (images/audios) is not supported: the served model {model_id} is a text model"
+        )
+
+
+def parse_generate(body: dict) -> tuple[schema.GenerateRequest, schema.GenerateParameters]:
+    request = schema.GenerateRequest.model_validate(body)
+    return request, request.parameters or schema.GenerateParameters()
+
+
+def generation_request(prompt_token_ids: list[int], params: schema.GenerateParameters) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling_params(params),
+        stopping=stopping_params(params),
+        n=num_sequences(params),
+    )
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def dumps(payload: dict) -> str:
+    """LightLLM's own serialization of generation answers (spaces after separators)."""
+    return json.dumps(payload, ensure_ascii=False)
+
+
+def token_detail(event: TokenEvent, prompt_tokens: int) -> schema.TokenDetail:
+    return schema.TokenDetail(
+        id=event.token_id,
+        text=event.text_delta,
+        logprob=event.logprob,
+        special=event.special,
+        count_output_tokens=event.generated_tokens,
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def generate_response(result: GenerationResult, return_details: bool = False) -> dict:
+    """`generated_text` is always a list; counts, reasons (and tokens) are lists only for n > 1."""
+    sequences: list[SequenceResult] = sorted(result.sequences, key=lambda s: s.index)
+    prompt_tokens = len(result.prompt_token_ids)
+    one = len(sequences) == 1
+
+    def per_sequence(values: list):
+        return values[0] if one else values
+
+    response = schema.GenerateResponse(
+        generated_text=[s.text for s in sequences],
+        count_output_tokens=per_sequence([s.generated_tokens for s in sequences]),
+        finish_reason=per_sequence([schema.FinishReason(lightllm_finish_reason(s.finish_reason)) for s in sequences]),
+        prompt_tokens=prompt_tokens,
+        tokens=per_sequence([[token_detail(t, prompt_tokens) for t in s.tokens] for s in sequences])
+        if return_details
+        else None,
+    )
+    return response.model_dump(mode="json", exclude_none=True)
+
+
+def stream_event(event: TokenEvent, prompt_tokens: int) -> str:
+    """The data of one /generate_stream event."""
+    finished = event.finish_reason is not None
+    data = schema.StreamToken(
+        token=token_detail(event, prompt_tokens),
+        generated_text=None,
+        finished=finished,
+        finish_reason=lightllm_finish_reason(event.finish_reason) if finished else None,
+        details=None,
+    )
+    return dumps(data.model_dump(mode="json"))
+
+
+def score_response(result: GenerationResult) -> dict:
+    if result.score is None:
+        raise GenerationError("the engine returned no score for a score request")
+    return schema.ScoreResponse(
+        score=float(result.score),
+        prompt_tokens=len(result.prompt_token_ids),
+        finish_reason=schema.ScoreFinishReason.stop,
+    ).model_dump(mode="json")
+
+
+def compute_token_load(stats, pool_tokens: int) -> dict:
+    """/token_load from engine.stats(), as fractions of the KV pool (max_batch_total_tokens).
+
+    current_load: tokens held by running requests (evictable cached prefixes do not count).
+    dynamic_max_load: the running batch's peak (each request: held now + what it may still generate).
+    logical_max_load: LightLLM sets it to dynamic_max_load (router/token_load.py).
+    """
+    pool = max(int(pool_tokens), 1)
+    dynamic = stats.peak_tokens_running / pool
+    return schema.TokenLoad(
+        current_load=stats.tokens_held_running / pool,
+        logical_max_load=dynamic,
+        dynamic_max_load=dynamic,
+    ).model_dump(mode="json")
+
+
+def error_status(exc: OpenTGIError) -> int:
+    for error_type, status in ERROR_STATUS:
+        if isinstance(exc, error_type):
+            return status
+    return 500
+
+
+def error_event(exc: BaseException) -> dict:
+    """The last event of a stream that failed after it opened."""
+    message = exc.message if isinstance(exc, OpenTGIError) else f"Internal server error: {type(exc).__name__}"
+    return {"message": message}
+
+
+def error_response(exc: OpenTGIError) -> JSONResponse:
+    return JSONResponse({"message": exc.message}, status_code=error_status(exc))
+
+
+def json_answer(payload: dict) -> Response:
+    return Response(content=dumps(payload).encode("utf-8"), media_type="application/json")
+
+
+# --- handlers (operationIds) ------------------------------------------------------------------
+
+
+async def _is_healthy() -> bool:
+    engine = runtime.engine()
+    return engine.healthy() and await engine.probe()
+
+
+async def health():
+    ok = await _is_healthy()
+    return JSONResponse({"message": "Ok" if ok else "Error"}, status_code=200 if ok else 503)
+
+
+async def health_head():
+    return Response(status_code=200 if await _is_healthy() else 503)
+
+
+async def healthz():
+    return await health()
+
+
+async def token_load():
+    engine = runtime.engine()
+    return JSONResponse(compute_token_load(engine.stats(), engine.info.max_batch_total_tokens))
+
+
+async def _submit_generate(body: dict, *, stream: bool):
+    engine = runtime.engine()
+    request, params = parse_generate(body)
+    check_text_only(request.multimodal_params, engine.info.model_id)
+    if stream and num_sequences(params) != 1:
+        raise ValidationError("stream api only support best_of == 1")
+    prompt_token_ids = await engine.encode(request.inputs)
+    handle = await engine.submit(generation_request(prompt_token_ids, params))
+    return handle, params, len(prompt_token_ids)
+
+
+async def generate(body: dict):
+    try:
+        handle, params, _ = await _submit_generate(body, stream=False)
+        async with handle:  # the client going away cancels the request
+            result = await handle.result()
+    except OpenTGIError as exc:
+        return error_response(exc)
+    runtime.state().record_success()
+    return json_answer(generate_response(result, return_details=params.return_details))
+
+
+async def generate_stream(body: dict):
+    try:
+        handle, _, prompt_tokens = await _submit_generate(body, stream=True)
+    except OpenTGIError as exc:
+        return error_response(exc)  # before the stream opens: never a 200
+
+    async def events():
+        async with handle:
+            async for event in handle:
+                yield stream_event(event, prompt_tokens)
+        runtime.state().record_success()
+
+    return sse_response(events(), error_event=error_event)
+
+
+async def get_score(body: dict):
+    try:
+        engine = runtime.engine()
+        request = schema.ScoreRequest.model_validate(body)
+        check_text_only(request.multimodal_params, engine.info.model_id)
+        if not engine.info.is_reward_model:
+            raise NotSupportedError(
+                f"/get_score needs a reward model; the served model {engine.info.model_id} is not one"
+            )
+        prompt_token_ids = await engine.encode(request.chat)
+        handle = await engine.submit(
+            GenerationRequest(
+                prompt_token_ids=prompt_token_ids,
+                sampling=SamplingParams(),
+                stopping=StoppingParams(max_new_tokens=SCORE_MAX_NEW_TOKENS),
+                score=True,
+            )
+        )
+        async with handle:
+            result = await handle.result()
+        return json_answer(score_response(result))
+    except OpenTGIError as exc:
+        return error_response(exc)
