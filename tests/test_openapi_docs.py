@@ -188,8 +188,8 @@ def test_chat_nullable_and_tool_choice_fields(tgi_client, field, value, status):
         ("top_p", 0, 400),
         ("top_p", 1, 200),
         ("typical_p", 0, 400),
-        ("frequency_penalty", -2, 400),
-        ("frequency_penalty", -1.5, 200),
+        ("frequency_penalty", -2, 200),  # TGI: -2.0 <= frequency_penalty
+        ("frequency_penalty", -2.5, 400),
         ("max_new_tokens", 0, 200),
     ],
 )

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 8fdc3ce61808a846) by codegen with
+# GENERATED from openapi/tgi.json (sha256 25c50a3d3bff0a51) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -300,7 +300,7 @@ class GenerateParameters(BaseModel):
         None,
         description="The parameter for frequency penalty. 1.0 means no penalty\nPenalize new tokens based on their existing frequency in the text so far,\ndecreasing the model's likelihood to repeat the same line verbatim.",
         examples=[0.1],
-        gt=-2.0,
+        ge=-2.0,
     )
     grammar: JsonGrammar | RegexGrammar | None = None
     max_new_tokens: int | None = Field(
