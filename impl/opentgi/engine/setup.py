@@ -87,7 +87,8 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
     max_input = settings.max_input_tokens or min(context - 1, 4095, max_total - 1)
     max_prefill = settings.max_batch_prefill_tokens or max_input + 50
     tokenizer = loaded.tokenizer
-    is_reward = bool(getattr(loaded, "is_reward_model", False))
+    is_reward = bool(getattr(loaded, "is_reward_model", False)
+                     or getattr(getattr(loaded, "model", None), "is_reward_model", False))
     return EngineInfo(
         model_id=str(getattr(loaded, "model_id", None) or settings.model_id or "unknown"),
         model_sha=getattr(loaded, "model_sha", None),
