@@ -193,3 +193,29 @@ def test_errors_in_lightllm_shape(exc, status):
     response = lightllm.error_response(exc)
     assert response.status_code == status
     assert response.body == json.dumps({"message": exc.message}, separators=(",", ":")).encode()
+
+
+def test_request_validation_errors_in_lightllm_shape():
+    from connexion.exceptions import UnsupportedMediaTypeProblem
+    from opentgi.api.body_validation import BodyParseError, BodySchemaError
+    from starlette.exceptions import HTTPException
+
+    exc = BodySchemaError(path=("parameters", "top_p"), keyword="maximum", instance=2,
+                          message="2 is greater than the maximum of 1")
+    response = lightllm.request_error(exc)
+    assert response.status_code == 400
+    assert response.body == b'{"message":"invalid request: parameters.top_p: 2 is greater than the maximum of 1"}'
+    missing = BodySchemaError(path=("inputs",), keyword="required", instance={}, message="missing field `inputs`")
+    assert lightllm.request_error(missing).body == b'{"message":"invalid request: missing field `inputs`"}'
+    assert lightllm.request_error(BodyParseError("Expecting value")).status_code == 400
+    assert lightllm.request_error(UnsupportedMediaTypeProblem(detail="x")).status_code == 415
+    not_found = lightllm.request_error(HTTPException(404))
+    assert not_found.status_code == 404 and json.loads(not_found.body) == {"message": "Not Found"}
+    assert lightllm.request_error(OverloadedError("Model is overloaded")).status_code == 429
+    crash = lightllm.request_error(RuntimeError("x"))
+    assert crash.status_code == 500 and crash.body == b'{"message":"Internal server error: RuntimeError"}'
+
+
+def test_stream_error_event():
+    assert lightllm.error_event(GenerationError("boom")) == {"message": "boom"}
+    assert lightllm.error_event(KeyError("k")) == {"message": "Internal server error: KeyError"}

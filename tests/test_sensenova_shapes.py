@@ -127,3 +127,28 @@ def test_errors_in_sensenova_shape(exc, status, code):
     assert response.body.decode() == (
         f'{{"error":{{"code":{code},"message":"{exc.message}","details":[]}}}}'
     )
+
+
+def test_request_validation_errors_in_sensenova_shape():
+    from opentgi.api.body_validation import BodyParseError, BodySchemaError
+    from starlette.exceptions import HTTPException
+
+    exc = BodySchemaError(path=("n",), keyword="maximum", instance=5, message="5 is greater than the maximum of 4")
+    response = sensenova.request_error(exc)
+    assert response.status_code == 400
+    assert response.body == (
+        b'{"error":{"code":3,"message":"invalid argument: n: 5 is greater than the maximum of 4","details":[]}}'
+    )
+    assert sensenova.request_error(BodyParseError("Expecting value")).status_code == 400
+    not_found = sensenova.request_error(HTTPException(404))
+    assert not_found.status_code == 404 and json.loads(not_found.body)["error"]["code"] == 5
+    crash = sensenova.request_error(RuntimeError("x"))
+    assert crash.status_code == 500 and json.loads(crash.body)["error"] == {
+        "code": 13, "message": "Internal server error: RuntimeError", "details": [],
+    }
+
+
+def test_stream_error_event():
+    assert sensenova.error_event(GenerationError("boom")) == {
+        "error": {"code": 13, "message": "boom", "details": []}
+    }

@@ -10,11 +10,15 @@ would contain a sensitive term (`--sensitive-words`) stops before it with `sensi
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
+from connexion.exceptions import BadRequestProblem, ProblemException, UnsupportedMediaTypeProblem
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from opentgi.api import runtime
+from opentgi.api.body_validation import BodyParseError, BodySchemaError
 from opentgi.api.sse import sse_response
 from opentgi.engine.errors import (
     GenerationError,
@@ -28,8 +32,11 @@ from opentgi.engine.events import GenerationResult, TokenEvent
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from opentgi.schemas import sensenova as schema
 
+log = logging.getLogger(__name__)
+
 # gRPC-style codes of SenseNova's error body {"error": {"code", "message", "details"}}.
-INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 3, 8, 13, 14
+INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 3, 5, 8, 12, 13, 14
+HTTP_CODES = {400: INVALID_ARGUMENT, 404: NOT_FOUND, 405: UNIMPLEMENTED, 415: INVALID_ARGUMENT}
 ERRORS = (  # engine error type -> (HTTP status, SenseNova code)
     (ValidationError, 400, INVALID_ARGUMENT),
     (OverloadedError, 429, RESOURCE_EXHAUSTED),
@@ -181,7 +188,33 @@ def error_event(exc: BaseException) -> dict:
 
 def error_response(exc: OpenTGIError) -> Response:
     status, code = error_status_code(exc)
-    return Response(dumps(error_body(code, exc.message)), status_code=status, media_type="application/json")
+    return error_json(status, code, exc.message)
+
+
+def error_json(status: int, code: int, message: str, headers: dict | None = None) -> Response:
+    return Response(dumps(error_body(code, message)), status_code=status, media_type="application/json",
+                    headers=headers)
+
+
+def request_error(exc: BaseException) -> Response:
+    """Any error raised around the SenseNova route (request validation, routing, engine) in its shape."""
+    if isinstance(exc, OpenTGIError):
+        return error_response(exc)
+    if isinstance(exc, BodySchemaError):
+        where = f"{exc.field}: " if exc.path and not exc.message.startswith("missing field") else ""
+        return error_json(400, INVALID_ARGUMENT, f"invalid argument: {where}{exc.message}")
+    if isinstance(exc, BodyParseError):
+        return error_json(400, INVALID_ARGUMENT, f"the request body is not valid JSON: {exc.reason}")
+    if isinstance(exc, UnsupportedMediaTypeProblem):
+        return error_json(415, INVALID_ARGUMENT, "expected a request with Content-Type: application/json")
+    if isinstance(exc, BadRequestProblem):
+        return error_json(400, INVALID_ARGUMENT, f"invalid argument: {exc.detail}")
+    if isinstance(exc, ProblemException | HTTPException):
+        status = getattr(exc, "status_code", None) or getattr(exc, "status", 500)
+        detail = getattr(exc, "detail", None) or getattr(exc, "title", None) or "error"
+        return error_json(status, HTTP_CODES.get(status, INTERNAL), str(detail), getattr(exc, "headers", None))
+    log.error("unexpected error: %r", exc, exc_info=exc)
+    return error_json(500, INTERNAL, f"Internal server error: {type(exc).__name__}")
 
 
 # --- handler (operationId) --------------------------------------------------------------------
