@@ -1,6 +1,6 @@
 """Validate every OpenAPI document in openapi/ with openapi-spec-validator.
 
-Usage: ``python -m codegen.validate [FILE ...]`` (default: every document in openapi/).
+Usage: ``python -m codegen.validate [FILE ...]`` (or ``python -m codegen --validate``) (default: every document in openapi/).
 """
 
 from __future__ import annotations
@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python codegen/validate.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from openapi_spec_validator import validate
 from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
@@ -32,6 +35,11 @@ def validation_errors(path: Path) -> list[str]:
     return []
 
 
+def _display(path: Path) -> str:
+    resolved = path.resolve()
+    return resolved.relative_to(REPO_ROOT).as_posix() if resolved.is_relative_to(REPO_ROOT) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     paths = [Path(a) for a in argv] or [d.path for d in find_documents()]
@@ -39,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     for error in errors:
         print(f"codegen.validate: {error}", file=sys.stderr)
     if not errors:
-        names = ", ".join(p.relative_to(REPO_ROOT).as_posix() if p.is_absolute() else str(p) for p in paths)
+        names = ", ".join(_display(p) for p in paths)
         print(f"codegen.validate: OK ({names})")
     return 1 if errors else 0
 
