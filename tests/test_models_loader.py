@@ -1,0 +1,90 @@
+"""load_model: paged vs generic path, ids and templates, errors; the default model (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opentgi.config import Settings
+from opentgi.models.loader import ModelLoadError, load_model
+
+
+def test_llama_loads_on_the_paged_path(tiny_llama):
+    loaded = load_model(Settings(model_id=str(tiny_llama)))
+    assert loaded.kind == "paged" and loaded.attention_backend == "torch"
+    assert loaded.block_size == 16
+    assert loaded.spec.architecture == "LlamaForCausalLM"
+    assert (loaded.spec.num_layers, loaded.spec.num_kv_heads, loaded.spec.head_dim) == (2, 2, 16)
+    assert loaded.spec.dtype == torch.float32 and loaded.spec.device.type == "cpu"
+    assert loaded.eos_token_ids == [2, 0] == loaded.spec.eos_token_ids
+    assert "<|im_start|>" in loaded.chat_template
+    assert loaded.tokenizer.eos_token == "<|im_end|>"
+    assert loaded.tokenizer("Hello world").input_ids == [19556, 905]
+    assert loaded.pipeline_tag == "text-generation" and not loaded.is_reward_model
+    assert loaded.model_id == str(tiny_llama) and loaded.model_sha is None
+
+
+def test_gpt2_loads_on_the_generic_path(tiny_gpt2):
+    loaded = load_model(Settings(model_id=str(tiny_gpt2), block_size=32))
+    assert loaded.kind == "generic" and loaded.attention_backend is None
+    assert type(loaded.model).__name__ == "GPT2LMHeadModel" and not loaded.model.training
+    assert loaded.spec.num_layers == 2 and loaded.spec.max_position_embeddings == 2048
+    assert loaded.block_size == 32
+
+
+def test_reward_model_is_flagged(tiny_reward):
+    loaded = load_model(Settings(model_id=str(tiny_reward)))
+    assert loaded.kind == "paged" and loaded.is_reward_model
+    assert loaded.pipeline_tag == "text-classification"
+
+
+def test_dtype_setting_is_applied(tiny_qwen2):
+    loaded = load_model(Settings(model_id=str(tiny_qwen2), dtype="bfloat16"))
+    assert loaded.spec.dtype == torch.bfloat16
+    assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_unknown_model_id_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="not in the Hugging Face cache"):
+        load_model(Settings(model_id="no-such-org/no-such-model"))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(Settings(model_id=str(tmp_path / "missing.gguf")))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        load_model(Settings(model_id=str(tmp_path), dtype="float8"))
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_model(Settings(model_id=str(tmp_path / "sub")))
+
+
+@pytest.mark.slow
+def test_default_model_conversion_is_exact(tmp_path):
+    """No --model-id: SmolLM2-135M-Instruct's GGUF converted once; same logits as transformers'
+    own GGUF load, on the paged path and through transformers reading the converted folder."""
+    from transformers import AutoModelForCausalLM
+
+    from opentgi.models.default_model import default_gguf_path
+    from tests.test_models_llama import PagedRunner
+
+    loaded = load_model(Settings(cache_dir=str(tmp_path)))
+    assert loaded.kind == "paged" and loaded.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert loaded.eos_token_ids == [2, 0] and loaded.tokenizer.eos_token == "<|im_end|>"
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                                  add_generation_prompt=True)
+    gguf = default_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     torch_dtype=torch.float32).eval()
+    converted = AutoModelForCausalLM.from_pretrained(loaded.folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(torch.tensor([prompt])).logits[0, -1]
+        assert torch.equal(converted(torch.tensor([prompt])).logits[0, -1], want)
+    paged = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
+    torch.testing.assert_close(paged, want, atol=1e-3, rtol=1e-3)
+    # a second start finds the converted folder
+    assert load_model(Settings(cache_dir=str(tmp_path))).folder == loaded.folder
