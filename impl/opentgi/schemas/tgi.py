@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 25c50a3d3bff0a51) by codegen with
+# GENERATED from openapi/tgi.json (sha256 21183a4d8fcede1b) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -17,13 +17,6 @@ class ChatCompletionTopLogprob(BaseModel):
 
 class Object(Enum):
     text_completion = 'text_completion'
-
-
-class CompletionComplete(BaseModel):
-    finish_reason: str
-    index: int = Field(..., ge=0)
-    logprobs: list[float] | None = None
-    text: str
 
 
 class ErrorResponse(BaseModel):
@@ -182,6 +175,62 @@ class Usage(BaseModel):
     total_tokens: int = Field(..., ge=0)
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool | None = Field(
+        None,
+        description='If set, an additional chunk is streamed before `data: [DONE]`: its `usage` holds the token counts of the whole request and its `choices` is empty. Every other chunk has `usage: null`.',
+    )
+
+
+class LogitBias3(RootModel[float]):
+    root: float = Field(..., ge=-100.0, le=100.0)
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        None, alias='schema', description='The JSON schema the answer must satisfy.'
+    )
+    strict: bool | None = None
+
+
+class Type4(Enum):
+    text = 'text'
+
+
+class TextFormat(BaseModel):
+    type: Type4
+
+
+class Type5(Enum):
+    json_object = 'json_object'
+
+
+class JsonObjectFormat(BaseModel):
+    type: Type5
+
+
+class Type6(Enum):
+    json_schema = 'json_schema'
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    type: Type6
+    json_schema: JsonSchemaFormat
+
+
+class TextOffsetItem(RootModel[int]):
+    root: int = Field(..., ge=0)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[TextOffsetItem]
+
+
 class BestOfSequence(BaseModel):
     finish_reason: FinishReason
     generated_text: str = Field(..., examples=['test'])
@@ -202,16 +251,11 @@ class ChatCompletionLogprobs(BaseModel):
     content: list[ChatCompletionLogprob]
 
 
-class Chunk(BaseModel):
-    choices: list[CompletionComplete]
-    created: int = Field(..., ge=0)
-    id: str
-    model: str
-    system_fingerprint: str
-
-
-class Completion1(Chunk):
-    object: Object
+class CompletionComplete(BaseModel):
+    finish_reason: str | None = Field(...)
+    index: int = Field(..., ge=0)
+    logprobs: list[float] | CompletionLogprobs | None = None
+    text: str
 
 
 class CompletionFinal(BaseModel):
@@ -221,6 +265,7 @@ class CompletionFinal(BaseModel):
     model: str = Field(..., examples=['mistralai/Mistral-7B-Instruct-v0.2'])
     system_fingerprint: str
     usage: Usage
+    object: str | None = Field(None, examples=['text_completion'])
 
 
 class CompletionRequest(BaseModel):
@@ -239,18 +284,17 @@ class CompletionRequest(BaseModel):
         description='UNUSED\nID of the model to use. See the model endpoint compatibility table for details on which models work with the Chat API.',
         examples=['mistralai/Mistral-7B-Instruct-v0.2'],
     )
-    prompt: list[str]
+    prompt: str | list[str] = Field(
+        ...,
+        description='One prompt, or a list of prompts (each its own choices, at most max_client_batch_size).',
+    )
     repetition_penalty: float | None = None
     seed: int | None = Field(None, examples=[42], ge=0)
-    stop: list[str] | None = Field(
-        None,
-        description='Up to 4 sequences where the API will stop generating further tokens.',
-        examples=[None],
-    )
+    stop: str | list[str] | None = None
     stream: bool | None = None
     suffix: str | None = Field(
         None,
-        description="The text to append to the prompt. This is useful for completing sentences or generating a paragraph of text.\nplease see the completion_template field in the model's tokenizer_config.json file for completion template.",
+        description="Text that comes after the completion: fill-in-the-middle, built from the tokenizer's FIM tokens or the server's --fim-template.",
     )
     temperature: float | None = Field(
         None,
@@ -262,13 +306,30 @@ class CompletionRequest(BaseModel):
         description='An alternative to sampling with temperature, called nucleus sampling, where the model considers the results of the\ntokens with top_p probability mass. So 0.1 means only the tokens comprising the top 10% probability mass are considered.',
         examples=[0.95],
     )
+    n: int | None = Field(
+        None, description='How many completions to generate for each prompt.', ge=0
+    )
+    echo: bool | None = Field(
+        None, description='Echo back the prompt in addition to the completion.'
+    )
+    logprobs: int | None = Field(
+        None,
+        description='Include the log probabilities of the output tokens and of this many most likely tokens at each position.',
+        ge=0,
+    )
+    presence_penalty: float | None = Field(
+        None,
+        description='Number between -2.0 and 2.0: penalizes tokens already present.',
+    )
+    logit_bias: dict[str, LogitBias3] | None = None
+    stream_options: StreamOptions | None = None
 
 
 class DeltaToolCall(BaseModel):
-    function: Function
-    id: str
+    function: Function | None = None
+    id: str | None = None
     index: int = Field(..., ge=0)
-    type: str
+    type: str | None = None
 
 
 class Details(BaseModel):
@@ -399,11 +460,27 @@ class ToolCallDelta(BaseModel):
     tool_calls: DeltaToolCall
 
 
+class ChatCompletionStreamDelta(BaseModel):
+    role: str | None = Field(None, examples=['assistant'])
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
 class ChatCompletionComplete(BaseModel):
     finish_reason: str
     index: int = Field(..., ge=0)
     logprobs: ChatCompletionLogprobs | None = None
     message: TextMessage | ToolCallMessage
+
+
+class Chunk(BaseModel):
+    choices: list[CompletionComplete]
+    created: int = Field(..., ge=0)
+    id: str
+    model: str
+    system_fingerprint: str
+    object: str | None = Field(None, examples=['text_completion'])
+    usage: Usage | None = None
 
 
 class CompatGenerateRequest(BaseModel):
@@ -412,8 +489,12 @@ class CompatGenerateRequest(BaseModel):
     stream: bool = False
 
 
+class Completion1(Chunk):
+    object: Object = Field(..., examples=['text_completion'])
+
+
 class Completion2(CompletionFinal):
-    object: Object
+    object: Object = Field(..., examples=['text_completion'])
 
 
 class Completion(RootModel[Completion1 | Completion2]):
@@ -421,9 +502,19 @@ class Completion(RootModel[Completion1 | Completion2]):
 
 
 class Message(BaseModel):
-    content: str | list[Annotated[TextChunk | ImageUrlChunk, Field(discriminator='type')]]
+    content: (
+        str
+        | list[Annotated[TextChunk | ImageUrlChunk, Field(discriminator='type')]]
+        | None
+    ) = None
     name: str | None = Field(None, examples=['"David"'])
     role: str = Field(..., examples=['user'])
+    tool_calls: list[ToolCall] | None = Field(
+        None, description='The tool calls of an assistant message.'
+    )
+    tool_call_id: str | None = Field(
+        None, description='The call a `tool` message answers.'
+    )
 
 
 class ChatCompletion(BaseModel):
@@ -433,10 +524,11 @@ class ChatCompletion(BaseModel):
     model: str = Field(..., examples=['mistralai/Mistral-7B-Instruct-v0.2'])
     system_fingerprint: str
     usage: Usage
+    object: str | None = Field(None, examples=['chat.completion'])
 
 
 class ChatCompletionChoice(BaseModel):
-    delta: TextMessage | ToolCallDelta
+    delta: TextMessage | ToolCallDelta | ChatCompletionStreamDelta
     finish_reason: str | None = None
     index: int = Field(..., ge=0)
     logprobs: ChatCompletionLogprobs | None = None
@@ -448,6 +540,8 @@ class ChatCompletionChunk(BaseModel):
     id: str
     model: str = Field(..., examples=['mistralai/Mistral-7B-Instruct-v0.2'])
     system_fingerprint: str
+    object: str | None = Field(None, examples=['chat.completion.chunk'])
+    usage: Usage | None = None
 
 
 class ChatRequest(BaseModel):
@@ -456,9 +550,9 @@ class ChatRequest(BaseModel):
         description="Number between -2.0 and 2.0. Positive values penalize new tokens based on their existing frequency in the text so far,\ndecreasing the model's likelihood to repeat the same line verbatim.",
         examples=[1.0],
     )
-    logit_bias: list[float] | None = Field(
+    logit_bias: list[float] | dict[str, LogitBias3] | None = Field(
         None,
-        description='UNUSED\nModify the likelihood of specified tokens appearing in the completion. Accepts a JSON object that maps tokens\n(specified by their token ID in the tokenizer) to an associated bias value from -100 to 100. Mathematically,\nthe bias is added to the logits generated by the model prior to sampling. The exact effect will vary per model,\nbut values between -1 and 1 should decrease or increase likelihood of selection; values like -100 or 100 should\nresult in a ban or exclusive selection of the relevant token.',
+        description='Modify the likelihood of specified tokens appearing in the completion: an object that maps token ids to a bias from -100 to 100, added to the logits before sampling.',
     )
     logprobs: bool | None = Field(
         None,
@@ -483,7 +577,7 @@ class ChatRequest(BaseModel):
     )
     n: int | None = Field(
         None,
-        description='UNUSED\nHow many chat completion choices to generate for each input message. Note that you will be charged based on the\nnumber of generated tokens across all of the choices. Keep n as 1 to minimize costs.',
+        description='How many chat completion choices to generate for each input message (at most max_client_batch_size).',
         examples=[2],
         ge=0,
     )
@@ -492,13 +586,16 @@ class ChatRequest(BaseModel):
         description="Number between -2.0 and 2.0. Positive values penalize new tokens based on whether they appear in the text so far,\nincreasing the model's likelihood to talk about new topics",
         examples=[0.1],
     )
-    response_format: JsonGrammar | RegexGrammar | None = None
+    response_format: (
+        JsonGrammar
+        | RegexGrammar
+        | TextFormat
+        | JsonObjectFormat
+        | JsonSchemaResponseFormat
+        | None
+    ) = None
     seed: int | None = Field(None, examples=[42], ge=0)
-    stop: list[str] | None = Field(
-        None,
-        description='Up to 4 sequences where the API will stop generating further tokens.',
-        examples=[None],
-    )
+    stop: str | list[str] | None = None
     stream: bool | None = None
     temperature: float | None = Field(
         None,
@@ -526,4 +623,10 @@ class ChatRequest(BaseModel):
         None,
         description='An alternative to sampling with temperature, called nucleus sampling, where the model considers the results of the\ntokens with top_p probability mass. So 0.1 means only the tokens comprising the top 10% probability mass are considered.',
         examples=[0.95],
+    )
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: int | None = Field(
+        None,
+        description="OpenAI's newer name for `max_tokens` (used when `max_tokens` is not set).",
+        ge=0,
     )
