@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
 from opentgi.models.registry import build_paged_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
 from tests import tiny_models
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 48

@@ -28,8 +28,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "test-models"
 _BUILDER_VERSION = 1  # bump when a builder changes what it writes
@@ -111,9 +111,9 @@ def _build_causal_lm(kind: str, params: dict, extra_special_tokens: list[str] | 
     return _cached_folder(kind, params, build)
 
 
-_LLAMA_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                    rope_theta=100000.0, initializer_range=0.1)
+_LLAMA_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+                    "rope_theta": 100000.0, "initializer_range": 0.1}
 
 
 def tiny_llama_path(seed: int = 0, **overrides) -> Path:
@@ -145,7 +145,7 @@ def tiny_mistral_path(seed: int = 0, sliding_window: int | None = 4096, **overri
 
 def tiny_gpt2_path(seed: int = 0) -> Path:
     """Random GPT2LMHeadModel with SmolLM2's tokenizer: served only by the generic path."""
-    cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.1)
+    cfg = {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 2048, "initializer_range": 0.1}
     return _build_causal_lm("tiny-gpt2", {"config_class": "GPT2Config",
                                           "model_class": "GPT2LMHeadModel",
                                           "config": cfg, "seed": seed})

@@ -31,7 +31,7 @@ def read_gguf_metadata(path: str | Path) -> dict[str, object]:
             continue
         try:
             meta[key] = fld.contents()
-        except Exception:  # noqa: BLE001 - an exotic field type we do not need
+        except Exception:  # noqa: BLE001, S112 - an exotic field type we do not need
             continue
     return meta
 

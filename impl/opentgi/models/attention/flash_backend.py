@@ -18,7 +18,6 @@ from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
 
 
-
 class FlashAttentionBackend:
     name = "flash-attn"
 
