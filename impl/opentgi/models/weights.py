@@ -30,7 +30,7 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                for name in f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                     yield name, f.get_tensor(name)
         else:
             yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
