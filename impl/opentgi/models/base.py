@@ -1,4 +1,22 @@
-"""What the engine needs of a model served through the paged path."""
+"""What the engine needs of a model served through the paged path.
+
+Contract with the engine's model runner (see models/loader.py for how a model is loaded):
+- KV caches: one (k_cache, v_cache) pair per layer, each [num_blocks, block_size, spec.num_kv_heads,
+  spec.head_dim], dtype spec.dtype, on spec.device. block_size = LoadedModel.block_size (the
+  attention backend's choice: 16 with the torch backend, a multiple of 256 with flash-attn).
+- AttentionMetadata (attention/metadata.py): tensors on spec.device; cu_seqlens_q/k, context_lens
+  and block_tables int32, slot_mapping int64. Pad block_tables with -1 on CPU (the torch backend
+  never reads past context_lens) and with 0 for flash-attn. `decode_only` must be True exactly when
+  every sequence has one new token (flash-attn then takes its decode kernel). Build a fresh
+  AttentionMetadata per step (backends cache per-step data in `scratch`).
+- input_ids / positions: int64 [T] in the varlen order of cu_seqlens_q; positions are each token's
+  absolute index in its sequence (context_len - q_len .. context_len - 1).
+- forward/compute_logits/compute_score run under torch.inference_mode themselves.
+- Pick the rows to sample before compute_logits (usually each sequence's last new token:
+  hidden[cu_seqlens_q[1:] - 1]); logits come back float32.
+- Reward models (spec.is_reward_model; LightLLM /get_score): no compute_logits; compute_score
+  (hidden of each sequence's last token) -> float32 [N] raw scores (no sigmoid).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +41,8 @@ class ModelSpec:
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # Mistral: a query at position i sees keys i-W < j <= i
+    is_reward_model: bool = False  # a one-label sequence-classification head (compute_score)
 
 
 class PagedCausalLM(Protocol):
@@ -36,3 +55,6 @@ class PagedCausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
+
+    def compute_score(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Reward models only: hidden [N, hidden] -> float32 raw scores [N]."""

@@ -71,6 +71,7 @@ def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: to
         dtype=dtype,
         device=device,
         sliding_window=sliding_window_of(config),
+        is_reward_model=head == "score",
     )
     with torch.device("meta"):
         model = PagedLlama(config, spec, backend, qkv_bias, head)
