@@ -12,8 +12,17 @@ class EngineObserver:
 
     def on_queue_size(self, waiting: int) -> None: ...
 
-    def on_batch(self, *, method: str, size: int, max_tokens: int, duration_s: float, ok: bool) -> None:
-        """One forward: method is "prefill" (a step with any prompt tokens) or "decode"."""
+    def on_batch(self, *, method: str, size: int, max_tokens: int, duration_s: float, ok: bool,
+                 forward_s: float | None = None, decode_s: float | None = None, filter_s: float | None = None,
+                 next_size: int | None = None) -> None:
+        """One forward: method is "prefill" (a step with any prompt tokens) or "decode".
+        Optional finer timings (TGI's tgi_batch_forward/decode/filter_duration): the model forward,
+        the detokenization, removing finished sequences; next_size: requests this step took from the
+        queue (tgi_batch_next_size)."""
+
+    def on_batch_concat(self, *, reason: str) -> None:
+        """New requests joined a running batch (TGI's tgi_batch_concat; reason "backpressure" or
+        "wait_exceeded")."""
 
     def on_request_finished(self, *, request_id: str, ok: bool, input_tokens: int, generated_tokens: int,
                             queue_s: float, inference_s: float) -> None: ...
@@ -22,4 +31,5 @@ class EngineObserver:
 
     def on_kv_blocks(self, *, used: int, free: int, cached: int) -> None: ...
 
-    def on_prefix_cache(self, *, hit_tokens: int, query_tokens: int) -> None: ...
+    def on_prefix_cache(self, *, hit_tokens: int, query_tokens: int) -> None:
+        """Cumulative totals since start (as EngineStats.prefix_hit_tokens / prefix_query_tokens)."""
