@@ -68,7 +68,8 @@ class SSEResponse(StreamingResponse):
                  handle=None, status_code: int = 200, headers: Mapping[str, str] | None = None):
         self._events = events
         self._handle = handle
-        all_headers = {"X-Accel-Buffering": "no", "Cache-Control": "no-cache"}
+        # Given explicitly, so Starlette does not append "; charset=utf-8" (axum sends it bare).
+        all_headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         all_headers.update(headers or {})
         super().__init__(_frame(events, error_event), status_code=status_code, headers=all_headers,
                          media_type=self.media_type)

@@ -1,0 +1,190 @@
+"""The Connexion app: every OpenAPI document of the server, routed to its dialect's handler module.
+
+There is no route table: each document's operationIds resolve to functions of its dialect module
+(Connexion's `RelativeResolver`), e.g. `generate_stream` in tgi.json -> `opentgi.api.tgi.generate_stream`.
+
+`DIALECTS` lists the documents. `Settings.api` names the dialect that owns the root paths; every
+other dialect that would collide with it is mounted under its own prefix (`/tgi`, `/lightllm`).
+Errors map once per dialect (`Dialect.error_response`), whatever raised them: a handler, Connexion's
+request validation, or routing (404 / 405).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import connexion
+from connexion import AsyncApp
+from connexion.middleware import MiddlewarePosition
+from connexion.options import SwaggerUIOptions
+from connexion.resolver import RelativeResolver
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from opentgi.api import runtime
+from opentgi.api.body_validation import BodyParseError, BodySchemaError, validator_map
+from opentgi.api.errors import FieldLimits, tgi_error
+from opentgi.config import Settings
+from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.schemas import spec_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str  # the value of Settings.api that puts this dialect at the root
+    document: str  # an OpenAPI document in openapi/ (packaged under opentgi/schemas/openapi/)
+    module: str  # the handler module its operationIds resolve in
+    prefix: str  # where it is mounted when it does not own the root ("" = always at the root)
+    # "module:function" mapping an OpenTGIError to this dialect's Response; None = TGI's shape.
+    error_response: str | None = None
+
+
+DIALECTS: tuple[Dialect, ...] = (
+    Dialect("tgi", "tgi.json", "opentgi.api.tgi", prefix="/tgi"),
+    Dialect("lightllm", "lightllm.yaml", "opentgi.api.lightllm", prefix="/lightllm",
+            error_response="opentgi.api.lightllm:error_response"),
+    Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova", prefix="",
+            error_response="opentgi.api.sensenova:error_response"),
+)
+
+
+@dataclass(frozen=True)
+class Mount:
+    dialect: Dialect
+    base_path: str  # "" at the root
+
+
+def mounts_for(settings: Settings, dialects: tuple[Dialect, ...] = DIALECTS) -> list[Mount]:
+    """Where each dialect is served: the one `settings.api` names at the root, the others at their
+    prefix (a dialect with prefix "" has no colliding paths and always sits at the root)."""
+    names = {d.name for d in dialects}
+    if settings.api not in names:
+        raise ValueError(f"unknown api {settings.api!r}; expected one of {sorted(names)}")
+    return [Mount(d, "" if d.name == settings.api else d.prefix) for d in dialects]
+
+
+class DialectResolver(RelativeResolver):
+    """operationIds resolve in the dialect's module; one already written in full
+    ("opentgi.api.lightllm.health") is taken as it is."""
+
+    def resolve_operation_id(self, operation) -> str:
+        operation_id = operation.operation_id
+        if operation.router_controller is None and operation_id.startswith(f"{self.root_path}."):
+            return operation_id
+        return super().resolve_operation_id(operation)
+
+
+def _import(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _document_paths(dialect: Dialect) -> list[str]:
+    import json
+
+    import yaml
+
+    path = spec_path(dialect.document)
+    with open(path, encoding="utf-8") as handle:
+        document = json.load(handle) if path.suffix == ".json" else yaml.safe_load(handle)
+    return list(document.get("paths", {}))
+
+
+class ErrorMapper:
+    """Maps any exception raised while serving a request to the response of the path's dialect."""
+
+    def __init__(self, mounts: list[Mount], server_state: runtime.ServerState):
+        from opentgi.api.auth import dialect_resolver
+
+        self.state = server_state
+        self.by_name = {m.dialect.name: m.dialect for m in mounts}
+        self.dialect_of = dialect_resolver(
+            [(m.base_path, m.dialect.name, _document_paths(m.dialect)) for m in mounts],
+            default=next((m.dialect.name for m in mounts if m.base_path == ""), "tgi"))
+
+    def limits(self) -> FieldLimits:
+        settings, engine = self.state.settings, self.state.engine
+        info = getattr(engine, "info", None)
+        return FieldLimits(max_best_of=settings.max_best_of, max_stop_sequences=settings.max_stop_sequences,
+                           max_top_n_tokens=settings.max_top_n_tokens,
+                           max_input_tokens=getattr(info, "max_input_tokens", 0))
+
+    def response(self, path: str, exc: Exception) -> Response:
+        dialect = self.by_name.get(self.dialect_of(path))
+        if dialect is not None and dialect.error_response is not None:
+            own = _as_dialect_error(exc)
+            if own is not None:
+                return _import(dialect.error_response)(own)
+        return tgi_error(exc, self.limits()).response()
+
+    async def __call__(self, request, exc: Exception):
+        """Connexion error handler: (ConnexionRequest, exception) -> response."""
+        response = self.response(request.url.path, exc)
+        return connexion.lifecycle.ConnexionResponse(
+            status_code=response.status_code, body=response.body, mimetype=response.media_type,
+            headers={k: v for k, v in response.headers.items() if k.lower() not in ("content-length",
+                                                                                      "content-type")})
+
+
+def _as_dialect_error(exc: Exception) -> OpenTGIError | None:
+    """Request-validation failures become the engine's ValidationError for dialects with their own shape."""
+    if isinstance(exc, OpenTGIError):
+        return exc
+    if isinstance(exc, BodySchemaError):
+        return ValidationError(f"{exc.field}: {exc.message}" if exc.field else exc.message)
+    if isinstance(exc, BodyParseError):
+        return ValidationError(f"invalid JSON body: {exc.reason}")
+    if isinstance(exc, connexion.exceptions.BadRequestProblem):
+        return ValidationError(str(exc.detail))
+    return None
+
+
+def create_app(settings: Settings, engine, dialects: tuple[Dialect, ...] = DIALECTS) -> AsyncApp:
+    """The ASGI app serving every dialect's document with `engine` (started in the lifespan)."""
+    server_state = runtime.ServerState(settings=settings, engine=engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = AsyncApp(__name__, lifespan=lifespan, validator_map=validator_map())
+    mounts = mounts_for(settings, dialects)
+    # Connexion sorts APIs by base path with an unstable order among equal ones, and only the first
+    # API at a base path serves its Swagger UI: the primary dialect goes last, which sorts first.
+    for mount in sorted(mounts, key=lambda m: m.dialect.name == settings.api):
+        primary = mount.dialect.name == settings.api
+        at_root_beside_primary = mount.base_path == "" and not primary
+        app.add_api(
+            spec_path(mount.dialect.document),
+            base_path=mount.base_path or None,
+            resolver=DialectResolver(mount.dialect.module),
+            swagger_ui_options=SwaggerUIOptions(
+                swagger_ui=not at_root_beside_primary, serve_spec=not at_root_beside_primary,
+                swagger_ui_path="/docs"),
+            name=mount.dialect.name,
+        )
+    mapper = ErrorMapper(mounts, server_state)
+    app.add_error_handler(Exception, mapper)
+    app.add_error_handler(HTTPException, mapper)
+    app.add_error_handler(connexion.exceptions.ProblemException, mapper)
+    app.add_middleware(runtime.StateMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
+                       server_state=server_state)
+    if settings.api_key:
+        from opentgi.api.auth import BearerAuthMiddleware
+
+        app.add_middleware(BearerAuthMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
+                           api_key=settings.api_key, dialect_of=mapper.dialect_of)
+    return app
+
+
+__all__ = ["DIALECTS", "Dialect", "Mount", "create_app", "mounts_for"]

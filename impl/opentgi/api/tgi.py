@@ -1,0 +1,336 @@
+"""TGI 2.1's HTTP API (openapi/tgi.json): one thin handler per operationId.
+
+Body in (already checked against the document by Connexion) -> TGI's parameter semantics
+(`tgi_params`) -> one engine request -> TGI's JSON (`tgi_responses`) or SSE (`sse`). Errors map
+once, in `errors.tgi_error`. As in TGI, a streaming request that fails TGI's validation, or that
+the engine refuses, still answers 200 and carries the error as the stream's only event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pydantic
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from opentgi import __version__
+from opentgi.api import runtime
+from opentgi.api import tgi_responses as encode
+from opentgi.api.errors import IncompleteGenerationError, tgi_error
+from opentgi.api.sse import sse_response
+from opentgi.api.tgi_params import Limits, build_request, check_integer_widths, check_parameters
+from opentgi.engine.errors import GenerationError, OpenTGIError, ValidationError
+from opentgi.engine.events import GenerationResult
+from opentgi.schemas.tgi import GenerateParameters
+
+log = logging.getLogger(__name__)
+
+ROUTER_NAME = "opentgi"
+HEALTH_RECENT_S = 10.0  # a generation that succeeded this recently vouches for the engine
+
+
+# --- request preparation -------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    handle: object  # engine RequestHandle
+    inputs: str
+    input_length: int
+    details: bool
+    decoder_input_details: bool
+    return_full_text: bool
+    started_at: float
+
+
+def _parameters(body: dict) -> GenerateParameters | None:
+    raw = body.get("parameters")
+    if raw is None:
+        return None
+    check_integer_widths(raw)
+    try:
+        return GenerateParameters.model_validate(raw)
+    except pydantic.ValidationError as exc:  # the document and the generated model disagree
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in ("parameters", *first["loc"]))
+        raise ValidationError(f"{where}: {first['msg']}") from exc
+
+
+async def _prepare(body: dict, *, stream: bool, default_return_full_text: bool = False) -> Prepared:
+    started_at = time.monotonic()
+    state = runtime.state()
+    engine = state.engine
+    limits = Limits.from_settings(state.settings, engine.info)
+    inputs = body["inputs"]
+    parameters = _parameters(body)
+    params = check_parameters(inputs, parameters, limits, stream=stream)
+    if parameters is None or parameters.return_full_text is None:
+        params.return_full_text = default_return_full_text
+    prompt_token_ids = await engine.encode(inputs)
+    request = build_request(params, prompt_token_ids, limits, parameters)
+    _observe("max_new_tokens", request.stopping.max_new_tokens)
+    _observe("input_length", request.num_prompt_tokens)
+    handle = await engine.submit(request)
+    return Prepared(handle=handle, inputs=inputs, input_length=request.num_prompt_tokens,
+                    details=params.details, decoder_input_details=params.decoder_input_details,
+                    return_full_text=params.return_full_text, started_at=started_at)
+
+
+def _compute_type() -> str:
+    device = runtime.engine().info.model_device_type
+    return "gpu+optimized" if device == "cuda" else f"{device}+optimized"
+
+
+# --- metrics (opentgi.metrics, when present) ---------------------------------------------------------
+
+
+def _metrics():
+    try:
+        from opentgi import metrics
+    except ImportError:
+        return None
+    return metrics
+
+
+def _observe(name: str, value: float) -> None:
+    metrics = _metrics()
+    hook = getattr(metrics, f"observe_{name}", None) if metrics else None
+    if hook is not None:
+        hook(value)
+
+
+def _count_request() -> None:
+    metrics = _metrics()
+    if metrics is not None and hasattr(metrics, "record_request"):
+        metrics.record_request()
+
+
+def _record_failure(exc: BaseException) -> None:
+    error_type = tgi_error(exc).error_type
+    if isinstance(exc, GenerationError):
+        runtime.state().last_success_at = None
+    metrics = _metrics()
+    if metrics is not None and hasattr(metrics, "record_failure"):
+        metrics.record_failure(error_type)
+
+
+def _record_success(timings: dict[str, float], generated_tokens: int) -> None:
+    runtime.state().record_success()
+    metrics = _metrics()
+    if metrics is not None and hasattr(metrics, "record_success"):
+        metrics.record_success(generated_tokens=generated_tokens, **timings)
+
+
+# --- generation -------------------------------------------------------------------------------------
+
+
+def _timings(prepared: Prepared, result: GenerationResult, now: float) -> dict[str, float]:
+    t = result.timings
+    scheduled = t.scheduled_at if t.scheduled_at is not None else t.queued_at
+    return {"total_s": now - prepared.started_at, "validation_s": max(t.queued_at - prepared.started_at, 0.0),
+            "queue_s": max(scheduled - t.queued_at, 0.0), "inference_s": max(now - scheduled, 0.0)}
+
+
+def _generate_headers(prepared: Prepared, result: GenerationResult, timings: dict[str, float],
+                      generated_tokens: int) -> dict[str, str]:
+    def ms(seconds: float) -> str:
+        return str(int(seconds * 1000))
+
+    per_token = timings["inference_s"] / generated_tokens if generated_tokens else 0.0
+    return {
+        "x-compute-type": _compute_type(),
+        "x-compute-time": repr(timings["total_s"]),
+        "x-compute-characters": str(len(prepared.inputs)),
+        "x-total-time": ms(timings["total_s"]),
+        "x-validation-time": ms(timings["validation_s"]),
+        "x-queue-time": ms(timings["queue_s"]),
+        "x-inference-time": ms(timings["inference_s"]),
+        "x-time-per-token": ms(per_token),
+        "x-prompt-tokens": str(prepared.input_length),
+        "x-generated-tokens": str(generated_tokens),
+    }
+
+
+async def _generate(body: dict, *, default_return_full_text: bool = False) -> tuple[dict, dict]:
+    prepared = await _prepare(body, stream=False, default_return_full_text=default_return_full_text)
+    result = await prepared.handle.result()
+    payload = encode.generate_response(
+        result, details=prepared.details, decoder_input_details=prepared.decoder_input_details,
+        prompt_prefix=prepared.inputs if prepared.return_full_text else None)
+    winner = result.sequences[encode.best_sequence_index(result)]
+    timings = _timings(prepared, result, time.monotonic())
+    _record_success(timings, winner.generated_tokens)
+    return payload, _generate_headers(prepared, result, timings, winner.generated_tokens)
+
+
+async def generate(body: dict) -> Response:
+    _count_request()
+    try:
+        payload, headers = await _generate(body)
+    except OpenTGIError as exc:
+        _record_failure(exc)
+        return tgi_error(exc).response()
+    return JSONResponse(payload, headers=headers)
+
+
+async def _stream_events(body: dict, default_return_full_text: bool) -> AsyncIterator[dict]:
+    prepared = None
+    try:
+        prepared = await _prepare(body, stream=True, default_return_full_text=default_return_full_text)
+        index = 0
+        async for event in prepared.handle:
+            index += 1
+            if event.finish_reason is None:
+                yield encode.stream_response(index, event)
+                continue
+            result = await prepared.handle.result()
+            sequence = result.sequences[0]
+            prefix = prepared.inputs if prepared.return_full_text else ""
+            details = encode.stream_details(sequence) if prepared.details else None
+            _record_success(_timings(prepared, result, time.monotonic()), sequence.generated_tokens)
+            yield encode.stream_response(index, event, generated_text=prefix + sequence.text, details=details)
+            return
+        raise IncompleteGenerationError()
+    except OpenTGIError as exc:
+        _record_failure(exc)
+        raise
+    finally:
+        if prepared is not None:
+            prepared.handle.cancel()  # a no-op once the request is done
+
+
+def _stream(body: dict, *, default_return_full_text: bool = False) -> Response:
+    _count_request()
+    headers = {"x-compute-type": _compute_type(), "x-compute-characters": str(len(body["inputs"]))}
+    return sse_response(_stream_events(body, default_return_full_text), headers=headers)
+
+
+async def generate_stream(body: dict) -> Response:
+    return _stream(body)
+
+
+async def compat_generate(body: dict) -> Response:
+    """POST /: `stream` picks SSE or a one-element array; return_full_text defaults by pipeline tag."""
+    full_text = runtime.engine().info.pipeline_tag == "text-generation"
+    if body.get("stream"):
+        return _stream(body, default_return_full_text=full_text)
+    _count_request()
+    try:
+        payload, headers = await _generate(body, default_return_full_text=full_text)
+    except OpenTGIError as exc:
+        _record_failure(exc)
+        return tgi_error(exc).response()
+    return JSONResponse([payload], headers=headers)
+
+
+# --- service routes -----------------------------------------------------------------------------------
+
+
+async def health() -> Response:
+    state = runtime.state()
+    engine = state.engine
+    ok = engine.healthy()
+    recent = state.last_success_at is not None and time.monotonic() - state.last_success_at < HEALTH_RECENT_S
+    if ok and not recent:
+        ok = await engine.probe()
+        if ok:
+            state.record_success()
+    if not ok:
+        return JSONResponse({"error": "unhealthy", "error_type": "healthcheck"}, status_code=503)
+    return Response(status_code=200)
+
+
+async def get_model_info() -> Response:
+    state = runtime.state()
+    info, settings = state.engine.info, state.settings
+    return JSONResponse({
+        "model_id": info.model_id,
+        "model_sha": info.model_sha,
+        "model_dtype": info.model_dtype,
+        "model_device_type": info.model_device_type,
+        "model_pipeline_tag": info.pipeline_tag,
+        "max_concurrent_requests": settings.max_concurrent_requests,
+        "max_best_of": settings.max_best_of,
+        "max_stop_sequences": settings.max_stop_sequences,
+        "max_input_tokens": info.max_input_tokens,
+        "max_total_tokens": info.max_total_tokens,
+        "waiting_served_ratio": settings.waiting_served_ratio,
+        "max_batch_total_tokens": info.max_batch_total_tokens,
+        "max_waiting_tokens": settings.max_waiting_tokens,
+        "max_batch_size": settings.max_batch_size,
+        "validation_workers": validation_workers(),
+        "max_client_batch_size": settings.max_client_batch_size,
+        "router": ROUTER_NAME,
+        "version": __version__,
+        "sha": source_sha(),
+        "docker_label": None,
+    })
+
+
+def validation_workers() -> int:
+    """Tokenization runs in asyncio's default thread pool: its size is the number of workers."""
+    return min(32, (os.cpu_count() or 1) + 4)
+
+
+@functools.lru_cache(maxsize=1)
+def source_sha() -> str | None:
+    """The git commit of the source tree this package runs from, when it runs from a checkout."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sha = out.stdout.strip()
+    return sha if len(sha) == 40 else None
+
+
+async def tokenize(body: dict) -> Response:
+    engine = runtime.engine()
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "is_fast", False):
+        return JSONResponse({"error": "No fast tokenizer or tokenizer.json for this model",
+                             "error_type": "no fast tokenizer"}, status_code=404)
+    try:
+        parameters = _parameters(body)
+    except OpenTGIError as exc:
+        return tgi_error(exc).response()
+    inputs = body["inputs"]
+    encoding = await asyncio.to_thread(tokenizer, inputs, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    truncate = parameters.truncate if parameters is not None else None
+    if truncate is not None and truncate < len(ids):
+        ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]
+    return JSONResponse([{"id": i, "text": inputs[start:stop], "start": start, "stop": stop}
+                         for i, (start, stop) in zip(ids, offsets, strict=True)])
+
+
+async def metrics() -> Response:
+    module = _metrics()
+    if module is None or not hasattr(module, "render"):
+        return PlainTextResponse("", media_type="text/plain; version=0.0.4")
+    content, content_type = module.render()
+    return Response(content, media_type=content_type)
+
+
+# --- the OpenAI routes live in opentgi.api.openai ------------------------------------------------------
+
+
+async def chat_completions(body: dict) -> Response:
+    from opentgi.api import openai
+
+    return await openai.chat_completions(body)
+
+
+async def completions(body: dict) -> Response:
+    from opentgi.api import openai
+
+    return await openai.completions(body)
