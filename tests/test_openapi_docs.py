@@ -280,8 +280,9 @@ ADDED_FIELDS = {
     "CompletionRequest": {"n", "echo", "logprobs", "presence_penalty", "logit_bias", "stream_options"},
     "ChatCompletion": {"object"}, "ChatCompletionChunk": {"object", "usage"},
     "Chunk": {"object", "usage"}, "CompletionFinal": {"object"},
+    "FunctionDefinition": {"parameters"},
 }
-RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"]}
+RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"], "FunctionDefinition": ["name"]}
 
 
 def test_same_schemas_and_fields_as_upstream_2_1_2():

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 21183a4d8fcede1b) by codegen with
+# GENERATED from openapi/tgi.json (sha256 60da7a8aaafcc9d3) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -36,9 +36,16 @@ class Function(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    arguments: Any
+    arguments: Any | None = Field(
+        None,
+        description="In a request's `tools`: the function's parameters as a JSON schema (TGI's name; OpenAI's is `parameters`). In a response's `tool_calls`: the arguments, a string holding JSON.",
+    )
     description: str | None = None
     name: str
+    parameters: Any | None = Field(
+        None,
+        description="OpenAI's name for a tool's JSON schema (TGI's `arguments`, of which it is an alias in a request).",
+    )
 
 
 class FunctionName(BaseModel):
