@@ -91,7 +91,7 @@ def test_examples_and_defaults_match_their_schemas(name):
 
 
 def test_example_check_finds_upstream_defects():
-    checked, failures = example_failures(UPSTREAM_212)
+    _, failures = example_failures(UPSTREAM_212)
     text = "\n".join(failures)
     assert "FinishReason example 'Length'" in text
     assert "GenerateParameters/properties/seed default 'null'" in text
