@@ -78,12 +78,13 @@ def _run_stream(pieces):
 
 
 def test_stream_call_arguments_concatenate_to_json():
-    answer = '{"name": "get_weather", "arguments": {"city": "Pa}ris", "opts": {"a": [1, {}]}} }'
+    answer = '{"name": "get_weather", "arguments":  {"city": "Pa}ris", "opts": {"a": [1, {}]}} }'
     for size in (1, 2, 3, 7):
         deltas = _run_stream([answer[i:i + size] for i in range(0, len(answer), size)])
         assert deltas[0].kind == "call" and deltas[0].text == "get_weather"
         assert all(d.kind == "arguments" for d in deltas[1:])
         args = "".join(d.text for d in deltas[1:])
+        assert args == args.strip()
         assert json.loads(args) == {"city": "Pa}ris", "opts": {"a": [1, {}]}}
 
 

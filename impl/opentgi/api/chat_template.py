@@ -61,14 +61,14 @@ def compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
-        raise TemplateError(f"Template error: {exc}") from exc
+        raise TemplateError(str(exc)) from exc
 
 
 def select_template(chat_template: str | dict | list | None, *, with_tools: bool) -> str:
     """The template source to use: a plain string, or from named templates (`default`, or
     `tool_use` when tools are offered and the model has one)."""
     if chat_template is None:
-        raise TemplateError("Template error: template not found (this model has no chat template)")
+        raise TemplateError("template not found (this model has no chat template)")
     if isinstance(chat_template, str):
         return chat_template
     if isinstance(chat_template, list):  # tokenizer_config.json form: [{"name": ..., "template": ...}]
@@ -77,7 +77,7 @@ def select_template(chat_template: str | dict | list | None, *, with_tools: bool
         return chat_template["tool_use"]
     if "default" in chat_template:
         return chat_template["default"]
-    raise TemplateError("Template error: the model's named chat templates have no \"default\" entry")
+    raise TemplateError("the model's named chat templates have no \"default\" entry")
 
 
 def _text_of(content: Any, index: int) -> str | None:
@@ -159,8 +159,8 @@ def render_chat(
         return template.render(messages=msgs, tools=tools or None,
                                add_generation_prompt=add_generation_prompt, **variables)
     except _TemplateRaised as exc:
-        raise TemplateError(f"Template error: {exc}") from exc
+        raise TemplateError(str(exc)) from exc
     except jinja2.TemplateError as exc:
-        raise TemplateError(f"Template error: {exc}") from exc
+        raise TemplateError(str(exc)) from exc
     except Exception as exc:
-        raise TemplateError(f"Template error: {type(exc).__name__}: {exc}") from exc
+        raise TemplateError(f"{type(exc).__name__}: {exc}") from exc

@@ -98,7 +98,9 @@ def tool_grammar_schema(selection: ToolSelection) -> dict:
     alternatives = []
     for tool in selection.tools:
         function = tool["function"]
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        # OpenAI names the schema `parameters`; TGI 2.1 names it `arguments` (and aliases the other).
+        parameters = function.get("parameters") or function.get("arguments") or {"type": "object",
+                                                                                  "properties": {}}
         alternatives.append({
             "type": "object",
             "properties": {
@@ -218,6 +220,9 @@ class ToolAnswerStream:
                 if head:
                     self.mode, self._start = "text", head.end()
         if self.mode == "call":
+            if self._emitted == 0:  # whitespace before the arguments value is no part of it
+                body = self.raw[self._start:]
+                self._start += len(body) - len(body.lstrip())
             body = self.raw[self._start:]
             tail = _CALL_TAIL.search(body)
             keep = tail.start() if tail else len(body)
