@@ -52,6 +52,8 @@ def test_tgi_families_with_their_types_and_no_total_suffix():
     m = Metrics()
     m.request_finished(ok=False, err="validation")
     m.observer.on_batch_concat(reason="wait_exceeded")
+    m.observer.on_batch(method="decode", size=1, max_tokens=1, duration_s=0.1, ok=True, decode_s=0.01,
+                        filter_s=0.01)
     types = type_lines(m)
     for name in TGI_COUNTERS:
         assert types[name] == "counter"
