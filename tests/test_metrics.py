@@ -202,3 +202,39 @@ def test_label_values_are_escaped():
     m = Metrics()
     m.request_finished(ok=False, err='we"ird\\err\nx')
     assert samples(m)[("tgi_request_failure", (("err", 'we"ird\\err\nx'),))] == 1
+
+
+def test_set_limits_rebuilds_the_token_buckets():
+    m = Metrics()
+    m.request_validated(input_length=3, max_new_tokens=9)
+    m.set_limits(max_input_tokens=50, max_total_tokens=300)
+    s = samples(m)
+    les = sorted(float(dict(k[1])["le"]) for k in s if k[0] == "tgi_request_input_length_bucket")
+    assert les[0] == 0.5 and les[-2] == 50.0
+    assert s[("tgi_request_input_length_count", ())] == 0  # reset: call it before serving
+    assert s[("tgi_request_max_new_tokens_bucket", (("le", "3"),))] == 0
+
+
+def test_module_functions_record_into_the_installed_instance():
+    import opentgi.metrics as metrics_module
+
+    previous = metrics_module._installed
+    try:
+        m = metrics_module.install(Metrics(max_input_tokens=10, max_total_tokens=20))
+        assert metrics_module.installed() is m
+        metrics_module.record_request()
+        metrics_module.observe_input_length(4)
+        metrics_module.observe_max_new_tokens(8)
+        metrics_module.record_success(generated_tokens=8, total_s=0.5, validation_s=0.01, queue_s=0.1,
+                                      inference_s=0.4)
+        metrics_module.record_request()
+        metrics_module.record_failure("overloaded")
+        body, content_type = metrics_module.render()
+        assert (body, content_type) == m.render()
+        s = samples(m)
+        assert s[("tgi_request_count", ())] == 2 and s[("tgi_request_success", ())] == 1
+        assert s[("tgi_request_failure", (("err", "overloaded"),))] == 1
+        assert s[("tgi_request_input_length_sum", ())] == 4 and s[("tgi_request_max_new_tokens_sum", ())] == 8
+        assert s[("tgi_request_mean_time_per_token_duration_sum", ())] == pytest.approx(0.05)
+    finally:
+        metrics_module._installed = previous

@@ -1,15 +1,23 @@
 """Every Prometheus metric of the server, with TGI 2.1.2's names, types, labels and buckets, so TGI's
 Grafana dashboards work unchanged; opentgi's own metrics carry an `opentgi_` prefix.
 
-Interface (one `Metrics` per app instance; nothing is global, so tests are independent):
+Interface (one `Metrics` per app; tests make their own instances and stay independent):
 
     metrics = Metrics(max_input_tokens=..., max_total_tokens=...)   # bucket bounds, as TGI's router
+    metrics.set_limits(max_input_tokens, max_total_tokens)           # or later, once the engine knows them
     Engine.from_settings(settings, observer=metrics.observer)        # engine-side metrics
     metrics.request_started()                                        # a generate call arrived
+    metrics.request_validated(input_length=..., max_new_tokens=...)  # validation passed
     metrics.request_finished(ok=True, total_s=..., validation_s=..., queue_s=..., inference_s=...,
-                             generated_tokens=..., input_length=..., max_new_tokens=...)
+                             generated_tokens=...)
     metrics.request_finished(ok=False, err="validation")             # err: the error_type TGI reports
     body, content_type = metrics.render()                            # GET /metrics
+
+The API handlers reach the serving app's instance through module-level functions that forward to
+the installed one: `install(metrics)` (the app factory calls it), `installed()`, and
+`record_request()`, `observe_input_length(n)`, `observe_max_new_tokens(n)`,
+`record_success(generated_tokens=..., total_s=..., validation_s=..., queue_s=..., inference_s=...)`,
+`record_failure(error_type)`, `render()`.
 
 TGI's router (Rust `metrics` crate) exposes counters without the `_total` suffix that
 prometheus-client would add, so the exposition is written here in TGI's text format
@@ -137,9 +145,10 @@ class Metrics:
         self.request_queue_duration = h("tgi_request_queue_duration", dur)
         self.request_inference_duration = h("tgi_request_inference_duration", dur)
         self.request_mean_time_per_token = h("tgi_request_mean_time_per_token_duration", dur)
-        self.request_generated_tokens = h("tgi_request_generated_tokens", linear_buckets(max_total_tokens))
-        self.request_input_length = h("tgi_request_input_length", linear_buckets(max_input_tokens))
-        self.request_max_new_tokens = h("tgi_request_max_new_tokens", linear_buckets(max_total_tokens))
+        self.request_generated_tokens = h("tgi_request_generated_tokens", ())
+        self.request_input_length = h("tgi_request_input_length", ())
+        self.request_max_new_tokens = h("tgi_request_max_new_tokens", ())
+        self.set_limits(max_input_tokens, max_total_tokens)
         # --- batches and queue (engine loop) ---
         self.queue_size = g("tgi_queue_size")
         self.batch_current_size = g("tgi_batch_current_size")
@@ -183,25 +192,42 @@ class Metrics:
     def _histogram(self, name: str, buckets: Iterable[float], labelnames: Sequence[str] = ()) -> _Family:
         return self._add(_Family(name, "histogram", labelnames, list(buckets)))
 
+    def set_limits(self, max_input_tokens: int, max_total_tokens: int) -> None:
+        """Bucket bounds of the token-count histograms (TGI: limit/100 * 1..100); resets them, so call
+        it before serving."""
+        with self._lock:
+            for family, limit in ((self.request_input_length, max_input_tokens),
+                                  (self.request_generated_tokens, max_total_tokens),
+                                  (self.request_max_new_tokens, max_total_tokens)):
+                family.buckets = linear_buckets(limit)
+                family.children.clear()
+                family._child(())
+
     # --- request level (API handlers) ----------------------------------------------------------
     def request_started(self) -> None:
         """A generation request arrived (before validation): tgi_request_count."""
         with self._lock:
             self.request_count.inc()
 
-    def request_finished(self, ok: bool, err: str | None = None, *, total_s: float | None = None,
-                         validation_s: float | None = None, queue_s: float | None = None,
-                         inference_s: float | None = None, generated_tokens: int | None = None,
-                         input_length: int | None = None, max_new_tokens: int | None = None) -> None:
-        """The request ended. ok=False: `err` is TGI's error_type ("validation", "overloaded",
-        "generation", "incomplete_generation", ...) and only tgi_request_failure{err} counts, besides
-        input_length / max_new_tokens when given (validation had passed). ok=True: the durations
-        (seconds) and token counts that are given go to their histograms, as TGI records them."""
+    def request_validated(self, *, input_length: int | None = None, max_new_tokens: int | None = None) -> None:
+        """Validation passed (TGI records these two there, whatever happens next)."""
         with self._lock:
             if input_length is not None:
                 self.request_input_length.observe(input_length)
             if max_new_tokens is not None:
                 self.request_max_new_tokens.observe(max_new_tokens)
+
+    def request_finished(self, ok: bool, err: str | None = None, *, total_s: float | None = None,
+                         validation_s: float | None = None, queue_s: float | None = None,
+                         inference_s: float | None = None, generated_tokens: int | None = None,
+                         input_length: int | None = None, max_new_tokens: int | None = None) -> None:
+        """The request ended. ok=False: `err` is TGI's error_type ("validation", "overloaded",
+        "generation", "incomplete_generation", ...) and only tgi_request_failure{err} counts.
+        ok=True: the durations (seconds) and token counts that are given go to their histograms, as
+        TGI records them. input_length / max_new_tokens, when given, are recorded as by
+        request_validated (pass them here or there, not both)."""
+        self.request_validated(input_length=input_length, max_new_tokens=max_new_tokens)
+        with self._lock:
             if not ok:
                 self.request_failure.inc((err or "unknown",))
                 return
@@ -285,3 +311,52 @@ class MetricsObserver(EngineObserver):
             self.m.prefix_cache_hit_tokens.set(hit_tokens)
             self.m.prefix_cache_query_tokens.set(query_tokens)
             self.m.prefix_cache_hit_rate.set(hit_tokens / query_tokens if query_tokens else 0.0)
+
+
+# --- the serving app's instance, for the API handlers ------------------------------------------------
+_installed: Metrics | None = None
+_install_lock = threading.Lock()
+
+
+def install(metrics: Metrics) -> Metrics:
+    """Make `metrics` the instance the module-level functions below record into (the app factory
+    calls this with the app's instance)."""
+    global _installed
+    with _install_lock:
+        _installed = metrics
+    return metrics
+
+
+def installed() -> Metrics:
+    """The installed instance; a default one (TGI's default limits) when none was installed."""
+    global _installed
+    with _install_lock:
+        if _installed is None:
+            _installed = Metrics()
+        return _installed
+
+
+def record_request() -> None:
+    installed().request_started()
+
+
+def observe_input_length(value: int) -> None:
+    installed().request_validated(input_length=value)
+
+
+def observe_max_new_tokens(value: int) -> None:
+    installed().request_validated(max_new_tokens=value)
+
+
+def record_success(*, generated_tokens: int, total_s: float | None = None, validation_s: float | None = None,
+                   queue_s: float | None = None, inference_s: float | None = None) -> None:
+    installed().request_finished(ok=True, total_s=total_s, validation_s=validation_s, queue_s=queue_s,
+                                 inference_s=inference_s, generated_tokens=generated_tokens)
+
+
+def record_failure(error_type: str) -> None:
+    installed().request_finished(ok=False, err=error_type)
+
+
+def render() -> tuple[bytes, str]:
+    return installed().render()
