@@ -10,12 +10,15 @@ non-UTF-8 body or an unknown charset escape as a 500. This one parses the body i
 
 from __future__ import annotations
 
+import copy
 import json
 import typing as t
 
 from connexion.datastructures import MediaTypeDict
 from connexion.exceptions import BadRequestProblem
+from connexion.json_schema import Draft4RequestValidator
 from connexion.validators import VALIDATOR_MAP, JSONRequestBodyValidator
+from jsonschema import Draft4Validator, FormatChecker
 from jsonschema import ValidationError as JsonSchemaValidationError
 from jsonschema.exceptions import best_match
 
@@ -49,6 +52,9 @@ class BodySchemaError(BadRequestProblem):
             error = best_match(error.context) or error
         path = tuple(error.absolute_path)
         message = error.message
+        if error.validator == "format" and error.validator_value in INTEGER_FORMATS:
+            width = "i32" if error.validator_value == "int32" else "i64"
+            message = f"invalid value: integer `{error.instance}`, expected {width}"
         if error.validator == "required" and isinstance(error.instance, dict):
             required = error.validator_value or []
             missing = [name for name in required if name not in error.instance]
@@ -58,8 +64,31 @@ class BodySchemaError(BadRequestProblem):
         return cls(path=path, keyword=str(error.validator), instance=error.instance, message=message)
 
 
+INTEGER_FORMATS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
+def _format_checker() -> FormatChecker:
+    """Draft 4's format checker plus OpenAPI's integer widths, which Connexion leaves unchecked."""
+    checker = copy.deepcopy(Draft4Validator.FORMAT_CHECKER)
+    for name, (low, high) in INTEGER_FORMATS.items():
+        def fits(value, low=low, high=high) -> bool:
+            if isinstance(value, bool) or not isinstance(value, int):
+                return True
+            return low <= value <= high
+
+        checker.checks(name)(fits)
+    return checker
+
+
+FORMAT_CHECKER = _format_checker()
+
+
 class TypedJSONBodyValidator(JSONRequestBodyValidator):
     """Drop-in for Connexion's `JSONRequestBodyValidator` raising the typed errors above."""
+
+    @property
+    def _validator(self):
+        return Draft4RequestValidator(self._schema, format_checker=FORMAT_CHECKER)
 
     async def _parse(self, stream: t.AsyncGenerator[bytes, None], scope) -> t.Any:
         raw = b"".join([message async for message in stream])

@@ -1,0 +1,128 @@
+"""Schemathesis property tests: every operation of every document in openapi/, against the live server.
+
+Each document is served where the app mounts it (`opentgi.api.app.mounts_for`), so the documents the
+other dialects add are picked up here without editing this file. All of schemathesis' default
+checks run, with a fixed seed and a bounded number of examples.
+
+Two adjustments, for the test run only (the documents are not changed):
+  * Before OpenAPI 3.2, schemathesis reads a `text/event-stream` schema as one event
+    `{data, event, id, retry}`. Each such schema is rewrapped so an event's `data` string carries the
+    document's payload schema as `contentSchema`: every event's JSON payload is validated. A stream
+    may also end with an error event in the shape of the operation's documented error responses
+    (TGI streams its errors in-band), and OpenAI-style streams end with the sentinel `[DONE]`.
+  * `positive_data_acceptance` also accepts 422: a request the schema allows can still break a rule
+    no schema can state (prompt tokens + max_new_tokens <= max_total_tokens, top_p < 1, sampling
+    required by best_of), which TGI answers with 422 and a validation error. The 422's body is
+    still checked against the document's error schema.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import hypothesis
+import schemathesis
+import yaml
+from schemathesis.config import SchemathesisConfig
+
+from opentgi.api.app import mounts_for
+
+OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
+SSE = "text/event-stream"
+DONE_SENTINEL = "[DONE]"
+MAX_EXAMPLES = 25
+SEED = 20240718
+
+
+def documents() -> list[Path]:
+    return sorted(p for p in OPENAPI_DIR.iterdir() if p.suffix in (".json", ".yaml", ".yml"))
+
+
+def load_document(path: Path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle) if path.suffix == ".json" else yaml.safe_load(handle)
+
+
+def _error_schemas(operation: dict) -> list[dict]:
+    """The payload schemas of an operation's documented error responses (any media type)."""
+    found: list[dict] = []
+    for status, response in (operation.get("responses") or {}).items():
+        if str(status)[:1] not in ("4", "5"):
+            continue
+        for media in (response.get("content") or {}).values():
+            schema = media.get("schema") if isinstance(media, dict) else None
+            if schema is not None and schema not in found:
+                found.append(schema)
+    return found
+
+
+def _event_schema(payload: dict, alternatives: list[dict]) -> dict:
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [payload, *alternatives]} if alternatives else payload}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"type": "string", "enum": [DONE_SENTINEL]}, data]}},
+    }
+
+
+def rewrap_event_streams(document: dict) -> dict:
+    """A copy of `document` whose SSE schemas describe one event with the payload as contentSchema."""
+    document = copy.deepcopy(document)
+    for path_item in (document.get("paths") or {}).values():
+        for method, operation in path_item.items():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            errors = _error_schemas(operation)
+            for status, response in operation["responses"].items():
+                media = (response.get("content") or {}).get(SSE)
+                if not isinstance(media, dict) or "schema" not in media:
+                    continue
+                alternatives = errors if str(status).startswith("2") else []
+                media["schema"] = _event_schema(media["schema"], alternatives)
+    return document
+
+
+def base_path_of(document: Path, settings) -> str:
+    for mount in mounts_for(settings):
+        if Path(mount.dialect.document).stem == document.stem:
+            return mount.base_path
+    raise LookupError(f"the app mounts no dialect for {document.name}; add it to opentgi.api.app.DIALECTS")
+
+
+def schemathesis_config(base_url: str) -> SchemathesisConfig:
+    return SchemathesisConfig.from_dict({
+        "base-url": base_url,
+        "request-timeout": 60,
+        "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
+        "phases": {"stateful": {"enabled": False}},
+        "checks": {"positive_data_acceptance": {
+            "expected-statuses": ["2xx", "3xx", "401", "403", "404", "409", "422", "429", "5xx"]}},
+    })
+
+
+def _operation_tests(document: Path):
+    """One schemathesis test per operation of `document`, aimed at the live server's mount of it."""
+    api = schemathesis.openapi.from_dict(rewrap_event_streams(load_document(document)),
+                                         config=schemathesis_config("http://127.0.0.1"))
+
+    @api.parametrize()
+    @hypothesis.seed(SEED)
+    @hypothesis.settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    def test_operation(case, live_server, live_settings):
+        case.call_and_validate(base_url=live_server + base_path_of(document, live_settings))
+
+    return test_operation
+
+
+# test_tgi, test_lightllm, test_sensenova, ...: pytest collects one test per operation of each.
+for _document in documents():
+    globals()[f"test_{_document.stem.replace('-', '_').replace('.', '_')}"] = _operation_tests(_document)
+
+
+def test_every_document_is_mounted(live_settings):
+    for document in documents():
+        assert base_path_of(document, live_settings) is not None
