@@ -4,7 +4,6 @@ handling on text (matches across tokens, hold-back of text that could still beco
 from __future__ import annotations
 
 import pytest
-
 from opentgi.engine.detokenizer import IncrementalDetokenizer
 from opentgi.engine.request import FinishReason, StoppingParams
 from opentgi.engine.stop_checker import StopChecker

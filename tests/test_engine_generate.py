@@ -1,0 +1,303 @@
+"""End to end through the Engine on tiny models: greedy output token-for-token equal to transformers
+`generate` (alone, batched with staggered arrivals, chunked prefill sizes, prefix cache cold and
+warm, preemption in a tiny KV pool, n > 1, the generic path), seeds, cancellation, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+import torch
+from opentgi.config import Settings
+from opentgi.engine.engine import Engine
+from opentgi.engine.errors import InputTooLongError, OverloadedError
+from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
+from opentgi.models.loader import load_model
+from transformers import AutoModelForCausalLM
+
+torch.set_num_threads(1)
+
+EOS = [2, 0]
+PROMPT_TEXTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    ("In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with the ends "
+    "of worms and an oozy smell, nor yet a dry, bare, sandy hole with nothing in it to sit down on"),
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13",
+    "Once upon a time",
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    return load_model(Settings(model_id=str(tiny_llama)))
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(llama):
+    return [llama.tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPT_TEXTS]
+
+
+def hf_greedy(model, ids: list[int], max_new: int = MAX_NEW) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=EOS[0])
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(hf_llama, prompts):
+    return [hf_greedy(hf_llama, p) for p in prompts]
+
+
+@contextlib.asynccontextmanager
+async def running(loaded, **settings):
+    settings.setdefault("max_batch_total_tokens", 4096)  # the CPU default (2 GiB) is slow to zero
+    engine = Engine(loaded, Settings(**settings))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def greedy(ids, max_new=MAX_NEW, **stopping) -> GenerationRequest:
+    return GenerationRequest(list(ids), SamplingParams(), StoppingParams(max_new_tokens=max_new, **stopping))
+
+
+async def generate(engine, request):
+    handle = await engine.submit(request)
+    return await handle.result()
+
+
+async def test_greedy_each_prompt_alone(llama, prompts, references):
+    async with running(llama, enable_prefix_caching=False) as engine:
+        for ids, ref in zip(prompts, references):
+            result = await generate(engine, greedy(ids))
+            seq = result.sequences[0]
+            assert seq.token_ids == ref
+            expected = FinishReason.EOS_TOKEN if ref[-1] in EOS and len(ref) < MAX_NEW else FinishReason.LENGTH
+            assert seq.finish_reason is expected
+            assert seq.text == llama.tokenizer.decode(ref, skip_special_tokens=True)
+        assert engine.stats().prefix_hit_tokens == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 16, None])
+async def test_greedy_batch_staggered_arrivals(llama, prompts, references, chunk):
+    async with running(llama, chunked_prefill_tokens=chunk, enable_prefix_caching=False,
+                       max_waiting_tokens=2) as engine:
+        handles = []
+        for i, ids in enumerate(prompts):
+            handles.append(await engine.submit(greedy(ids)))
+            if i % 2 == 0:  # let the earlier ones start decoding before the next arrives
+                events = aiter(handles[0])
+                with contextlib.suppress(StopAsyncIteration):
+                    await anext(events)
+        results = [await h.result() for h in handles]
+        for result, ref in zip(results, references):
+            assert result.sequences[0].token_ids == ref
+        stats = engine.stats()
+        assert stats.used_blocks == 0 and stats.running == 0 and stats.waiting == 0
+
+
+async def test_events_stream_matches_result(llama, prompts):
+    async with running(llama) as engine:
+        handle = await engine.submit(greedy(prompts[2]))
+        events = [e async for e in handle]
+        result = await handle.result()
+    seq = result.sequences[0]
+    assert [e.token_id for e in events] == seq.token_ids
+    assert "".join(e.text_delta for e in events) == seq.text
+    assert [e.generated_tokens for e in events] == list(range(1, len(events) + 1))
+    assert events[-1].finish_reason is seq.finish_reason
+    assert all(e.finish_reason is None for e in events[:-1])
+    assert result.timings.first_token_at >= result.timings.scheduled_at >= result.timings.queued_at
+
+
+async def test_prefix_cache_warm_equals_cold(llama, prompts, references):
+    long_prompt, ref = prompts[2], references[2]
+    async with running(llama, chunked_prefill_tokens=16) as engine:
+        cold = await generate(engine, greedy(long_prompt))
+        hits_before = engine.stats().prefix_hit_tokens
+        warm = await generate(engine, greedy(long_prompt))
+        stats = engine.stats()
+        assert stats.prefix_hit_tokens - hits_before >= (len(long_prompt) - 1) // 16 * 16
+        assert cold.sequences[0].token_ids == ref
+        assert warm.sequences[0].token_ids == ref
+        # a request that ended on a stop string leaves a cache that still gives the right output
+        stop_text = llama.tokenizer.decode(ref[3:5])
+        stopped = await generate(engine, greedy(long_prompt, stop_sequences=[stop_text]))
+        assert stopped.sequences[0].finish_reason is FinishReason.STOP_SEQUENCE
+        assert len(stopped.sequences[0].token_ids) < len(ref)
+        extended = long_prompt + stopped.sequences[0].token_ids
+        after = await generate(engine, greedy(extended, max_new=8))
+        assert after.sequences[0].token_ids == ref[len(stopped.sequences[0].token_ids):][:8]
+        assert (await generate(engine, greedy(long_prompt))).sequences[0].token_ids == ref
+
+
+async def test_preemption_in_tiny_pool(llama, prompts, references):
+    # 12 blocks of 16 tokens: all five prompts cannot hold their KV at once
+    async with running(llama, max_batch_total_tokens=192, chunked_prefill_tokens=32,
+                       max_waiting_tokens=0) as engine:
+        assert engine.info.max_batch_total_tokens == 192
+        handles = [await engine.submit(greedy(p)) for p in prompts]
+        results = [await h.result() for h in handles]
+        for result, ref in zip(results, references):
+            assert result.sequences[0].token_ids == ref
+        stats = engine.stats()
+        assert stats.preemptions_total > 0
+        assert stats.used_blocks == 0
+
+
+async def test_n_samples_share_prompt_blocks(llama, prompts, references):
+    async with running(llama, chunked_prefill_tokens=16, enable_prefix_caching=False) as engine:
+        request = greedy(prompts[2])
+        request.n = 3
+        result = await generate(engine, request)
+        assert [s.index for s in result.sequences] == [0, 1, 2]
+        for seq in result.sequences:
+            assert seq.token_ids == references[2]
+        assert engine.stats().prefix_hit_tokens >= 2 * ((len(prompts[2]) - 1) // 16 * 16)
+
+
+async def test_cancel_frees_blocks(llama, prompts):
+    async with running(llama) as engine:
+        handle = await engine.submit(greedy(prompts[2], max_new=500, ignore_eos=True))
+        other = await engine.submit(greedy(prompts[1], max_new=200, ignore_eos=True))
+        seen = 0
+        async for _ in handle:
+            seen += 1
+            if seen == 3:
+                break
+        assert engine.stats().used_blocks > 0
+        handle.cancel()
+        other.cancel()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            stats = engine.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+        assert stats.used_blocks == 0 and stats.running == 0
+        assert engine.stats().requests_in_flight == 0
+        # the engine keeps serving
+        assert (await generate(engine, greedy(prompts[0], max_new=3))).sequences[0].generated_tokens == 3
+
+
+async def test_seeded_sampling_reproduces_in_any_batch(llama, prompts):
+    def sampled(seed, n=1):
+        return GenerationRequest(list(prompts[1]), SamplingParams(do_sample=True, temperature=1.0, seed=seed),
+                                 StoppingParams(max_new_tokens=16, ignore_eos=True), n=n)
+
+    async with running(llama) as engine:
+        alone = await generate(engine, sampled(42))
+        noise = [await engine.submit(GenerationRequest(list(p), SamplingParams(do_sample=True),
+                                                       StoppingParams(max_new_tokens=20))) for p in prompts]
+        crowded = await generate(engine, sampled(42))
+        for h in noise:
+            await h.result()
+        pair = await generate(engine, sampled(41, n=2))
+        unseeded = await generate(engine, sampled(None))
+    assert alone.sequences[0].seed == 42
+    assert crowded.sequences[0].token_ids == alone.sequences[0].token_ids
+    assert pair.sequences[1].seed == 42
+    assert pair.sequences[1].token_ids == alone.sequences[0].token_ids  # sequence i uses seed + i
+    assert pair.sequences[0].token_ids != alone.sequences[0].token_ids
+    assert isinstance(unseeded.sequences[0].seed, int)
+
+
+async def test_logprobs_and_top_tokens_match_model(llama, hf_llama, prompts, references):
+    ids = prompts[1]
+    request = greedy(ids, max_new=4)
+    request.top_n_tokens = 3
+    request.prompt_logprobs = True
+    async with running(llama, chunked_prefill_tokens=4) as engine:
+        result = await generate(engine, request)
+    full = torch.tensor([ids + references[1][:4]])
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(hf_llama(full).logits[0].float(), -1)
+    seq = result.sequences[0]
+    for i, event in enumerate(seq.tokens):
+        pos = len(ids) - 1 + i
+        assert event.logprob == pytest.approx(logprobs[pos, event.token_id].item(), abs=1e-4)
+        best = torch.topk(logprobs[pos], 3)
+        assert [t.id for t in event.top_tokens][:3] == best.indices.tolist()
+    prefill = result.prefill
+    assert [p.id for p in prefill] == ids and prefill[0].logprob is None
+    for j in range(1, len(ids)):
+        assert prefill[j].logprob == pytest.approx(logprobs[j - 1, ids[j]].item(), abs=1e-4)
+
+
+async def test_stop_string_excluded_end_to_end(llama, prompts, references):
+    ref_text = llama.tokenizer.decode(references[3])
+    stop = ref_text[len(ref_text) // 2: len(ref_text) // 2 + 3]
+    assert stop.strip()
+    async with running(llama) as engine:
+        handle = await engine.submit(greedy(prompts[3], stop_sequences=[stop], include_stop_str_in_output=False))
+        deltas = [e.text_delta async for e in handle]
+        result = await handle.result()
+    seq = result.sequences[0]
+    assert seq.finish_reason is FinishReason.STOP_SEQUENCE
+    assert seq.text == ref_text[:ref_text.index(stop)]
+    assert "".join(deltas) == seq.text
+
+
+async def test_context_limit_and_limits(llama, prompts):
+    async with running(llama, max_total_tokens=64, max_concurrent_requests=1) as engine:
+        ids = prompts[2]  # 40-ish tokens
+        result_handle = await engine.submit(greedy(ids, max_new=100, ignore_eos=True))
+        with pytest.raises(OverloadedError, match="Model is overloaded"):
+            await engine.submit(greedy(prompts[0]))
+        result = await result_handle.result()
+        assert result.sequences[0].finish_reason is FinishReason.CONTEXT
+        assert len(ids) + result.sequences[0].generated_tokens == 64
+        with pytest.raises(InputTooLongError):
+            await engine.submit(greedy(list(range(100, 170))))
+    async with running(llama, max_batch_total_tokens=64) as engine:
+        with pytest.raises(InputTooLongError, match="more than the whole pool"):
+            await engine.submit(greedy(prompts[2], max_new=60))
+
+
+async def test_probe_and_health(llama):
+    async with running(llama) as engine:
+        assert engine.healthy()
+        assert await engine.probe()
+        assert engine.stats().steps_total >= 1
+    assert not engine.healthy()
+
+
+async def test_reward_model_score(tiny_reward):
+    from transformers import AutoModelForSequenceClassification
+
+    loaded = load_model(Settings(model_id=str(tiny_reward)))
+    hf = AutoModelForSequenceClassification.from_pretrained(tiny_reward).eval()
+    ids = loaded.tokenizer("This answer is helpful and correct.", add_special_tokens=False)["input_ids"]
+    async with running(loaded, chunked_prefill_tokens=4) as engine:
+        assert engine.info.is_reward_model
+        request = GenerationRequest(ids, SamplingParams(), StoppingParams(max_new_tokens=1), score=True)
+        result = await generate(engine, request)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([ids])).logits[0, 0].item()
+    assert result.score == pytest.approx(expected, abs=1e-4)
+    assert result.sequences[0].token_ids == []
+
+
+async def test_generic_path_equals_generate(tiny_gpt2):
+    loaded = load_model(Settings(model_id=str(tiny_gpt2)))
+    assert loaded.kind == "generic"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval()
+    ids_list = [loaded.tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPT_TEXTS[:4]]
+    refs = [hf_greedy(hf, ids, 16) for ids in ids_list]
+    async with running(loaded, chunked_prefill_tokens=16, max_batch_total_tokens=128) as engine:
+        assert engine.info.runner_kind == "generic"
+        handles = [await engine.submit(greedy(ids, max_new=16)) for ids in ids_list]
+        results = [await h.result() for h in handles]
+        assert engine.stats().used_blocks == 0
+    for result, ref in zip(results, refs):
+        assert result.sequences[0].token_ids == ref

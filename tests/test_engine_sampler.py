@@ -1,0 +1,199 @@
+"""The batched sampler: per-row parameters against transformers' own logits processors, sampled
+distributions on a toy vocabulary, seeds, logprobs and top-n ties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.engine.sampler import Sampler
+from opentgi.engine.sequence import Sequence
+from opentgi.engine.stop_checker import StopChecker
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+torch.set_num_threads(1)
+
+
+def make_seq(sampling: SamplingParams, prompt=(1, 2, 3), top_n: int = 0, seed: int | None = 0,
+             min_new_tokens: int = 0, processors=()) -> Sequence:
+    req = GenerationRequest(list(prompt), sampling, StoppingParams(max_new_tokens=8, min_new_tokens=min_new_tokens),
+                            top_n_tokens=top_n)
+    return Sequence(req, 0, seed=seed, detokenizer=None, stop_checker=StopChecker(req.stopping, [0], 1 << 20),
+                    processors=list(processors))
+
+
+def warped(sampler: Sampler, seqs, logits):
+    batch = sampler.batch_for(seqs)
+    scores = sampler._process(batch, logits.clone())
+    s = scores.index_select(0, batch.sample_index) / batch.temperature
+    return sampler._warp(batch, s)
+
+
+def test_warpers_match_transformers():
+    torch.manual_seed(0)
+    V = 50
+    logits = torch.randn(4, V) * 3
+    params = [SamplingParams(do_sample=True, temperature=0.7, top_k=5),
+              SamplingParams(do_sample=True, top_p=0.8),
+              SamplingParams(do_sample=True, typical_p=0.6),
+              SamplingParams(do_sample=True, temperature=1.3, top_k=10, top_p=0.9)]
+    seqs = [make_seq(p) for p in params]
+    ours = warped(Sampler(V, torch.device("cpu")), seqs, logits)
+    refs = [
+        [TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)],
+        [TopPLogitsWarper(0.8)],
+        [TypicalLogitsWarper(0.6)],
+        [TemperatureLogitsWarper(1.3), TopKLogitsWarper(10), TopPLogitsWarper(0.9)],
+    ]
+    for row, procs in enumerate(refs):
+        ref = logits[row:row + 1].clone()
+        for p in procs:
+            ref = p(None, ref)
+        assert torch.equal(torch.isinf(ours[row]), torch.isinf(ref[0])), row
+        keep = ~torch.isinf(ref[0])
+        torch.testing.assert_close(ours[row][keep], ref[0][keep])
+
+
+def test_repetition_penalty_matches_transformers_and_greedy_rows_use_it():
+    torch.manual_seed(1)
+    V = 30
+    logits = torch.randn(2, V) * 2
+    prompts = [(3, 4, 5, 3), (7, 8)]
+    seqs = [make_seq(SamplingParams(repetition_penalty=1.7), prompt=prompts[0]),
+            make_seq(SamplingParams(repetition_penalty=1.0), prompt=prompts[1])]
+    sampler = Sampler(V, torch.device("cpu"))
+    scores = sampler._process(sampler.batch_for(seqs), logits.clone())
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompts[0]]), logits[:1].clone())
+    torch.testing.assert_close(scores[0], ref[0])
+    torch.testing.assert_close(scores[1], logits[1])
+
+
+def test_frequency_presence_penalty_and_logit_bias():
+    V = 10
+    seq = make_seq(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, logit_bias={9: 3.0}),
+                   prompt=(1, 1))
+    seq.token_ids += [4, 4, 6]  # generated: 4 twice, 6 once (prompt tokens are not counted)
+    sampler = Sampler(V, torch.device("cpu"))
+    scores = sampler._process(sampler.batch_for([seq]), torch.zeros(1, V))
+    expected = torch.zeros(V)
+    expected[4] = -(0.5 * 2 + 0.25)
+    expected[6] = -(0.5 + 0.25)
+    expected[9] = 3.0
+    torch.testing.assert_close(scores[0], expected)
+
+
+def test_min_new_tokens_masks_eos():
+    V = 5
+    logits = torch.tensor([[10.0, 1.0, 0.0, 0.0, 0.0]])  # eos (0) is the argmax
+    seq = make_seq(SamplingParams(), min_new_tokens=1)
+    out = Sampler(V, torch.device("cpu")).sample([seq], logits)
+    assert out.token_ids == [1]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    expected = probs * n
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("params,expected_fn", [
+    (SamplingParams(do_sample=True), lambda l: torch.softmax(l, -1)),
+    (SamplingParams(do_sample=True, temperature=0.5), lambda l: torch.softmax(l / 0.5, -1)),
+    (SamplingParams(do_sample=True, top_k=3), "top_k"),
+])
+def test_sampled_distribution_matches(params, expected_fn):
+    V = 6
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
+    if expected_fn == "top_k":
+        probs = torch.softmax(logits, -1)
+        probs[3:] = 0
+        probs /= probs.sum()
+    else:
+        probs = expected_fn(logits)
+    seq = make_seq(params, seed=1234)
+    sampler = Sampler(V, torch.device("cpu"))
+    N = 6000
+    counts = torch.zeros(V)
+    batch_logits = logits.unsqueeze(0)
+    for _ in range(N):
+        tok = sampler.sample([seq], batch_logits).token_ids[0]
+        counts[tok] += 1
+    assert counts[probs == 0].sum() == 0
+    df = int((probs > 0).sum()) - 1
+    # critical value of chi-square at p = 0.001 (df <= 5): 20.5
+    assert chi_square(counts, probs) < 20.5, (counts / N, probs)
+    assert df >= 2
+
+
+def test_seed_reproduces_whatever_the_batch():
+    V = 100
+    torch.manual_seed(3)
+    steps = [torch.randn(3, V) for _ in range(20)]
+
+    def run(rows: list[Sequence], target: int) -> list[int]:
+        sampler = Sampler(V, torch.device("cpu"))
+        out = []
+        for logits in steps:
+            toks = sampler.sample(rows, logits[:len(rows)] if target == 0 else logits[[1, 0, 2][:len(rows)]])
+            out.append(toks.token_ids[target])
+        return out
+
+    alone = run([make_seq(SamplingParams(do_sample=True, temperature=0.9), seed=77)], 0)
+    others = [make_seq(SamplingParams(do_sample=True), seed=5), make_seq(SamplingParams(), seed=None)]
+    in_batch = run([others[0], make_seq(SamplingParams(do_sample=True, temperature=0.9), seed=77), others[1]], 1)
+    assert alone == in_batch
+    different_seed = run([make_seq(SamplingParams(do_sample=True, temperature=0.9), seed=78)], 0)
+    assert different_seed != alone
+
+
+def test_top_n_includes_ties_and_uses_raw_logprobs():
+    V = 8
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 1.0]])
+    seq = make_seq(SamplingParams(repetition_penalty=5.0), prompt=(0,), top_n=2)
+    out = Sampler(V, torch.device("cpu")).sample([seq], logits)
+    raw = torch.log_softmax(logits[0], -1)
+    top = out.top[0]
+    assert next(t for t, _ in top) == 0
+    assert sorted(t for t, _ in top[1:]) == [2, 3, 4]  # three-way tie at the 2nd value
+    for t, lp in top:
+        assert lp == pytest.approx(raw[t].item())
+    # the penalty made another token the choice; its logprob is still from the raw logits
+    assert out.token_ids[0] != 0
+    assert out.logprobs[0] == pytest.approx(raw[out.token_ids[0]].item())
+
+
+class OnlyEven:
+    """A RowLogitsProcessor: allows even tokens only, records what it accepted."""
+
+    def __init__(self):
+        self.accepted = []
+
+    def __call__(self, logits):
+        logits[1::2] = float("-inf")
+
+    def accept(self, token_id):
+        self.accepted.append(token_id)
+
+    def is_terminated(self):
+        return False
+
+
+def test_row_processors_apply_to_their_row_only():
+    V = 6
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.0, 0.0, 0.0]] * 2)
+    proc = OnlyEven()
+    seqs = [make_seq(SamplingParams(), processors=[proc]), make_seq(SamplingParams())]
+    out = Sampler(V, torch.device("cpu")).sample(seqs, logits)
+    assert out.token_ids == [2, 1]
+    assert proc.accepted == [2]
+    assert math.isfinite(out.logprobs[0])
