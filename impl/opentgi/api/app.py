@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import connexion
 from connexion import AsyncApp
-from connexion.middleware import MiddlewarePosition
+from connexion.middleware import ConnexionMiddleware, MiddlewarePosition
+from connexion.middleware.routing import RoutingMiddleware
 from connexion.options import SwaggerUIOptions
 from connexion.resolver import RelativeResolver
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import Mount as StarletteMount
 
 from opentgi.api import runtime
 from opentgi.api.body_validation import BodyParseError, BodySchemaError, validator_map
@@ -49,7 +52,7 @@ DIALECTS: tuple[Dialect, ...] = (
     Dialect("tgi", "tgi.json", "opentgi.api.tgi", prefix="/tgi"),
     Dialect("lightllm", "lightllm.yaml", "opentgi.api.lightllm", prefix="/lightllm",
             error_response="opentgi.api.lightllm:error_response"),
-    Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova", prefix="",
+    Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova", prefix="/sensenova",
             error_response="opentgi.api.sensenova:error_response"),
 )
 
@@ -58,15 +61,25 @@ DIALECTS: tuple[Dialect, ...] = (
 class Mount:
     dialect: Dialect
     base_path: str  # "" at the root
+    paths: tuple[str, ...] | None = None  # a subset of the document's paths; None = all of them
 
 
 def mounts_for(settings: Settings, dialects: tuple[Dialect, ...] = DIALECTS) -> list[Mount]:
     """Where each dialect is served: the one `settings.api` names at the root, the others at their
-    prefix (a dialect with prefix "" has no colliding paths and always sits at the root)."""
+    prefix (a dialect with prefix "" has no colliding paths and always sits at the root). The paths of
+    a prefixed dialect that clash with nothing at the root (LightLLM's /healthz, /token_load,
+    /get_score) are served at the root as well."""
     names = {d.name for d in dialects}
     if settings.api not in names:
         raise ValueError(f"unknown api {settings.api!r}; expected one of {sorted(names)}")
-    return [Mount(d, "" if d.name == settings.api else d.prefix) for d in dialects]
+    mounts = [Mount(d, "" if d.name == settings.api else d.prefix) for d in dialects]
+    taken = {p for m in mounts if m.base_path == "" for p in _document_paths(m.dialect)}
+    for mount in list(mounts):
+        if mount.base_path:
+            free = tuple(p for p in _document_paths(mount.dialect) if p not in taken)
+            if free:
+                mounts.append(Mount(mount.dialect, "", paths=free))
+    return mounts
 
 
 class DialectResolver(RelativeResolver):
@@ -85,15 +98,25 @@ def _import(target: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _document_paths(dialect: Dialect) -> list[str]:
+def _load_document(dialect: Dialect) -> dict:
     import json
 
     import yaml
 
     path = spec_path(dialect.document)
     with open(path, encoding="utf-8") as handle:
-        document = json.load(handle) if path.suffix == ".json" else yaml.safe_load(handle)
-    return list(document.get("paths", {}))
+        return json.load(handle) if path.suffix == ".json" else yaml.safe_load(handle)
+
+
+def _document_paths(dialect: Dialect) -> list[str]:
+    return list(_load_document(dialect).get("paths", {}))
+
+
+def _document_subset(mount: Mount) -> dict:
+    """The dialect's document with only `mount.paths` (served at the root beside the primary)."""
+    document = _load_document(mount.dialect)
+    document["paths"] = {p: v for p, v in document["paths"].items() if p in mount.paths}
+    return document
 
 
 class ErrorMapper:
@@ -105,7 +128,7 @@ class ErrorMapper:
         self.state = server_state
         self.by_name = {m.dialect.name: m.dialect for m in mounts}
         self.dialect_of = dialect_resolver(
-            [(m.base_path, m.dialect.name, _document_paths(m.dialect)) for m in mounts],
+            [(m.base_path, m.dialect.name, m.paths or _document_paths(m.dialect)) for m in mounts],
             default=next((m.dialect.name for m in mounts if m.base_path == ""), "tgi"))
 
     def limits(self) -> FieldLimits:
@@ -145,6 +168,29 @@ def _as_dialect_error(exc: Exception) -> OpenTGIError | None:
     return None
 
 
+class ChainedRoutingMiddleware(RoutingMiddleware):
+    """Connexion's routing, with APIs that share a base path tried in the order they were added.
+
+    Connexion points every earlier API at a base path to the newest one as its fallback, which loses
+    the middle one of three (the root holds the primary dialect, SenseNova and the paths of the
+    prefixed dialect that clash with nothing there): here each falls back to the next instead."""
+
+    def add_api(self, *args, **kwargs) -> None:
+        super().add_api(*args, **kwargs)
+        by_path: dict[str, list] = {}
+        for route in self.router.routes:
+            if isinstance(route, StarletteMount):
+                by_path.setdefault(route.path, []).append(route)
+        for chain in by_path.values():
+            for earlier, later in itertools.pairwise(chain):
+                earlier.app.default = later.app
+
+
+def _middlewares() -> list:
+    return [ChainedRoutingMiddleware if m is RoutingMiddleware else m
+            for m in ConnexionMiddleware.default_middlewares]
+
+
 def create_app(settings: Settings, engine, dialects: tuple[Dialect, ...] = DIALECTS) -> AsyncApp:
     """The ASGI app serving every dialect's document with `engine` (started in the lifespan)."""
     server_state = runtime.ServerState(settings=settings, engine=engine)
@@ -157,7 +203,7 @@ def create_app(settings: Settings, engine, dialects: tuple[Dialect, ...] = DIALE
         finally:
             await engine.stop()
 
-    app = AsyncApp(__name__, lifespan=lifespan, validator_map=validator_map())
+    app = AsyncApp(__name__, lifespan=lifespan, validator_map=validator_map(), middlewares=_middlewares())
     mounts = mounts_for(settings, dialects)
     # Connexion sorts APIs by base path with an unstable order among equal ones, and only the first
     # API at a base path serves its Swagger UI: the primary dialect goes last, which sorts first.
@@ -165,7 +211,7 @@ def create_app(settings: Settings, engine, dialects: tuple[Dialect, ...] = DIALE
         primary = mount.dialect.name == settings.api
         at_root_beside_primary = mount.base_path == "" and not primary
         app.add_api(
-            spec_path(mount.dialect.document),
+            spec_path(mount.dialect.document) if mount.paths is None else _document_subset(mount),
             base_path=mount.base_path or None,
             resolver=DialectResolver(mount.dialect.module),
             swagger_ui_options=SwaggerUIOptions(
