@@ -301,3 +301,48 @@ async def test_generic_path_equals_generate(tiny_gpt2):
         assert engine.stats().used_blocks == 0
     for result, ref in zip(results, refs):
         assert result.sequences[0].token_ids == ref
+
+
+async def test_grammar_constrains_output(llama):
+    import json
+    import re
+
+    from opentgi.engine.errors import GrammarError
+    from opentgi.engine.request import GrammarSpec
+
+    ids = llama.tokenizer("Give me a code:", add_special_tokens=False)["input_ids"]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    async with running(llama) as engine:
+        regex = greedy(ids, max_new=40)
+        regex.grammar = GrammarSpec("regex", "[0-9]{3}-[a-z]{2}")
+        sampled = GenerationRequest(list(ids), SamplingParams(do_sample=True, seed=3),
+                                    StoppingParams(max_new_tokens=60), grammar=GrammarSpec("json", json.dumps(schema)))
+        r1, r2 = await asyncio.gather(generate(engine, regex), generate(engine, sampled))
+        with pytest.raises(GrammarError):
+            bad = greedy(ids)
+            bad.grammar = GrammarSpec("regex", "([a-z")
+            await engine.submit(bad)
+    seq = r1.sequences[0]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", seq.text), seq.text
+    assert seq.finish_reason in (FinishReason.GRAMMAR, FinishReason.EOS_TOKEN)
+    assert r2.sequences[0].finish_reason is FinishReason.GRAMMAR
+    value = json.loads(r2.sequences[0].text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+async def test_watermark_biases_green_tokens(llama, prompts):
+    from opentgi.engine.watermark import detect_watermark
+
+    def request(watermark: bool) -> GenerationRequest:
+        return GenerationRequest(list(prompts[1]), SamplingParams(do_sample=True, seed=11, watermark=watermark),
+                                 StoppingParams(max_new_tokens=48, ignore_eos=True))
+
+    async with running(llama, watermark_gamma=0.5, watermark_delta=8.0) as engine:
+        marked = await generate(engine, request(True))
+        plain = await generate(engine, request(False))
+    vocab = llama.spec.vocab_size
+    last = prompts[1][-1]
+    assert detect_watermark(marked.sequences[0].token_ids, vocab, 0.5, last_prompt_token=last).is_watermarked
+    assert not detect_watermark(plain.sequences[0].token_ids, vocab, 0.5, last_prompt_token=last).is_watermarked

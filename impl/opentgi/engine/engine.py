@@ -210,7 +210,8 @@ class Engine:
         if self._grammar_compiler is None:
             from opentgi.engine.grammar import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size)
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
+                                                     eos_token_ids=self.info.eos_token_ids)
         return await self._grammar_compiler.compile(request.grammar)
 
     def _make_sequences(self, request: GenerationRequest, grammar_factory) -> list[Sequence]:
