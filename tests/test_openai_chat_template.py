@@ -66,7 +66,7 @@ def test_tools_reach_a_template_that_uses_them():
 def test_tools_are_appended_when_template_ignores_them():
     text = render_chat(CHATML, [{"role": "user", "content": "weather in Paris?"}], tools=TOOLS)
     assert "weather in Paris?\n---\n" + DEFAULT_TOOL_PROMPT in text
-    assert '"name": "get_weather"' in text
+    assert '"name":"get_weather"' in text
 
 
 def test_tojson_keeps_unicode_and_bos_eos_are_passed():

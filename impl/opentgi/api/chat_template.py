@@ -148,7 +148,7 @@ def render_chat(
     msgs = normalize_messages(messages)
     if tools and not template_mentions_tools(source):
         prompt = DEFAULT_TOOL_PROMPT if tool_prompt is None else tool_prompt
-        tools_json = json.dumps({"tools": tools}, ensure_ascii=False)
+        tools_json = json.dumps({"tools": tools}, ensure_ascii=False, separators=(",", ":"))
         last = dict(msgs[-1])
         last["content"] = f"{last['content']}\n---\n{prompt}{tools_json}" if last["content"] \
             else f"{prompt}{tools_json}"
