@@ -10,10 +10,10 @@ Two adjustments, for the test run only (the documents are not changed):
     document's payload schema as `contentSchema`: every event's JSON payload is validated. A stream
     may also end with an error event in the shape of the operation's documented error responses
     (TGI streams its errors in-band), and OpenAI-style streams end with the sentinel `[DONE]`.
-  * `positive_data_acceptance` also accepts 422: a request the schema allows can still break a rule
-    no schema can state (prompt tokens + max_new_tokens <= max_total_tokens, top_p < 1, sampling
-    required by best_of), which TGI answers with 422 and a validation error. The 422's body is
-    still checked against the document's error schema.
+  * `positive_data_acceptance` also accepts the validation status a document gives (TGI's 422,
+    LightLLM's and SenseNova's 400): a request the schema allows can still break a rule no schema
+    can state (prompt tokens + max_new_tokens <= max_total_tokens, top_p < 1, sampling required by
+    best_of). The error's body is still checked against the document's error schema.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from pathlib import Path
 import hypothesis
 import schemathesis
 import yaml
-from schemathesis.config import SchemathesisConfig
-
 from opentgi.api.app import mounts_for
+from schemathesis.config import SchemathesisConfig
 
 OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
 SSE = "text/event-stream"
@@ -72,7 +71,7 @@ def rewrap_event_streams(document: dict) -> dict:
     """A copy of `document` whose SSE schemas describe one event with the payload as contentSchema."""
     document = copy.deepcopy(document)
     for path_item in (document.get("paths") or {}).values():
-        for method, operation in path_item.items():
+        for operation in path_item.values():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
             errors = _error_schemas(operation)
@@ -92,21 +91,34 @@ def base_path_of(document: Path, settings) -> str:
     raise LookupError(f"the app mounts no dialect for {document.name}; add it to opentgi.api.app.DIALECTS")
 
 
-def schemathesis_config(base_url: str) -> SchemathesisConfig:
+DEFAULT_ACCEPTED = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx"]
+
+
+def documented_validation_statuses(document: dict) -> list[str]:
+    """The statuses a document gives for requests its schemas cannot rule out (400 / 422)."""
+    found = set()
+    for path_item in (document.get("paths") or {}).values():
+        for operation in path_item.values():
+            if isinstance(operation, dict):
+                found.update(str(s) for s in (operation.get("responses") or {}) if str(s) in ("400", "422"))
+    return sorted(found)
+
+
+def schemathesis_config(base_url: str, accepted: list[str]) -> SchemathesisConfig:
     return SchemathesisConfig.from_dict({
         "base-url": base_url,
         "request-timeout": 60,
         "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
         "phases": {"stateful": {"enabled": False}},
-        "checks": {"positive_data_acceptance": {
-            "expected-statuses": ["2xx", "3xx", "401", "403", "404", "409", "422", "429", "5xx"]}},
+        "checks": {"positive_data_acceptance": {"expected-statuses": DEFAULT_ACCEPTED + accepted}},
     })
 
 
 def _operation_tests(document: Path):
     """One schemathesis test per operation of `document`, aimed at the live server's mount of it."""
-    api = schemathesis.openapi.from_dict(rewrap_event_streams(load_document(document)),
-                                         config=schemathesis_config("http://127.0.0.1"))
+    raw = load_document(document)
+    config = schemathesis_config("http://127.0.0.1", documented_validation_statuses(raw))
+    api = schemathesis.openapi.from_dict(rewrap_event_streams(raw), config=config)
 
     @api.parametrize()
     @hypothesis.seed(SEED)

@@ -26,9 +26,10 @@ from jsonschema.exceptions import best_match
 class BodyParseError(BadRequestProblem):
     """The body could not be read as JSON (TGI/axum: 400 "Failed to parse the request body as JSON")."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, *, empty: bool = False):
         super().__init__(detail=reason)
         self.reason = reason
+        self.empty = empty  # no body at all (rather than a body that is not JSON)
 
 
 class BodySchemaError(BadRequestProblem):
@@ -107,7 +108,7 @@ class TypedJSONBodyValidator(JSONRequestBodyValidator):
 
     def _validate(self, body: t.Any) -> dict | None:
         if not self._nullable and body is None:
-            raise BodyParseError("EOF while parsing a value at line 1 column 0")
+            raise BodyParseError("EOF while parsing a value at line 1 column 0", empty=True)
         errors = sorted(self._validator.iter_errors(body), key=lambda e: list(e.absolute_path))
         if errors:
             raise BodySchemaError.from_jsonschema(best_match(errors) or errors[0])

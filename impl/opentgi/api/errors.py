@@ -95,13 +95,16 @@ def request_error(exc: ProblemException | HTTPException, limits: FieldLimits) ->
         if message is not None:
             return ErrorReply(422, VALIDATION_PREFIX + message, "validation")
         return ErrorReply(422, DESERIALIZE_PREFIX + schema_error_text(exc), "validation")
+    if isinstance(exc, BodyParseError) and exc.empty:  # the documents answer a missing body with 422
+        return ErrorReply(422, DESERIALIZE_PREFIX + exc.reason, "validation")
     if isinstance(exc, BodyParseError):
         return ErrorReply(400, PARSE_PREFIX + exc.reason, "validation")
     if isinstance(exc, UnsupportedMediaTypeProblem):
         return ErrorReply(415, "Expected request with `Content-Type: application/json`", "validation")
     if isinstance(exc, BadRequestProblem):
         if exc.detail == "RequestBody is required":
-            return ErrorReply(400, PARSE_PREFIX + "EOF while parsing a value at line 1 column 0", "validation")
+            return ErrorReply(422, DESERIALIZE_PREFIX + "EOF while parsing a value at line 1 column 0",
+                              "validation")
         return ErrorReply(422, VALIDATION_PREFIX + str(exc.detail), "validation")
     status = getattr(exc, "status_code", None) or getattr(exc, "status", 500)
     headers = dict(getattr(exc, "headers", None) or {})
