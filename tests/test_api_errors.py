@@ -75,12 +75,12 @@ PARAMS_SCHEMA = {"type": "object", "required": ["inputs"], "properties": {
     ({"truncate": -3}, 422,
      "Input validation error: `truncate` must be strictly positive and less than 1024. Given: -3"),
     ({"temperature": "hot"}, 422,
-     "Failed to deserialize the JSON body into the target type: parameters.temperature: 'hot' is not of type "
-     "'number'"),
-    ({"top_k": 2**40}, 422, "Failed to deserialize the JSON body into the target type: parameters.top_k: "
-                            "invalid value: integer `1099511627776`, expected i32"),
-    ({"do_sample": None}, 422, "Failed to deserialize the JSON body into the target type: parameters.do_sample: "
-                               "None is not of type 'boolean'"),
+     ("Failed to deserialize the JSON body into the target type: parameters.temperature: 'hot' is not of type "
+     "'number'")),
+    ({"top_k": 2**40}, 422, ("Failed to deserialize the JSON body into the target type: parameters.top_k: "
+                            "invalid value: integer `1099511627776`, expected i32")),
+    ({"do_sample": None}, 422, ("Failed to deserialize the JSON body into the target type: parameters.do_sample: "
+                               "None is not of type 'boolean'")),
 ])
 def test_schema_failures_get_tgi_messages(parameters, status, message):
     reply = tgi_error(schema_error({"inputs": "x", "parameters": parameters}, PARAMS_SCHEMA), LIMITS)
