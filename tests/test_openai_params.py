@@ -8,6 +8,7 @@ import pytest
 from opentgi.api.openai_params import (
     OpenAILimits,
     check_n,
+    check_seed,
     check_top_logprobs,
     logit_bias_map,
     max_new_tokens,
@@ -118,3 +119,12 @@ def test_response_formats():
     no_grammar = OpenAILimits(**{**LIMITS.__dict__, "disable_grammar_support": True})
     with pytest.raises(NotSupportedError):
         response_format_grammar({"type": "json_object"}, no_grammar)
+
+
+def test_seed_is_a_u64_for_every_choice():
+    check_seed(None, 3)
+    check_seed(2**64 - 3, 3)
+    with pytest.raises(ValidationError, match="seed"):
+        check_seed(2**64 - 2, 3)
+    with pytest.raises(ValidationError, match="seed"):
+        check_seed(-1, 1)

@@ -30,6 +30,7 @@ from opentgi.api.openai_params import (
     CHAT_DEFAULT_MAX_TOKENS,
     OpenAILimits,
     check_n,
+    check_seed,
     check_top_logprobs,
     max_new_tokens,
     response_format_grammar,
@@ -160,6 +161,7 @@ async def _prepare_chat(body: dict) -> PreparedChat:
     req = _parse(ChatRequest, body)
     grammar, using_tools, tools = _chat_grammar(body, req, limits)
     n = check_n(req.n, limits)
+    check_seed(req.seed, n)
     logprobs = bool(req.logprobs)
     top_logprobs = check_top_logprobs("top_logprobs", req.top_logprobs, limits) if logprobs else 0
     stops = stop_sequences(req.stop, limits)
@@ -306,6 +308,7 @@ async def _prepare_completion(body: dict) -> PreparedCompletion:
         raise ValidationError(f"Number of prompts exceeds the maximum allowed batch size of "
                               f"{limits.max_client_batch_size}")
     n = check_n(req.n, limits)
+    check_seed(req.seed, n)
     logprobs = None if req.logprobs is None else check_top_logprobs("logprobs", req.logprobs, limits)
     stops = stop_sequences(req.stop, limits)
     sampling = sampling_params(temperature=req.temperature, top_p=req.top_p,

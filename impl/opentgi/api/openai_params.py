@@ -16,6 +16,7 @@ from opentgi.engine.errors import InputTooLongError, NotSupportedError, Validati
 from opentgi.engine.request import GrammarSpec, SamplingParams, StoppingParams
 
 CHAT_DEFAULT_MAX_TOKENS = 100  # TGI 2.1's chat default (`max_tokens.or(Some(100))`)
+U64_MAX = 2**64 - 1  # TGI's seed is a u64
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,12 @@ def check_n(n: int | None, limits: OpenAILimits) -> int:
     if not 1 <= n <= limits.max_client_batch_size:
         raise ValidationError(f"`n` must be >= 1 and <= {limits.max_client_batch_size}. Given: {n}")
     return n
+
+
+def check_seed(seed: int | None, n: int) -> None:
+    """A u64 as in TGI; choice i of n samples with seed + i, which must stay a u64 too."""
+    if seed is not None and not 0 <= seed <= U64_MAX - (n - 1):
+        raise ValidationError(f"`seed` must be >= 0 and <= {U64_MAX - (n - 1)}. Given: {seed}")
 
 
 def check_top_logprobs(name: str, value: int | None, limits: OpenAILimits) -> int:
