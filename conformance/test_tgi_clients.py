@@ -238,3 +238,39 @@ def test_hub_validation_errors_are_typed(hub, kwargs, message):
     with pytest.raises(hub_errors.ValidationError) as info:
         hub.text_generation(PROMPT, **kwargs)
     assert re.fullmatch("Input validation error: " + message, str(info.value)), str(info.value)
+
+
+# --- /metrics as TGI's Prometheus scrapers and dashboards read it ---------------------------------------
+
+
+def _scrape(base_url: str) -> dict[str, float]:
+    import httpx
+
+    response = httpx.get(f"{base_url}/metrics", timeout=TIMEOUT)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert "# TYPE tgi_request_count counter" in response.text
+    return values
+
+
+def test_metrics_count_requests_like_tgi(live_server, client):
+    before = _scrape(live_server)
+    r = client.generate(PROMPT, max_new_tokens=5)
+    with pytest.raises(tg_errors.ValidationError):
+        client.generate(PROMPT, top_n_tokens=6)
+    after = _scrape(live_server)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("tgi_request_count") == 2
+    assert delta("tgi_request_success") == 1
+    assert delta('tgi_request_failure{err="validation"}') == 1
+    assert delta("tgi_request_generated_tokens_sum") == r.details.generated_tokens
+    assert delta("tgi_request_duration_count") == 1
+    assert delta("tgi_request_max_new_tokens_sum") >= 5
