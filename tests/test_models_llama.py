@@ -121,10 +121,13 @@ def test_mistral_sliding_window_matches_transformers():
     torch.testing.assert_close(torch.stack(got), expected[19:], atol=1e-4, rtol=1e-4)
 
 
-def test_llama3_rope_scaling_matches_transformers():
-    path = tiny_models.tiny_llama_path(rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64})
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_rope_scaling_matches_transformers(rope_scaling):
+    path = tiny_models.tiny_llama_path(rope_scaling=rope_scaling)
     model = load_paged(path)
     hidden = PagedRunner(model).step({0: PROMPT})
     torch.testing.assert_close(model.compute_logits(hidden)[0], hf_logits(path, PROMPT)[-1],
@@ -144,3 +147,16 @@ def test_reward_score_matches_transformers():
     torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(TypeError):
         model.compute_logits(torch.zeros(1, 64))
+
+
+def test_unsupported_configs_go_to_the_generic_path():
+    from opentgi.models.registry import paged_unsupported_reason
+    from transformers import LlamaConfig, Qwen2Config
+
+    assert paged_unsupported_reason(LlamaConfig(architectures=["LlamaForCausalLM"])) is None
+    dynamic = LlamaConfig(architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert "dynamic" in paged_unsupported_reason(dynamic)
+    assert "gelu" in paged_unsupported_reason(LlamaConfig(architectures=["LlamaForCausalLM"], hidden_act="gelu"))
+    windowed = Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True)
+    assert "use_sliding_window" in paged_unsupported_reason(windowed)
+    assert "no paged" in paged_unsupported_reason(LlamaConfig(architectures=["FalconForCausalLM"]))

@@ -166,7 +166,7 @@ def load_model(settings: Settings) -> LoadedModel:
         raise ModelLoadError(f"cannot load the config/tokenizer of {model_id!r}: {exc}") from None
     reason = paged_unsupported_reason(config)
     if reason is None:
-        backend = select_backend(device)
+        backend = select_backend(device, dtype)
         model = build_paged_model(folder, config, backend, dtype, device)
         kind, spec, backend_name = "paged", model.spec, backend.name
         block_size = select_block_size(backend, settings.block_size)
@@ -181,7 +181,7 @@ def load_model(settings: Settings) -> LoadedModel:
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"transformers cannot load {model_id!r} as a causal LM: {exc}") from None
         kind, spec, backend_name = "generic", _generic_spec(config, dtype, device), None
-        block_size = select_block_size(select_backend(device), settings.block_size)
+        block_size = select_block_size(select_backend(device, dtype), settings.block_size)
     eos = eos_token_ids_of(folder, tokenizer, config)
     spec.eos_token_ids = eos
     reward = bool(getattr(model, "is_reward_model", False))

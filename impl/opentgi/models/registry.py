@@ -30,9 +30,11 @@ def architecture_of(config) -> str:
 
 
 def sliding_window_of(config) -> int | None:
-    """The attention window the paged code must apply (Mistral), or None."""
-    if config.model_type == "qwen2":
-        return None  # Qwen2 with use_sliding_window is refused in paged_unsupported_reason
+    """The attention window the paged code must apply (Mistral's `sliding_window`), or None.
+    Llama ignores the field, as transformers does; Qwen2 with use_sliding_window is refused in
+    paged_unsupported_reason."""
+    if config.model_type != "mistral":
+        return None
     window = getattr(config, "sliding_window", None)
     return int(window) if window else None
 

@@ -12,13 +12,16 @@ CPU_BLOCK_SIZE = 16
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged kernels need a multiple of 256
 
 
-def flash_attn_available(device: torch.device) -> bool:
+def flash_attn_available(device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """flash-attn runs on CUDA in float16/bfloat16 only."""
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        return False
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """flash-attn on CUDA when it is installed, else the torch reference backend."""
-    if flash_attn_available(device):
+def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
+    """flash-attn on CUDA when it is installed (and the dtype is 16-bit), else the torch backend."""
+    if flash_attn_available(device, dtype):
         from opentgi.models.attention.flash_backend import FlashAttentionBackend
 
         return FlashAttentionBackend()
