@@ -48,18 +48,22 @@ def load_gguf_tokenizer(path: str | Path):
     id_to_token = {i: t for t, i in hf_tok.get_vocab().items()}
     specials = {name: id_to_token[int(meta[key])] for name, key in _SPECIAL_KEYS.items()
                 if key in meta and int(meta[key]) in id_to_token}
-    if meta.get("tokenizer.ggml.model") == "gpt2":
-        # Byte-level BPE: no bos prepended unless the file asks, and a plain byte-level decoder
-        # (the import adds sentencepiece's "▁" replacement, wrong for literal "▁" in text).
+    byte_level = meta.get("tokenizer.ggml.model") == "gpt2"
+    if byte_level:
+        # A plain byte-level decoder (the import adds sentencepiece's "▁" replacement, wrong for a
+        # literal "▁" in text).
         from tokenizers import decoders
 
         backend.decoder = decoders.ByteLevel()
-        backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    if meta.get("tokenizer.ggml.add_bos_token") and "bos_token" in specials:
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    if add_bos and "bos_token" in specials:
         bos = specials["bos_token"]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
             special_tokens=[(bos, hf_tok.convert_tokens_to_ids(bos))])
+    elif add_bos is False or (add_bos is None and byte_level):
+        backend.post_processor = (processors.ByteLevel(trim_offsets=False) if byte_level
+                                  else processors.TemplateProcessing(single="$A", pair="$A $B"))
     context = meta.get(f"{meta.get('general.architecture')}.context_length")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
