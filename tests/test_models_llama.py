@@ -160,3 +160,16 @@ def test_unsupported_configs_go_to_the_generic_path():
     windowed = Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True)
     assert "use_sliding_window" in paged_unsupported_reason(windowed)
     assert "no paged" in paged_unsupported_reason(LlamaConfig(architectures=["FalconForCausalLM"]))
+
+
+def test_bfloat16_forward_runs_and_stays_close():
+    path = tiny_models.tiny_llama_path()
+    config = AutoConfig.from_pretrained(path)
+    model = build_paged_model(path, config, TorchAttentionBackend(), torch.bfloat16, torch.device("cpu"))
+    runner = PagedRunner(model)
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    got = model.compute_logits(runner.step({0: PROMPT[:20]}))
+    got = torch.cat([got, model.compute_logits(runner.step({0: [PROMPT[20]]}))])
+    assert got.dtype == torch.float32
+    want = hf_logits(path, PROMPT[:21])
+    torch.testing.assert_close(got, want[[19, 20]], atol=0.1, rtol=0.05)
