@@ -44,12 +44,7 @@ def test_dtype_setting_is_applied(tiny_qwen2):
 
 
 def test_unknown_model_id_fails_clearly(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    import huggingface_hub.constants as hub_constants
-
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    _use_hub_cache(monkeypatch, tmp_path)
     with pytest.raises(ModelLoadError, match="not in the Hugging Face cache"):
         load_model(Settings(model_id="no-such-org/no-such-model"))
     with pytest.raises(ModelLoadError, match="does not exist"):
@@ -87,3 +82,42 @@ def test_default_model_conversion_is_exact(tmp_path):
     torch.testing.assert_close(paged, want, atol=1e-3, rtol=1e-3)
     # a second start finds the converted folder
     assert load_model(Settings(cache_dir=str(tmp_path))).folder == loaded.folder
+
+
+def _use_hub_cache(monkeypatch, cache):
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+
+
+def test_hub_id_found_in_the_cache_reports_its_commit(tmp_path, monkeypatch, tiny_llama):
+    import shutil
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--tiny-org--tiny-llama"
+    shutil.copytree(tiny_llama, repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    _use_hub_cache(monkeypatch, tmp_path)
+    loaded = load_model(Settings(model_id="tiny-org/tiny-llama"))
+    assert loaded.kind == "paged"
+    assert loaded.model_id == "tiny-org/tiny-llama" and loaded.model_sha == sha
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_models_llama import PROMPT, PagedRunner
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="2MB")
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    loaded = load_model(Settings(model_id=str(tmp_path)))
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0, -1]
+    got = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: PROMPT}))[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
