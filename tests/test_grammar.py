@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -233,23 +235,39 @@ async def test_invalid_grammars_raise_grammar_error(compiler, spec, fragment):
         compiler.compile_sync(spec)
 
 
-async def test_compile_runs_off_the_event_loop_and_is_cached(smollm2_tokenizer, vocab_size):
-    compiler = GrammarCompiler(smollm2_tokenizer, vocab_size, eos_token_ids=EOS, max_cache=2)
+async def test_slow_compile_runs_off_the_event_loop(smollm2_tokenizer, vocab_size, monkeypatch):
+    compiler = GrammarCompiler(smollm2_tokenizer, vocab_size, eos_token_ids=EOS)
+    real, threads = compiler._compile, []
+
+    def slow(key):  # a schema that takes 0.3 s to compile
+        threads.append(threading.current_thread())
+        time.sleep(0.3)
+        return real(key)
+
+    monkeypatch.setattr(compiler, "_compile", slow)
     try:
+        task = asyncio.create_task(compiler.compile(GrammarSpec("json", SCHEMAS["person"])))
         ticks = 0
-        task = asyncio.create_task(compiler.compile(GrammarSpec("json", SCHEMAS["order_nested_arrays_enums"])))
         while not task.done():
             ticks += 1
-            await asyncio.sleep(0.001)
-        assert ticks > 5  # the loop kept running while the schema compiled
-        first = (await task).args[0]
-        again = asyncio.create_task(compiler.compile(GrammarSpec("json", SCHEMAS["order_nested_arrays_enums"])))
-        assert (await again).args[0] is first
+            await asyncio.sleep(0.01)
+        assert ticks >= 5  # the loop kept running while the schema compiled
+        assert threads and threads[0] is not threading.current_thread()
+        assert (await task)().is_terminated() is False
+    finally:
+        compiler.close()
+
+
+async def test_compiled_grammars_are_cached_lru(smollm2_tokenizer, vocab_size):
+    compiler = GrammarCompiler(smollm2_tokenizer, vocab_size, eos_token_ids=EOS, max_cache=2)
+    try:
+        spec = GrammarSpec("json", SCHEMAS["order_nested_arrays_enums"])
+        first = (await compiler.compile(spec)).args[0]
+        assert (await compiler.compile(spec)).args[0] is first
         # LRU of two entries: two other grammars evict the first one.
         await compiler.compile(GrammarSpec("regex", "a"))
         await compiler.compile(GrammarSpec("regex", "b"))
-        third = await compiler.compile(GrammarSpec("json", SCHEMAS["order_nested_arrays_enums"]))
-        assert third.args[0] is not first
+        assert (await compiler.compile(spec)).args[0] is not first
     finally:
         compiler.close()
 
