@@ -149,6 +149,13 @@ def _chat_grammar(body: dict, req: ChatRequest, limits: OpenAILimits) -> tuple[G
     return format_grammar, False, tools
 
 
+def _chat_template(engine):
+    """The tokenizer's named templates when it has several (so `tool_use` can be picked when tools
+    are given), else the engine's resolved template."""
+    named = getattr(engine.tokenizer, "chat_template", None)
+    return named if isinstance(named, dict) else engine.info.chat_template
+
+
 def _special_tokens(tokenizer) -> dict[str, str]:
     tokens = getattr(tokenizer, "special_tokens_map", None) or {}
     return {k: v for k, v in tokens.items() if isinstance(v, str)}
@@ -171,7 +178,7 @@ async def _prepare_chat(body: dict) -> PreparedChat:
                                logit_bias=body.get("logit_bias"), limits=limits)
     info = engine.info
     text = await asyncio.to_thread(
-        render_chat, info.chat_template, body["messages"], bos_token=info.bos_token,
+        render_chat, _chat_template(engine), body["messages"], bos_token=info.bos_token,
         eos_token=info.eos_token, special_tokens=_special_tokens(engine.tokenizer), tools=tools or None,
         tool_prompt=req.tool_prompt)
     prompt_ids = await engine.encode(text, add_special_tokens=False)
