@@ -44,13 +44,54 @@ def load_document(path: Path) -> dict:
         return json.load(handle) if path.suffix == ".json" else yaml.safe_load(handle)
 
 
-def _error_schemas(operation: dict) -> list[dict]:
+OPENAPI_ONLY_KEYWORDS = ("nullable", "example", "discriminator", "xml", "externalDocs", "deprecated",
+                         "readOnly", "writeOnly")
+
+
+def resolve(document: dict, node):
+    seen = set()
+    while isinstance(node, dict) and "$ref" in node and node["$ref"] not in seen:
+        seen.add(node["$ref"])
+        target = document
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part.replace("~1", "/").replace("~0", "~")]
+        node = target
+    return node
+
+
+def to_json_schema(node, document: dict, refs: tuple = ()):
+    """An OpenAPI 3.0 schema as plain JSON Schema (refs inlined, `nullable` as a null branch).
+
+    schemathesis converts OpenAPI's dialect in response schemas, but not inside a `contentSchema`.
+    """
+    if isinstance(node, list):
+        return [to_json_schema(item, document, refs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        if node["$ref"] in refs:  # a recursive schema: stop inlining
+            return {}
+        return to_json_schema(resolve(document, node), document, (*refs, node["$ref"]))
+    out = {}
+    for key, value in node.items():
+        if key in OPENAPI_ONLY_KEYWORDS:
+            continue
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {name: to_json_schema(sub, document, refs) for name, sub in value.items()}
+        else:
+            out[key] = to_json_schema(value, document, refs)
+    if node.get("nullable") is True:
+        return {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+def _error_schemas(operation: dict, document: dict) -> list[dict]:
     """The payload schemas of an operation's documented error responses (any media type)."""
     found: list[dict] = []
     for status, response in (operation.get("responses") or {}).items():
         if str(status)[:1] not in ("4", "5"):
             continue
-        for media in (response.get("content") or {}).values():
+        for media in (resolve(document, response).get("content") or {}).values():
             schema = media.get("schema") if isinstance(media, dict) else None
             if schema is not None and schema not in found:
                 found.append(schema)
@@ -69,18 +110,19 @@ def _event_schema(payload: dict, alternatives: list[dict]) -> dict:
 
 def rewrap_event_streams(document: dict) -> dict:
     """A copy of `document` whose SSE schemas describe one event with the payload as contentSchema."""
-    document = copy.deepcopy(document)
+    original, document = document, copy.deepcopy(document)
     for path_item in (document.get("paths") or {}).values():
         for operation in path_item.values():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
-            errors = _error_schemas(operation)
+            errors = [to_json_schema(e, original) for e in _error_schemas(operation, original)]
             for status, response in operation["responses"].items():
-                media = (response.get("content") or {}).get(SSE)
-                if not isinstance(media, dict) or "schema" not in media:
+                media = (resolve(document, response).get("content") or {}).get(SSE)
+                if not isinstance(media, dict) or "schema" not in media or media.get("x-rewrapped"):
                     continue
                 alternatives = errors if str(status).startswith("2") else []
-                media["schema"] = _event_schema(media["schema"], alternatives)
+                media["schema"] = _event_schema(to_json_schema(media["schema"], original), alternatives)
+                media["x-rewrapped"] = True
     return document
 
 

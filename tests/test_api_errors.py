@@ -104,11 +104,11 @@ async def _parse(raw: bytes, encoding: str = "utf-8"):
 
 @pytest.mark.parametrize(("raw", "encoding"), [(b"{bad", "utf-8"), (b"\xff\xfe{}", "utf-8"),
                                                (b"{}", "no-such-charset"), (b"[" * 100000, "utf-8")])
-async def test_unreadable_bodies_are_400_parse_errors(raw, encoding):
+async def test_unreadable_bodies_are_422_parse_errors(raw, encoding):
     with pytest.raises(BodyParseError) as caught:
         await _parse(raw, encoding)
     reply = tgi_error(caught.value, LIMITS)
-    assert reply.status == 400
+    assert reply.status == 422
     assert reply.error.startswith("Failed to parse the request body as JSON: ")
 
 

@@ -191,8 +191,8 @@ def test_prompt_too_long(client):
 
 def test_bad_requests_are_4xx_in_tgi_shape(client):
     cases = [
-        (client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}), 400),
-        (client.post("/generate", content=b"\xff\xfe", headers={"content-type": "application/json"}), 400),
+        (client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}), 422),
+        (client.post("/generate", content=b"\xff\xfe", headers={"content-type": "application/json"}), 422),
         (client.post("/generate", content=b"{}", headers={"content-type": "text/plain"}), 415),
         (client.post("/generate", json={"inputs": "x", "parameters": {"seed": 2**64}}), 422),
         (client.post("/generate", json={"inputs": "x", "parameters": {"top_k": 2**31}}), 422),

@@ -12,7 +12,8 @@ Body: `{"error": "...", "error_type": "..."}`, as TGI 2.1's router writes it (`s
 
 Connexion's request-validation failures (typed by `body_validation`) get TGI's answer too: a field
 TGI itself checks gets TGI's message for it; any other schema failure gets axum's deserialization
-message (422), a body that is not JSON axum's parse message (400), a wrong content type 415.
+message, a body that is not JSON axum's parse message (both 422: axum says 400 for the
+latter, but TGI's document has 422 for bad input), a wrong content type 415.
 """
 
 from __future__ import annotations
@@ -95,10 +96,8 @@ def request_error(exc: ProblemException | HTTPException, limits: FieldLimits) ->
         if message is not None:
             return ErrorReply(422, VALIDATION_PREFIX + message, "validation")
         return ErrorReply(422, DESERIALIZE_PREFIX + schema_error_text(exc), "validation")
-    if isinstance(exc, BodyParseError) and exc.empty:  # the documents answer a missing body with 422
-        return ErrorReply(422, DESERIALIZE_PREFIX + exc.reason, "validation")
-    if isinstance(exc, BodyParseError):
-        return ErrorReply(400, PARSE_PREFIX + exc.reason, "validation")
+    if isinstance(exc, BodyParseError):  # axum says 400; TGI's document gives 422 for bad input
+        return ErrorReply(422, (DESERIALIZE_PREFIX if exc.empty else PARSE_PREFIX) + exc.reason, "validation")
     if isinstance(exc, UnsupportedMediaTypeProblem):
         return ErrorReply(415, "Expected request with `Content-Type: application/json`", "validation")
     if isinstance(exc, BadRequestProblem):
