@@ -116,13 +116,13 @@ async def test_stop_sequence_and_eos_finish_with_stop(llama_state):
 async def test_invalid_requests_are_4xx_before_any_stream(llama_state):
     bound(llama_state)
     cases = [
-        ({"inputs": "x", "parameters": {"max_new_tokens": 2, "min_new_tokens": 3}}, 400, "min_new_tokens"),
-        ({"inputs": "x", "parameters": {"n": 2, "best_of": 3}}, 400, "n == best_of"),
-        ({"inputs": "x", "parameters": {"n": 2}}, 400, "best_of == 1"),
-        ({"inputs": "x", "multimodal_params": {"images": [{"type": "base64", "data": "AA=="}]}}, 400, "text model"),
-        ({"inputs": "word " * 300}, 400, "tokens"),
+        ({"inputs": "x", "parameters": {"max_new_tokens": 2, "min_new_tokens": 3}}, 422, "min_new_tokens"),
+        ({"inputs": "x", "parameters": {"n": 2, "best_of": 3}}, 422, "n == best_of"),
+        ({"inputs": "x", "parameters": {"n": 2}}, 422, "best_of == 1"),
+        ({"inputs": "x", "multimodal_params": {"images": [{"type": "base64", "data": "AA=="}]}}, 422, "text model"),
+        ({"inputs": "word " * 300}, 422, "tokens"),
     ]
-    for body, status, words in cases:
+    for body, status, words in cases:  # well-formed but not servable: 422
         response = await lightllm.generate_stream(body)
         assert response.status_code == status, body
         assert response.media_type != "text/event-stream"
@@ -164,10 +164,10 @@ async def test_health(llama_state):
     assert head.status_code == 200 and head.body == b""
 
 
-async def test_get_score_on_a_generative_model_is_a_clear_400(llama_state):
+async def test_get_score_on_a_generative_model_is_a_clear_422(llama_state):
     bound(llama_state)
     response = await lightllm.get_score({"chat": "hello"})
-    assert response.status_code == 400
+    assert response.status_code == 422
     assert "reward model" in json.loads(response.body)["message"]
 
 
@@ -193,7 +193,7 @@ async def test_get_score_equals_the_transformers_forward(reward_state, tiny_rewa
     assert response.body.decode() == lightllm.dumps(scored)
 
 
-async def test_generate_on_a_reward_model_is_a_clear_400(reward_state):
+async def test_generate_on_a_reward_model_is_a_clear_422(reward_state):
     bound(reward_state)
     response = await lightllm.generate({"inputs": "hi"})
-    assert response.status_code == 400 and "reward model" in json.loads(response.body)["message"]
+    assert response.status_code == 422 and "reward model" in json.loads(response.body)["message"]

@@ -101,10 +101,10 @@ async def test_context_when_the_default_runs_into_the_window(state):
     assert usage["total_tokens"] == MAX_TOTAL_TOKENS
 
 
-async def test_explicit_max_new_tokens_past_the_context_is_a_400(state):
+async def test_explicit_max_new_tokens_past_the_context_is_a_422(state):
     bind(state)
     status, body = await complete(prompt="hi", max_new_tokens=MAX_TOTAL_TOKENS)
-    assert status == 400
+    assert status == 422
     assert body["error"]["code"] == 3 and body["error"]["details"] == []
     assert "must be <= the model's context length (128)" in body["error"]["message"]
 

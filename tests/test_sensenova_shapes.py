@@ -115,7 +115,7 @@ def test_stream_chunk_context_reason():
 @pytest.mark.parametrize(
     "exc, status, code",
     [
-        (InputTooLongError("too long", input_tokens=5, max_new_tokens=5, limit=8), 400, 3),
+        (InputTooLongError("too long", input_tokens=5, max_new_tokens=5, limit=8), 422, 3),
         (OverloadedError("Model is overloaded"), 429, 8),
         (GenerationError("boom"), 500, 13),
         (UnhealthyError("down"), 503, 14),
@@ -129,23 +129,15 @@ def test_errors_in_sensenova_shape(exc, status, code):
     )
 
 
-def test_request_validation_errors_in_sensenova_shape():
-    from opentgi.api.body_validation import BodyParseError, BodySchemaError
-    from starlette.exceptions import HTTPException
+def test_errors_before_the_handler_are_400():
+    from opentgi.engine.errors import ValidationError
 
-    exc = BodySchemaError(path=("n",), keyword="maximum", instance=5, message="5 is greater than the maximum of 4")
-    response = sensenova.request_error(exc)
+    response = sensenova.request_error(ValidationError("n: 5 is greater than the maximum of 4"))
     assert response.status_code == 400
     assert response.body == (
         b'{"error":{"code":3,"message":"invalid argument: n: 5 is greater than the maximum of 4","details":[]}}'
     )
-    assert sensenova.request_error(BodyParseError("Expecting value")).status_code == 400
-    not_found = sensenova.request_error(HTTPException(404))
-    assert not_found.status_code == 404 and json.loads(not_found.body)["error"]["code"] == 5
-    crash = sensenova.request_error(RuntimeError("x"))
-    assert crash.status_code == 500 and json.loads(crash.body)["error"] == {
-        "code": 13, "message": "Internal server error: RuntimeError", "details": [],
-    }
+    assert sensenova.request_error(OverloadedError("Model is overloaded")).status_code == 429
 
 
 def test_stream_error_event():

@@ -51,9 +51,9 @@ class Dialect:
 DIALECTS: tuple[Dialect, ...] = (
     Dialect("tgi", "tgi.json", "opentgi.api.tgi", prefix="/tgi"),
     Dialect("lightllm", "lightllm.yaml", "opentgi.api.lightllm", prefix="/lightllm",
-            error_response="opentgi.api.lightllm:error_response"),
+            error_response="opentgi.api.lightllm:request_error"),
     Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova", prefix="/sensenova",
-            error_response="opentgi.api.sensenova:error_response"),
+            error_response="opentgi.api.sensenova:request_error"),
 )
 
 
@@ -191,9 +191,25 @@ def _middlewares() -> list:
             for m in ConnexionMiddleware.default_middlewares]
 
 
-def create_app(settings: Settings, engine, dialects: tuple[Dialect, ...] = DIALECTS) -> AsyncApp:
+def app_metrics(engine, metrics=None):
+    """The app's Metrics: the one given, else the one the engine already reports to, else a new one.
+
+    For the engine's own metrics (batches, queue, KV blocks), create the engine with
+    `observer=metrics.observer` and pass the same `metrics` here.
+    """
+    from opentgi.metrics import Metrics, MetricsObserver, install
+
+    if metrics is None:
+        observer = getattr(engine, "observer", None)
+        metrics = observer.m if isinstance(observer, MetricsObserver) else Metrics()
+    metrics.set_limits(engine.info.max_input_tokens, engine.info.max_total_tokens)
+    return install(metrics)  # the module-level recording functions forward to this app's instance
+
+
+def create_app(settings: Settings, engine, *, metrics=None,
+               dialects: tuple[Dialect, ...] = DIALECTS) -> AsyncApp:
     """The ASGI app serving every dialect's document with `engine` (started in the lifespan)."""
-    server_state = runtime.ServerState(settings=settings, engine=engine)
+    server_state = runtime.ServerState(settings=settings, engine=engine, metrics=app_metrics(engine, metrics))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -8,14 +8,10 @@ and /get_score, starlette's compact JSONResponse for /health, /token_load and er
 from __future__ import annotations
 
 import json
-import logging
 
-from connexion.exceptions import BadRequestProblem, ProblemException, UnsupportedMediaTypeProblem
-from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from opentgi.api import runtime
-from opentgi.api.body_validation import BodyParseError, BodySchemaError
 from opentgi.api.sse import sse_response
 from opentgi.engine.errors import (
     GenerationError,
@@ -29,15 +25,15 @@ from opentgi.engine.events import GenerationResult, SequenceResult, TokenEvent
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from opentgi.schemas import lightllm as schema
 
-log = logging.getLogger(__name__)
-
 # LightLLM turns sampling off below this temperature (py_sampling_params._SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 # Score requests generate nothing: one prefill pass through the reward model.
 SCORE_MAX_NEW_TOKENS = 1
 
+# A well-formed request the server cannot serve is a 422; one that breaks the document is a 400
+# (`request_error`).
 ERROR_STATUS = (
-    (ValidationError, 400),
+    (ValidationError, 422),
     (OverloadedError, 429),
     (GenerationError, 500),
     (UnhealthyError, 503),
@@ -206,25 +202,12 @@ def error_response(exc: OpenTGIError) -> JSONResponse:
     return JSONResponse({"message": exc.message}, status_code=error_status(exc))
 
 
-def request_error(exc: BaseException) -> JSONResponse:
-    """Any error raised around a LightLLM route (request validation, routing, engine) in its shape."""
-    if isinstance(exc, OpenTGIError):
-        return error_response(exc)
-    if isinstance(exc, BodySchemaError):
-        where = f"{exc.field}: " if exc.path and not exc.message.startswith("missing field") else ""
-        return JSONResponse({"message": f"invalid request: {where}{exc.message}"}, status_code=400)
-    if isinstance(exc, BodyParseError):
-        return JSONResponse({"message": f"the request body is not valid JSON: {exc.reason}"}, status_code=400)
-    if isinstance(exc, UnsupportedMediaTypeProblem):
-        return JSONResponse({"message": "expected a request with Content-Type: application/json"}, status_code=415)
-    if isinstance(exc, BadRequestProblem):
-        return JSONResponse({"message": f"invalid request: {exc.detail}"}, status_code=400)
-    if isinstance(exc, ProblemException | HTTPException):
-        status = getattr(exc, "status_code", None) or getattr(exc, "status", 500)
-        detail = getattr(exc, "detail", None) or getattr(exc, "title", None) or "error"
-        return JSONResponse({"message": str(detail)}, status_code=status, headers=getattr(exc, "headers", None))
-    log.error("unexpected error: %r", exc, exc_info=exc)
-    return JSONResponse({"message": f"Internal server error: {type(exc).__name__}"}, status_code=500)
+def request_error(exc: OpenTGIError) -> JSONResponse:
+    """An error raised before the handler ran (the app's error mapper calls this): a request that
+    breaks the document (Connexion's validation, as a ValidationError) is a 400."""
+    if isinstance(exc, ValidationError):
+        return JSONResponse({"message": exc.message}, status_code=400)
+    return error_response(exc)
 
 
 def json_answer(payload: dict) -> Response:

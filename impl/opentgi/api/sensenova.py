@@ -10,15 +10,11 @@ would contain a sensitive term (`--sensitive-words`) stops before it with `sensi
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 
-from connexion.exceptions import BadRequestProblem, ProblemException, UnsupportedMediaTypeProblem
-from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from opentgi.api import runtime
-from opentgi.api.body_validation import BodyParseError, BodySchemaError
 from opentgi.api.sse import sse_response
 from opentgi.engine.errors import (
     GenerationError,
@@ -32,13 +28,12 @@ from opentgi.engine.events import GenerationResult, TokenEvent
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from opentgi.schemas import sensenova as schema
 
-log = logging.getLogger(__name__)
-
 # gRPC-style codes of SenseNova's error body {"error": {"code", "message", "details"}}.
-INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 3, 5, 8, 12, 13, 14
-HTTP_CODES = {400: INVALID_ARGUMENT, 404: NOT_FOUND, 405: UNIMPLEMENTED, 415: INVALID_ARGUMENT}
+INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 3, 8, 13, 14
+# A well-formed request the server cannot serve is a 422; one that breaks the document is a 400
+# (`request_error`). Both carry code 3.
 ERRORS = (  # engine error type -> (HTTP status, SenseNova code)
-    (ValidationError, 400, INVALID_ARGUMENT),
+    (ValidationError, 422, INVALID_ARGUMENT),
     (OverloadedError, 429, RESOURCE_EXHAUSTED),
     (GenerationError, 500, INTERNAL),
     (UnhealthyError, 503, UNAVAILABLE),
@@ -191,30 +186,16 @@ def error_response(exc: OpenTGIError) -> Response:
     return error_json(status, code, exc.message)
 
 
-def error_json(status: int, code: int, message: str, headers: dict | None = None) -> Response:
-    return Response(dumps(error_body(code, message)), status_code=status, media_type="application/json",
-                    headers=headers)
+def error_json(status: int, code: int, message: str) -> Response:
+    return Response(dumps(error_body(code, message)), status_code=status, media_type="application/json")
 
 
-def request_error(exc: BaseException) -> Response:
-    """Any error raised around the SenseNova route (request validation, routing, engine) in its shape."""
-    if isinstance(exc, OpenTGIError):
-        return error_response(exc)
-    if isinstance(exc, BodySchemaError):
-        where = f"{exc.field}: " if exc.path and not exc.message.startswith("missing field") else ""
-        return error_json(400, INVALID_ARGUMENT, f"invalid argument: {where}{exc.message}")
-    if isinstance(exc, BodyParseError):
-        return error_json(400, INVALID_ARGUMENT, f"the request body is not valid JSON: {exc.reason}")
-    if isinstance(exc, UnsupportedMediaTypeProblem):
-        return error_json(415, INVALID_ARGUMENT, "expected a request with Content-Type: application/json")
-    if isinstance(exc, BadRequestProblem):
-        return error_json(400, INVALID_ARGUMENT, f"invalid argument: {exc.detail}")
-    if isinstance(exc, ProblemException | HTTPException):
-        status = getattr(exc, "status_code", None) or getattr(exc, "status", 500)
-        detail = getattr(exc, "detail", None) or getattr(exc, "title", None) or "error"
-        return error_json(status, HTTP_CODES.get(status, INTERNAL), str(detail), getattr(exc, "headers", None))
-    log.error("unexpected error: %r", exc, exc_info=exc)
-    return error_json(500, INTERNAL, f"Internal server error: {type(exc).__name__}")
+def request_error(exc: OpenTGIError) -> Response:
+    """An error raised before the handler ran (the app's error mapper calls this): a request that
+    breaks the document (Connexion's validation, as a ValidationError) is a 400."""
+    if isinstance(exc, ValidationError):
+        return error_json(400, INVALID_ARGUMENT, f"invalid argument: {exc.message}")
+    return error_response(exc)
 
 
 # --- handler (operationId) --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-# GENERATED from openapi/lightllm.yaml (sha256 4c7c6070a0c1a8d1) by codegen with
+# GENERATED from openapi/lightllm.yaml (sha256 eab3845481d1aca4) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
