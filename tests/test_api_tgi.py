@@ -251,3 +251,23 @@ def test_health_probes_then_fails_when_the_loop_stalls(client, engine, monkeypat
 def test_docs_and_document_are_served(client):
     assert client.get("/docs/").status_code == 200
     assert client.get("/openapi.json").json()["info"]["title"] == "Text Generation Inference"
+
+
+def _sample(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+              or line.startswith(name + "{")]
+    return sum(values)
+
+
+def test_metrics_count_requests_successes_and_failures(client):
+    before = client.get("/metrics").text
+    client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+    client.post("/generate", json={"inputs": "Hi", "parameters": {"top_p": 1.0}})
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    after = response.text
+    assert _sample(after, "tgi_request_count") == _sample(before, "tgi_request_count") + 2
+    assert _sample(after, "tgi_request_success") == _sample(before, "tgi_request_success") + 1
+    failures = 'tgi_request_failure{err="validation"}'
+    assert _sample(after, failures) == _sample(before, failures) + 1
+    assert _sample(after, "tgi_request_generated_tokens_count") >= 1

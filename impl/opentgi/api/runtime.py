@@ -25,6 +25,7 @@ _current: ContextVar[ServerState] = ContextVar("opentgi_server_state")
 class ServerState:
     settings: Settings
     engine: Any  # opentgi.engine.engine.Engine (kept untyped: api must import without torch loaded)
+    metrics: Any = None  # opentgi.metrics.Metrics of this app
     started_at: float = field(default_factory=time.monotonic)
     last_success_at: float | None = None  # monotonic time of the last generation that succeeded
 
@@ -54,6 +55,11 @@ def engine():
 
 def settings() -> Settings:
     return state().settings
+
+
+def metrics():
+    """This app's opentgi.metrics.Metrics."""
+    return state().metrics
 
 
 class StateMiddleware:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pydantic
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from opentgi import __version__
 from opentgi.api import runtime
@@ -76,8 +76,8 @@ async def _prepare(body: dict, *, stream: bool, default_return_full_text: bool =
         params.return_full_text = default_return_full_text
     prompt_token_ids = await engine.encode(inputs)
     request = build_request(params, prompt_token_ids, limits, parameters)
-    _observe("max_new_tokens", request.stopping.max_new_tokens)
-    _observe("input_length", request.num_prompt_tokens)
+    runtime.metrics().request_validated(input_length=request.num_prompt_tokens,
+                                        max_new_tokens=request.stopping.max_new_tokens)
     handle = await engine.submit(request)
     return Prepared(handle=handle, inputs=inputs, input_length=request.num_prompt_tokens,
                     details=params.details, decoder_input_details=params.decoder_input_details,
@@ -89,44 +89,22 @@ def _compute_type() -> str:
     return "gpu+optimized" if device == "cuda" else f"{device}+optimized"
 
 
-# --- metrics (opentgi.metrics, when present) ---------------------------------------------------------
-
-
-def _metrics():
-    try:
-        from opentgi import metrics
-    except ImportError:
-        return None
-    return metrics
-
-
-def _observe(name: str, value: float) -> None:
-    metrics = _metrics()
-    hook = getattr(metrics, f"observe_{name}", None) if metrics else None
-    if hook is not None:
-        hook(value)
+# --- metrics (this app's opentgi.metrics.Metrics) -----------------------------------------------------
 
 
 def _count_request() -> None:
-    metrics = _metrics()
-    if metrics is not None and hasattr(metrics, "record_request"):
-        metrics.record_request()
+    runtime.metrics().request_started()
 
 
 def _record_failure(exc: BaseException) -> None:
-    error_type = tgi_error(exc).error_type
     if isinstance(exc, GenerationError):
         runtime.state().last_success_at = None
-    metrics = _metrics()
-    if metrics is not None and hasattr(metrics, "record_failure"):
-        metrics.record_failure(error_type)
+    runtime.metrics().request_finished(ok=False, err=tgi_error(exc).error_type)
 
 
 def _record_success(timings: dict[str, float], generated_tokens: int) -> None:
     runtime.state().record_success()
-    metrics = _metrics()
-    if metrics is not None and hasattr(metrics, "record_success"):
-        metrics.record_success(generated_tokens=generated_tokens, **timings)
+    runtime.metrics().request_finished(ok=True, generated_tokens=generated_tokens, **timings)
 
 
 # --- generation -------------------------------------------------------------------------------------
@@ -314,11 +292,8 @@ async def tokenize(body: dict) -> Response:
 
 
 async def metrics() -> Response:
-    module = _metrics()
-    if module is None or not hasattr(module, "render"):
-        return PlainTextResponse("", media_type="text/plain; version=0.0.4")
-    content, content_type = module.render()
-    return Response(content, media_type=content_type)
+    content, content_type = runtime.metrics().render()
+    return Response(content, headers={"content-type": content_type})
 
 
 # --- the OpenAI routes live in opentgi.api.openai ------------------------------------------------------
