@@ -254,8 +254,7 @@ def test_docs_and_document_are_served(client):
 
 
 def _sample(text: str, name: str) -> float:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
-              or line.startswith(name + "{")]
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))]
     return sum(values)
 
 
