@@ -36,6 +36,7 @@ Semantics (documented differences from TGI 2.1.2 live in docs/differences-from-t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -85,11 +86,24 @@ def grammar_key(spec: GrammarSpec) -> tuple[str, str]:
     if kind not in GRAMMAR_TYPES:
         raise _invalid(f"unknown grammar type {kind!r} (expected 'json' or 'regex')")
     if kind == "json":
-        # Key order is kept: it is the order in which properties are generated.
-        return kind, json.dumps(parse_json_schema(spec.value), ensure_ascii=False, separators=(",", ":"))
+        value = spec.value
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", errors="replace")
+        if isinstance(value, (dict, bool)):
+            value = json.dumps(value)
+        elif not isinstance(value, str):
+            raise _invalid(f"a JSON schema must be an object, not {type(value).__name__}")
+        return kind, _normalised_schema(value)
     if not isinstance(spec.value, str):
         raise _invalid(f"a regex grammar must be a string, not {type(spec.value).__name__}")
     return kind, spec.value
+
+
+@functools.lru_cache(maxsize=256)
+def _normalised_schema(text: str) -> str:
+    """Schema text checked against the meta-schema (milliseconds: cached, as it runs on the event
+    loop), re-serialised compactly. Key order is kept: it is the order properties are generated in."""
+    return json.dumps(parse_json_schema(text), ensure_ascii=False, separators=(",", ":"))
 
 
 class GrammarProcessor:
