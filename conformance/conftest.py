@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from opentgi.config import Settings
+
 from tests import tiny_models
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
@@ -48,12 +48,14 @@ def live_settings() -> Settings:
 @pytest.fixture(scope="session")
 def live_server(live_settings: Settings) -> Iterator[str]:
     import uvicorn
-
     from opentgi.api.app import create_app
     from opentgi.engine.engine import Engine
 
-    engine = Engine.from_settings(live_settings)
-    app = create_app(live_settings, engine)
+    from opentgi.metrics import Metrics
+
+    metrics = Metrics()
+    engine = Engine.from_settings(live_settings, observer=metrics.observer)
+    app = create_app(live_settings, engine, metrics=metrics)
     config = uvicorn.Config(app, host=live_settings.hostname, port=live_settings.port, log_level="warning",
                             lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -176,8 +176,11 @@ def serve(settings: Settings) -> None:
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     log.info("loading %s", settings.model_id or "the default model (SmolLM2-135M-Instruct)")
-    engine = Engine.from_settings(settings)
-    app = create_app(settings, engine)
+    from opentgi.metrics import Metrics
+
+    metrics = Metrics()  # one per app: the engine reports batches/queue/KV, the handlers requests
+    engine = Engine.from_settings(settings, observer=metrics.observer)
+    app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
     uvicorn.run(app, host=settings.hostname, port=settings.port, log_config=None,
                 timeout_graceful_shutdown=5)
