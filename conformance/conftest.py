@@ -50,7 +50,6 @@ def live_server(live_settings: Settings) -> Iterator[str]:
     import uvicorn
     from opentgi.api.app import create_app
     from opentgi.engine.engine import Engine
-
     from opentgi.metrics import Metrics
 
     metrics = Metrics()
