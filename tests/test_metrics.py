@@ -238,3 +238,34 @@ def test_module_functions_record_into_the_installed_instance():
         assert s[("tgi_request_mean_time_per_token_duration_sum", ())] == pytest.approx(0.05)
     finally:
         metrics_module._installed = previous
+
+
+async def test_real_engine_reports_through_the_observer(tiny_llama):
+    from opentgi.config import Settings
+    from opentgi.engine.engine import Engine
+    from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+
+    m = Metrics()
+    engine = Engine.from_settings(Settings(model_id=str(tiny_llama), device="cpu", max_batch_total_tokens=2048),
+                                  observer=m.observer)
+    await engine.start()
+    try:
+        handles = [await engine.submit(GenerationRequest([1, 504, 3458 + i, 314], SamplingParams(),
+                                                         StoppingParams(max_new_tokens=5, ignore_eos=True)))
+                   for i in range(3)]
+        results = [await h.result() for h in handles]
+    finally:
+        await engine.stop()
+    s = samples(m)
+    steps = s[("tgi_batch_inference_count", (("method", "prefill"),))] + \
+        s[("tgi_batch_inference_count", (("method", "decode"),))]
+    assert s[("tgi_batch_inference_count", (("method", "prefill"),))] >= 1
+    assert s[("tgi_batch_inference_count", (("method", "decode"),))] >= 4  # 5 tokens: 1 from prefill
+    assert steps == engine.stats().steps_total
+    assert s[("tgi_batch_inference_success", (("method", "decode"),))] == \
+        s[("tgi_batch_inference_count", (("method", "decode"),))]
+    assert s[("tgi_batch_inference_duration_count", (("method", "decode"),))] >= 4
+    assert s[("tgi_queue_size", ())] == 0
+    assert 0 < s[("opentgi_kv_blocks_free", ())] <= engine.stats().num_blocks
+    assert s[("opentgi_prompt_tokens_total", ())] == 12
+    assert s[("opentgi_generation_tokens_total", ())] == sum(r.sequences[0].generated_tokens for r in results) == 15
