@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -196,6 +197,40 @@ def test_response_format_json_schema_validates(client):
         response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}})
     assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_tool_choice_auto_answers_a_call_or_text(client):
+    for seed in range(3):
+        out = client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Hi"}],
+                                             tools=[TIME], max_tokens=60, seed=seed, extra_body=SHORT_TOOL_PROMPT)
+        choice = out.choices[0]
+        if choice.message.tool_calls:
+            assert choice.message.content is None and choice.message.tool_calls[0].function.name == "get_time"
+            if choice.finish_reason == "tool_calls":
+                jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
+                                    TIME["function"]["parameters"])
+            else:
+                assert choice.finish_reason == "length"
+        else:  # the text answer, decoded from its JSON string (a random model rarely closes it)
+            assert choice.finish_reason in ("stop", "length")
+            assert not choice.message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("response_format,check", [
+    ({"type": "regex", "value": "[0-9]{3}-[a-z]{2}"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+    ({"type": "json", "value": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+     lambda text: all(isinstance(v, bool) for v in json.loads(text))),
+])
+def test_response_format_tgi_and_openai_forms(client, response_format, check):
+    out = client.chat.completions.create(model="tgi", messages=MESSAGES, max_tokens=60, seed=5,
+                                         response_format=response_format)
+    assert out.choices[0].finish_reason == "stop"
+    assert check(out.choices[0].message.content)
+
+
+def test_max_completion_tokens(client):
+    out = _greedy(client, max_completion_tokens=2)
+    assert out.usage.completion_tokens <= 2
 
 
 async def test_async_client_chat_and_stream(aclient):

@@ -64,10 +64,15 @@ def test_chat_tool_answer_as_text_and_cut_short():
     text = shape.chat_completion(META, [_seq('{"content": "no tool"}')], 3, using_tools=True, logprobs=False)
     assert text["choices"][0]["message"]["content"] == "no tool"
     assert text["choices"][0]["finish_reason"] == "stop"
-    cut = shape.chat_completion(META, [_seq('{"name": "f", "argu', FinishReason.LENGTH)], 3, using_tools=True,
-                                logprobs=False)
-    assert cut["choices"][0]["message"]["content"] == '{"name": "f", "argu'
-    assert cut["choices"][0]["finish_reason"] == "length"
+    def cut(text):
+        out = shape.chat_completion(META, [_seq(text, FinishReason.LENGTH)], 3, using_tools=True, logprobs=False)
+        assert out["choices"][0]["finish_reason"] == "length"
+        return out["choices"][0]["message"]
+
+    assert cut('{"name": "f", "argu')["content"] == '{"name": "f", "argu'
+    assert cut('{"content": "Hel\\u00e9 wor')["content"] == "Hel\u00e9 wor"
+    call = cut('{"name": "f", "arguments": {"a": [1, 2')["tool_calls"][0]
+    assert call["function"] == {"name": "f", "arguments": '{"a": [1, 2'}
 
 
 def test_chat_chunks_match_the_document():

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 import opentgi
-from opentgi.api.tools import ParsedToolAnswer, new_tool_call_id, parse_tool_answer
+from opentgi.api.tools import ParsedToolAnswer, ToolAnswerStream, new_tool_call_id, parse_tool_answer
 from opentgi.engine.events import PrefillToken, SequenceResult, TokenEvent, TopToken
 from opentgi.engine.request import FinishReason
 
@@ -74,13 +74,25 @@ def chat_message(seq: SequenceResult, using_tools: bool) -> tuple[dict, str]:
     if not using_tools:
         return {"role": "assistant", "content": seq.text}, reason
     answer: ParsedToolAnswer | None = parse_tool_answer(seq.text)
-    if answer is None:  # cut short (max_tokens): show what was generated
-        return {"role": "assistant", "content": seq.text}, reason
+    if answer is None:  # cut short (max_tokens): what the streaming parser would have shown
+        return _cut_short_tool_answer(seq.text), reason
     if answer.is_call:
         message = {"role": "assistant", "content": None,
                    "tool_calls": [tool_call(answer.name, answer.arguments)]}
         return message, "tool_calls"
     return {"role": "assistant", "content": answer.content}, reason
+
+
+def _cut_short_tool_answer(text: str) -> dict:
+    """A tool answer that ended before it parsed: a call with its partial arguments, the text
+    decoded so far, or (before either began) the raw text."""
+    stream = ToolAnswerStream()
+    pieces = stream.feed(text) + stream.finish()
+    calls = [p.text for p in pieces if p.kind == "call"]
+    if calls:
+        arguments = "".join(p.text for p in pieces if p.kind == "arguments")
+        return {"role": "assistant", "content": None, "tool_calls": [tool_call(calls[0], arguments)]}
+    return {"role": "assistant", "content": "".join(p.text for p in pieces if p.kind == "content")}
 
 
 def chat_completion(meta: ResponseMeta, sequences: list[SequenceResult], prompt_tokens: int, *,
