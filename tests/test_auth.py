@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from opentgi.api.auth import BearerAuthMiddleware, dialect_resolver, is_open_path, unauthorized_body
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+
+from opentgi.api.auth import BearerAuthMiddleware, dialect_resolver, is_open_path, unauthorized_body
 
 MOUNTS = [
     ("", "tgi", ["/generate", "/generate_stream", "/health", "/info"]),

@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 import pytest_asyncio
+
 from opentgi.config import Settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

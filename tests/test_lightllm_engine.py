@@ -12,6 +12,7 @@ import json
 import pytest
 import pytest_asyncio
 import torch
+
 from opentgi.api import lightllm, runtime
 from opentgi.config import Settings
 

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+
 from opentgi.api import lightllm
 from opentgi.engine.errors import (
     GenerationError,

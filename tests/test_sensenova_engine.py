@@ -11,6 +11,7 @@ import json
 
 import pytest
 import pytest_asyncio
+
 from opentgi.api import runtime, sensenova
 from opentgi.config import Settings
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from opentgi.api import sensenova
 from opentgi.engine.errors import GenerationError, InputTooLongError, OverloadedError, UnhealthyError
 from opentgi.engine.events import GenerationResult, SequenceResult, Timings, TokenEvent
