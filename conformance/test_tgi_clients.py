@@ -16,10 +16,11 @@ import pytest
 import torch
 from huggingface_hub import InferenceClient
 from huggingface_hub import errors as hub_errors
-from opentgi.engine.watermark import detect_watermark
 from text_generation import AsyncClient, Client
 from text_generation import errors as tg_errors
 from text_generation.types import FinishReason, Grammar, GrammarType
+
+from opentgi.engine.watermark import detect_watermark
 
 torch.set_num_threads(1)
 
@@ -274,3 +275,7 @@ def test_metrics_count_requests_like_tgi(live_server, client):
     assert delta("tgi_request_generated_tokens_sum") == r.details.generated_tokens
     assert delta("tgi_request_duration_count") == 1
     assert delta("tgi_request_max_new_tokens_sum") >= 5
+    # the engine's side, through the observer: one prefill and the decodes of this generation at least
+    assert delta('tgi_batch_inference_count{method="prefill"}') >= 1
+    assert delta('tgi_batch_inference_success{method="decode"}') >= r.details.generated_tokens - 1
+    assert delta("opentgi_generation_tokens_total") >= r.details.generated_tokens

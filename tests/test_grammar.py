@@ -15,6 +15,7 @@ import time
 import jsonschema
 import pytest
 import torch
+
 from opentgi.engine.errors import GrammarError
 from opentgi.engine.grammar import GrammarCompiler
 from opentgi.engine.request import GrammarSpec

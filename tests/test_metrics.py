@@ -6,9 +6,10 @@ import threading
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
+
 from opentgi.engine.observer import EngineObserver
 from opentgi.metrics import CONTENT_TYPE, Metrics, MetricsObserver, duration_buckets
-from prometheus_client.parser import text_string_to_metric_families
 
 torch.set_num_threads(1)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from opentgi.engine.watermark import (
     HASH_KEY,
     detect_watermark,
