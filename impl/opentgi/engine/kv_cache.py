@@ -18,8 +18,10 @@ def bytes_per_block(spec: ModelSpec, block_size: int) -> int:
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
 
 
-def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int) -> int:
-    """How many blocks the pool gets (at least one)."""
+def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int, max_useful_tokens: int | None = None) -> int:
+    """How many blocks the pool gets (at least one). Without an explicit max_batch_total_tokens, a
+    memory budget that buys more than `max_useful_tokens` (every concurrent request at the full
+    context) is trimmed to it: tiny models would otherwise get millions of tokens nobody can use."""
     per_block = bytes_per_block(spec, block_size)
     if settings.max_batch_total_tokens is not None:
         return max(1, -(-settings.max_batch_total_tokens // block_size))
@@ -29,7 +31,10 @@ def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int) -> int:
         budget = int(free * settings.kv_cache_memory_fraction)
     else:
         budget = settings.kv_cache_cpu_bytes
-    return max(1, budget // per_block)
+    num_blocks = budget // per_block
+    if max_useful_tokens is not None:
+        num_blocks = min(num_blocks, -(-max_useful_tokens // block_size))
+    return max(1, num_blocks)
 
 
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -80,7 +80,7 @@ class Scheduler:
         if not out.preempted and self.waiting:
             self._admit_waiting(out, budget)
         if out.num_admitted:
-            self.steps_since_admission = 0
+            self.steps_since_admission = 1  # TGI's waiting_tokens restarts at 1 with a new batch
         else:
             self.steps_since_admission += 1
         return out

@@ -60,6 +60,14 @@ def eos_token_ids_of(loaded) -> list[int]:
     return ids
 
 
+def max_total_tokens_of(settings: Settings, spec: ModelSpec) -> int:
+    return settings.max_total_tokens or min(spec.max_position_embeddings, 4096)
+
+
+def _max_useful_tokens(settings: Settings, spec: ModelSpec) -> int:
+    return settings.max_concurrent_requests * max_total_tokens_of(settings, spec)
+
+
 def build_runner(loaded, settings: Settings):
     """(runner, spec, num_blocks, block_size) for a LoadedModel."""
     kind = getattr(loaded, "kind", "paged")
@@ -71,19 +79,20 @@ def build_runner(loaded, settings: Settings):
             spec = spec_from_hf_config(loaded.model, eos_token_ids_of(loaded))
         block_size = _block_size(loaded, settings, spec)
         runner = GenericRunner(loaded.model, spec.device, compute_score=getattr(loaded, "compute_score", None))
-        return runner, spec, num_kv_blocks(settings, spec, block_size), block_size
+        num_blocks = num_kv_blocks(settings, spec, block_size, _max_useful_tokens(settings, spec))
+        return runner, spec, num_blocks, block_size
     from opentgi.engine.model_runner import ModelRunner
 
     spec = spec or loaded.model.spec
     block_size = _block_size(loaded, settings, spec)
-    num_blocks = num_kv_blocks(settings, spec, block_size)
+    num_blocks = num_kv_blocks(settings, spec, block_size, _max_useful_tokens(settings, spec))
     return ModelRunner(loaded.model, num_blocks, block_size), spec, num_blocks, block_size
 
 
 def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, block_size: int,
                runner_kind: str) -> EngineInfo:
     context = spec.max_position_embeddings
-    max_total = settings.max_total_tokens or min(context, 4096)
+    max_total = max_total_tokens_of(settings, spec)
     max_input = settings.max_input_tokens or min(context - 1, 4095, max_total - 1)
     max_prefill = settings.max_batch_prefill_tokens or max_input + 50
     tokenizer = loaded.tokenizer

@@ -1,0 +1,358 @@
+"""Benchmark (not a test): `python -m opentgi.bench [--url http://127.0.0.1:8080]`.
+
+In one run, on one machine:
+1. the server (started here on loopback unless --url is given) is driven through TGI's
+   `/generate_stream` at concurrency 1, 4, 16, 64 (greedy, --new-tokens each, mixed prompt lengths,
+   bounded in requests and time): throughput, time to first token and inter-token latency;
+2. a warm-vs-cold prefix-cache TTFT for a repeated ~1,000-token prompt;
+3. baselines in this process on the same model: serial transformers `generate`, and a bare loop of
+   the paged model's own forward with its KV cache (no scheduler, no sampler, no HTTP);
+then prints the numbers and the ratios, and appends a markdown table to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FILLER = ("The history of the city is long and full of surprises. Merchants came from distant lands, "
+          "bringing spices, cloth and stories; scholars wrote about the rivers, the bridges and the "
+          "markets, and every generation added a new chapter to the tale. ")
+PROMPT_TOKENS = (16, 64, 256)  # cycled over the requests of a level
+
+
+@dataclass
+class RequestTiming:
+    sent_at: float
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent_at if self.token_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    tokens: int
+    wall_s: float
+    ttft: list[float]
+    itl: list[float]
+    errors: int
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+
+def make_prompt(tokenizer, num_tokens: int, prefix: str = "") -> str:
+    ids = tokenizer(prefix + FILLER * (num_tokens // 30 + 2), add_special_tokens=False)["input_ids"][:num_tokens]
+    return tokenizer.decode(ids)
+
+
+# --- the HTTP side ---------------------------------------------------------------------------------
+
+
+async def stream_one(client, url: str, prompt: str, new_tokens: int) -> RequestTiming:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "do_sample": False}}
+    timing = RequestTiming(sent_at=time.perf_counter())
+    try:
+        async with client.stream("POST", f"{url}/generate_stream", json=body) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}"
+                return timing
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    timing.error = event["error"]
+                    return timing
+                timing.token_times.append(time.perf_counter())
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports failures, it does not stop
+        timing.error = f"{type(exc).__name__}: {exc}"
+    return timing
+
+
+async def run_level(url: str, prompts: list[str], concurrency: int, num_requests: int, new_tokens: int,
+                    time_limit_s: float) -> LevelResult:
+    import httpx
+
+    timings: list[RequestTiming] = []
+    next_index = 0
+    deadline = time.perf_counter() + time_limit_s
+
+    async def worker(client) -> None:
+        nonlocal next_index
+        while next_index < num_requests and time.perf_counter() < deadline:
+            prompt = prompts[next_index % len(prompts)]
+            next_index += 1
+            timings.append(await stream_one(client, url, prompt, new_tokens))
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    ok = [t for t in timings if t.error is None]
+    return LevelResult(
+        concurrency=concurrency, requests=len(ok), tokens=sum(len(t.token_times) for t in ok), wall_s=wall,
+        ttft=[t.ttft for t in ok if t.ttft is not None], itl=[x for t in ok for x in t.itls],
+        errors=len(timings) - len(ok))
+
+
+async def prefix_ttft(url: str, prompt: str) -> tuple[float, float]:
+    """TTFT of a prompt never seen before (cold), then of the same prompt again (warm)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        cold = await stream_one(client, url, prompt, 2)
+        warm = await stream_one(client, url, prompt, 2)
+    if cold.error or warm.error:
+        raise RuntimeError(f"prefix-cache requests failed: {cold.error or warm.error}")
+    return cold.ttft, warm.ttft
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(args):
+    """`opentgi serve` in a child process on loopback; yields its URL once /health answers."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "opentgi", "serve", "--hostname", "127.0.0.1", "--port", str(port)]
+    if args.model_id:
+        cmd += ["--model-id", args.model_id]
+    if args.num_threads:
+        cmd += ["--num-threads", str(args.num_threads)]
+    cmd += args.server_arg
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + args.startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy in time")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# --- in-process baselines --------------------------------------------------------------------------
+
+
+def hf_serial_generate(folder: Path, tokenizer, prompts: list[str], new_tokens: int) -> tuple[float, int]:
+    """(tokens/s, tokens) of transformers `generate`, one request after the other, greedy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    tokens = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.eos_token_id)
+            tokens += out.shape[1] - ids.shape[1]
+    return tokens / (time.perf_counter() - started), tokens
+
+
+def bare_forward_loop(loaded, tokenizer, prompt: str, new_tokens: int) -> float:
+    """Decode tokens/s of the paged model's forward + greedy argmax in a plain loop."""
+    import torch
+
+    from opentgi.engine.block_manager import BlockManager
+    from opentgi.engine.kv_cache import allocate_kv_caches
+    from opentgi.models.attention.metadata import AttentionMetadata
+
+    model, spec = loaded.model, loaded.spec
+    block_size = loaded.block_size
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    total = len(ids) + new_tokens
+    num_blocks = BlockManager(1, block_size).blocks_for(total)
+    kv = allocate_kv_caches(spec, num_blocks, block_size)
+    device = torch.device(spec.device)
+    table = torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0)
+
+    def meta(start: int, n: int) -> AttentionMetadata:
+        i32 = {"dtype": torch.int32, "device": device}
+        return AttentionMetadata(
+            slot_mapping=torch.arange(start, start + n, dtype=torch.int64, device=device),
+            cu_seqlens_q=torch.tensor([0, n], **i32), cu_seqlens_k=torch.tensor([0, start + n], **i32),
+            max_seqlen_q=n, max_seqlen_k=start + n, context_lens=torch.tensor([start + n], **i32),
+            block_tables=table, decode_only=n == 1)
+
+    with torch.inference_mode():
+        hidden = model.forward(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
+                               meta(0, len(ids)), kv)
+        token = model.compute_logits(hidden[-1:]).argmax(-1)
+        started = time.perf_counter()
+        for pos in range(len(ids), total - 1):
+            hidden = model.forward(token, torch.tensor([pos], device=device), meta(pos, 1), kv)
+            token = model.compute_logits(hidden).argmax(-1)
+            int(token)  # the engine needs the token on the host each step too
+        elapsed = time.perf_counter() - started
+    return (new_tokens - 1) / elapsed
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def machine_line(threads: int | None) -> str:
+    import torch
+    import transformers
+
+    from opentgi import __version__
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {device}; torch threads {threads or torch.get_num_threads()}; "
+            f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
+            f"{transformers.__version__}, opentgi {__version__}")
+
+
+def report(levels: list[LevelResult], hf_tps: float, bare_tps: float, cold: float, warm: float,
+           args, model_name: str) -> str:
+    by_c = {lv.concurrency: lv for lv in levels}
+    lines = [
+        f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {model_name}",
+        "",
+        f"Machine: {machine_line(args.num_threads)}.",
+        (f"Greedy, {args.new_tokens} new tokens, prompts of {'/'.join(map(str, PROMPT_TOKENS))} tokens, "
+        f"TGI `/generate_stream` over loopback HTTP."),
+        "",
+        "| concurrency | requests | tokens | tokens/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in levels:
+        lines.append(f"| {lv.concurrency} | {lv.requests} | {lv.tokens} | {lv.throughput:.1f} | "
+                     f"{percentile(lv.ttft, 50):.3f} | {percentile(lv.ttft, 99):.3f} | "
+                     f"{percentile(lv.itl, 50) * 1e3:.1f} | {percentile(lv.itl, 99) * 1e3:.1f} |"
+                     + (f" ({lv.errors} errors)" if lv.errors else ""))
+    lines += ["", "| measure | value |", "|---|---:|",
+              f"| serial transformers `generate` (tokens/s) | {hf_tps:.1f} |",
+              f"| bare paged forward loop, decode (tokens/s) | {bare_tps:.1f} |",
+              f"| prefix cache, ~1,000-token prompt: cold TTFT (s) | {cold:.3f} |",
+              f"| prefix cache, same prompt again: warm TTFT (s) | {warm:.3f} |"]
+    ratios = []
+    if 16 in by_c and hf_tps:
+        ratios.append(f"| concurrency 16 throughput / serial `generate` | {by_c[16].throughput / hf_tps:.2f}x |")
+    if 1 in by_c and bare_tps and by_c[1].itl:
+        decode_tps = 1.0 / statistics.median(by_c[1].itl)
+        ratios.append(f"| concurrency 1 decode (1 / ITL p50) / bare forward loop | {decode_tps / bare_tps:.2f}x |")
+    if cold:
+        ratios.append(f"| warm / cold prefix TTFT | {warm / cold:.2f}x |")
+    lines += ratios
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m opentgi.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="an already running server (default: start one on loopback)")
+    p.add_argument("--model-id", help="model for the local server and the baselines (default model if unset)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (server and baselines)")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--max-requests", type=int, default=64, help="requests per level at most")
+    p.add_argument("--level-time-limit", type=float, default=120.0, help="seconds per level at most")
+    p.add_argument("--baseline-prompts", type=int, default=3, help="prompts for the serial generate baseline")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--server-arg", action="append", default=[], help="extra `opentgi serve` argument")
+    p.add_argument("--output", default="docs/benchmarks.md", help="markdown file to append to ('' = none)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from opentgi.config import Settings
+    from opentgi.models.loader import load_model
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    loaded = load_model(Settings(model_id=args.model_id))
+    tokenizer = loaded.tokenizer
+    prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
+    long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
+    levels: list[LevelResult] = []
+    with contextlib.ExitStack() as stack:
+        url = args.url or stack.enter_context(local_server(args))
+        for c in (int(x) for x in args.concurrency.split(",")):
+            n = min(args.max_requests, max(4, 2 * c))
+            lv = asyncio.run(run_level(url, prompts, c, n, args.new_tokens, args.level_time_limit))
+            print(f"concurrency {c}: {lv.requests} requests, {lv.tokens} tokens in {lv.wall_s:.1f}s = "
+                  f"{lv.throughput:.1f} tokens/s; TTFT p50 {percentile(lv.ttft, 50):.3f}s; "
+                  f"ITL p50 {percentile(lv.itl, 50) * 1e3:.1f}ms p99 {percentile(lv.itl, 99) * 1e3:.1f}ms"
+                  + (f"; {lv.errors} errors" if lv.errors else ""), flush=True)
+            levels.append(lv)
+        cold, warm = asyncio.run(prefix_ttft(url, long_prompt))
+        print(f"prefix cache: cold TTFT {cold:.3f}s, warm TTFT {warm:.3f}s", flush=True)
+    hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, (prompts * args.baseline_prompts)[:args.baseline_prompts],
+                                   args.new_tokens)
+    print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
+    bare_tps = bare_forward_loop(loaded, tokenizer, prompts[0], args.new_tokens) if loaded.kind == "paged" else 0.0
+    print(f"bare paged forward loop: {bare_tps:.1f} tokens/s", flush=True)
+    text = report(levels, hf_tps, bare_tps, cold, warm, args, loaded.model_id)
+    print()
+    print(text)
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
