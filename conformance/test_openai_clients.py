@@ -24,9 +24,9 @@ import openai
 import pytest
 import torch
 from huggingface_hub import InferenceClient
-from opentgi.config import Settings
 from transformers import AutoTokenizer
 
+from opentgi.config import Settings
 from tests import tiny_models
 
 torch.set_num_threads(1)
@@ -244,21 +244,21 @@ async def test_async_client_chat_and_stream(aclient):
 # --- errors as the SDK's typed errors ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"max_tokens": 5000}, "max_new_tokens"),
-    ({"n": 100}, "`n`"),
+@pytest.mark.parametrize("kwargs,match,error_type", [
+    ({"max_tokens": 5000}, "max_new_tokens", "validation"),
+    ({"n": 100}, "`n`", "validation"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "mutually exclusive"),
-    ({"tools": [WEATHER], "tool_choice": "nope"}, "not found"),
-    ({"logit_bias": {"99999999": 5}}, "vocabulary"),
+     "Tool error: Grammar and tools are mutually exclusive", "tool_error"),
+    ({"tools": [WEATHER], "tool_choice": "nope"}, "Tool error: Tool with name nope not found", "tool_error"),
+    ({"logit_bias": {"99999999": 5}}, "vocabulary", "validation"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
-def test_invalid_requests_raise_unprocessable(client, kwargs, match, stream):
+def test_invalid_requests_raise_unprocessable(client, kwargs, match, error_type, stream):
     with pytest.raises(openai.UnprocessableEntityError) as info:
         client.chat.completions.create(model="tgi", messages=MESSAGES, stream=stream, **kwargs)
     # TGI's error shape: {"error": "<message>", "error_type": ...}; the SDK keeps the message as `body`.
     assert info.value.status_code == 422 and match in info.value.body
-    assert info.value.response.json()["error_type"] == "validation"
+    assert info.value.response.json()["error_type"] == error_type
 
 
 def test_image_content_on_text_model_is_422(client):
@@ -344,6 +344,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def _serve(settings: Settings) -> Iterator[str]:
     import uvicorn
+
     from opentgi.api.app import create_app
     from opentgi.engine.engine import Engine
 

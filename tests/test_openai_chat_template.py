@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from opentgi.api.chat_template import DEFAULT_TOOL_PROMPT, normalize_messages, render_chat, select_template
 from opentgi.engine.errors import TemplateError, ValidationError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from opentgi.api.fim import (
     build_fim_prompt_ids,
     detect_fim_format,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from opentgi.api.openai_params import (
     OpenAILimits,
     check_n,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from opentgi.api import openai_shapes as shape
 from opentgi.engine.events import PrefillToken, SequenceResult, TokenEvent, TopToken
 from opentgi.engine.request import FinishReason
-
 from tests.openapi_helpers import documents, oas30_validator
 
 TGI = documents()["tgi.json"]

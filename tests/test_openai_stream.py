@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from opentgi.api import openai as handlers
 from opentgi.api import openai_shapes as shape
 from opentgi.engine.errors import GenerationError

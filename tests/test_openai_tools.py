@@ -6,6 +6,7 @@ import json
 
 import jsonschema
 import pytest
+
 from opentgi.api.tools import (
     ToolAnswerStream,
     ToolError,

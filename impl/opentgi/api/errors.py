@@ -5,6 +5,7 @@ Body: `{"error": "...", "error_type": "..."}`, as TGI 2.1's router writes it (`s
 
     validation            422  "Input validation error: <reason>"
     template_error        422  "Template error: <reason>"
+    tool_error            422  "Tool error: <reason>"
     generation            424  "Request failed during generation: <reason>"
     overloaded            429  "Model is overloaded"
     incomplete_generation 500  "Incomplete generation"
@@ -73,6 +74,8 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
     """The one mapping from an exception to TGI's status code and body."""
     if isinstance(exc, engine_errors.TemplateError):
         return ErrorReply(422, f"Template error: {exc.message}", "template_error")
+    if getattr(exc, "error_type", None) == "tool_error":  # opentgi.api.tools.ToolError (OpenAI chat)
+        return ErrorReply(422, f"Tool error: {exc.message}", "tool_error")
     if isinstance(exc, engine_errors.ValidationError):
         return ErrorReply(422, VALIDATION_PREFIX + exc.message, "validation")
     if isinstance(exc, engine_errors.OverloadedError):

@@ -78,7 +78,7 @@ def select_tools(tools: list[dict] | None, tool_choice) -> ToolSelection:
         return ToolSelection("required", tools)
     name = tool_choice["name"] if isinstance(tool_choice, dict) else tool_choice
     if not isinstance(name, str) or name not in names:
-        raise ToolError(f"Tool error: Tool with name {name} not found")
+        raise ToolError(f"Tool with name {name} not found")
     return ToolSelection("named", [tools[names.index(name)]])
 
 
