@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from opentgi.api.tgi_params import (
     DEFAULT_MAX_NEW_TOKENS,
     Limits,
@@ -105,8 +104,8 @@ def test_grammar_json_object_is_serialized_and_regex_kept():
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({"truncate": 11}, "`truncate` must be strictly positive and less than 10. Given: 11"),
     ({"truncate": 0}, "`truncate` must be strictly positive and less than 10. Given: 0"),
-    ({"max_new_tokens": 14}, "`inputs` tokens + `max_new_tokens` must be <= 16. Given: 3 `inputs` tokens "
-                             "and 14 `max_new_tokens`"),
+    ({"max_new_tokens": 14}, ("`inputs` tokens + `max_new_tokens` must be <= 16. Given: 3 `inputs` tokens "
+                              "and 14 `max_new_tokens`")),
 ])
 def test_validation_messages(values, expected):
     assert message_of(parameters=params(**values)) == expected
