@@ -149,6 +149,21 @@ def test_stop_string_spanning_tokens_is_never_emitted(client):
     assert streamed == expected
 
 
+def test_held_back_text_is_released_when_the_stream_ends_otherwise(client):
+    """The output's tail (end of the next-to-last token + the last token) is a prefix of the stop
+    string: held back while streaming, then released when max_tokens ends the stream."""
+    whole = _greedy(client, max_tokens=8, logprobs=True).choices[0]
+    assert whole.finish_reason == "length"
+    text, tokens = whole.message.content, [t.token for t in whole.logprobs.content]
+    held = min(2, len(tokens[-2])) + len(tokens[-1])
+    stop = text[-held:] + "\u2603\u2603"
+    chunks = list(_greedy(client, max_tokens=8, stop=[stop], stream=True))
+    pieces = [c.choices[0].delta.content or "" for c in chunks]
+    assert "".join(pieces) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(pieces[:-1]) == text[:-held]  # nothing of the possible stop string went out early
+
+
 def test_tool_choice_required_gives_openai_tool_call(client):
     out = client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": "Weather in Paris?"}],
                                          tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, seed=1,
