@@ -347,6 +347,25 @@ def test_sse_framing_and_done(live_server):
     assert lines[-1] == "data: [DONE]"
 
 
+def _metric(base: str, line_start: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start + " ")]
+    return values[0] if values else 0.0
+
+
+def test_requests_are_counted_in_tgi_metrics(client, live_server):
+    before = {name: _metric(live_server, name) for name in (
+        "tgi_request_count", "tgi_request_success", 'tgi_request_failure{err="validation"}')}
+    _greedy(client, max_tokens=2)
+    list(client.completions.create(model="tgi", prompt="a", max_tokens=2, stream=True))
+    with pytest.raises(openai.UnprocessableEntityError):
+        _greedy(client, n=100)
+    after = {name: _metric(live_server, name) for name in before}
+    assert after["tgi_request_count"] - before["tgi_request_count"] == 3
+    assert after["tgi_request_success"] - before["tgi_request_success"] == 2
+    assert after['tgi_request_failure{err="validation"}'] - before['tgi_request_failure{err="validation"}'] == 1
+
+
 # --- servers of our own: FIM and the default model ----------------------------------------------------
 
 

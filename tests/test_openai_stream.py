@@ -42,7 +42,9 @@ def ev(index: int, text: str, n: int, finish: FinishReason | None = None) -> Tok
 
 @pytest.fixture(autouse=True)
 def no_runtime(monkeypatch):
-    monkeypatch.setattr(handlers, "_record_success", lambda: None)
+    """No app is serving: metrics are not recorded."""
+    monkeypatch.setattr(handlers, "_record_success", lambda *args: None)
+    monkeypatch.setattr(handlers, "_record_failure", lambda exc: None)
 
 
 async def _collect(gen) -> list:

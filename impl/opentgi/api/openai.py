@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -40,8 +41,8 @@ from opentgi.api.openai_params import (
 )
 from opentgi.api.sse import sse_response
 from opentgi.api.tools import ToolAnswerStream, ToolError, new_tool_call_id, select_tools, tool_grammar_schema
-from opentgi.engine.errors import OpenTGIError, ValidationError
-from opentgi.engine.events import TokenEvent
+from opentgi.engine.errors import GenerationError, OpenTGIError, ValidationError
+from opentgi.engine.events import Timings, TokenEvent
 from opentgi.engine.request import FinishReason, GenerationRequest, GrammarSpec
 from opentgi.schemas.tgi import ChatRequest, CompletionRequest
 
@@ -65,8 +66,45 @@ def _limits(state) -> OpenAILimits:
     return OpenAILimits.from_settings(state.settings, info, vocab)
 
 
-def _record_success() -> None:
+# --- metrics (this app's opentgi.metrics.Metrics), as TGI records its OpenAI routes ---------------
+
+
+def _record_start() -> float:
+    runtime.metrics().request_started()
+    return time.monotonic()
+
+
+def _record_validated(request: GenerationRequest) -> None:
+    runtime.metrics().request_validated(input_length=request.num_prompt_tokens,
+                                        max_new_tokens=request.stopping.max_new_tokens)
+
+
+def _record_failure(exc: BaseException) -> None:
+    if isinstance(exc, GenerationError):
+        runtime.state().last_success_at = None
+    runtime.metrics().request_finished(ok=False, err=tgi_error(exc).error_type)
+
+
+def _record_success(started_at: float, generated_tokens: int, timings: Timings | None = None) -> None:
     runtime.state().record_success()
+    now = time.monotonic()
+    durations = {}
+    if timings is not None:
+        scheduled = timings.scheduled_at if timings.scheduled_at is not None else timings.queued_at
+        durations = {"validation_s": max(timings.queued_at - started_at, 0.0),
+                     "queue_s": max(scheduled - timings.queued_at, 0.0), "inference_s": max(now - scheduled, 0.0)}
+    runtime.metrics().request_finished(ok=True, total_s=now - started_at, generated_tokens=generated_tokens,
+                                       **durations)
+
+
+def _error_response(exc: OpenTGIError) -> Response:
+    _record_failure(exc)
+    return tgi_error(exc).response()
+
+
+def _error_event(exc: OpenTGIError) -> dict:
+    _record_failure(exc)
+    return tgi_error(exc).body
 
 
 async def _submit_all(engine, requests: list[GenerationRequest]) -> list:
@@ -131,6 +169,7 @@ class PreparedChat:
     using_tools: bool
     logprobs: bool
     include_usage: bool
+    started_at: float = 0.0
 
 
 def _chat_grammar(body: dict, req: ChatRequest, limits: OpenAILimits) -> tuple[GrammarSpec | None, bool, list]:
@@ -161,7 +200,7 @@ def _special_tokens(tokenizer) -> dict[str, str]:
     return {k: v for k, v in tokens.items() if isinstance(v, str)}
 
 
-async def _prepare_chat(body: dict) -> PreparedChat:
+async def _prepare_chat(body: dict, started_at: float) -> PreparedChat:
     state = runtime.state()
     engine = state.engine
     limits = _limits(state)
@@ -187,11 +226,12 @@ async def _prepare_chat(body: dict) -> PreparedChat:
     request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,
                                 stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
                                 grammar=grammar)
+    _record_validated(request)
     handle = await engine.submit(request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return PreparedChat(handle=handle, meta=shape.ResponseMeta.new("chatcmpl", info.model_id),
                         num_prompt_tokens=len(prompt_ids), n=n, using_tools=using_tools, logprobs=logprobs,
-                        include_usage=include_usage)
+                        include_usage=include_usage, started_at=started_at)
 
 
 class _ChatChoiceStream:
@@ -251,29 +291,30 @@ async def _chat_stream(p: PreparedChat) -> AsyncIterator[dict | str]:
                 finished += 1
         if finished < p.n:
             raise IncompleteGenerationError()
-        _record_success()
+        _record_success(p.started_at, completion_tokens)
         if p.include_usage:
             yield shape.chat_chunk(p.meta, [], include_usage=True,
                                    usage_value=shape.usage(p.num_prompt_tokens, completion_tokens))
     except OpenTGIError as exc:
-        yield tgi_error(exc).body
+        yield _error_event(exc)
     yield DONE
 
 
 async def chat_completions(body: dict) -> Response:
+    started_at = _record_start()
     try:
-        prepared = await _prepare_chat(body)
+        prepared = await _prepare_chat(body, started_at)
     except OpenTGIError as exc:
-        return tgi_error(exc).response()
+        return _error_response(exc)
     if body.get("stream"):
         return sse_response(_chat_stream(prepared), handle=prepared.handle)
     try:
         result = await prepared.handle.result()
     except OpenTGIError as exc:
-        return tgi_error(exc).response()
+        return _error_response(exc)
     finally:
         prepared.handle.cancel()
-    _record_success()
+    _record_success(started_at, sum(s.generated_tokens for s in result.sequences), result.timings)
     return JSONResponse(shape.chat_completion(prepared.meta, result.sequences, prepared.num_prompt_tokens,
                                               using_tools=prepared.using_tools, logprobs=prepared.logprobs))
 
@@ -291,6 +332,7 @@ class PreparedCompletion:
     echo: bool
     logprobs: int | None
     include_usage: bool
+    started_at: float = 0.0
 
     def choice_index(self, prompt_index: int, seq_index: int) -> int:
         return prompt_index * self.n + seq_index
@@ -303,7 +345,7 @@ async def _prompt_ids(engine, settings, prompt: str, suffix: str | None) -> list
                                    settings.fim_template)
 
 
-async def _prepare_completion(body: dict) -> PreparedCompletion:
+async def _prepare_completion(body: dict, started_at: float) -> PreparedCompletion:
     state = runtime.state()
     engine = state.engine
     limits = _limits(state)
@@ -338,11 +380,13 @@ async def _prepare_completion(body: dict) -> PreparedCompletion:
             prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
             top_n_tokens=logprobs or 0, prompt_logprobs=echo and logprobs is not None))
         lengths.append(len(ids))
+    for request in requests:
+        _record_validated(request)
     handles = await _submit_all(engine, requests)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return PreparedCompletion(handles=handles, prompts=prompts, prompt_lengths=lengths,
                               meta=shape.ResponseMeta.new("cmpl", engine.info.model_id), n=n, echo=echo,
-                              logprobs=logprobs, include_usage=include_usage)
+                              logprobs=logprobs, include_usage=include_usage, started_at=started_at)
 
 
 def _completion_choices(p: PreparedCompletion, prompt_index: int, result) -> list[dict]:
@@ -388,31 +432,32 @@ async def _completion_stream(p: PreparedCompletion) -> AsyncIterator[dict | str]
                 finished += 1
         if finished < len(p.handles) * p.n:
             raise IncompleteGenerationError()
-        _record_success()
+        _record_success(p.started_at, completion_tokens)
         if p.include_usage:
             yield shape.completion_chunk(p.meta, [], include_usage=True,
                                          usage_value=shape.usage(sum(p.prompt_lengths), completion_tokens))
     except OpenTGIError as exc:
-        yield tgi_error(exc).body
+        yield _error_event(exc)
     yield DONE
 
 
 async def completions(body: dict) -> Response:
+    started_at = _record_start()
     try:
-        prepared = await _prepare_completion(body)
+        prepared = await _prepare_completion(body, started_at)
     except OpenTGIError as exc:
-        return tgi_error(exc).response()
+        return _error_response(exc)
     if body.get("stream"):
         return sse_response(_completion_stream(prepared))
     try:
         results = await asyncio.gather(*(h.result() for h in prepared.handles))
     except OpenTGIError as exc:
-        return tgi_error(exc).response()
+        return _error_response(exc)
     finally:
         for handle in prepared.handles:
             handle.cancel()
-    _record_success()
-    choices = [c for i, result in enumerate(results) for c in _completion_choices(prepared, i, result)]
     completion_tokens = sum(s.generated_tokens for r in results for s in r.sequences)
+    _record_success(started_at, completion_tokens, results[0].timings)
+    choices = [c for i, result in enumerate(results) for c in _completion_choices(prepared, i, result)]
     return JSONResponse(shape.completion(prepared.meta, choices,
                                          shape.usage(sum(prepared.prompt_lengths), completion_tokens)))
