@@ -1,0 +1,195 @@
+"""`POST /v1/chat/completions` (operationId `chat_completions`): messages -> chat template ->
+one engine request with `n` sequences -> an OpenAI `chat.completion`, or `chat.completion.chunk`
+events ending with `data: [DONE]`. Tools and `response_format` become the request's grammar."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse, Response
+
+from opentgi.api import openai_common as common
+from opentgi.api import openai_shapes as shape
+from opentgi.api import runtime
+from opentgi.api.chat_template import render_chat
+from opentgi.api.errors import IncompleteGenerationError
+from opentgi.api.openai_params import (
+    CHAT_DEFAULT_MAX_TOKENS,
+    OpenAILimits,
+    check_n,
+    check_seed,
+    check_top_logprobs,
+    max_new_tokens,
+    response_format_grammar,
+    sampling_params,
+    stop_sequences,
+    stopping_params,
+)
+from opentgi.api.sse import sse_response
+from opentgi.api.tools import ToolAnswerStream, ToolError, new_tool_call_id, select_tools, tool_grammar_schema
+from opentgi.engine.errors import OpenTGIError
+from opentgi.engine.events import TokenEvent
+from opentgi.engine.request import FinishReason, GenerationRequest, GrammarSpec
+from opentgi.schemas.tgi import ChatRequest
+
+
+@dataclass
+class PreparedChat:
+    handle: object
+    meta: shape.ResponseMeta
+    num_prompt_tokens: int
+    n: int
+    using_tools: bool
+    logprobs: bool
+    include_usage: bool
+    started_at: float = 0.0
+
+
+def _chat_grammar(body: dict, req: ChatRequest, limits: OpenAILimits) -> tuple[GrammarSpec | None, bool, list]:
+    """The grammar (from tools or response_format), whether tools constrain the answer, and the
+    tools to show the template."""
+    tools = body.get("tools") or []
+    selection = select_tools(tools, body.get("tool_choice"))
+    response_format = body.get("response_format")
+    format_grammar = response_format_grammar(response_format, limits)
+    if selection.constrained:
+        if format_grammar is not None:
+            raise ToolError("Grammar and tools are mutually exclusive")
+        if limits.disable_grammar_support:
+            raise ToolError("Tools need grammar support, which this server has disabled")
+        return GrammarSpec("json", json.dumps(tool_grammar_schema(selection))), True, tools
+    return format_grammar, False, tools
+
+
+def _chat_template(engine):
+    """The tokenizer's named templates when it has several (so `tool_use` can be picked when tools
+    are given), else the engine's resolved template."""
+    named = getattr(engine.tokenizer, "chat_template", None)
+    return named if isinstance(named, dict) else engine.info.chat_template
+
+
+def _special_tokens(tokenizer) -> dict[str, str]:
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {k: v for k, v in tokens.items() if isinstance(v, str)}
+
+
+async def _prepare_chat(body: dict, started_at: float) -> PreparedChat:
+    state = runtime.state()
+    engine = state.engine
+    limits = common.limits_of(state)
+    req = common.parse_model(ChatRequest, body)
+    grammar, using_tools, tools = _chat_grammar(body, req, limits)
+    n = check_n(req.n, limits)
+    check_seed(req.seed, n)
+    logprobs = bool(req.logprobs)
+    top_logprobs = check_top_logprobs("top_logprobs", req.top_logprobs, limits) if logprobs else 0
+    stops = stop_sequences(req.stop, limits)
+    sampling = sampling_params(temperature=req.temperature, top_p=req.top_p,
+                               frequency_penalty=req.frequency_penalty,
+                               presence_penalty=req.presence_penalty, seed=req.seed,
+                               logit_bias=body.get("logit_bias"), limits=limits)
+    info = engine.info
+    text = await asyncio.to_thread(
+        render_chat, _chat_template(engine), body["messages"], bos_token=info.bos_token,
+        eos_token=info.eos_token, special_tokens=_special_tokens(engine.tokenizer), tools=tools or None,
+        tool_prompt=req.tool_prompt)
+    prompt_ids = await engine.encode(text, add_special_tokens=False)
+    requested = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+    budget = max_new_tokens(requested, CHAT_DEFAULT_MAX_TOKENS, len(prompt_ids), limits)
+    request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,
+                                stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
+                                grammar=grammar)
+    common.record_validated(request)
+    handle = await engine.submit(request)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return PreparedChat(handle=handle, meta=shape.ResponseMeta.new("chatcmpl", info.model_id),
+                        num_prompt_tokens=len(prompt_ids), n=n, using_tools=using_tools, logprobs=logprobs,
+                        include_usage=include_usage, started_at=started_at)
+
+
+class _ChatChoiceStream:
+    """One choice's deltas while streaming (plain text, or the tool answer's pieces)."""
+
+    def __init__(self, index: int, using_tools: bool):
+        self.index = index
+        self.tools = ToolAnswerStream() if using_tools else None
+        self.call_id: str | None = None
+
+    def deltas(self, event: TokenEvent) -> list[dict]:
+        if self.tools is None:
+            return [{"content": event.text_delta}] if event.text_delta else []
+        pieces = self.tools.feed(event.text_delta)
+        if event.finish_reason is not None:
+            pieces += self.tools.finish()
+        out = []
+        for piece in pieces:
+            if piece.kind == "call":
+                self.call_id = new_tool_call_id()
+                out.append({"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                            "function": {"name": piece.text, "arguments": ""}}]})
+            elif piece.kind == "arguments":
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece.text}}]})
+            elif piece.text:
+                out.append({"content": piece.text})
+        return out
+
+    def finish_reason(self, reason: FinishReason) -> str:
+        if self.call_id is not None and reason not in (FinishReason.LENGTH, FinishReason.CONTEXT):
+            return "tool_calls"
+        return shape.finish_reason(reason)
+
+
+async def _chat_stream(p: PreparedChat) -> AsyncIterator[dict | str]:
+    def chunk(choice: dict) -> dict:
+        return shape.chat_chunk(p.meta, [choice], include_usage=p.include_usage)
+
+    completion_tokens = 0
+    try:
+        choices = [_ChatChoiceStream(i, p.using_tools) for i in range(p.n)]
+        for i in range(p.n):
+            yield chunk(shape.chat_choice_delta(i, {"role": "assistant", "content": ""}))
+        finished = 0
+        async for _, event in common.events_of([p.handle]):
+            choice = choices[event.index]
+            deltas = choice.deltas(event)
+            if not deltas and (p.logprobs or event.finish_reason is not None):
+                deltas = [{}]
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                finish = choice.finish_reason(event.finish_reason) if last and event.finish_reason else None
+                yield chunk(shape.chat_choice_delta(event.index, delta, finish=finish,
+                                                    logprob_events=[event] if p.logprobs and k == 0 else None))
+            if event.finish_reason is not None:
+                completion_tokens += event.generated_tokens
+                finished += 1
+        if finished < p.n:
+            raise IncompleteGenerationError()
+        common.record_success(p.started_at, completion_tokens)
+        if p.include_usage:
+            yield shape.chat_chunk(p.meta, [], include_usage=True,
+                                   usage_value=shape.usage(p.num_prompt_tokens, completion_tokens))
+    except OpenTGIError as exc:
+        yield common.error_event(exc)
+    yield common.DONE
+
+
+async def chat_completions(body: dict) -> Response:
+    started_at = common.record_start()
+    try:
+        prepared = await _prepare_chat(body, started_at)
+    except OpenTGIError as exc:
+        return common.error_response(exc)
+    if body.get("stream"):
+        return sse_response(_chat_stream(prepared), handle=prepared.handle)
+    try:
+        result = await prepared.handle.result()
+    except OpenTGIError as exc:
+        return common.error_response(exc)
+    finally:
+        prepared.handle.cancel()
+    common.record_success(started_at, sum(s.generated_tokens for s in result.sequences), result.timings)
+    return JSONResponse(shape.chat_completion(prepared.meta, result.sequences, prepared.num_prompt_tokens,
+                                              using_tools=prepared.using_tools, logprobs=prepared.logprobs))

@@ -1,0 +1,129 @@
+"""What the two OpenAI routes share: the `[DONE]` line, parsing a body into its generated model,
+the limits in force, TGI's request metrics, submitting several engine requests and merging their
+event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pydantic
+from starlette.responses import Response
+
+from opentgi.api import runtime
+from opentgi.api.errors import tgi_error
+from opentgi.api.openai_params import OpenAILimits
+from opentgi.engine.errors import GenerationError, OpenTGIError, ValidationError
+from opentgi.engine.events import Timings, TokenEvent
+from opentgi.engine.request import GenerationRequest
+
+# sse.sse_event writes "data:" + a str event verbatim: the leading space gives "data: [DONE]".
+DONE = " [DONE]"
+
+
+def parse_model(model, body: dict):
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:  # the document and the generated model disagree
+        first = exc.errors()[0]
+        raise ValidationError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc
+
+
+def limits_of(state) -> OpenAILimits:
+    info = state.engine.info
+    vocab = info.vocab_size or len(state.engine.tokenizer)
+    return OpenAILimits.from_settings(state.settings, info, vocab)
+
+
+# --- metrics (this app's opentgi.metrics.Metrics), as TGI records its OpenAI routes ---------------
+
+
+def record_start() -> float:
+    runtime.metrics().request_started()
+    return time.monotonic()
+
+
+def record_validated(request: GenerationRequest) -> None:
+    runtime.metrics().request_validated(input_length=request.num_prompt_tokens,
+                                        max_new_tokens=request.stopping.max_new_tokens)
+
+
+def record_failure(exc: BaseException) -> None:
+    if isinstance(exc, GenerationError):
+        runtime.state().last_success_at = None
+    runtime.metrics().request_finished(ok=False, err=tgi_error(exc).error_type)
+
+
+def record_success(started_at: float, generated_tokens: int, timings: Timings | None = None) -> None:
+    runtime.state().record_success()
+    now = time.monotonic()
+    durations = {}
+    if timings is not None:
+        scheduled = timings.scheduled_at if timings.scheduled_at is not None else timings.queued_at
+        durations = {"validation_s": max(timings.queued_at - started_at, 0.0),
+                     "queue_s": max(scheduled - timings.queued_at, 0.0), "inference_s": max(now - scheduled, 0.0)}
+    runtime.metrics().request_finished(ok=True, total_s=now - started_at, generated_tokens=generated_tokens,
+                                       **durations)
+
+
+def error_response(exc: OpenTGIError) -> Response:
+    record_failure(exc)
+    return tgi_error(exc).response()
+
+
+def error_event(exc: OpenTGIError) -> dict:
+    record_failure(exc)
+    return tgi_error(exc).body
+
+
+async def submit_all(engine, requests: list[GenerationRequest]) -> list:
+    """Submit every request or none: a refusal cancels the ones already queued."""
+    handles = []
+    try:
+        for request in requests:
+            handles.append(await engine.submit(request))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+async def events_of(handles: list) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(handle index, event) from several handles as they come; cancels them all when closed."""
+    if len(handles) == 1:
+        try:
+            async for event in handles[0]:
+                yield 0, event
+        finally:
+            handles[0].cancel()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle) -> None:
+        try:
+            async for event in handle:
+                queue.put_nowait((i, event, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            i, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is None:
+                remaining -= 1
+                continue
+            yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            handle.cancel()
+
+

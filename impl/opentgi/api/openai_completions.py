@@ -1,0 +1,171 @@
+"""`POST /v1/completions` (operationId `completions`): one engine request per prompt (a string or
+a list; with `suffix`, a fill-in-the-middle prompt), `n` sequences each -> an OpenAI
+`text_completion`, or chunks ending with `data: [DONE]`. Choice index = prompt index x n + i."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse, Response
+
+from opentgi.api import openai_common as common
+from opentgi.api import openai_shapes as shape
+from opentgi.api import runtime
+from opentgi.api.errors import IncompleteGenerationError
+from opentgi.api.fim import build_fim_prompt_ids
+from opentgi.api.openai_params import (
+    check_n,
+    check_seed,
+    check_top_logprobs,
+    max_new_tokens,
+    sampling_params,
+    stop_sequences,
+    stopping_params,
+)
+from opentgi.api.sse import sse_response
+from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.engine.request import GenerationRequest
+from opentgi.schemas.tgi import CompletionRequest
+
+
+@dataclass
+class PreparedCompletion:
+    handles: list
+    prompts: list[str]
+    prompt_lengths: list[int]
+    meta: shape.ResponseMeta
+    n: int
+    echo: bool
+    logprobs: int | None
+    include_usage: bool
+    started_at: float = 0.0
+
+    def choice_index(self, prompt_index: int, seq_index: int) -> int:
+        return prompt_index * self.n + seq_index
+
+
+async def _prompt_ids(engine, settings, prompt: str, suffix: str | None) -> list[int]:
+    if suffix is None:
+        return await engine.encode(prompt)
+    return await asyncio.to_thread(build_fim_prompt_ids, engine.tokenizer, prompt, suffix,
+                                   settings.fim_template)
+
+
+async def _prepare_completion(body: dict, started_at: float) -> PreparedCompletion:
+    state = runtime.state()
+    engine = state.engine
+    limits = common.limits_of(state)
+    req = common.parse_model(CompletionRequest, body)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    if not prompts:
+        raise ValidationError("`prompt` must not be empty")
+    if len(prompts) > limits.max_client_batch_size:
+        raise ValidationError(f"Number of prompts exceeds the maximum allowed batch size of "
+                              f"{limits.max_client_batch_size}")
+    n = check_n(req.n, limits)
+    check_seed(req.seed, n)
+    logprobs = None if req.logprobs is None else check_top_logprobs("logprobs", req.logprobs, limits)
+    stops = stop_sequences(req.stop, limits)
+    sampling = sampling_params(temperature=req.temperature, top_p=req.top_p,
+                               frequency_penalty=req.frequency_penalty,
+                               presence_penalty=req.presence_penalty, seed=req.seed,
+                               logit_bias=body.get("logit_bias"), limits=limits,
+                               repetition_penalty=req.repetition_penalty)
+    # The document's default (32) applies when the field is absent; an explicit null means the same.
+    requested = body.get("max_tokens")
+    default = CompletionRequest.model_fields["max_tokens"].default
+    echo = bool(req.echo)
+    requests = []
+    lengths = []
+    for prompt in prompts:
+        ids = await _prompt_ids(engine, state.settings, prompt, req.suffix)
+        if not ids:
+            raise ValidationError("`prompt` must not be empty")
+        budget = max_new_tokens(requested, default, len(ids), limits)
+        requests.append(GenerationRequest(
+            prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
+            top_n_tokens=logprobs or 0, prompt_logprobs=echo and logprobs is not None))
+        lengths.append(len(ids))
+    for request in requests:
+        common.record_validated(request)
+    handles = await common.submit_all(engine, requests)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return PreparedCompletion(handles=handles, prompts=prompts, prompt_lengths=lengths,
+                              meta=shape.ResponseMeta.new("cmpl", engine.info.model_id), n=n, echo=echo,
+                              logprobs=logprobs, include_usage=include_usage, started_at=started_at)
+
+
+def _completion_choices(p: PreparedCompletion, prompt_index: int, result) -> list[dict]:
+    prompt = p.prompts[prompt_index]
+    choices = []
+    for seq in result.sequences:
+        logprobs = None
+        if p.logprobs is not None:
+            builder = shape.CompletionLogprobs(0 if p.echo else len(prompt), with_top=p.logprobs > 0)
+            parts = [builder.prompt(result.prefill or [])] if p.echo else []
+            logprobs = shape.merge_logprobs(parts + [builder.tokens(seq.tokens)])
+        text = prompt + seq.text if p.echo else seq.text
+        choices.append(shape.completion_choice(p.choice_index(prompt_index, seq.index), text,
+                                               shape.finish_reason(seq.finish_reason), logprobs))
+    return choices
+
+
+async def _completion_stream(p: PreparedCompletion) -> AsyncIterator[dict | str]:
+    def chunk(choice: dict) -> dict:
+        return shape.completion_chunk(p.meta, [choice], include_usage=p.include_usage)
+
+    try:
+        builders = {}
+        if p.echo:
+            for i, prompt in enumerate(p.prompts):
+                for j in range(p.n):
+                    yield chunk(shape.completion_choice(p.choice_index(i, j), prompt, None, None))
+        completion_tokens = 0
+        finished = 0
+        async for i, event in common.events_of(p.handles):
+            index = p.choice_index(i, event.index)
+            logprobs = None
+            if p.logprobs is not None:
+                if index not in builders:
+                    builders[index] = shape.CompletionLogprobs(
+                        len(p.prompts[i]), with_top=p.logprobs > 0)
+                logprobs = builders[index].tokens([event])
+            if event.text_delta or event.finish_reason is not None or logprobs is not None:
+                yield chunk(shape.completion_choice(index, event.text_delta,
+                                                    shape.finish_reason(event.finish_reason), logprobs))
+            if event.finish_reason is not None:
+                completion_tokens += event.generated_tokens
+                finished += 1
+        if finished < len(p.handles) * p.n:
+            raise IncompleteGenerationError()
+        common.record_success(p.started_at, completion_tokens)
+        if p.include_usage:
+            yield shape.completion_chunk(p.meta, [], include_usage=True,
+                                         usage_value=shape.usage(sum(p.prompt_lengths), completion_tokens))
+    except OpenTGIError as exc:
+        yield common.error_event(exc)
+    yield common.DONE
+
+
+async def completions(body: dict) -> Response:
+    started_at = common.record_start()
+    try:
+        prepared = await _prepare_completion(body, started_at)
+    except OpenTGIError as exc:
+        return common.error_response(exc)
+    if body.get("stream"):
+        return sse_response(_completion_stream(prepared))
+    try:
+        results = await asyncio.gather(*(h.result() for h in prepared.handles))
+    except OpenTGIError as exc:
+        return common.error_response(exc)
+    finally:
+        for handle in prepared.handles:
+            handle.cancel()
+    completion_tokens = sum(s.generated_tokens for r in results for s in r.sequences)
+    common.record_success(started_at, completion_tokens, results[0].timings)
+    choices = [c for i, result in enumerate(results) for c in _completion_choices(prepared, i, result)]
+    return JSONResponse(shape.completion(prepared.meta, choices,
+                                         shape.usage(sum(prepared.prompt_lengths), completion_tokens)))
