@@ -206,3 +206,34 @@ def test_errors_before_the_handler_are_400():
 def test_stream_error_event():
     assert lightllm.error_event(GenerationError("boom")) == {"message": "boom"}
     assert lightllm.error_event(KeyError("k")) == {"message": "Internal server error: KeyError"}
+
+
+class FakeEngine:
+    def __init__(self, alive: bool, probe_ok: bool):
+        self.alive, self.probe_ok, self.probes = alive, probe_ok, 0
+
+    def healthy(self) -> bool:
+        return self.alive
+
+    async def probe(self) -> bool:
+        self.probes += 1
+        return self.probe_ok
+
+
+@pytest.mark.parametrize("alive, probe_ok, status, body", [
+    (True, True, 200, b'{"message":"Ok"}'),
+    (True, False, 503, b'{"message":"Error"}'),
+    (False, True, 503, b'{"message":"Error"}'),
+])
+async def test_health_follows_the_engine_probe(alive, probe_ok, status, body):
+    from opentgi.api import runtime
+    from opentgi.config import Settings
+
+    engine = FakeEngine(alive, probe_ok)
+    runtime.bind(runtime.ServerState(settings=Settings(), engine=engine))  # this test task's context only
+    for handler in (lightllm.health, lightllm.healthz):
+        response = await handler()
+        assert (response.status_code, response.body) == (status, body)
+    head = await lightllm.health_head()
+    assert (head.status_code, head.body) == (status, b"")
+    assert engine.probes == (3 if alive else 0)  # a dead loop is not probed
