@@ -9,12 +9,13 @@ import contextlib
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from opentgi.config import Settings
 from opentgi.engine.engine import Engine
 from opentgi.engine.errors import InputTooLongError, OverloadedError
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models.loader import load_model
-from transformers import AutoModelForCausalLM
 
 torch.set_num_threads(1)
 
@@ -288,17 +289,21 @@ async def test_reward_model_score(tiny_reward):
     assert result.sequences[0].token_ids == []
 
 
-async def test_generic_path_equals_generate(tiny_gpt2):
+@pytest.mark.parametrize("pool", [1024, 80])
+async def test_generic_path_equals_generate(tiny_gpt2, pool):
     loaded = load_model(Settings(model_id=str(tiny_gpt2)))
     assert loaded.kind == "generic"
     hf = AutoModelForCausalLM.from_pretrained(tiny_gpt2).eval()
     ids_list = [loaded.tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPT_TEXTS[:4]]
     refs = [hf_greedy(hf, ids, 16) for ids in ids_list]
-    async with running(loaded, chunked_prefill_tokens=16, max_batch_total_tokens=128) as engine:
+    async with running(loaded, chunked_prefill_tokens=16, max_batch_total_tokens=pool,
+                       waiting_served_ratio=0.0) as engine:
         assert engine.info.runner_kind == "generic"
         handles = [await engine.submit(greedy(ids, max_new=16)) for ids in ids_list]
         results = [await h.result() for h in handles]
         assert engine.stats().used_blocks == 0
+        assert engine.runner.batched_decode_steps > 0  # decodes of different lengths ran as one batch
+        assert (engine.stats().preemptions_total > 0) == (pool < 100)
     for result, ref in zip(results, refs):
         assert result.sequences[0].token_ids == ref
 
