@@ -190,7 +190,7 @@ def hf_serial_generate(folder: Path, tokenizer, prompts: list[str], new_tokens: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
     tokens = 0
     started = time.perf_counter()
@@ -306,7 +306,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-requests", type=int, default=64, help="requests per level at most")
     p.add_argument("--level-time-limit", type=float, default=120.0, help="seconds per level at most")
-    p.add_argument("--baseline-prompts", type=int, default=3, help="prompts for the serial generate baseline")
+    p.add_argument("--baseline-prompts", type=int, default=6, help="prompts for the serial generate baseline")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra `opentgi serve` argument")
     p.add_argument("--output", default="docs/benchmarks.md", help="markdown file to append to ('' = none)")
@@ -327,8 +327,11 @@ def main(argv=None) -> None:
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
     levels: list[LevelResult] = []
+    hf_tps = bare_tps = 0.0
+    baseline_prompts = (prompts * args.baseline_prompts)[:args.baseline_prompts]
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(local_server(args))
+        asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit))  # warm-up
         for c in (int(x) for x in args.concurrency.split(",")):
             n = min(args.max_requests, max(4, 2 * c))
             lv = asyncio.run(run_level(url, prompts, c, n, args.new_tokens, args.level_time_limit))
@@ -337,13 +340,19 @@ def main(argv=None) -> None:
                   f"ITL p50 {percentile(lv.itl, 50) * 1e3:.1f}ms p99 {percentile(lv.itl, 99) * 1e3:.1f}ms"
                   + (f"; {lv.errors} errors" if lv.errors else ""), flush=True)
             levels.append(lv)
+            # each baseline runs right after the level it is compared with (the server idle), so
+            # that both see the same machine
+            if c == 1 and loaded.kind == "paged":
+                bare_tps = bare_forward_loop(loaded, tokenizer, prompts[0], args.new_tokens)
+                print(f"bare paged forward loop: {bare_tps:.1f} tokens/s", flush=True)
+            if c == 16:
+                hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, baseline_prompts, args.new_tokens)
+                print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
         cold, warm = asyncio.run(prefix_ttft(url, long_prompt))
         print(f"prefix cache: cold TTFT {cold:.3f}s, warm TTFT {warm:.3f}s", flush=True)
-    hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, (prompts * args.baseline_prompts)[:args.baseline_prompts],
-                                   args.new_tokens)
-    print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
-    bare_tps = bare_forward_loop(loaded, tokenizer, prompts[0], args.new_tokens) if loaded.kind == "paged" else 0.0
-    print(f"bare paged forward loop: {bare_tps:.1f} tokens/s", flush=True)
+    if not hf_tps:
+        hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, baseline_prompts, args.new_tokens)
+        print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
     text = report(levels, hf_tps, bare_tps, cold, warm, args, loaded.model_id)
     print()
     print(text)
