@@ -95,10 +95,12 @@ def test_max_tokens_default_is_capped_explicit_is_checked():
     assert max_new_tokens(None, 100, 10, LIMITS) == 100
     assert max_new_tokens(None, 100, 90, LIMITS) == 38  # what still fits in max_total_tokens
     assert max_new_tokens(20, 100, 90, LIMITS) == 20
-    with pytest.raises(InputTooLongError, match="must be <= 128"):
+    with pytest.raises(InputTooLongError, match="must be <= 128. Given: 90 `inputs` tokens and 50"):
         max_new_tokens(50, 100, 90, LIMITS)
-    with pytest.raises(InputTooLongError, match="must be <= 100"):
+    with pytest.raises(InputTooLongError, match="less than 100 tokens. Given: 101"):
         max_new_tokens(None, 100, 101, LIMITS)
+    with pytest.raises(InputTooLongError, match="Given: 128 `inputs` tokens and 1 `max_new_tokens`"):
+        max_new_tokens(None, 100, 128, LIMITS)
     with pytest.raises(ValidationError, match="strictly positive"):
         max_new_tokens(0, 100, 10, LIMITS)
 

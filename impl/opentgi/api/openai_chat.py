@@ -48,7 +48,7 @@ class PreparedChat:
     started_at: float = 0.0
 
 
-def _chat_grammar(body: dict, req: ChatRequest, limits: OpenAILimits) -> tuple[GrammarSpec | None, bool, list]:
+def _chat_grammar(body: dict, limits: OpenAILimits) -> tuple[GrammarSpec | None, bool, list]:
     """The grammar (from tools or response_format), whether tools constrain the answer, and the
     tools to show the template."""
     tools = body.get("tools") or []
@@ -81,7 +81,7 @@ async def _prepare_chat(body: dict, started_at: float) -> PreparedChat:
     engine = state.engine
     limits = common.limits_of(state)
     req = common.parse_model(ChatRequest, body)
-    grammar, using_tools, tools = _chat_grammar(body, req, limits)
+    grammar, using_tools, tools = _chat_grammar(body, limits)
     n = check_n(req.n, limits)
     check_seed(req.seed, n)
     logprobs = bool(req.logprobs)

@@ -126,22 +126,21 @@ def check_top_logprobs(name: str, value: int | None, limits: OpenAILimits) -> in
 
 def max_new_tokens(requested: int | None, default: int, num_prompt_tokens: int,
                    limits: OpenAILimits) -> int:
-    """The token budget, checked like TGI. An unset `max_tokens` is capped to what still fits."""
-    if num_prompt_tokens > limits.max_input_tokens:
-        raise InputTooLongError(
-            f"`inputs` tokens must be <= {limits.max_input_tokens}. Given: {num_prompt_tokens}",
-            input_tokens=num_prompt_tokens, max_new_tokens=requested, limit=limits.max_input_tokens)
-    room = limits.max_total_tokens - num_prompt_tokens
-    if requested is None:
-        return max(1, min(default, room))
-    if requested < 1:
+    """The token budget, checked in TGI's order and words. An unset `max_tokens` is capped to what
+    still fits in max_total_tokens (at least 1)."""
+    if requested is not None and requested < 1:
         raise ValidationError("`max_tokens` must be strictly positive")
-    if num_prompt_tokens + requested > limits.max_total_tokens:
+    budget = max(1, min(default, limits.max_total_tokens - num_prompt_tokens)) if requested is None else requested
+    if num_prompt_tokens + budget > limits.max_total_tokens:
         raise InputTooLongError(
             f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. Given: "
-            f"{num_prompt_tokens} `inputs` tokens and {requested} `max_new_tokens`",
-            input_tokens=num_prompt_tokens, max_new_tokens=requested, limit=limits.max_total_tokens)
-    return requested
+            f"{num_prompt_tokens} `inputs` tokens and {budget} `max_new_tokens`",
+            input_tokens=num_prompt_tokens, max_new_tokens=budget, limit=limits.max_total_tokens)
+    if num_prompt_tokens > limits.max_input_tokens:
+        raise InputTooLongError(
+            f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {num_prompt_tokens}",
+            input_tokens=num_prompt_tokens, max_new_tokens=budget, limit=limits.max_input_tokens)
+    return budget
 
 
 def stopping_params(max_tokens: int, stop: list[str]) -> StoppingParams:
