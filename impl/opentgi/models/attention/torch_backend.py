@@ -33,7 +33,7 @@ class _DecodeGroup:
     token_index: torch.Tensor  # int64 [Bd]: the row of each decode sequence in the flat batch
     block_ids: torch.Tensor  # int64 [Bd, nb]
     key_len: int  # nb * block_size, trimmed to the longest context
-    mask: torch.Tensor  # bool [Bd, 1, 1, key_len]
+    mask: torch.Tensor | None  # additive float [Bd, 1, 1, key_len]; None: every key is visible
 
 
 @dataclass
@@ -80,11 +80,15 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None) -> 
         block_ids = meta.block_tables[decode_seqs, :num_blocks].long().clamp_(min=0)
         key_len = min(num_blocks * block_size, max_ctx)
         k_pos = torch.arange(key_len, device=device).unsqueeze(0)
-        mask = k_pos < ctx.unsqueeze(1)
+        visible = k_pos < ctx.unsqueeze(1)
         if window is not None:
-            mask &= k_pos > ctx.unsqueeze(1) - 1 - window
+            visible &= k_pos > ctx.unsqueeze(1) - 1 - window
+        mask = None
+        if not bool(visible.all()):  # one additive mask per step, not a bool->float per layer
+            mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None, None, :]
         token_index = torch.tensor([cu_q[b] for b in decode_seqs], dtype=torch.long, device=device)
-        decode = _DecodeGroup(token_index, block_ids, key_len, mask[:, None, None, :])
+        decode = _DecodeGroup(token_index, block_ids, key_len, mask)
     has_skips = bool((meta.slot_mapping < 0).any()) if meta.slot_mapping.numel() else False
     return _Plan(has_skips, decode, prefill)
 
@@ -117,8 +121,9 @@ class TorchAttentionBackend:
             q_dec = q.index_select(0, dec.token_index).view(num_seqs, num_kv_heads, group, head_dim)
             keys = _gather(k_cache, dec.block_ids, dec.key_len).transpose(1, 2)
             values = _gather(v_cache, dec.block_ids, dec.key_len).transpose(1, 2)
+            mask = None if dec.mask is None else dec.mask.to(q.dtype)
             o = F.scaled_dot_product_attention(q_dec, keys.to(q.dtype), values.to(q.dtype),
-                                               attn_mask=dec.mask, scale=scale)
+                                               attn_mask=mask, scale=scale)
             out.index_copy_(0, dec.token_index, o.reshape(num_seqs, num_heads, head_dim))
         for row in plan.prefill:
             q_row = q[row.q_start:row.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
