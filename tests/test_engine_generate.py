@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from opentgi.config import Settings
 from opentgi.engine.engine import Engine
 from opentgi.engine.errors import InputTooLongError, OverloadedError
+from opentgi.engine.observer import EngineObserver
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models.loader import load_model
 
@@ -59,9 +60,9 @@ def references(hf_llama, prompts):
 
 
 @contextlib.asynccontextmanager
-async def running(loaded, **settings):
+async def running(loaded, observer=None, **settings):
     settings.setdefault("max_batch_total_tokens", 4096)  # the CPU default (2 GiB) is slow to zero
-    engine = Engine(loaded, Settings(**settings))
+    engine = Engine(loaded, Settings(**settings), observer=observer)
     await engine.start()
     try:
         yield engine
@@ -143,9 +144,30 @@ async def test_prefix_cache_warm_equals_cold(llama, prompts, references):
         assert (await generate(engine, greedy(long_prompt))).sequences[0].token_ids == ref
 
 
+class RecordingObserver(EngineObserver):
+    def __init__(self):
+        self.calls: dict[str, list[dict]] = {}
+
+    def _record(self, name, **kw):
+        self.calls.setdefault(name, []).append(kw)
+
+    def on_batch(self, **kw):
+        self._record("batch", **kw)
+
+    def on_request_finished(self, **kw):
+        self._record("finished", **kw)
+
+    def on_preemption(self, num_sequences):
+        self._record("preemption", n=num_sequences)
+
+    def on_prefix_cache(self, **kw):
+        self._record("prefix", **kw)
+
+
 async def test_preemption_in_tiny_pool(llama, prompts, references):
+    observer = RecordingObserver()
     # 12 blocks of 16 tokens: all five prompts cannot hold their KV at once
-    async with running(llama, max_batch_total_tokens=192, chunked_prefill_tokens=32,
+    async with running(llama, observer=observer, max_batch_total_tokens=192, chunked_prefill_tokens=32,
                        max_waiting_tokens=0) as engine:
         assert engine.info.max_batch_total_tokens == 192
         handles = [await engine.submit(greedy(p)) for p in prompts]
@@ -155,6 +177,12 @@ async def test_preemption_in_tiny_pool(llama, prompts, references):
         stats = engine.stats()
         assert stats.preemptions_total > 0
         assert stats.used_blocks == 0
+    calls = observer.calls
+    assert sum(c["n"] for c in calls["preemption"]) == stats.preemptions_total
+    assert len(calls["finished"]) == len(prompts) and all(c["ok"] for c in calls["finished"])
+    assert sum(c["generated_tokens"] for c in calls["finished"]) == sum(map(len, references))
+    assert {c["method"] for c in calls["batch"]} == {"prefill", "decode"}
+    assert sum(c["query_tokens"] for c in calls["prefix"]) == stats.prefix_query_tokens
 
 
 async def test_n_samples_share_prompt_blocks(llama, prompts, references):

@@ -43,6 +43,7 @@ class EngineCore:
         self.steps_total = 0
         self.last_step_at = time.monotonic()
         self.peak_tokens_running = 0
+        self._reported_prefix = (0, 0)  # (hit, query) tokens already told to the observer
 
     # --- from other threads ----------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -138,6 +139,7 @@ class EngineCore:
                 if state is not None:
                     self._release(state)
                     self._delivery(state, deliveries).error = GenerationError(f"generation failed: {exc}")
+                    self._report_finished(state, ok=False)
         duration = time.monotonic() - started
         self.steps_total += 1
         self.last_step_at = time.monotonic()
@@ -145,6 +147,11 @@ class EngineCore:
         self.observer.on_batch(method="prefill" if out.has_prefill else "decode", size=len(seqs),
                                max_tokens=out.num_tokens, duration_s=duration, ok=ok)
         self.observer.on_kv_blocks(used=bm.num_used_blocks, free=bm.num_free_blocks, cached=bm.num_cached_blocks)
+        if (bm.prefix_hit_tokens, bm.prefix_query_tokens) != self._reported_prefix:
+            hit, query = self._reported_prefix
+            self.observer.on_prefix_cache(hit_tokens=bm.prefix_hit_tokens - hit,
+                                          query_tokens=bm.prefix_query_tokens - query)
+            self._reported_prefix = (bm.prefix_hit_tokens, bm.prefix_query_tokens)
         self.peak_tokens_running = max(self.peak_tokens_running, self.tokens_committed_running())
         return list(deliveries.values())
 
@@ -186,14 +193,17 @@ class EngineCore:
             state.timings.finished_at = time.monotonic()
             if state.request.prompt_logprobs:
                 state.prefill = self._prefill_tokens(state.seqs[0])
-            result = state.build_result()
-            self._delivery(state, deliveries).result = result
-            t = state.timings
-            self.observer.on_request_finished(
-                request_id=state.request_id, ok=True, input_tokens=state.request.num_prompt_tokens,
-                generated_tokens=sum(s.generated_tokens for s in result.sequences),
-                queue_s=(t.scheduled_at or t.finished_at) - t.queued_at,
-                inference_s=t.finished_at - (t.scheduled_at or t.finished_at))
+            self._delivery(state, deliveries).result = state.build_result()
+            self._report_finished(state, ok=True)
+
+    def _report_finished(self, state: RequestState, ok: bool) -> None:
+        t = state.timings
+        end = t.finished_at or time.monotonic()
+        started = t.scheduled_at or end
+        self.observer.on_request_finished(
+            request_id=state.request_id, ok=ok, input_tokens=state.request.num_prompt_tokens,
+            generated_tokens=sum(s.num_generated_tokens for s in state.seqs),
+            queue_s=started - t.queued_at, inference_s=end - started)
 
     def _prefill_tokens(self, seq) -> list[PrefillToken]:
         ids = seq.token_ids[:seq.num_prompt_tokens]
