@@ -24,6 +24,7 @@ import openai
 import pytest
 import torch
 from huggingface_hub import InferenceClient
+from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoTokenizer
 
 from opentgi.config import Settings
@@ -336,6 +337,10 @@ def test_huggingface_hub_chat_completion(live_server):
                                tool_choice="required", max_tokens=60)
     call = tools.choices[0].message.tool_calls[0]
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    with pytest.raises(HfHubHTTPError) as info:
+        hf.chat_completion(messages=MESSAGES, max_tokens=5000)
+    assert info.value.response.status_code == 422
+    assert info.value.response.json()["error_type"] == "validation"
 
 
 def test_sse_framing_and_done(live_server):
