@@ -217,6 +217,8 @@ class FakeEngine:
 
     async def probe(self) -> bool:
         self.probes += 1
+        if self.probe_ok is None:
+            raise UnhealthyError("the engine failed its probe")
         return self.probe_ok
 
 
@@ -224,6 +226,7 @@ class FakeEngine:
     (True, True, 200, b'{"message":"Ok"}'),
     (True, False, 503, b'{"message":"Error"}'),
     (False, True, 503, b'{"message":"Error"}'),
+    (True, None, 503, b'{"message":"Error"}'),
 ])
 async def test_health_follows_the_engine_probe(alive, probe_ok, status, body):
     from opentgi.api import runtime

@@ -218,8 +218,14 @@ def json_answer(payload: dict) -> Response:
 
 
 async def _is_healthy() -> bool:
+    """The engine loop is alive and a one-token generation goes through it."""
     engine = runtime.engine()
-    return engine.healthy() and await engine.probe()
+    if not engine.healthy():
+        return False
+    try:
+        return await engine.probe()
+    except OpenTGIError:
+        return False
 
 
 async def health():
@@ -297,6 +303,8 @@ async def get_score(body: dict):
         )
         async with handle:
             result = await handle.result()
-        return json_answer(score_response(result))
+        answer = json_answer(score_response(result))
     except OpenTGIError as exc:
         return error_response(exc)
+    runtime.state().record_success()
+    return answer
