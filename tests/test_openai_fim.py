@@ -48,9 +48,11 @@ def test_render_fim_template_leaves_other_braces():
     assert render_fim_template("{x}{prefix}|{suffix}{}", "P{", "}S") == "{x}P{|}S{}"
 
 
-def test_bad_fim_template_rejected():
+def test_bad_fim_template_rejected(smollm2_tokenizer):
     with pytest.raises(ValueError):
         validate_fim_template("<fim_prefix>{prefix}<fim_middle>")
+    with pytest.raises(NotSupportedError, match="--fim-template"):
+        build_fim_prompt_ids(smollm2_tokenizer, "a", "b", fim_template="{prefix}{prefix}{suffix}")
 
 
 class _FakeTokenizer:

@@ -90,7 +90,11 @@ def _adds_bos(tokenizer) -> bool:
 def build_fim_prompt_ids(tokenizer, prefix: str, suffix: str, fim_template: str | None = None) -> list[int]:
     """Token ids of the infilling prompt (sync: call it in a worker thread)."""
     if fim_template:
-        return tokenizer.encode(render_fim_template(fim_template, prefix, suffix), add_special_tokens=True)
+        try:
+            text = render_fim_template(fim_template, prefix, suffix)
+        except ValueError as exc:  # a misconfigured server: say so rather than fail with a 500
+            raise NotSupportedError(f"`suffix` cannot be served: {exc}") from exc
+        return tokenizer.encode(text, add_special_tokens=True)
     fmt = detect_fim_format(tokenizer)
     if fmt is None:
         raise NotSupportedError(
