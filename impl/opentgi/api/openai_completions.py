@@ -86,7 +86,9 @@ async def _prepare_completion(body: dict, started_at: float) -> PreparedCompleti
         budget = max_new_tokens(requested, default, len(ids), limits)
         requests.append(GenerationRequest(
             prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
-            top_n_tokens=logprobs or 0, prompt_logprobs=echo and logprobs is not None))
+            top_n_tokens=logprobs or 0,
+            # the echoed prompt's logprobs, in the JSON answer (a stream echoes the text only)
+            prompt_logprobs=echo and logprobs is not None and not req.stream))
         lengths.append(len(ids))
     for request in requests:
         common.record_validated(request)
