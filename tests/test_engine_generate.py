@@ -379,3 +379,40 @@ async def test_watermark_biases_green_tokens(llama, prompts):
     last = prompts[1][-1]
     assert detect_watermark(marked.sequences[0].token_ids, vocab, 0.5, last_prompt_token=last).is_watermarked
     assert not detect_watermark(plain.sequences[0].token_ids, vocab, 0.5, last_prompt_token=last).is_watermarked
+
+
+async def test_model_failure_fails_only_that_step(llama, prompts, monkeypatch):
+    from opentgi.engine.errors import GenerationError
+
+    async with running(llama) as engine:
+        real = engine.runner.execute
+        calls = {"n": 0}
+
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("boom")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine.runner, "execute", flaky)
+        handle = await engine.submit(greedy(prompts[0], max_new=4))
+        with pytest.raises(GenerationError, match="boom"):
+            await handle.result()
+        assert engine.healthy()
+        assert engine.stats().used_blocks == 0 and engine.stats().requests_in_flight == 0
+        result = await generate(engine, greedy(prompts[0], max_new=4))
+        assert result.sequences[0].generated_tokens == 4
+
+
+async def test_stop_fails_requests_in_flight(llama, prompts):
+    from opentgi.engine.errors import UnhealthyError
+
+    engine = Engine(llama, Settings(max_batch_total_tokens=4096))
+    await engine.start()
+    handle = await engine.submit(greedy(prompts[2], max_new=2000, ignore_eos=True))
+    await anext(aiter(handle))
+    await engine.stop()
+    with pytest.raises(UnhealthyError):
+        await handle.result()
+    with pytest.raises(UnhealthyError):
+        await engine.submit(greedy(prompts[0]))
