@@ -39,6 +39,7 @@ def test_tool_choice_forms():
     ([WEATHER, WEATHER], "auto", "unique"),
     ([{"type": "retrieval"}], "auto", "function"),
     ([WEATHER], {"type": "function"}, "tool_choice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": 5}}], "auto", "JSON schema object"),
 ])
 def test_tool_choice_errors(tools, choice, match):
     with pytest.raises(ToolError, match=match):
@@ -100,3 +101,12 @@ def test_stream_text_answer_decodes_escapes_incrementally():
 def test_stream_cut_short_shows_raw_text():
     deltas = _run_stream(['{"na'])
     assert [(d.kind, d.text) for d in deltas] == [("content", '{"na')]
+
+
+def test_tgi_arguments_alias_for_parameters():
+    tgi_tool = {"type": "function", "function": {"name": "f", "arguments": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    schema = tool_grammar_schema(select_tools([tgi_tool], "required"))
+    jsonschema.validate({"name": "f", "arguments": {"x": 1}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "f", "arguments": {}}, schema)

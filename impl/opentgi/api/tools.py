@@ -48,7 +48,18 @@ def _function(tool: dict, index: int) -> dict:
     function = tool.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
         raise ToolError(f"tools[{index}]: `function.name` is required")
+    schema = _parameters(function)
+    if not isinstance(schema, dict):
+        raise ToolError(f"tools[{index}]: `function.parameters` must be a JSON schema object")
     return function
+
+
+def _parameters(function: dict):
+    """The function's JSON schema: OpenAI names it `parameters`, TGI 2.1 `arguments` (an alias)."""
+    schema = function.get("parameters")
+    if schema is None:
+        schema = function.get("arguments")
+    return {"type": "object", "properties": {}} if schema is None else schema
 
 
 def select_tools(tools: list[dict] | None, tool_choice) -> ToolSelection:
@@ -98,9 +109,7 @@ def tool_grammar_schema(selection: ToolSelection) -> dict:
     alternatives = []
     for tool in selection.tools:
         function = tool["function"]
-        # OpenAI names the schema `parameters`; TGI 2.1 names it `arguments` (and aliases the other).
-        parameters = function.get("parameters") or function.get("arguments") or {"type": "object",
-                                                                                  "properties": {}}
+        parameters = _parameters(function)
         alternatives.append({
             "type": "object",
             "properties": {
