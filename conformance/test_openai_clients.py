@@ -17,10 +17,12 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 import torch
 from huggingface_hub import InferenceClient
@@ -230,6 +232,25 @@ def test_tool_choice_auto_answers_a_call_or_text(client):
         else:  # the text answer, decoded from its JSON string (a random model rarely closes it)
             assert choice.finish_reason in ("stop", "length")
             assert not choice.message.content.lstrip().startswith("{")
+
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+    grade: Literal["a", "b", "c"]
+
+
+def test_sdk_structured_output_parse(client):
+    """The SDK's own structured-output helper: a pydantic model becomes a strict json_schema."""
+    out = client.chat.completions.parse(model="tgi", messages=MESSAGES, response_format=Verdict, max_tokens=40)
+    assert isinstance(out.choices[0].message.parsed, Verdict)
+
+
+def test_sdk_pydantic_function_tool_parse(client):
+    out = client.chat.completions.parse(model="tgi", messages=[{"role": "user", "content": "Grade it"}],
+                                        tools=[openai.pydantic_function_tool(Verdict)], tool_choice="required",
+                                        max_tokens=60, extra_body=SHORT_TOOL_PROMPT)
+    call = out.choices[0].message.tool_calls[0]
+    assert call.function.name == "Verdict" and isinstance(call.function.parsed_arguments, Verdict)
 
 
 @pytest.mark.parametrize("response_format,check", [
