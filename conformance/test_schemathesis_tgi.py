@@ -31,7 +31,7 @@ from schemathesis.config import SchemathesisConfig
 OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
 SSE = "text/event-stream"
 DONE_SENTINEL = "[DONE]"
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 15
 SEED = 20240718
 
 
