@@ -17,7 +17,7 @@ from opentgi.api import runtime
 from opentgi.api.chat_template import render_chat
 from opentgi.api.errors import IncompleteGenerationError
 from opentgi.api.openai_params import (
-    CHAT_DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
     OpenAILimits,
     check_n,
     check_seed,
@@ -98,7 +98,7 @@ async def _prepare_chat(body: dict, started_at: float) -> PreparedChat:
         tool_prompt=req.tool_prompt)
     prompt_ids = await engine.encode(text, add_special_tokens=False)
     requested = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
-    budget = max_new_tokens(requested, CHAT_DEFAULT_MAX_TOKENS, len(prompt_ids), limits)
+    budget = max_new_tokens(requested, DEFAULT_MAX_TOKENS, len(prompt_ids), limits)
     request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,
                                 stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
                                 grammar=grammar)

@@ -16,6 +16,7 @@ from opentgi.api import runtime
 from opentgi.api.errors import IncompleteGenerationError
 from opentgi.api.fim import build_fim_prompt_ids
 from opentgi.api.openai_params import (
+    DEFAULT_MAX_TOKENS,
     check_n,
     check_seed,
     check_top_logprobs,
@@ -73,9 +74,8 @@ async def _prepare_completion(body: dict, started_at: float) -> PreparedCompleti
                                presence_penalty=req.presence_penalty, seed=req.seed,
                                logit_bias=body.get("logit_bias"), limits=limits,
                                repetition_penalty=req.repetition_penalty)
-    # The document's default (32) applies when the field is absent; an explicit null means the same.
+    # Absent or null: TGI's default (100, capped to what fits); the model's 32 is the document's.
     requested = body.get("max_tokens")
-    default = CompletionRequest.model_fields["max_tokens"].default
     echo = bool(req.echo)
     requests = []
     lengths = []
@@ -83,7 +83,7 @@ async def _prepare_completion(body: dict, started_at: float) -> PreparedCompleti
         ids = await _prompt_ids(engine, state.settings, prompt, req.suffix)
         if not ids:
             raise ValidationError("`prompt` must not be empty")
-        budget = max_new_tokens(requested, default, len(ids), limits)
+        budget = max_new_tokens(requested, DEFAULT_MAX_TOKENS, len(ids), limits)
         requests.append(GenerationRequest(
             prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
             top_n_tokens=logprobs or 0,

@@ -15,7 +15,9 @@ from typing import Any
 from opentgi.engine.errors import InputTooLongError, NotSupportedError, ValidationError
 from opentgi.engine.request import GrammarSpec, SamplingParams, StoppingParams
 
-CHAT_DEFAULT_MAX_TOKENS = 100  # TGI 2.1's chat default (`max_tokens.or(Some(100))`)
+# TGI 2.1's code default on both routes (`max_tokens.or(Some(100))`); its document says 32 for
+# /v1/completions, which its server never applied.
+DEFAULT_MAX_TOKENS = 100
 U64_MAX = 2**64 - 1  # TGI's seed is a u64
 
 
