@@ -6,9 +6,10 @@ left of the budget. Knobs, with TGI's meaning:
 
 - prefill budget per step: `chunked_prefill_tokens` (capped by `max_batch_prefill_tokens`); with
   chunking off, `max_batch_prefill_tokens` and a new prompt is prefilled whole in one step;
-- `max_waiting_tokens` / `waiting_served_ratio`: while sequences are running, new ones are admitted
-  only when at least `waiting_served_ratio` x running are waiting, or after `max_waiting_tokens`
-  steps without admission;
+- `max_waiting_tokens` / `waiting_served_ratio` (chunking off): while sequences are running, new
+  ones are admitted only when at least `waiting_served_ratio` x running are waiting, or after
+  `max_waiting_tokens` steps without admission. With chunked prefill, as in TGI v3, the rule is
+  off: a new prompt's chunk rides along with the decodes instead of pausing them;
 - `max_batch_size`: running sequences at most;
 - the KV pool (`max_batch_total_tokens`): when a running sequence needs a block and none is free,
   the newest running sequence is preempted (its blocks freed, recomputed later from its tokens).
@@ -121,7 +122,7 @@ class Scheduler:
         self.preemptions_total += 1
 
     def _may_admit(self) -> bool:
-        if not self.running:
+        if not self.running or self.config.chunked_prefill:
             return True
         if self.steps_since_admission >= self.config.max_waiting_tokens:
             return True
