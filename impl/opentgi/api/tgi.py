@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pydantic
+from connexion import context as connexion_context
 from starlette.responses import JSONResponse, Response
 
 from opentgi import __version__
@@ -137,9 +138,35 @@ def _generate_headers(prepared: Prepared, result: GenerationResult, timings: dic
     }
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its (non-streaming) answer was ready."""
+
+
+async def _disconnected() -> None:
+    """Returns once the client has gone (the ASGI receive channel says http.disconnect)."""
+    receive = connexion_context.receive
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def result_unless_disconnected(handle) -> GenerationResult:
+    """The handle's result; cancels the generation when the client goes first (as TGI drops it)."""
+    result = asyncio.ensure_future(handle.result())
+    gone = asyncio.ensure_future(_disconnected())
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not result.done():
+        handle.cancel()
+        result.cancel()
+        raise ClientGone()
+    return result.result()
+
+
 async def _generate(body: dict, *, default_return_full_text: bool = False) -> tuple[dict, dict]:
     prepared = await _prepare(body, stream=False, default_return_full_text=default_return_full_text)
-    result = await prepared.handle.result()
+    result = await result_unless_disconnected(prepared.handle)
     payload = encode.generate_response(
         result, details=prepared.details, decoder_input_details=prepared.decoder_input_details,
         prompt_prefix=prepared.inputs if prepared.return_full_text else None)
@@ -153,6 +180,8 @@ async def generate(body: dict) -> Response:
     _count_request()
     try:
         payload, headers = await _generate(body)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
     except OpenTGIError as exc:
         _record_failure(exc)
         return tgi_error(exc).response()
@@ -203,6 +232,8 @@ async def compat_generate(body: dict) -> Response:
     _count_request()
     try:
         payload, headers = await _generate(body, default_return_full_text=full_text)
+    except ClientGone:
+        return Response(status_code=499)
     except OpenTGIError as exc:
         _record_failure(exc)
         return tgi_error(exc).response()
