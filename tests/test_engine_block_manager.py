@@ -4,6 +4,7 @@ hash-collision guard."""
 from __future__ import annotations
 
 import pytest
+
 from opentgi.engine import block_manager as bm_module
 from opentgi.engine.block_manager import BlockManager
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams

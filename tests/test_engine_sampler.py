@@ -7,10 +7,6 @@ import math
 
 import pytest
 import torch
-from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sampler import Sampler
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.stop_checker import StopChecker
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -18,6 +14,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.engine.sampler import Sampler
+from opentgi.engine.sequence import Sequence
+from opentgi.engine.stop_checker import StopChecker
 
 torch.set_num_threads(1)
 

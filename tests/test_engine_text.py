@@ -4,6 +4,7 @@ handling on text (matches across tokens, hold-back of text that could still beco
 from __future__ import annotations
 
 import pytest
+
 from opentgi.engine.detokenizer import IncrementalDetokenizer
 from opentgi.engine.request import FinishReason, StoppingParams
 from opentgi.engine.stop_checker import StopChecker
@@ -130,3 +131,11 @@ def test_token_conditions():
     assert c.check_token(9, 4, 20) is FinishReason.CONTEXT
     ignore = StopChecker(StoppingParams(max_new_tokens=5, ignore_eos=True), [2], 20)
     assert ignore.check_token(2, 1, 10) is None
+
+
+def test_special_token_text_can_be_a_stop_string():
+    c = checker(stop_sequences=["<|im_start|>"], include_stop_str_in_output=False)
+    assert c.check_text("hi <", 1) == ("hi ", None)
+    assert c.check_special("<|im_start|>", 2) is FinishReason.STOP_SEQUENCE
+    assert c.flush() == "<"
+    assert checker(stop_sequences=["x"]).check_special("<|im_end|>", 1) is None

@@ -30,7 +30,12 @@ class OutputProcessor:
         special = token_id in self.special_ids
         token_text = seq.detokenizer.step(seq.token_ids)
         stop = seq.stop_checker
-        shown, reason = stop.check_text("" if special else token_text, num_generated)
+        if special:
+            shown, reason = "", stop.check_special(token_text, num_generated)
+            if reason is not None:
+                shown = stop.flush()
+        else:
+            shown, reason = stop.check_text(token_text, num_generated)
         if reason is None:
             reason = stop.check_token(token_id, num_generated, len(seq.token_ids))
             if reason is None and seq.processors and any(p.is_terminated() for p in seq.processors):

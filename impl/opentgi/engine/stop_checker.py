@@ -64,6 +64,16 @@ class StopChecker:
             self._tail = (self._tail + shown_text)[-(self._max_len - 1):]
         return shown_text, None
 
+    def check_special(self, token_text: str, num_generated: int) -> FinishReason | None:
+        """A special token's text (never part of the shown text) may still be a stop string, e.g.
+        "<|im_start|>"."""
+        if num_generated < self.stopping.min_new_tokens or not token_text:
+            return None
+        for pattern, reason, _ in self._patterns:
+            if reason is FinishReason.STOP_SEQUENCE and pattern in token_text:
+                return reason
+        return None
+
     def _hold_back(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of a hidden pattern."""
         best = 0
