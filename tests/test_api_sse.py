@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+
 from opentgi.api.sse import sse_event, sse_response
 from opentgi.engine.errors import GenerationError, OverloadedError
 
@@ -127,3 +128,18 @@ async def test_a_finished_handle_is_not_cancelled():
 
     await _collect(app)
     assert not handle.cancelled
+
+
+async def test_idle_stream_gets_keep_alive_comments():
+    async def events():
+        yield {"index": 1}
+        await asyncio.sleep(0.35)  # e.g. waiting in the queue
+        yield {"index": 2}
+
+    async def app(scope, receive, send):
+        await sse_response(events(), keep_alive_s=0.1)(scope, receive, send)
+
+    content = (await _collect(app)).content
+    assert content.startswith(b'data:{"index":1}\n\n:\n\n')
+    assert content.endswith(b':\n\ndata:{"index":2}\n\n')
+    assert content.count(b":\n\n") >= 2

@@ -3,12 +3,15 @@
 Framing as TGI's axum server writes it: `data:{json}\\n\\n` (no space after the colon), compact JSON,
 `Content-Type: text/event-stream`, `X-Accel-Buffering: no` (so nginx does not buffer the stream).
 An error while streaming becomes one last event in the dialect's error shape, then the stream ends.
+An idle stream gets axum's keep-alive, an empty comment (`:\n\n`) every 15 s.
 A client that goes away cancels the stream: the event source is closed at once (its `finally` runs,
 which cancels the engine handle), not when the next token would have been written.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -43,13 +46,36 @@ def sse_event(payload: Event) -> bytes:
     return f"data:{data}\n\n".encode()
 
 
-async def _frame(events: AsyncIterator[Event], error_event: ErrorEvent) -> AsyncIterator[bytes]:
+KEEP_ALIVE_S = 15.0  # axum's KeepAlive default: an empty comment after 15 s without an event
+KEEP_ALIVE = b":\n\n"
+
+
+async def _frame(events: AsyncIterator[Event], error_event: ErrorEvent,
+                 keep_alive_s: float | None = KEEP_ALIVE_S) -> AsyncIterator[bytes]:
+    """Frame each event; a comment line keeps an idle stream (a long queue wait) open through proxies."""
+    iterator = events.__aiter__()
+    pending: asyncio.Future | None = None
     try:
-        async for payload in events:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=keep_alive_s)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            finished, pending = pending, None
+            try:
+                payload = finished.result()
+            except StopAsyncIteration:
+                return
             yield sse_event(payload)
     except Exception as exc:  # noqa: BLE001 - every error becomes the stream's last event
         yield sse_event(error_event(exc))
     finally:
+        if pending is not None:  # closed while waiting for the next event: stop the source first
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
         await _aclose(events)
 
 
@@ -65,13 +91,14 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[Event], *, error_event: ErrorEvent = tgi_error_event,
-                 handle=None, status_code: int = 200, headers: Mapping[str, str] | None = None):
+                 handle=None, status_code: int = 200, headers: Mapping[str, str] | None = None,
+                 keep_alive_s: float | None = KEEP_ALIVE_S):
         self._events = events
         self._handle = handle
         # Given explicitly, so Starlette does not append "; charset=utf-8" (axum sends it bare).
         all_headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         all_headers.update(headers or {})
-        super().__init__(_frame(events, error_event), status_code=status_code, headers=all_headers,
+        super().__init__(_frame(events, error_event, keep_alive_s), status_code=status_code, headers=all_headers,
                          media_type=self.media_type)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,10 +124,10 @@ class SSEResponse(StreamingResponse):
 
 
 def sse_response(events: AsyncIterator[Event], *, error_event: ErrorEvent = tgi_error_event, handle=None,
-                 headers: Mapping[str, str] | None = None) -> SSEResponse:
+                 headers: Mapping[str, str] | None = None, keep_alive_s: float | None = KEEP_ALIVE_S) -> SSEResponse:
     """Stream `events` as SSE.
 
     `error_event(exc)` is the last event when the source raises (default: TGI's error shape);
     `handle` (an engine RequestHandle) is cancelled when the stream closes before it is done.
     """
-    return SSEResponse(events, error_event=error_event, handle=handle, headers=headers)
+    return SSEResponse(events, error_event=error_event, handle=handle, headers=headers, keep_alive_s=keep_alive_s)
