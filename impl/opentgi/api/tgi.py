@@ -118,8 +118,8 @@ def _timings(prepared: Prepared, result: GenerationResult, now: float) -> dict[s
             "queue_s": max(scheduled - t.queued_at, 0.0), "inference_s": max(now - scheduled, 0.0)}
 
 
-def _generate_headers(prepared: Prepared, result: GenerationResult, timings: dict[str, float],
-                      generated_tokens: int) -> dict[str, str]:
+def _generate_headers(prepared: Prepared, timings: dict[str, float], generated_tokens: int) -> dict[str, str]:
+    """TGI's timing headers: milliseconds as integers, x-compute-time in seconds."""
     def ms(seconds: float) -> str:
         return str(int(seconds * 1000))
 
@@ -173,7 +173,7 @@ async def _generate(body: dict, *, default_return_full_text: bool = False) -> tu
     winner = result.sequences[encode.best_sequence_index(result)]
     timings = _timings(prepared, result, time.monotonic())
     _record_success(timings, winner.generated_tokens)
-    return payload, _generate_headers(prepared, result, timings, winner.generated_tokens)
+    return payload, _generate_headers(prepared, timings, winner.generated_tokens)
 
 
 async def generate(body: dict) -> Response:
