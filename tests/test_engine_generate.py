@@ -416,3 +416,23 @@ async def test_stop_fails_requests_in_flight(llama, prompts):
         await handle.result()
     with pytest.raises(UnhealthyError):
         await engine.submit(greedy(prompts[0]))
+
+
+@pytest.mark.slow
+async def test_default_model_greedy_equals_generate():
+    """The real default model (SmolLM2-135M-Instruct): chat prompt, chunked prefill, warm prefix."""
+    loaded = load_model(Settings())
+    hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=torch.float32).eval()
+    tok = loaded.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
+                                  add_generation_prompt=True, tokenize=True)
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=32, do_sample=False, eos_token_id=loaded.eos_token_ids,
+                          pad_token_id=loaded.eos_token_ids[0])[0, len(ids):].tolist()
+    async with running(loaded, chunked_prefill_tokens=16) as engine:
+        cold = await generate(engine, greedy(ids, max_new=32))
+        warm = await generate(engine, greedy(ids, max_new=32))
+    assert cold.sequences[0].token_ids == ref
+    assert warm.sequences[0].token_ids == ref
+    assert "red" in cold.sequences[0].text.lower() or "blue" in cold.sequences[0].text.lower()
