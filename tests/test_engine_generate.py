@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from opentgi.config import Settings
 from opentgi.engine.engine import Engine
-from opentgi.engine.errors import InputTooLongError, OverloadedError
+from opentgi.engine.errors import InputTooLongError, OverloadedError, ValidationError
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models.loader import load_model
@@ -288,6 +288,10 @@ async def test_context_limit_and_limits(llama, prompts):
         assert len(ids) + result.sequences[0].generated_tokens == 64
         with pytest.raises(InputTooLongError):
             await engine.submit(greedy(list(range(100, 170))))
+        with pytest.raises(ValidationError, match="outside the vocabulary"):
+            await engine.submit(greedy([5, llama.spec.vocab_size]))
+        with pytest.raises(ValidationError, match="at least one token"):
+            await engine.submit(greedy([]))
     async with running(llama, max_batch_total_tokens=64) as engine:
         with pytest.raises(InputTooLongError, match="more than the whole pool"):
             await engine.submit(greedy(prompts[2], max_new=60))

@@ -156,6 +156,10 @@ class Engine:
         n_prompt = request.num_prompt_tokens
         if n_prompt == 0:
             raise ValidationError("the prompt must contain at least one token")
+        ids = request.prompt_token_ids
+        if min(ids) < 0 or max(ids) >= self.spec.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.spec.vocab_size)
+            raise ValidationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         if request.n < 1:
             raise ValidationError(f"n must be at least 1, got {request.n}")
         if request.score and not info.is_reward_model:
