@@ -13,10 +13,12 @@ the event loop with one `loop.call_soon_threadsafe`; HTTP handlers never wait on
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import random
 import threading
 import time
+import weakref
 
 import torch
 
@@ -50,11 +52,30 @@ STALL_AFTER_S = 120.0  # a step running longer than this marks the engine unheal
 __all__ = ["Engine", "EngineInfo", "EngineStats"]
 
 
+_loop_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its copy
+
+
+def _private_copy(tokenizer):
+    """One copy per tokenizer, made once (it costs a few hundred ms): engine loops over the same
+    loaded model may share it, since they only decode with it and nobody reconfigures it."""
+    try:
+        found = _loop_tokenizers.get(tokenizer)
+        if found is None:
+            found = _loop_tokenizers[tokenizer] = copy.deepcopy(tokenizer)
+        return found
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared as it is
+        log.warning("tokenizer cannot be copied; the engine loop shares it", exc_info=True)
+        return tokenizer
+
+
 class Engine:
     def __init__(self, loaded, settings: Settings, observer: EngineObserver | None = None):
         self.settings = settings
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        # The loop thread decodes with its own copy: a Rust tokenizer that another thread is
+        # reconfiguring (truncation, padding) raises "Already borrowed" in concurrent calls.
+        self._loop_tokenizer = _private_copy(self.tokenizer)
         self.observer = observer or EngineObserver()
         runner, spec, num_blocks, block_size = build_runner(loaded, settings)
         self.runner = runner
@@ -73,7 +94,7 @@ class Engine:
             self.block_manager)
         self.sampler = Sampler(spec.vocab_size, torch.device(spec.device))
         self.core = EngineCore(runner=runner, scheduler=self.scheduler, block_manager=self.block_manager,
-                               sampler=self.sampler, tokenizer=self.tokenizer, observer=self.observer)
+                               sampler=self.sampler, tokenizer=self._loop_tokenizer, observer=self.observer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -236,7 +257,7 @@ class Engine:
                     request.prompt_token_ids[-1]))
             seqs.append(Sequence(
                 request, i, seed=seed,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+                detokenizer=IncrementalDetokenizer(self._loop_tokenizer, request.prompt_token_ids),
                 stop_checker=StopChecker(request.stopping, self.info.eos_token_ids, self.info.max_total_tokens),
                 processors=processors, parent=seqs[0] if seqs else None))
         return seqs
