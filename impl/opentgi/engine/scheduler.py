@@ -19,7 +19,6 @@ left of the budget. Knobs, with TGI's meaning:
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -134,7 +133,6 @@ class Scheduler:
         bm = self.block_manager
         cfg = self.config
         skipped: list[Sequence] = []
-        now = time.monotonic()
         while self.waiting and budget > 0:
             if cfg.max_batch_size is not None and len(self.running) >= cfg.max_batch_size:
                 break
@@ -158,7 +156,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.admitted_at = now
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)

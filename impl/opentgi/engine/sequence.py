@@ -53,7 +53,6 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[float] | None = [] if request.prompt_logprobs else None
         self.score: float | None = None
-        self.admitted_at: float | None = None  # last admission (the scheduler preempts newest first)
         self.generator = None  # torch.Generator, created by the sampler on first use
 
     # --- sizes -------------------------------------------------------------------------------
