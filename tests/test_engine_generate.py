@@ -440,3 +440,22 @@ async def test_default_model_greedy_equals_generate():
     assert cold.sequences[0].token_ids == ref
     assert warm.sequences[0].token_ids == ref
     assert "red" in cold.sequences[0].text.lower() or "blue" in cold.sequences[0].text.lower()
+
+
+async def test_stop_token_ids_min_new_tokens_and_sensitive_words(llama, prompts, references):
+    ref = references[3]
+    tok = llama.tokenizer
+    stop_id = ref[2]
+    async with running(llama) as engine:
+        stopped = await generate(engine, greedy(prompts[3], stop_token_ids=[stop_id]))
+        held = await generate(engine, greedy(prompts[3], stop_token_ids=[stop_id], min_new_tokens=6))
+        word = tok.decode(ref[4:6]).strip()
+        sensitive = await generate(engine, greedy(prompts[3], sensitive_words=[word]))
+    assert stopped.sequences[0].token_ids == ref[:3]
+    assert stopped.sequences[0].finish_reason is FinishReason.EOS_TOKEN
+    assert stop_id not in held.sequences[0].token_ids[:6]  # masked until min_new_tokens
+    seq = sensitive.sequences[0]
+    assert seq.finish_reason is FinishReason.SENSITIVE
+    assert word not in seq.text
+    full_text = tok.decode(ref)
+    assert seq.text == full_text[:full_text.index(word)]
