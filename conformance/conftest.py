@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from opentgi.config import Settings
 
+from opentgi.config import Settings
 from tests import tiny_models
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
@@ -48,6 +48,7 @@ def live_settings() -> Settings:
 @pytest.fixture(scope="session")
 def live_server(live_settings: Settings) -> Iterator[str]:
     import uvicorn
+
     from opentgi.api.app import create_app
     from opentgi.engine.engine import Engine
     from opentgi.metrics import Metrics

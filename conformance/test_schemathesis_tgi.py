@@ -25,8 +25,9 @@ from pathlib import Path
 import hypothesis
 import schemathesis
 import yaml
-from opentgi.api.app import mounts_for
 from schemathesis.config import SchemathesisConfig
+
+from opentgi.api.app import mounts_for
 
 OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
 SSE = "text/event-stream"

@@ -6,10 +6,11 @@ import json
 
 import pytest
 from connexion.exceptions import BadRequestProblem, UnsupportedMediaTypeProblem
+from starlette.exceptions import HTTPException
+
 from opentgi.api.body_validation import BodyParseError, BodySchemaError, TypedJSONBodyValidator
 from opentgi.api.errors import FieldLimits, IncompleteGenerationError, tgi_error
 from opentgi.engine import errors
-from starlette.exceptions import HTTPException
 
 LIMITS = FieldLimits(max_best_of=2, max_stop_sequences=4, max_top_n_tokens=5, max_input_tokens=1024)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from opentgi.api.tgi_params import (
     DEFAULT_MAX_NEW_TOKENS,
     Limits,

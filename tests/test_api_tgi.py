@@ -7,6 +7,7 @@ import time
 
 import pytest
 from openapi_schema_validator import OAS30Validator, oas30_format_checker
+
 from opentgi.api.app import create_app
 from opentgi.config import Settings
 from opentgi.engine.engine import Engine
