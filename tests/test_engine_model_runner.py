@@ -1,0 +1,67 @@
+"""The paged model runner's step tensors (the attention interface's contract) and KV sizing."""
+
+from __future__ import annotations
+
+import torch
+
+from opentgi.config import Settings
+from opentgi.engine.kv_cache import bytes_per_block, num_kv_blocks
+from opentgi.engine.model_runner import ModelRunner
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.engine.sequence import Sequence
+from opentgi.engine.stop_checker import StopChecker
+from opentgi.models.base import ModelSpec
+
+SPEC = ModelSpec(architecture="Fake", num_layers=2, num_kv_heads=2, head_dim=4, vocab_size=50,
+                 max_position_embeddings=128, dtype=torch.float32, device=torch.device("cpu"))
+
+
+class FakeModel:
+    """Records what the runner passes; hidden state = the position (so logits rows are traceable)."""
+
+    spec = SPEC
+
+    def forward(self, input_ids, positions, attn, kv_caches):
+        self.seen = (input_ids, positions, attn, kv_caches)
+        return positions.float().unsqueeze(1).repeat(1, 3)
+
+    def compute_logits(self, hidden):
+        return hidden[:, :1].repeat(1, SPEC.vocab_size)
+
+
+def make_seq(tokens, computed, table) -> Sequence:
+    req = GenerationRequest(list(tokens), SamplingParams(), StoppingParams(max_new_tokens=4))
+    seq = Sequence(req, 0, seed=None, detokenizer=None, stop_checker=StopChecker(req.stopping, [], 99),
+                   processors=[])
+    seq.num_computed_tokens = computed
+    seq.block_table = list(table)
+    return seq
+
+
+def test_step_tensors():
+    runner = ModelRunner(FakeModel(), num_blocks=8, block_size=4)
+    assert len(runner.kv_caches) == 2 and runner.kv_caches[0][0].shape == (8, 4, 2, 4)
+    decode = make_seq(range(10, 16), computed=5, table=[3, 6])  # one new token at position 5
+    chunk = make_seq(range(20, 31), computed=4, table=[1, 2, 7])  # positions 4..9 of 11
+    out = runner.execute([decode, chunk], [1, 6], sample_rows=[0], logit_rows=[1])
+    input_ids, positions, attn, _ = runner.model.seen
+    assert input_ids.tolist() == [15, 24, 25, 26, 27, 28, 29]
+    assert positions.tolist() == [5, 4, 5, 6, 7, 8, 9]
+    assert attn.slot_mapping.tolist() == [6 * 4 + 1, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 7 * 4 + 0, 7 * 4 + 1]
+    assert attn.cu_seqlens_q.tolist() == [0, 1, 7]
+    assert attn.cu_seqlens_k.tolist() == [0, 6, 16]
+    assert attn.context_lens.tolist() == [6, 10]
+    assert attn.block_tables.tolist() == [[3, 6, -1], [1, 2, 7]]
+    assert (attn.max_seqlen_q, attn.max_seqlen_k, attn.decode_only) == (6, 10, False)
+    assert attn.block_tables.dtype == torch.int32 and attn.slot_mapping.dtype == torch.int64
+    assert out.sample_logits[:, 0].tolist() == [5.0]  # the decode row's last (only) position
+    assert out.position_logits[1][:, 0].tolist() == [4.0, 5.0, 6.0, 7.0, 8.0, 9.0]
+
+
+def test_kv_pool_sizing():
+    per_block = bytes_per_block(SPEC, 16)
+    assert per_block == 2 * 2 * 16 * 2 * 4 * 4
+    assert num_kv_blocks(Settings(max_batch_total_tokens=100), SPEC, 16) == 7  # rounded up
+    assert num_kv_blocks(Settings(kv_cache_cpu_bytes=per_block * 10), SPEC, 16) == 10
+    # a budget larger than any use is trimmed to every concurrent request at full context
+    assert num_kv_blocks(Settings(kv_cache_cpu_bytes=per_block * 10_000), SPEC, 16, max_useful_tokens=320) == 20
