@@ -43,7 +43,7 @@ def test_dtype_setting_is_applied(tiny_qwen2):
     assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
-def test_unknown_model_id_fails_clearly(tmp_path, monkeypatch):
+def test_unknown_model_id_fails_clearly(tmp_path, monkeypatch, hub_offline):
     _use_hub_cache(monkeypatch, tmp_path)
     with pytest.raises(ModelLoadError, match="not in the Hugging Face cache"):
         load_model(Settings(model_id="no-such-org/no-such-model"))
@@ -84,15 +84,29 @@ def test_default_model_conversion_is_exact(tmp_path):
     assert load_model(Settings(cache_dir=str(tmp_path))).folder == loaded.folder
 
 
-def _use_hub_cache(monkeypatch, cache):
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """huggingface_hub in offline mode for one test. Its HTTP session is cached and built for the
+    mode in force, so it is reset on both sides: later tests' clients (InferenceClient against our
+    live server) must not inherit an offline session."""
     import huggingface_hub.constants as hub_constants
+    from huggingface_hub.utils import reset_sessions
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    reset_sessions()
+    yield
+    monkeypatch.undo()
+    reset_sessions()
+
+
+def _use_hub_cache(monkeypatch, cache):
+    import huggingface_hub.constants as hub_constants
+
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
 
 
-def test_hub_id_found_in_the_cache_reports_its_commit(tmp_path, monkeypatch, tiny_llama):
+def test_hub_id_found_in_the_cache_reports_its_commit(tmp_path, monkeypatch, hub_offline, tiny_llama):
     import shutil
 
     sha = "0123456789abcdef0123456789abcdef01234567"
