@@ -51,8 +51,14 @@ def test_switches_and_renamed_fields(tmp_path):
     assert settings.api == "lightllm"
 
 
-@pytest.mark.parametrize("argv,env", [(["--api", "grpc"], {}), ([], {"PORT": "eighty"})])
+@pytest.mark.parametrize("argv,env", [(["--api", "grpc"], {}), ([], {"PORT": "eighty"}),
+                                      (["--fim-template", "<PRE>{prefix}<MID>"], {})])
 def test_bad_values_exit_with_a_message(argv, env):
     with pytest.raises(SystemExit) as info:
         parse(argv, env)
     assert "opentgi:" in str(info.value)
+
+
+def test_fim_template_is_kept_when_valid():
+    template = "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
+    assert parse(["--fim-template", template]).fim_template == template

@@ -135,6 +135,13 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
             setattr(settings, renamed.get(name, name), value)
     if settings.api not in ("tgi", "lightllm"):
         raise SystemExit(f"opentgi: --api must be tgi or lightllm, got {settings.api!r}")
+    if settings.fim_template:
+        from opentgi.api.fim import validate_fim_template
+
+        try:
+            validate_fim_template(settings.fim_template)
+        except ValueError as exc:
+            raise SystemExit(f"opentgi: {exc}") from exc
     if settings.sensitive_words_file:
         settings.sensitive_words = read_word_list(settings.sensitive_words_file)
     return settings
@@ -172,12 +179,11 @@ def serve(settings: Settings) -> None:
 
     from opentgi.api.app import create_app
     from opentgi.engine.engine import Engine
+    from opentgi.metrics import Metrics
 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     log.info("loading %s", settings.model_id or "the default model (SmolLM2-135M-Instruct)")
-    from opentgi.metrics import Metrics
-
     metrics = Metrics()  # one per app: the engine reports batches/queue/KV, the handlers requests
     engine = Engine.from_settings(settings, observer=metrics.observer)
     app = create_app(settings, engine, metrics=metrics)
