@@ -12,6 +12,7 @@ import json
 from starlette.responses import JSONResponse, Response
 
 from opentgi.api import runtime
+from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
 from opentgi.api.sse import sse_response
 from opentgi.engine.errors import (
     GenerationError,
@@ -253,37 +254,53 @@ async def _submit_generate(body: dict, *, stream: bool):
     if stream and num_sequences(params) != 1:
         raise ValidationError("stream api only support best_of == 1")
     prompt_token_ids = await engine.encode(request.inputs)
-    handle = await engine.submit(generation_request(prompt_token_ids, params))
+    generation = generation_request(prompt_token_ids, params)
+    record_validated(generation)
+    handle = await engine.submit(generation)
     return handle, params, len(prompt_token_ids)
 
 
+def generated_tokens(result: GenerationResult) -> int:
+    return sum(s.generated_tokens for s in result.sequences)
+
+
 async def generate(body: dict):
+    started_at = record_start()
     try:
         handle, params, _ = await _submit_generate(body, stream=False)
         async with handle:  # the client going away cancels the request
             result = await handle.result()
     except OpenTGIError as exc:
+        record_failure(exc)
         return error_response(exc)
-    runtime.state().record_success()
+    record_success(started_at, generated_tokens(result), result.timings)
     return json_answer(generate_response(result, return_details=params.return_details))
 
 
 async def generate_stream(body: dict):
+    started_at = record_start()
     try:
         handle, _, prompt_tokens = await _submit_generate(body, stream=True)
     except OpenTGIError as exc:
+        record_failure(exc)
         return error_response(exc)  # before the stream opens: never a 200
 
     async def events():
-        async with handle:
-            async for event in handle:
-                yield stream_event(event, prompt_tokens)
-        runtime.state().record_success()
+        try:
+            async with handle:
+                async for event in handle:
+                    yield stream_event(event, prompt_tokens)
+                result = await handle.result()
+        except OpenTGIError as exc:
+            record_failure(exc)
+            raise
+        record_success(started_at, generated_tokens(result), result.timings)
 
     return sse_response(events(), error_event=error_event)
 
 
 async def get_score(body: dict):
+    started_at = record_start()
     try:
         engine = runtime.engine()
         request = schema.ScoreRequest.model_validate(body)
@@ -293,18 +310,19 @@ async def get_score(body: dict):
                 f"/get_score needs a reward model; the served model {engine.info.model_id} is not one"
             )
         prompt_token_ids = await engine.encode(request.chat)
-        handle = await engine.submit(
-            GenerationRequest(
-                prompt_token_ids=prompt_token_ids,
-                sampling=SamplingParams(),
-                stopping=StoppingParams(max_new_tokens=SCORE_MAX_NEW_TOKENS),
-                score=True,
-            )
+        score_request = GenerationRequest(
+            prompt_token_ids=prompt_token_ids,
+            sampling=SamplingParams(),
+            stopping=StoppingParams(max_new_tokens=SCORE_MAX_NEW_TOKENS),
+            score=True,
         )
+        record_validated(score_request)
+        handle = await engine.submit(score_request)
         async with handle:
             result = await handle.result()
         answer = json_answer(score_response(result))
     except OpenTGIError as exc:
+        record_failure(exc)
         return error_response(exc)
-    runtime.state().record_success()
+    record_success(started_at, generated_tokens(result), result.timings)
     return answer

@@ -5,17 +5,21 @@ event streams."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 import pydantic
 from starlette.responses import Response
 
-from opentgi.api import runtime
 from opentgi.api.errors import tgi_error
 from opentgi.api.openai_params import OpenAILimits
-from opentgi.engine.errors import GenerationError, OpenTGIError, ValidationError
-from opentgi.engine.events import Timings, TokenEvent
+from opentgi.api.request_metrics import (  # TGI's request metrics, as on every route (common.record_*)
+    record_failure,
+    record_start,  # noqa: F401
+    record_success,  # noqa: F401
+    record_validated,  # noqa: F401
+)
+from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.engine.events import TokenEvent
 from opentgi.engine.request import GenerationRequest
 
 # sse.sse_event writes "data:" + a str event verbatim: the leading space gives "data: [DONE]".
@@ -34,37 +38,6 @@ def limits_of(state) -> OpenAILimits:
     info = state.engine.info
     vocab = info.vocab_size or len(state.engine.tokenizer)
     return OpenAILimits.from_settings(state.settings, info, vocab)
-
-
-# --- metrics (this app's opentgi.metrics.Metrics), as TGI records its OpenAI routes ---------------
-
-
-def record_start() -> float:
-    runtime.metrics().request_started()
-    return time.monotonic()
-
-
-def record_validated(request: GenerationRequest) -> None:
-    runtime.metrics().request_validated(input_length=request.num_prompt_tokens,
-                                        max_new_tokens=request.stopping.max_new_tokens)
-
-
-def record_failure(exc: BaseException) -> None:
-    if isinstance(exc, GenerationError):
-        runtime.state().last_success_at = None
-    runtime.metrics().request_finished(ok=False, err=tgi_error(exc).error_type)
-
-
-def record_success(started_at: float, generated_tokens: int, timings: Timings | None = None) -> None:
-    runtime.state().record_success()
-    now = time.monotonic()
-    durations = {}
-    if timings is not None:
-        scheduled = timings.scheduled_at if timings.scheduled_at is not None else timings.queued_at
-        durations = {"validation_s": max(timings.queued_at - started_at, 0.0),
-                     "queue_s": max(scheduled - timings.queued_at, 0.0), "inference_s": max(now - scheduled, 0.0)}
-    runtime.metrics().request_finished(ok=True, total_s=now - started_at, generated_tokens=generated_tokens,
-                                       **durations)
 
 
 def error_response(exc: OpenTGIError) -> Response:

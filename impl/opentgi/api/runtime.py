@@ -58,8 +58,13 @@ def settings() -> Settings:
 
 
 def metrics():
-    """This app's opentgi.metrics.Metrics."""
-    return state().metrics
+    """This app's opentgi.metrics.Metrics (a state made without one, as in handler tests, gets its own)."""
+    current = state()
+    if current.metrics is None:
+        from opentgi.metrics import Metrics
+
+        current.metrics = Metrics()
+    return current.metrics
 
 
 class StateMiddleware:

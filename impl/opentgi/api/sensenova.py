@@ -15,6 +15,7 @@ import uuid
 from starlette.responses import Response
 
 from opentgi.api import runtime
+from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
 from opentgi.api.sse import sse_response
 from opentgi.engine.errors import (
     GenerationError,
@@ -201,15 +202,23 @@ def request_error(exc: OpenTGIError) -> Response:
 # --- handler (operationId) --------------------------------------------------------------------
 
 
+def generated_tokens(result: GenerationResult) -> int:
+    return sum(s.generated_tokens for s in result.sequences)
+
+
 async def completions(body: dict):
     engine = runtime.engine()
+    started_at = record_start()
     try:
         request = schema.CompletionRequest.model_validate(body)
         prompt_token_ids = await engine.encode(request.prompt)
         check_context(request, len(prompt_token_ids), engine.info.max_total_tokens)
         words = runtime.settings().sensitive_words
-        handle = await engine.submit(generation_request(request, prompt_token_ids, words))
+        generation = generation_request(request, prompt_token_ids, words)
+        record_validated(generation)
+        handle = await engine.submit(generation)
     except OpenTGIError as exc:
+        record_failure(exc)
         return error_response(exc)  # before any stream opens: never a 200
     response_id = completion_id()
     if not request.stream:
@@ -217,16 +226,22 @@ async def completions(body: dict):
             async with handle:  # the client going away cancels the request
                 result = await handle.result()
         except OpenTGIError as exc:
+            record_failure(exc)
             return error_response(exc)
-        runtime.state().record_success()
+        record_success(started_at, generated_tokens(result), result.timings)
         return Response(dumps(completion_response(result, response_id)), media_type="application/json")
     encoder = ChunkEncoder(response_id, len(prompt_token_ids), request.n)
 
     async def chunks():
-        async with handle:
-            async for event in handle:
-                yield encoder.encode(event)
-        runtime.state().record_success()
+        try:
+            async with handle:
+                async for event in handle:
+                    yield encoder.encode(event)
+                result = await handle.result()
+        except OpenTGIError as exc:
+            record_failure(exc)
+            raise
+        record_success(started_at, generated_tokens(result), result.timings)
         yield DONE
 
     return sse_response(chunks(), error_event=error_event)

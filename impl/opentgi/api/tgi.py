@@ -26,9 +26,10 @@ from opentgi import __version__
 from opentgi.api import runtime
 from opentgi.api import tgi_responses as encode
 from opentgi.api.errors import IncompleteGenerationError, tgi_error
+from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
 from opentgi.api.sse import sse_response
 from opentgi.api.tgi_params import Limits, build_request, check_integer_widths, check_parameters
-from opentgi.engine.errors import GenerationError, OpenTGIError, ValidationError
+from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult
 from opentgi.schemas.tgi import GenerateParameters
 
@@ -65,8 +66,7 @@ def _parameters(body: dict) -> GenerateParameters | None:
         raise ValidationError(f"{where}: {first['msg']}") from exc
 
 
-async def _prepare(body: dict, *, stream: bool, default_return_full_text: bool = False) -> Prepared:
-    started_at = time.monotonic()
+async def _prepare(body: dict, started_at: float, *, stream: bool, default_return_full_text: bool = False) -> Prepared:
     state = runtime.state()
     engine = state.engine
     limits = Limits.from_settings(state.settings, engine.info)
@@ -77,8 +77,7 @@ async def _prepare(body: dict, *, stream: bool, default_return_full_text: bool =
         params.return_full_text = default_return_full_text
     prompt_token_ids = await engine.encode(inputs)
     request = build_request(params, prompt_token_ids, limits, parameters)
-    runtime.metrics().request_validated(input_length=request.num_prompt_tokens,
-                                        max_new_tokens=request.stopping.max_new_tokens)
+    record_validated(request)
     handle = await engine.submit(request)
     return Prepared(handle=handle, inputs=inputs, input_length=request.num_prompt_tokens,
                     details=params.details, decoder_input_details=params.decoder_input_details,
@@ -90,32 +89,7 @@ def _compute_type() -> str:
     return "gpu+optimized" if device == "cuda" else f"{device}+optimized"
 
 
-# --- metrics (this app's opentgi.metrics.Metrics) -----------------------------------------------------
-
-
-def _count_request() -> None:
-    runtime.metrics().request_started()
-
-
-def _record_failure(exc: BaseException) -> None:
-    if isinstance(exc, GenerationError):
-        runtime.state().last_success_at = None
-    runtime.metrics().request_finished(ok=False, err=tgi_error(exc).error_type)
-
-
-def _record_success(timings: dict[str, float], generated_tokens: int) -> None:
-    runtime.state().record_success()
-    runtime.metrics().request_finished(ok=True, generated_tokens=generated_tokens, **timings)
-
-
 # --- generation -------------------------------------------------------------------------------------
-
-
-def _timings(prepared: Prepared, result: GenerationResult, now: float) -> dict[str, float]:
-    t = result.timings
-    scheduled = t.scheduled_at if t.scheduled_at is not None else t.queued_at
-    return {"total_s": now - prepared.started_at, "validation_s": max(t.queued_at - prepared.started_at, 0.0),
-            "queue_s": max(scheduled - t.queued_at, 0.0), "inference_s": max(now - scheduled, 0.0)}
 
 
 def _generate_headers(prepared: Prepared, timings: dict[str, float], generated_tokens: int) -> dict[str, str]:
@@ -164,34 +138,33 @@ async def result_unless_disconnected(handle) -> GenerationResult:
     return result.result()
 
 
-async def _generate(body: dict, *, default_return_full_text: bool = False) -> tuple[dict, dict]:
-    prepared = await _prepare(body, stream=False, default_return_full_text=default_return_full_text)
+async def _generate(body: dict, started_at: float, *, default_return_full_text: bool = False) -> tuple[dict, dict]:
+    prepared = await _prepare(body, started_at, stream=False, default_return_full_text=default_return_full_text)
     result = await result_unless_disconnected(prepared.handle)
     payload = encode.generate_response(
         result, details=prepared.details, decoder_input_details=prepared.decoder_input_details,
         prompt_prefix=prepared.inputs if prepared.return_full_text else None)
     winner = result.sequences[encode.best_sequence_index(result)]
-    timings = _timings(prepared, result, time.monotonic())
-    _record_success(timings, winner.generated_tokens)
+    timings = record_success(prepared.started_at, winner.generated_tokens, result.timings)
     return payload, _generate_headers(prepared, timings, winner.generated_tokens)
 
 
 async def generate(body: dict) -> Response:
-    _count_request()
+    started_at = record_start()
     try:
-        payload, headers = await _generate(body)
+        payload, headers = await _generate(body, started_at)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
     except OpenTGIError as exc:
-        _record_failure(exc)
+        record_failure(exc)
         return tgi_error(exc).response()
     return JSONResponse(payload, headers=headers)
 
 
-async def _stream_events(body: dict, default_return_full_text: bool) -> AsyncIterator[dict]:
+async def _stream_events(body: dict, started_at: float, default_return_full_text: bool) -> AsyncIterator[dict]:
     prepared = None
     try:
-        prepared = await _prepare(body, stream=True, default_return_full_text=default_return_full_text)
+        prepared = await _prepare(body, started_at, stream=True, default_return_full_text=default_return_full_text)
         index = 0
         async for event in prepared.handle:
             index += 1
@@ -202,12 +175,12 @@ async def _stream_events(body: dict, default_return_full_text: bool) -> AsyncIte
             sequence = result.sequences[0]
             prefix = prepared.inputs if prepared.return_full_text else ""
             details = encode.stream_details(sequence) if prepared.details else None
-            _record_success(_timings(prepared, result, time.monotonic()), sequence.generated_tokens)
+            record_success(prepared.started_at, sequence.generated_tokens, result.timings)
             yield encode.stream_response(index, event, generated_text=prefix + sequence.text, details=details)
             return
         raise IncompleteGenerationError()
     except OpenTGIError as exc:
-        _record_failure(exc)
+        record_failure(exc)
         raise
     finally:
         if prepared is not None:
@@ -215,9 +188,9 @@ async def _stream_events(body: dict, default_return_full_text: bool) -> AsyncIte
 
 
 def _stream(body: dict, *, default_return_full_text: bool = False) -> Response:
-    _count_request()
+    started_at = record_start()
     headers = {"x-compute-type": _compute_type(), "x-compute-characters": str(len(body["inputs"]))}
-    return sse_response(_stream_events(body, default_return_full_text), headers=headers)
+    return sse_response(_stream_events(body, started_at, default_return_full_text), headers=headers)
 
 
 async def generate_stream(body: dict) -> Response:
@@ -229,13 +202,13 @@ async def compat_generate(body: dict) -> Response:
     full_text = runtime.engine().info.pipeline_tag == "text-generation"
     if body.get("stream"):
         return _stream(body, default_return_full_text=full_text)
-    _count_request()
+    started_at = record_start()
     try:
-        payload, headers = await _generate(body, default_return_full_text=full_text)
+        payload, headers = await _generate(body, started_at, default_return_full_text=full_text)
     except ClientGone:
         return Response(status_code=499)
     except OpenTGIError as exc:
-        _record_failure(exc)
+        record_failure(exc)
         return tgi_error(exc).response()
     return JSONResponse([payload], headers=headers)
 

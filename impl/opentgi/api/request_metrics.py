@@ -1,0 +1,63 @@
+"""TGI's request-level metrics, recorded the same way by every dialect's generation routes.
+
+TGI's router records, per generation request: `tgi_request_count` on arrival, the input length and
+`max_new_tokens` once validation passed, then either `tgi_request_success` with the durations
+(total, validation, queue, inference, mean time per token) and the generated tokens, or
+`tgi_request_failure{err}` with the error's TGI `error_type`. The TGI, OpenAI, LightLLM and SenseNova
+handlers all call these four functions, so the counts on `/metrics` cover every route:
+
+    started_at = record_start()
+    record_validated(request)                  # the engine request built from the body
+    durations = record_success(started_at, generated_tokens, result.timings)
+    record_failure(exc)                        # any error the request ends with
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentgi.api import runtime
+from opentgi.api.errors import tgi_error
+from opentgi.engine.errors import GenerationError
+from opentgi.engine.events import Timings
+from opentgi.engine.request import GenerationRequest
+
+
+def record_start() -> float:
+    """A generation request arrived: counts it and returns its start time (time.monotonic)."""
+    runtime.metrics().request_started()
+    return time.monotonic()
+
+
+def record_validated(request: GenerationRequest) -> None:
+    """Validation passed: the prompt's length and the request's max_new_tokens."""
+    runtime.metrics().request_validated(input_length=request.num_prompt_tokens,
+                                        max_new_tokens=request.stopping.max_new_tokens)
+
+
+def record_failure(exc: BaseException) -> None:
+    """The request failed: tgi_request_failure{err=<TGI error_type>}. A failure during generation
+    also stops vouching for the engine's health (the next /health runs a probe)."""
+    if isinstance(exc, GenerationError):
+        runtime.state().last_success_at = None
+    runtime.metrics().request_finished(ok=False, err=tgi_error(exc).error_type)
+
+
+def durations(started_at: float, timings: Timings | None, now: float) -> dict[str, float]:
+    """TGI's request durations in seconds: total; validation (arrival to queued), queue (queued to
+    first scheduled) and inference (scheduled to now) when the engine's timings are known."""
+    out = {"total_s": now - started_at}
+    if timings is not None:
+        scheduled = timings.scheduled_at if timings.scheduled_at is not None else timings.queued_at
+        out.update(validation_s=max(timings.queued_at - started_at, 0.0),
+                   queue_s=max(scheduled - timings.queued_at, 0.0), inference_s=max(now - scheduled, 0.0))
+    return out
+
+
+def record_success(started_at: float, generated_tokens: int, timings: Timings | None = None) -> dict[str, float]:
+    """The request succeeded: tgi_request_success, its durations and generated tokens. Returns the
+    durations recorded (TGI's response headers report the same ones)."""
+    runtime.state().record_success()
+    recorded = durations(started_at, timings, time.monotonic())
+    runtime.metrics().request_finished(ok=True, generated_tokens=generated_tokens, **recorded)
+    return recorded
