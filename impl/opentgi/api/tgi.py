@@ -291,8 +291,7 @@ async def tokenize(body: dict) -> Response:
     truncate = parameters.truncate if parameters is not None else None
     if truncate is not None and truncate < len(ids):
         ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]
-    return JSONResponse([{"id": i, "text": inputs[start:stop], "start": start, "stop": stop}
-                         for i, (start, stop) in zip(ids, offsets, strict=True)])
+    return JSONResponse(encode.tokenize_response(inputs, ids, offsets))
 
 
 async def metrics() -> Response:

@@ -110,3 +110,14 @@ def stream_response(index: int, event: TokenEvent, *, generated_text: str | None
 def stream_details(sequence: SequenceResult) -> dict:
     return {"finish_reason": finish_reason(sequence.finish_reason),
             "generated_tokens": sequence.generated_tokens, "seed": sequence.seed}
+
+
+def tokenize_response(inputs: str, token_ids: list[int], char_offsets: list[tuple[int, int]]) -> list[dict]:
+    """/tokenize: TGI's `SimpleToken`s. `start`/`stop` are UTF-8 byte offsets into `inputs`, as the
+    Rust tokenizer reports them to TGI (Python's fast tokenizer reports character offsets), and
+    `text` is exactly those bytes of the input."""
+    byte_at = [0]
+    for char in inputs:
+        byte_at.append(byte_at[-1] + len(char.encode("utf-8")))
+    return [{"id": i, "text": inputs[start:stop], "start": byte_at[start], "stop": byte_at[stop]}
+            for i, (start, stop) in zip(token_ids, char_offsets, strict=True)]
