@@ -114,6 +114,24 @@ async def test_stop_sequence_and_eos_finish_with_stop(llama_state):
     assert len(out) < len(text) or stopped["count_output_tokens"] < 6
 
 
+async def test_stop_sequences_given_as_token_ids(llama_state):
+    bound(llama_state)
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 6, "return_details": True}}
+    first = json.loads((await lightllm.generate(body)).body)
+    ids = [t["id"] for t in first["tokens"]]
+    for stop, length in (([[ids[2]]], ids.index(ids[2]) + 1), ([ids[1:3]], None)):
+        body = {"inputs": "Hi", "parameters": {"max_new_tokens": 6, "stop_sequences": stop}}
+        stopped = json.loads((await lightllm.generate(body)).body)
+        assert stopped["finish_reason"] == "stop"
+        assert first["generated_text"][0].startswith(stopped["generated_text"][0])
+        assert stopped["count_output_tokens"] <= (length or 3) < 6
+        streamed = [json.loads(c[len(b"data:"):]) for c in await collect_stream(await lightllm.generate_stream(body))]
+        assert streamed[-1]["finish_reason"] == "stop"
+        assert len(streamed) == stopped["count_output_tokens"]
+    response = await lightllm.generate_stream({"inputs": "Hi", "parameters": {"stop_sequences": [[10**9]]}})
+    assert response.status_code == 422 and "not in the vocabulary" in json.loads(response.body)["message"]
+
+
 async def test_invalid_requests_are_4xx_before_any_stream(llama_state):
     bound(llama_state)
     cases = [

@@ -162,6 +162,23 @@ def test_stopping_mapping():
         lightllm.stopping_params(params(max_new_tokens=2, min_new_tokens=3))
 
 
+def test_stop_sequences_as_token_ids(smollm2_tokenizer):
+    """LightLLM accepts str, list[str] and list[list[int]]: one id stops on that token, a longer
+    sequence on its decoded text; empty entries are ignored."""
+    tok = smollm2_tokenizer
+    hello = tok.encode(" Hello world", add_special_tokens=False)
+    assert len(hello) > 1
+    parsed = schema.GenerateParameters.model_validate({"stop_sequences": [[hello[0]], hello, []]})
+    stopping = lightllm.stopping_params(parsed, tok)
+    assert stopping.stop_token_ids == [hello[0]]
+    assert stopping.stop_sequences == [" Hello world"]
+    assert lightllm.stop_conditions("\n", tok) == (["\n"], [])
+    assert lightllm.stop_conditions(["a", ""], None) == (["a"], [])  # strings need no tokenizer
+    for bad in (len(tok), -1):
+        with pytest.raises(ValidationError, match=f"token id {bad} is not in the vocabulary"):
+            lightllm.stop_conditions([[bad]], tok)
+
+
 def test_n_and_best_of():
     assert lightllm.num_sequences(params()) == 1
     assert lightllm.num_sequences(params(best_of=3)) == 3

@@ -70,18 +70,39 @@ def sampling_params(params: schema.GenerateParameters) -> SamplingParams:
     )
 
 
-def stopping_params(params: schema.GenerateParameters) -> StoppingParams:
+def stop_conditions(stops: str | list | None, tokenizer=None) -> tuple[list[str], list[int]]:
+    """LightLLM's `stop_sequences` (a string, strings, or token-id sequences) -> (stop strings,
+    stop token ids). A one-id sequence stops on that token; a longer one where its decoded text
+    appears. Empty entries are ignored, as in LightLLM."""
+    stops = [stops] if isinstance(stops, str) else [s for s in stops or [] if s]
+    strings = [s for s in stops if isinstance(s, str)]
+    id_sequences = [s for s in stops if not isinstance(s, str)]
+    if not id_sequences:
+        return strings, []
+    vocab_size = len(tokenizer)
+    for ids in id_sequences:
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValidationError(
+                f"stop_sequences: token id {bad[0]} is not in the vocabulary (0 to {vocab_size - 1})")
+    token_ids = [ids[0] for ids in id_sequences if len(ids) == 1]
+    texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in id_sequences if len(ids) > 1]
+    return strings + [t for t in texts if t], token_ids
+
+
+def stopping_params(params: schema.GenerateParameters, tokenizer=None) -> StoppingParams:
+    """`tokenizer` decodes and checks token-id stop sequences (needed only when there are some)."""
     if params.min_new_tokens > params.max_new_tokens:
         raise ValidationError(
             f"min_new_tokens must <= max_new_tokens, but got min {params.min_new_tokens}, "
             f"max {params.max_new_tokens}."
         )
-    stops = params.stop_sequences
-    stop_sequences = [stops] if isinstance(stops, str) else list(stops or [])
+    stop_sequences, stop_token_ids = stop_conditions(params.stop_sequences, tokenizer)
     return StoppingParams(
         max_new_tokens=params.max_new_tokens,
         min_new_tokens=params.min_new_tokens,
-        stop_sequences=[s for s in stop_sequences if s],
+        stop_sequences=stop_sequences,
+        stop_token_ids=stop_token_ids,
         ignore_eos=params.ignore_eos,
     )
 
@@ -98,11 +119,12 @@ def parse_generate(body: dict) -> tuple[schema.GenerateRequest, schema.GenerateP
     return request, request.parameters or schema.GenerateParameters()
 
 
-def generation_request(prompt_token_ids: list[int], params: schema.GenerateParameters) -> GenerationRequest:
+def generation_request(prompt_token_ids: list[int], params: schema.GenerateParameters,
+                       tokenizer=None) -> GenerationRequest:
     return GenerationRequest(
         prompt_token_ids=prompt_token_ids,
         sampling=sampling_params(params),
-        stopping=stopping_params(params),
+        stopping=stopping_params(params, tokenizer),
         n=num_sequences(params),
     )
 
@@ -254,7 +276,7 @@ async def _submit_generate(body: dict, *, stream: bool):
     if stream and num_sequences(params) != 1:
         raise ValidationError("stream api only support best_of == 1")
     prompt_token_ids = await engine.encode(request.inputs)
-    generation = generation_request(prompt_token_ids, params)
+    generation = generation_request(prompt_token_ids, params, engine.tokenizer)
     record_validated(generation)
     handle = await engine.submit(generation)
     return handle, params, len(prompt_token_ids)

@@ -1,4 +1,4 @@
-# GENERATED from openapi/lightllm.yaml (sha256 eab3845481d1aca4) by codegen with
+# GENERATED from openapi/lightllm.yaml (sha256 5c7937620fcf08c4) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -58,8 +58,9 @@ class GenerateParameters(BaseModel):
     ignore_eos: bool = False
     max_new_tokens: int = Field(16, ge=1)
     min_new_tokens: int = Field(1, description='Must not exceed max_new_tokens', ge=1)
-    stop_sequences: str | list[str] | None = Field(
-        None, description='A stop string or a list of them'
+    stop_sequences: str | list[str] | list[list[int]] | None = Field(
+        None,
+        description='A stop string, a list of them, or a list of token-id sequences (as LightLLM accepts: str, list[str] or list[list[int]]). A one-id sequence stops on that token; a longer one stops where its decoded text appears. Empty strings and sequences are ignored.',
     )
     best_of: int = Field(1, ge=1, le=8)
     n: int | None = Field(
