@@ -332,6 +332,20 @@ def test_completions_stream_with_usage(client):
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_completions_stream_echo_carries_the_prompt_logprobs(client):
+    kwargs = {"model": "tgi", "prompt": ["Hello there", "def f(x):"], "max_tokens": 3, "temperature": 0,
+              "echo": True, "logprobs": 1}
+    whole = client.completions.create(**kwargs)
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    for choice in whole.choices:
+        mine = [c for c in chunks if c.index == choice.index]
+        assert mine[0].text == kwargs["prompt"][choice.index]  # the echo comes first, with its logprobs
+        assert "".join(c.text for c in mine) == choice.text
+        streamed = [lp for c in mine for lp in c.logprobs.token_logprobs]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-4)
+        assert [o for c in mine for o in c.logprobs.text_offset] == choice.logprobs.text_offset
+
+
 def test_completions_stop_is_left_out(client):
     whole = client.completions.create(model="tgi", prompt="Hello", max_tokens=8, temperature=0).choices[0].text
     stop = whole[3:6]

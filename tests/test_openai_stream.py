@@ -4,6 +4,7 @@ chunk order, n interleaved choices, tool-call deltas, include_usage, an error mi
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,17 +13,21 @@ from opentgi.api import openai_common as common
 from opentgi.api import openai_completions as completions
 from opentgi.api import openai_shapes as shape
 from opentgi.engine.errors import GenerationError
-from opentgi.engine.events import TokenEvent
+from opentgi.engine.events import PrefillToken, TokenEvent
 from opentgi.engine.request import FinishReason
 
 META = shape.ResponseMeta(id="x-1", created=1, model="m")
 
 
 class FakeHandle:
-    def __init__(self, events, error: Exception | None = None):
+    def __init__(self, events, error: Exception | None = None, prefill: list[PrefillToken] | None = None):
         self.events = list(events)
         self.error = error
         self.cancelled = False
+        self.prefill = prefill
+
+    async def result(self):
+        return SimpleNamespace(prefill=self.prefill)
 
     def __aiter__(self):
         return self._iterate()
@@ -99,16 +104,22 @@ async def test_chat_stream_that_ends_early_is_incomplete():
 
 
 async def test_completion_stream_several_prompts_echo_and_logprobs():
-    handles = [FakeHandle([ev(0, " x", 1, FinishReason.LENGTH)]), FakeHandle([ev(0, " y", 1, FinishReason.EOS_TOKEN)])]
+    """Each choice starts with its echoed prompt, carrying the prompt's logprobs as the JSON answer does."""
+    handles = [FakeHandle([ev(0, " x", 1, FinishReason.LENGTH)], prefill=[PrefillToken(1, "A", None)]),
+               FakeHandle([ev(0, " y", 1, FinishReason.EOS_TOKEN)],
+                          prefill=[PrefillToken(2, "B", None), PrefillToken(2, "B", -0.5)])]
     prepared = completions.PreparedCompletion(handles=handles, prompts=["A", "BB"], prompt_lengths=[1, 2], meta=META,
                                            n=1, echo=True, logprobs=0, include_usage=True)
     out = await _collect(completions._completion_stream(prepared))
     assert out[-1] == common.DONE
     choices = [c["choices"][0] for c in out[:-2]]
-    assert [(c["index"], c["text"]) for c in choices[:2]] == [(0, "A"), (1, "BB")]  # echo first
-    rest = sorted((c["index"], c["text"], c["finish_reason"]) for c in choices[2:])
-    assert rest == [(0, " x", "length"), (1, " y", "stop")]
-    offsets = {c["index"]: c["logprobs"]["text_offset"] for c in choices[2:]}
+    by_index = {i: [c for c in choices if c["index"] == i] for i in (0, 1)}
+    assert [(c["text"], c["finish_reason"]) for c in by_index[0]] == [("A", None), (" x", "length")]
+    assert [(c["text"], c["finish_reason"]) for c in by_index[1]] == [("BB", None), (" y", "stop")]
+    assert by_index[1][0]["logprobs"] == {"tokens": ["B", "B"], "token_logprobs": [None, -0.5],
+                                          "top_logprobs": [None, None], "text_offset": [0, 1]}
+    assert by_index[0][0]["logprobs"]["token_logprobs"] == [None]
+    offsets = {i: c[1]["logprobs"]["text_offset"] for i, c in by_index.items()}
     assert offsets == {0: [1], 1: [2]}
     assert out[-2]["usage"] == shape.usage(3, 2)
     assert all(h.cancelled for h in handles)

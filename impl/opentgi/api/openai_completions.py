@@ -87,8 +87,7 @@ async def _prepare_completion(body: dict, started_at: float) -> PreparedCompleti
         requests.append(GenerationRequest(
             prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
             top_n_tokens=logprobs or 0,
-            # the echoed prompt's logprobs, in the JSON answer (a stream echoes the text only)
-            prompt_logprobs=echo and logprobs is not None and not req.stream))
+            prompt_logprobs=echo and logprobs is not None))  # the echoed prompt's logprobs
         lengths.append(len(ids))
     for request in requests:
         common.record_validated(request)
@@ -99,6 +98,11 @@ async def _prepare_completion(body: dict, started_at: float) -> PreparedCompleti
                               logprobs=logprobs, include_usage=include_usage, started_at=started_at)
 
 
+def _echo_logprobs(builder: shape.CompletionLogprobs, result) -> dict:
+    """The echoed prompt's logprobs (the first token has none); advances the builder's offset."""
+    return builder.prompt(result.prefill or [])
+
+
 def _completion_choices(p: PreparedCompletion, prompt_index: int, result) -> list[dict]:
     prompt = p.prompts[prompt_index]
     choices = []
@@ -106,7 +110,7 @@ def _completion_choices(p: PreparedCompletion, prompt_index: int, result) -> lis
         logprobs = None
         if p.logprobs is not None:
             builder = shape.CompletionLogprobs(0 if p.echo else len(prompt), with_top=p.logprobs > 0)
-            parts = [builder.prompt(result.prefill or [])] if p.echo else []
+            parts = [_echo_logprobs(builder, result)] if p.echo else []
             logprobs = shape.merge_logprobs(parts + [builder.tokens(seq.tokens)])
         text = prompt + seq.text if p.echo else seq.text
         choices.append(shape.completion_choice(p.choice_index(prompt_index, seq.index), text,
@@ -115,15 +119,25 @@ def _completion_choices(p: PreparedCompletion, prompt_index: int, result) -> lis
 
 
 async def _completion_stream(p: PreparedCompletion) -> AsyncIterator[dict | str]:
+    """With `echo`, each choice starts with its prompt. The prompt's logprobs come with the engine's
+    final result, so with `echo` and `logprobs` a prompt's chunks are held until its sequences end."""
+
     def chunk(choice: dict) -> dict:
         return shape.completion_chunk(p.meta, [choice], include_usage=p.include_usage)
 
+    def echo_chunks(i: int, logprobs: dict | None) -> list[dict]:
+        return [chunk(shape.completion_choice(p.choice_index(i, j), p.prompts[i], None, logprobs))
+                for j in range(p.n)]
+
+    hold = p.echo and p.logprobs is not None
+    held: dict[int, list[dict]] = {i: [] for i in range(len(p.prompts))}
+    finished_of: dict[int, int] = dict.fromkeys(held, 0)
     try:
         builders = {}
-        if p.echo:
-            for i, prompt in enumerate(p.prompts):
-                for j in range(p.n):
-                    yield chunk(shape.completion_choice(p.choice_index(i, j), prompt, None, None))
+        if p.echo and not hold:
+            for i in range(len(p.prompts)):
+                for echoed in echo_chunks(i, None):
+                    yield echoed
         completion_tokens = 0
         finished = 0
         async for i, event in common.events_of(p.handles):
@@ -135,11 +149,21 @@ async def _completion_stream(p: PreparedCompletion) -> AsyncIterator[dict | str]
                         len(p.prompts[i]), with_top=p.logprobs > 0)
                 logprobs = builders[index].tokens([event])
             if event.text_delta or event.finish_reason is not None or logprobs is not None:
-                yield chunk(shape.completion_choice(index, event.text_delta,
+                out = chunk(shape.completion_choice(index, event.text_delta,
                                                     shape.finish_reason(event.finish_reason), logprobs))
+                if hold:
+                    held[i].append(out)
+                else:
+                    yield out
             if event.finish_reason is not None:
                 completion_tokens += event.generated_tokens
                 finished += 1
+                finished_of[i] += 1
+                if hold and finished_of[i] == p.n:  # the result (with the prompt's logprobs) is in
+                    result = await p.handles[i].result()
+                    echoed = _echo_logprobs(shape.CompletionLogprobs(0, with_top=p.logprobs > 0), result)
+                    for out in echo_chunks(i, echoed) + held.pop(i):
+                        yield out
         if finished < len(p.handles) * p.n:
             raise IncompleteGenerationError()
         common.record_success(p.started_at, completion_tokens)
