@@ -284,6 +284,11 @@ class MetricsObserver(EngineObserver):
             m.batch_inference_duration.observe(duration_s, labels)
             m.batch_inference_success.inc(labels)
 
+    def on_idle(self) -> None:
+        with self.m._lock:  # as TGI once its batch is empty
+            self.m.batch_current_size.set(0)
+            self.m.batch_current_max_tokens.set(0)
+
     def on_batch_concat(self, *, reason: str) -> None:
         with self.m._lock:
             self.m.batch_concat.inc((reason,))

@@ -44,6 +44,7 @@ class EngineCore:
         self.last_step_at = time.monotonic()
         self.peak_tokens_running = 0
         self._reported_prefix = (0, 0)  # (hit, query) tokens already told to the observer
+        self._busy = False  # the observer was told of a batch and not yet that the engine is idle
 
     # --- from other threads ----------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -87,8 +88,13 @@ class EngineCore:
         if out.preempted:
             self.observer.on_preemption(len(out.preempted))
         if out.is_empty:
+            self._report_idle()
             return []
         started = time.monotonic()
+        # as TGI's tgi_batch_current_max_tokens: what the running batch may hold (prompt +
+        # max_new_tokens of each running sequence); constant while tokens are generated
+        committed = self.tokens_committed_running()
+        self.peak_tokens_running = max(self.peak_tokens_running, committed)
         seqs, num_new = out.seqs, out.num_new_tokens
         sample_rows: list[int] = []
         logit_rows: list[int] = []
@@ -107,7 +113,10 @@ class EngineCore:
             state = self.requests[seq.request.request_id]
             if state.timings.scheduled_at is None:
                 state.timings.scheduled_at = started
+        if out.concat_reason is not None:
+            self.observer.on_batch_concat(reason=out.concat_reason)
         deliveries: dict[str, Delivery] = {}
+        forward_s = decode_s = filter_s = None
         try:
             result = self.runner.execute(seqs, num_new, sample_rows, logit_rows, score_rows)
             for seq, n in zip(seqs, num_new):
@@ -115,21 +124,29 @@ class EngineCore:
                 self.block_manager.commit(seq)
             for row in logit_rows:
                 self._prompt_logprobs(seqs[row], num_new[row], result.position_logits[row])
+            finished = []  # (seq, state): removed after the step's events are built
             for row in score_rows:
-                self._finish_score(seqs[row], result.scores[row], deliveries)
-            if sample_rows:
-                sampled = [seqs[r] for r in sample_rows]
-                sout = self.sampler.sample(sampled, result.sample_logits)
-                now = time.monotonic()
-                for i, seq in enumerate(sampled):
-                    event = self.output.process(seq, sout.token_ids[i], sout.logprobs[i], sout.top[i])
-                    state = self.requests[seq.request.request_id]
-                    if state.timings.first_token_at is None:
-                        state.timings.first_token_at = now
-                    state.events[seq.index].append(event)
-                    self._delivery(state, deliveries).events.append(event)
-                    if event.finish_reason is not None:
-                        self._finish_seq(seq, state, deliveries)
+                finished.append(self._finish_score(seqs[row], result.scores[row]))
+            sampled = [seqs[r] for r in sample_rows]
+            sout = self.sampler.sample(sampled, result.sample_logits) if sampled else None
+            # TGI's split: forward = model + token choice, decode = detokenize + stop checks,
+            # filter = removing the finished sequences from the batch
+            decode_at = time.monotonic()
+            forward_s = decode_at - started
+            for i, seq in enumerate(sampled):
+                event = self.output.process(seq, sout.token_ids[i], sout.logprobs[i], sout.top[i])
+                state = self.requests[seq.request.request_id]
+                if state.timings.first_token_at is None:
+                    state.timings.first_token_at = decode_at
+                state.events[seq.index].append(event)
+                self._delivery(state, deliveries).events.append(event)
+                if event.finish_reason is not None:
+                    finished.append((seq, state))
+            filter_at = time.monotonic()
+            decode_s = filter_at - decode_at
+            for seq, state in finished:
+                self._finish_seq(seq, state, deliveries)
+            filter_s = time.monotonic() - filter_at
             ok = True
         except Exception as exc:  # the model failed: fail this step's requests, keep serving the rest
             log.exception("engine step failed")
@@ -140,20 +157,27 @@ class EngineCore:
                     self._release(state)
                     self._delivery(state, deliveries).error = GenerationError(f"generation failed: {exc}")
                     self._report_finished(state, ok=False)
-        duration = time.monotonic() - started
         self.steps_total += 1
         self.last_step_at = time.monotonic()
+        duration = self.last_step_at - started
         bm = self.block_manager
         self.observer.on_batch(method="prefill" if out.has_prefill else "decode", size=len(seqs),
-                               max_tokens=out.num_tokens, duration_s=duration, ok=ok)
+                               max_tokens=committed, duration_s=duration, ok=ok,
+                               forward_s=forward_s, decode_s=decode_s, filter_s=filter_s,
+                               next_size=out.num_admitted)
+        self._busy = True
         self.observer.on_kv_blocks(used=bm.num_used_blocks, free=bm.num_free_blocks, cached=bm.num_cached_blocks)
         if (bm.prefix_hit_tokens, bm.prefix_query_tokens) != self._reported_prefix:
-            hit, query = self._reported_prefix
-            self.observer.on_prefix_cache(hit_tokens=bm.prefix_hit_tokens - hit,
-                                          query_tokens=bm.prefix_query_tokens - query)
             self._reported_prefix = (bm.prefix_hit_tokens, bm.prefix_query_tokens)
-        self.peak_tokens_running = max(self.peak_tokens_running, self.tokens_committed_running())
+            self.observer.on_prefix_cache(hit_tokens=bm.prefix_hit_tokens, query_tokens=bm.prefix_query_tokens)
+        self._report_idle()
         return list(deliveries.values())
+
+    def _report_idle(self) -> None:
+        """TGI zeroes tgi_batch_current_size / _max_tokens once its batch is empty."""
+        if self._busy and not self.scheduler.running:
+            self._busy = False
+            self.observer.on_idle()
 
     # --- helpers ---------------------------------------------------------------------------------
     @staticmethod
@@ -176,12 +200,12 @@ class EngineCore:
         # a recompute after preemption covers positions already reported
         seq.prompt_logprobs.extend(new[max(0, have - start):])
 
-    def _finish_score(self, seq, score: float, deliveries) -> None:
+    def _finish_score(self, seq, score: float) -> tuple:
         state = self.requests[seq.request.request_id]
         seq.score = score
         state.score = score
         seq.finish_reason = FinishReason.LENGTH
-        self._finish_seq(seq, state, deliveries)
+        return seq, state
 
     def _finish_seq(self, seq, state: RequestState, deliveries) -> None:
         self.scheduler.finish(seq)

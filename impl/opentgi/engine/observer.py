@@ -20,9 +20,13 @@ class EngineObserver:
         the detokenization, removing finished sequences; next_size: requests this step took from the
         queue (tgi_batch_next_size)."""
 
+    def on_idle(self) -> None:
+        """The last running sequence left: no batch runs until new requests arrive (TGI then sets
+        tgi_batch_current_size and tgi_batch_current_max_tokens to 0)."""
+
     def on_batch_concat(self, *, reason: str) -> None:
         """New requests joined a running batch (TGI's tgi_batch_concat; reason "backpressure" or
-        "wait_exceeded")."""
+        "wait_exceeded", see SchedulerOutput.concat_reason)."""
 
     def on_request_finished(self, *, request_id: str, ok: bool, input_tokens: int, generated_tokens: int,
                             queue_s: float, inference_s: float) -> None: ...
@@ -32,4 +36,5 @@ class EngineObserver:
     def on_kv_blocks(self, *, used: int, free: int, cached: int) -> None: ...
 
     def on_prefix_cache(self, *, hit_tokens: int, query_tokens: int) -> None:
-        """Cumulative totals since start (as EngineStats.prefix_hit_tokens / prefix_query_tokens)."""
+        """Cumulative totals since start (as EngineStats.prefix_hit_tokens / prefix_query_tokens),
+        reported after a step that changed them."""

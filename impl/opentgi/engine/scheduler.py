@@ -42,7 +42,12 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    num_admitted: int = 0
+    num_admitted: int = 0  # sequences taken from the waiting queue this step (TGI's next batch size)
+    # Why waiting sequences joined sequences already running (TGI's tgi_batch_concat reason), None
+    # when nothing joined a running batch: "backpressure" when enough were waiting
+    # (waiting_served_ratio), "wait_exceeded" when max_waiting_tokens steps passed without admission
+    # or, with chunked prefill, always (TGI v3 has no minimum batch size when it chunks).
+    concat_reason: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -120,15 +125,20 @@ class Scheduler:
         out.preempted.append(seq)
         self.preemptions_total += 1
 
-    def _may_admit(self) -> bool:
-        if not self.running or self.config.chunked_prefill:
-            return True
-        if self.steps_since_admission >= self.config.max_waiting_tokens:
-            return True
-        return len(self.waiting) >= int(len(self.running) * self.config.waiting_served_ratio)
+    def _admission_reason(self) -> str | None:
+        """Whether waiting sequences may join now: "new_batch" (nothing runs), "wait_exceeded",
+        "backpressure", or None (not yet)."""
+        if not self.running:
+            return "new_batch"
+        if self.config.chunked_prefill or self.steps_since_admission >= self.config.max_waiting_tokens:
+            return "wait_exceeded"
+        if len(self.waiting) >= int(len(self.running) * self.config.waiting_served_ratio):
+            return "backpressure"
+        return None
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        if not self._may_admit():
+        reason = self._admission_reason()
+        if reason is None:
             return
         bm = self.block_manager
         cfg = self.config
@@ -161,6 +171,8 @@ class Scheduler:
             out.num_new_tokens.append(n)
             out.num_admitted += 1
             budget -= n
+        if out.num_admitted and reason != "new_batch":
+            out.concat_reason = reason
         for seq in reversed(skipped):
             self.waiting.appendleft(seq)
 
