@@ -132,6 +132,15 @@ def test_null_max_new_tokens_with_a_prompt_past_the_total():
         "`inputs` tokens + `max_new_tokens` must be <= 16. Given: 17 `inputs` tokens and 0 `max_new_tokens`"
 
 
+def test_best_of_zero_is_one_generation_but_not_streamed():
+    """TGI 2.1 checks best_of only when it is > 1 (generate_best_of); streaming refuses any best_of != 1."""
+    checked = check_parameters("Hi", params(best_of=0, max_new_tokens=2), LIMITS)
+    assert checked.best_of == 1
+    assert build_request(checked, [1, 2], LIMITS).n == 1
+    assert message_of(parameters=params(best_of=0), stream=True) == \
+        "`best_of` != 1 is not supported when streaming tokens"
+
+
 def test_streaming_only_messages():
     assert message_of(parameters=params(best_of=2), stream=True) == \
         "`best_of` != 1 is not supported when streaming tokens"

@@ -176,7 +176,7 @@ def test_tgi_models_have_tgi_defaults_and_types():
     assert tgi.ChatRequest.model_validate(chat).tool_choice is None
     assert tgi.GenerateResponse(generated_text="a").details is None
     with pytest.raises(ValueError):
-        tgi.GenerateParameters(best_of=0)
+        tgi.GenerateParameters(best_of=-1)
 
 
 def test_spec_path_serves_the_packaged_documents():

@@ -94,7 +94,7 @@ def check_parameters(inputs: str, parameters: GenerateParameters | None, limits:
                      stream: bool = False, best_of_allowed: bool = True) -> TGIParameters:
     """TGI's checks that need no tokenizer, in TGI's order."""
     p = parameters if parameters is not None else default_parameters()
-    best_of = p.best_of if p.best_of is not None else 1
+    best_of = p.best_of if p.best_of is not None else 1  # 0 is one plain generation (TGI: best_of > 1 only)
 
     # generate_stream_internal refuses these before validation proper.
     if stream and best_of != 1:
@@ -107,8 +107,7 @@ def check_parameters(inputs: str, parameters: GenerateParameters | None, limits:
             raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
         if best_of > limits.max_best_of:
             raise ValidationError(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
-    if best_of < 1:
-        raise ValidationError(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
+    best_of = max(best_of, 1)
 
     # validate(): sampling must be on when best_of > 1.
     sampling_requested = (p.do_sample or p.temperature is not None or p.top_k is not None

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 60da7a8aaafcc9d3) by codegen with
+# GENERATED from openapi/tgi.json (sha256 d91964fbe303be7c) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -355,7 +355,7 @@ class GenerateParameters(BaseModel):
         None,
         description='Generate best_of sequences and return the one if the highest token logprobs.',
         examples=[1],
-        gt=0,
+        ge=0,
     )
     decoder_input_details: bool = Field(
         False, description='Whether to return decoder input token logprobs and ids.'
