@@ -73,8 +73,9 @@ PARAMS_SCHEMA = {"type": "object", "required": ["inputs"], "properties": {
     ({"top_p": 1.5}, 422, "Input validation error: `top_p` must be > 0.0 and < 1.0"),
     ({"best_of": 0}, 422, "Input validation error: `best_of` must be > 0 and <= 2. Given: 0"),
     ({"stop": ["a"] * 5}, 422, "Input validation error: `stop` supports up to 4 stop sequences. Given: 5"),
-    ({"truncate": -3}, 422,
-     "Input validation error: `truncate` must be strictly positive and less than 1024. Given: -3"),
+    ({"truncate": -3}, 422,  # usize in TGI: serde refuses it before TGI's own truncate check
+     ("Failed to deserialize the JSON body into the target type: parameters.truncate: invalid value: integer "
+      "`-3`, expected usize")),
     ({"temperature": "hot"}, 422,
      ("Failed to deserialize the JSON body into the target type: parameters.temperature: 'hot' is not of type "
      "'number'")),
@@ -86,6 +87,39 @@ PARAMS_SCHEMA = {"type": "object", "required": ["inputs"], "properties": {
 def test_schema_failures_get_tgi_messages(parameters, status, message):
     reply = tgi_error(schema_error({"inputs": "x", "parameters": parameters}, PARAMS_SCHEMA), LIMITS)
     assert (reply.status, reply.error, reply.error_type) == (status, message, "validation")
+
+
+POSITIVE = {"type": "number", "minimum": 0, "exclusiveMinimum": True, "nullable": True}
+ORDER_SCHEMA = {"type": "object", "required": ["inputs"], "properties": {
+    "inputs": {"type": "string"},
+    "parameters": {"type": "object", "properties": {
+        "temperature": POSITIVE, "repetition_penalty": POSITIVE, "top_k": POSITIVE,
+        "top_p": {**POSITIVE, "maximum": 1}, "typical_p": {**POSITIVE, "maximum": 1},
+        "max_new_tokens": {"type": "integer", "minimum": 0},
+        "top_n_tokens": {"type": "integer", "minimum": 0},
+        "stop": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "do_sample": {"type": "boolean"},
+    }},
+}}
+
+
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"top_k": 0, "temperature": 0}, "Input validation error: `temperature` must be strictly positive"),
+    ({"typical_p": 0, "top_p": 0, "repetition_penalty": 0},
+     "Input validation error: `repetition_penalty` must be strictly positive"),
+    ({"typical_p": 0, "top_p": 0}, "Input validation error: `top_p` must be > 0.0 and < 1.0"),
+    ({"stop": ["a"] * 5, "top_k": 0}, "Input validation error: `top_k` must be strictly positive"),
+    # serde's deserialization fails before any of TGI's checks
+    ({"temperature": 0, "do_sample": "yes"},
+     "Failed to deserialize the JSON body into the target type: parameters.do_sample: 'yes' is not of type "
+     "'boolean'"),
+    ({"temperature": 0, "top_n_tokens": -1},
+     ("Failed to deserialize the JSON body into the target type: parameters.top_n_tokens: invalid value: "
+      "integer `-1`, expected u32")),
+])
+def test_several_schema_failures_answer_the_one_tgi_reports_first(parameters, message):
+    reply = tgi_error(schema_error({"inputs": "x", "parameters": parameters}, ORDER_SCHEMA), LIMITS)
+    assert (reply.status, reply.error) == (422, message)
 
 
 def test_missing_required_field():

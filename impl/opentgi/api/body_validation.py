@@ -35,12 +35,18 @@ class BodyParseError(BadRequestProblem):
 class BodySchemaError(BadRequestProblem):
     """The JSON body breaks the operation's schema."""
 
-    def __init__(self, *, path: tuple, keyword: str, instance: t.Any, message: str):
+    def __init__(self, *, path: tuple, keyword: str, instance: t.Any, message: str,
+                 others: tuple[BodySchemaError, ...] = ()):
         super().__init__(detail=f"{message} - {'.'.join(map(str, path)) or '<body>'}")
         self.path = path  # e.g. ("parameters", "temperature")
         self.keyword = keyword  # the JSON-schema keyword that failed: "type", "minimum", "required"...
         self.instance = instance
         self.message = message
+        self.others = others  # the body's other failures, so a dialect can pick the one its server reports
+
+    @property
+    def all_errors(self) -> tuple[BodySchemaError, ...]:
+        return (self, *self.others)
 
     @property
     def field(self) -> str:
@@ -111,7 +117,10 @@ class TypedJSONBodyValidator(JSONRequestBodyValidator):
             raise BodyParseError("EOF while parsing a value at line 1 column 0", empty=True)
         errors = sorted(self._validator.iter_errors(body), key=lambda e: list(e.absolute_path))
         if errors:
-            raise BodySchemaError.from_jsonschema(best_match(errors) or errors[0])
+            best = best_match(errors) or errors[0]
+            error = BodySchemaError.from_jsonschema(best)
+            error.others = tuple(BodySchemaError.from_jsonschema(e) for e in errors if e is not best)
+            raise error
         return None
 
 

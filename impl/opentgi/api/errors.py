@@ -36,6 +36,12 @@ DESERIALIZE_PREFIX = "Failed to deserialize the JSON body into the target type: 
 PARSE_PREFIX = "Failed to parse the request body as JSON: "
 RANGE_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "maxItems",
                             "minItems"})
+# TGI 2.1's checks in its order (validation.rs `validate`; `validate_best_of` runs before it).
+TGI_CHECK_ORDER = ("best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_p", "typical_p",
+                   "top_k", "max_new_tokens", "stop", "top_n_tokens", "truncate")
+# Parameters TGI reads as unsigned Rust integers: a negative value fails deserialization, before any check.
+UNSIGNED_PARAMETERS = {"best_of": "usize", "max_new_tokens": "u32", "seed": "u64", "top_n_tokens": "u32",
+                       "truncate": "usize"}
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,7 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
 def request_error(exc: ProblemException | HTTPException, limits: FieldLimits) -> ErrorReply:
     """Connexion's and Starlette's own errors (validation, routing) in TGI's shape."""
     if isinstance(exc, BodySchemaError):
-        message = tgi_field_message(exc, limits)
-        if message is not None:
-            return ErrorReply(422, VALIDATION_PREFIX + message, "validation")
-        return ErrorReply(422, DESERIALIZE_PREFIX + schema_error_text(exc), "validation")
+        return body_schema_reply(exc, limits)
     if isinstance(exc, BodyParseError):  # axum says 400; TGI's document gives 422 for bad input
         return ErrorReply(422, (DESERIALIZE_PREFIX if exc.empty else PARSE_PREFIX) + exc.reason, "validation")
     if isinstance(exc, UnsupportedMediaTypeProblem):
@@ -118,7 +121,34 @@ def request_error(exc: ProblemException | HTTPException, limits: FieldLimits) ->
     return ErrorReply(status, str(detail), "validation" if 400 <= status < 500 else "internal_error", headers)
 
 
+def body_schema_reply(exc: BodySchemaError, limits: FieldLimits) -> ErrorReply:
+    """What TGI answers a body with these schema failures: serde's deserialization error when there is
+    one (a wrong type, a missing field, a negative unsigned integer), else the failed check that
+    comes first in TGI's order, with TGI's message."""
+    checks = []
+    for error in exc.all_errors:
+        message = tgi_field_message(error, limits)
+        if message is None:
+            return ErrorReply(422, DESERIALIZE_PREFIX + schema_error_text(error), "validation")
+        checks.append((TGI_CHECK_ORDER.index(error.path[1]), message))
+    return ErrorReply(422, VALIDATION_PREFIX + min(checks)[1], "validation")
+
+
+def negative_unsigned(exc: BodySchemaError) -> str | None:
+    """The Rust type of a TGI parameter given a negative value it cannot hold, else None."""
+    if len(exc.path) != 2 or exc.path[0] != "parameters" or exc.keyword not in RANGE_KEYWORDS:
+        return None
+    value = exc.instance
+    if isinstance(value, bool) or not isinstance(value, int | float) or value >= 0:
+        return None
+    return UNSIGNED_PARAMETERS.get(exc.path[1])
+
+
 def schema_error_text(exc: BodySchemaError) -> str:
+    rust_type = negative_unsigned(exc)
+    if rust_type is not None:  # serde: `-1` into a u32
+        kind = "integer" if isinstance(exc.instance, int) else "floating point"
+        return f"{exc.field}: invalid value: {kind} `{exc.instance}`, expected {rust_type}"
     return f"{exc.field}: {exc.message}" if exc.path and not exc.message.startswith("missing field") \
         else exc.message
 
@@ -126,6 +156,8 @@ def schema_error_text(exc: BodySchemaError) -> str:
 def tgi_field_message(exc: BodySchemaError, limits: FieldLimits) -> str | None:
     """TGI's own message for a range failure on a parameter TGI validates itself, else None."""
     if len(exc.path) != 2 or exc.path[0] != "parameters" or exc.keyword not in RANGE_KEYWORDS:
+        return None
+    if negative_unsigned(exc) is not None:
         return None
     name, value = exc.path[1], exc.instance
     messages = {
