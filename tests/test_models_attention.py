@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.attention.torch_backend import TorchAttentionBackend

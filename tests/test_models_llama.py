@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
 from opentgi.models.registry import build_paged_model
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
 from tests import tiny_models
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 48
@@ -150,8 +150,9 @@ def test_reward_score_matches_transformers():
 
 
 def test_unsupported_configs_go_to_the_generic_path():
-    from opentgi.models.registry import paged_unsupported_reason
     from transformers import LlamaConfig, Qwen2Config
+
+    from opentgi.models.registry import paged_unsupported_reason
 
     assert paged_unsupported_reason(LlamaConfig(architectures=["LlamaForCausalLM"])) is None
     dynamic = LlamaConfig(architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "dynamic", "factor": 2.0})

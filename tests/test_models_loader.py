@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from opentgi.config import Settings
 from opentgi.models.loader import ModelLoadError, load_model
 
@@ -61,9 +62,9 @@ def test_unknown_model_id_fails_clearly(tmp_path, monkeypatch, hub_offline):
 def test_default_model_conversion_is_exact(tmp_path):
     """No --model-id: SmolLM2-135M-Instruct's GGUF converted once; same logits as transformers'
     own GGUF load, on the paged path and through transformers reading the converted folder."""
-    from opentgi.models.default_model import default_gguf_path
     from transformers import AutoModelForCausalLM
 
+    from opentgi.models.default_model import default_gguf_path
     from tests.test_models_llama import PagedRunner
 
     loaded = load_model(Settings(cache_dir=str(tmp_path)))
