@@ -1,7 +1,7 @@
 """SenseNova's text completion API (openapi/sensenova.yaml): `POST /v1/llm/completions`.
 
 SenseNova's rules on top of the document's ranges: the prompt's tokens plus an explicit
-`max_new_tokens` must fit the model's context (a 400 otherwise); with the default `max_new_tokens`
+`max_new_tokens` must fit the model's context (a 422 otherwise); with the default `max_new_tokens`
 (1024) a choice that runs into the context ends with `context`. The
 `n` choices share the prompt's KV blocks (one engine request, n sequences). A choice whose output
 would contain a sensitive term (`--sensitive-words`) stops before it with `sensitive`.
