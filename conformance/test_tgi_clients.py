@@ -216,6 +216,14 @@ def test_hub_stream(hub, client):
     assert events[-1].details.generated_tokens == len(events)
 
 
+def test_hub_best_of_and_empty_inputs(hub):
+    out = hub.text_generation(PROMPT, max_new_tokens=4, best_of=2, do_sample=True, details=True)
+    assert out.details.best_of_sequences is not None and len(out.details.best_of_sequences) == 1
+    assert out.details.best_of_sequences[0].generated_tokens == len(out.details.best_of_sequences[0].tokens)
+    with pytest.raises(hub_errors.ValidationError, match=r"^Input validation error: `inputs` cannot be empty$"):
+        hub.text_generation("", max_new_tokens=2)
+
+
 def test_hub_grammar_seed_and_stop(hub):
     text = hub.text_generation(PROMPT, max_new_tokens=60, grammar={"type": "json", "value": SCHEMA},
                                return_full_text=False)
@@ -234,6 +242,14 @@ def test_hub_grammar_seed_and_stop(hub):
     ({"temperature": 0.0}, r"`temperature` must be strictly positive"),
     ({"top_p": 1.0}, r"`top_p` must be > 0\.0 and < 1\.0"),
     ({"grammar": {"type": "json", "value": {"type": 5}}}, r"grammar is not valid: .+"),
+    # the rest of TGI's checks, which the hub client (unlike text-generation's) sends unchecked
+    ({"best_of": 2}, r"you must use sampling when `best_of` is > 1"),
+    ({"repetition_penalty": 0.0}, r"`repetition_penalty` must be strictly positive"),
+    ({"typical_p": 1.0}, r"`typical_p` must be > 0\.0 and < 1\.0"),
+    ({"top_k": 0}, r"`top_k` must be strictly positive"),
+    ({"max_new_tokens": 0}, r"`max_new_tokens` must be strictly positive"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, r"`seed` must not be set when `best_of` > 1"),
+    ({"top_k": 0, "temperature": 0.0}, r"`temperature` must be strictly positive"),  # TGI's order
 ])
 def test_hub_validation_errors_are_typed(hub, kwargs, message):
     with pytest.raises(hub_errors.ValidationError) as info:
