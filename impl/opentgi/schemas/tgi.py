@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 d91964fbe303be7c) by codegen with
+# GENERATED from openapi/tgi.json (sha256 45e0d6bf71749be7) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -392,7 +392,6 @@ class GenerateParameters(BaseModel):
         None,
         description='Stop generating tokens if a member of `stop` is generated.',
         examples=[['photographer']],
-        max_length=4,
     )
     temperature: float | None = Field(
         None,
