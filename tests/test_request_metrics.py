@@ -99,3 +99,21 @@ def test_tgi_generation_is_counted_through_the_same_helper(client):
     body = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2, "details": True}})
     changed = delta(before, samples(client))
     assert_one_success(changed, generated_tokens=body.json()["details"]["generated_tokens"])
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream", "/"])
+def test_a_tgi_check_refused_by_the_document_is_counted_as_tgi_counts_it(client, path):
+    """temperature 0 breaks the document's range, so Connexion refuses it before the handler; TGI
+    refuses it in its handler (validate) and counts the request and its failure."""
+    before = samples(client)
+    response = client.post(path, json={"inputs": "Hello", "parameters": {"temperature": 0}})
+    assert response.json()["error"] == "Input validation error: `temperature` must be strictly positive"
+    assert_one_failure(delta(before, samples(client)), "validation")
+
+
+def test_a_body_tgi_cannot_deserialize_is_not_counted(client):
+    before = samples(client)
+    response = client.post("/generate", json={"inputs": "Hello", "parameters": {"temperature": "hot"}})
+    assert response.status_code == 422
+    assert response.json()["error"].startswith("Failed to deserialize the JSON body into the target type: ")
+    assert "tgi_request_count" not in delta(before, samples(client))

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Mount as StarletteMount
 
-from opentgi.api import runtime
+from opentgi.api import request_metrics, runtime
 from opentgi.api.body_validation import BodyParseError, BodySchemaError, validator_map
 from opentgi.api.errors import FieldLimits, tgi_error
 from opentgi.config import Settings
@@ -138,17 +138,21 @@ class ErrorMapper:
                            max_top_n_tokens=settings.max_top_n_tokens,
                            max_input_tokens=getattr(info, "max_input_tokens", 0))
 
-    def response(self, path: str, exc: Exception) -> Response:
+    def response(self, path: str, exc: Exception, operation_id: str | None = None) -> Response:
         dialect = self.by_name.get(self.dialect_of(path))
         if dialect is not None and dialect.error_response is not None:
             own = _as_dialect_error(exc)
             if own is not None:
                 return _import(dialect.error_response)(own)
-        return tgi_error(exc, self.limits()).response()
+        reply = tgi_error(exc, self.limits())
+        if operation_id is not None:
+            request_metrics.record_refused_body(operation_id, exc, reply)
+        return reply.response()
 
     async def __call__(self, request, exc: Exception):
         """Connexion error handler: (ConnexionRequest, exception) -> response."""
-        response = self.response(request.url.path, exc)
+        routing = request.scope.get("extensions", {}).get("connexion_routing", {})
+        response = self.response(request.url.path, exc, routing.get("operation_id"))
         return connexion.lifecycle.ConnexionResponse(
             status_code=response.status_code, body=response.body, mimetype=response.media_type,
             headers={k: v for k, v in response.headers.items() if k.lower() not in ("content-length",

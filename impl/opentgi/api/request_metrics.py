@@ -10,6 +10,9 @@ handlers all call these four functions, so the counts on `/metrics` cover every 
     record_validated(request)                  # the engine request built from the body
     durations = record_success(started_at, generated_tokens, result.timings)
     record_failure(exc)                        # any error the request ends with
+
+The app's error handler calls `record_refused_body` for bodies Connexion refuses before a handler
+runs, so those of TGI's checks that the document also states are counted as TGI counts them.
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from __future__ import annotations
 import time
 
 from opentgi.api import runtime
-from opentgi.api.errors import tgi_error
+from opentgi.api.body_validation import BodySchemaError
+from opentgi.api.errors import VALIDATION_PREFIX, ErrorReply, tgi_error
 from opentgi.engine.errors import GenerationError
 from opentgi.engine.events import Timings
 from opentgi.engine.request import GenerationRequest
+
+# TGI's generation operations: TGI runs its parameter checks inside them, so it counts their refusals.
+TGI_GENERATION_OPERATIONS = frozenset({"opentgi.api.tgi.generate", "opentgi.api.tgi.generate_stream",
+                                       "opentgi.api.tgi.compat_generate"})
 
 
 def record_start() -> float:
@@ -61,3 +69,13 @@ def record_success(started_at: float, generated_tokens: int, timings: Timings | 
     recorded = durations(started_at, timings, time.monotonic())
     runtime.metrics().request_finished(ok=True, generated_tokens=generated_tokens, **recorded)
     return recorded
+
+
+def record_refused_body(operation_id: str, exc: BaseException, reply: ErrorReply) -> None:
+    """Connexion refused a body before the handler ran. When TGI would have refused it in its handler
+    (one of its own checks, such as `temperature` > 0, on a generation route) rather than while
+    deserializing it, TGI counts the request and its failure: so do we."""
+    if (operation_id in TGI_GENERATION_OPERATIONS and isinstance(exc, BodySchemaError)
+            and reply.error.startswith(VALIDATION_PREFIX)):
+        record_start()
+        record_failure(exc)
