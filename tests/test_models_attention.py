@@ -111,6 +111,27 @@ def test_decode_batch_with_different_lengths():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_groups_by_length_match_naive_attention(window):
+    # lengths halving many times (more groups than the backend makes), equal lengths (no mask), and
+    # a prefill chunk in the same step
+    paged = PagedSequences(seed=4)
+    lengths = [1, 2, 3, 5, 9, 17, 33, 65, 129, 33, 33]
+    seqs = [paged.add() for _ in lengths]
+    paged.step({s: n for s, n in zip(seqs, lengths)}, window)
+    for chunk in (None, 7):
+        new_lens = {s: 1 for s in seqs}
+        if chunk:
+            new_lens[seqs[0]] = chunk
+        out, expected = paged.step(new_lens, window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    equal = PagedSequences(seed=5)
+    pair = [equal.add(), equal.add()]
+    equal.step({s: 20 for s in pair}, window)
+    out, expected = equal.step({s: 1 for s in pair}, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_slots_marked_minus_one_are_not_written():
     paged = PagedSequences(seed=3)
     s = paged.add()

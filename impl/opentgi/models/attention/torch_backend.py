@@ -1,11 +1,13 @@
 """The CPU reference attention backend: paged KV through block tables, plain torch ops.
 
-Decode rows (one new token) of a step are attended together: their keys are gathered through the
-block tables into one [B, kv_heads, L, head_dim] tensor, masked by context length, and attended by
-a single `scaled_dot_product_attention`, with the query heads of one kv head laid along the query
-axis (grouped-query attention without repeating keys). Rows with several new tokens (prefill,
-prefill chunks) are attended one sequence at a time with a causal mask offset by the cached length.
-What depends only on the step (block ids, masks) is computed once and kept in `meta.scratch`.
+Decode rows (one new token) of a step are attended in a few groups of similar context length
+(sorted, a new group when lengths halve, so padding at most doubles the work): a group's keys are
+gathered slot by slot (one `index_select` on the flat cache) into [B, L, kv_heads, head_dim],
+masked by context length, and attended by a single `scaled_dot_product_attention`, with the query
+heads of one kv head laid along the query axis (grouped-query attention without repeating keys).
+Rows with several new tokens (prefill, prefill chunks) are attended one sequence at a time with a
+causal mask offset by the cached length. What depends only on the step (slot indices, masks) is
+computed once and kept in `meta.scratch`.
 """
 
 from __future__ import annotations
@@ -18,28 +20,30 @@ import torch.nn.functional as F
 from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
 
+MAX_DECODE_GROUPS = 4
+
 
 @dataclass
 class _PrefillRow:
     q_start: int
     q_end: int
     context_len: int
-    block_ids: torch.Tensor | None  # None: no cached prefix, attend over this step's own k/v
+    slots: torch.Tensor | None  # int64 [context_len]; None: no cached prefix, attend over this step's k/v
     mask: torch.Tensor | None  # bool [q_len, context_len]; None: plain causal
 
 
 @dataclass
 class _DecodeGroup:
     token_index: torch.Tensor  # int64 [Bd]: the row of each decode sequence in the flat batch
-    block_ids: torch.Tensor  # int64 [Bd, nb]
-    key_len: int  # nb * block_size, trimmed to the longest context
+    slots: torch.Tensor  # int64 [Bd * key_len]: cache slot of each key (0 where masked out)
+    key_len: int  # the group's longest context
     mask: torch.Tensor | None  # additive float [Bd, 1, 1, key_len]; None: every key is visible
 
 
 @dataclass
 class _Plan:
     has_skips: bool
-    decode: _DecodeGroup | None
+    decode: list[_DecodeGroup]
     prefill: list[_PrefillRow]
 
 
@@ -50,6 +54,49 @@ def _causal_mask(q_len: int, context_len: int, window: int | None) -> torch.Tens
     if window is not None:
         mask &= k_pos > q_pos - window
     return mask
+
+
+def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """block ids [..., nb] -> the cache slots of the first `length` positions, int64 [..., length]."""
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = block_table.long().clamp(min=0).unsqueeze(-1) * block_size + offsets
+    return slots.flatten(-2)[..., :length]
+
+
+def _decode_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
+    """Rows sorted by context length (longest first), split where the length halves, at most
+    MAX_DECODE_GROUPS groups."""
+    order = sorted(range(len(rows)), key=lambda i: -lens[i])
+    groups: list[list[int]] = []
+    top = 0
+    for i in order:
+        if not groups or (2 * lens[i] <= top and len(groups) < MAX_DECODE_GROUPS):
+            groups.append([])
+            top = lens[i]
+        groups[-1].append(i)
+    return groups
+
+
+def _decode_group(meta: AttentionMetadata, rows: list[int], lens: list[int], cu_q: list[int],
+                  block_size: int, window: int | None) -> _DecodeGroup:
+    device = meta.block_tables.device
+    key_len = max(lens)
+    num_blocks = -(-key_len // block_size)
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    slots = _slots(meta.block_tables.index_select(0, index)[:, :num_blocks], key_len, block_size)
+    mask = None
+    if window is not None or min(lens) != key_len:
+        ctx = torch.tensor(lens, device=device).unsqueeze(1)
+        k_pos = torch.arange(key_len, device=device).unsqueeze(0)
+        visible = k_pos < ctx
+        if window is not None:
+            visible &= k_pos > ctx - 1 - window
+        if not bool(visible.all()):  # one additive mask per step, not a bool->float per layer
+            slots = slots.masked_fill(~visible, 0)
+            mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None, None, :]
+    token_index = torch.tensor([cu_q[b] for b in rows], dtype=torch.long, device=device)
+    return _DecodeGroup(token_index, slots.reshape(-1).contiguous(), key_len, mask)
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None) -> _Plan:
@@ -69,35 +116,23 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None) -> 
             prefill.append(_PrefillRow(cu_q[b], cu_q[b + 1], ctx, None, None))
             continue
         num_blocks = -(-ctx // block_size)
-        block_ids = meta.block_tables[b, :num_blocks].long()
-        prefill.append(_PrefillRow(cu_q[b], cu_q[b + 1], ctx, block_ids,
+        slots = _slots(meta.block_tables[b, :num_blocks], ctx, block_size)
+        prefill.append(_PrefillRow(cu_q[b], cu_q[b + 1], ctx, slots,
                                    _causal_mask(q_len, ctx, window).to(device)))
-    decode = None
+    decode = []
     if decode_seqs:
-        ctx = meta.context_lens[decode_seqs].long().to(device)
-        max_ctx = max(context_lens[b] for b in decode_seqs)
-        num_blocks = -(-max_ctx // block_size)
-        block_ids = meta.block_tables[decode_seqs, :num_blocks].long().clamp_(min=0)
-        key_len = min(num_blocks * block_size, max_ctx)
-        k_pos = torch.arange(key_len, device=device).unsqueeze(0)
-        visible = k_pos < ctx.unsqueeze(1)
-        if window is not None:
-            visible &= k_pos > ctx.unsqueeze(1) - 1 - window
-        mask = None
-        if not bool(visible.all()):  # one additive mask per step, not a bool->float per layer
-            mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-            mask = mask[:, None, None, :]
-        token_index = torch.tensor([cu_q[b] for b in decode_seqs], dtype=torch.long, device=device)
-        decode = _DecodeGroup(token_index, block_ids, key_len, mask)
+        lens = [context_lens[b] for b in decode_seqs]
+        for group in _decode_groups(decode_seqs, lens):
+            decode.append(_decode_group(meta, [decode_seqs[i] for i in group], [lens[i] for i in group],
+                                        cu_q, block_size, window))
     has_skips = bool((meta.slot_mapping < 0).any()) if meta.slot_mapping.numel() else False
     return _Plan(has_skips, decode, prefill)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """cache [num_blocks, block_size, H, D], block_ids [..., nb] -> [..., length, H, D]."""
-    gathered = cache[block_ids]  # [..., nb, block_size, H, D]
-    shape = gathered.shape
-    return gathered.reshape(*shape[:-4], shape[-4] * shape[-3], *shape[-2:])[..., :length, :, :]
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, H, D], slots int64 [N] -> [N, H, D] (one row copy per slot)."""
+    flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
+    return flat.index_select(0, slots)
 
 
 class TorchAttentionBackend:
@@ -114,24 +149,25 @@ class TorchAttentionBackend:
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         group = num_heads // num_kv_heads
         out = torch.empty_like(q)
-        if plan.decode is not None:
-            dec = plan.decode
-            num_seqs, head_dim = dec.token_index.shape[0], q.shape[2]
+        head_dim = q.shape[2]
+        for dec in plan.decode:
+            num_seqs = dec.token_index.shape[0]
             # [Bd, kv_heads, group, D]: the query heads sharing one kv head act as a query axis.
             q_dec = q.index_select(0, dec.token_index).view(num_seqs, num_kv_heads, group, head_dim)
-            keys = _gather(k_cache, dec.block_ids, dec.key_len).transpose(1, 2)
-            values = _gather(v_cache, dec.block_ids, dec.key_len).transpose(1, 2)
+            shape = (num_seqs, dec.key_len, num_kv_heads, head_dim)
+            keys = _gather(k_cache, dec.slots).view(shape).transpose(1, 2)  # [Bd, kv_heads, L, D]
+            values = _gather(v_cache, dec.slots).view(shape).transpose(1, 2)
             mask = None if dec.mask is None else dec.mask.to(q.dtype)
             o = F.scaled_dot_product_attention(q_dec, keys.to(q.dtype), values.to(q.dtype),
                                                attn_mask=mask, scale=scale)
             out.index_copy_(0, dec.token_index, o.reshape(num_seqs, num_heads, head_dim))
         for row in plan.prefill:
             q_row = q[row.q_start:row.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if row.block_ids is None:
+            if row.slots is None:
                 keys, values = k[row.q_start:row.q_end], v[row.q_start:row.q_end]
             else:
-                keys = _gather(k_cache, row.block_ids, row.context_len).to(q.dtype)
-                values = _gather(v_cache, row.block_ids, row.context_len).to(q.dtype)
+                keys = _gather(k_cache, row.slots).to(q.dtype)
+                values = _gather(v_cache, row.slots).to(q.dtype)
             keys = keys.transpose(0, 1).unsqueeze(0)
             values = values.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q_row, keys, values, attn_mask=row.mask,
