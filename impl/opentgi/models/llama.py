@@ -15,6 +15,7 @@ from torch import nn
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.base import ModelSpec
+from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
 from opentgi.models.layers.norm import RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -119,13 +120,22 @@ class PagedLlama(nn.Module):
         elif not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by `materialize` (needs the real device)
+        self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32)
 
     def materialize(self) -> None:
-        """After the weights are loaded: fuse projections, set up RoPE on the real device."""
+        """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
+        CPU in float32 run the linear layers through oneDNN (models/layers/linear.py)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         self.rotary = RotaryEmbedding(self.config, self.spec.device)
+        if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
+            pack_linears(self.model.layers)
+            if not self.is_reward_model:
+                tied = self.tie_word_embeddings
+                self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
+                if not tied:
+                    del self.lm_head
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -140,6 +150,8 @@ class PagedLlama(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.is_reward_model:
             raise TypeError("a reward model has no language-model head: use compute_score")
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden).float()
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
 

@@ -1,0 +1,59 @@
+"""oneDNN linear layers (models/layers/linear.py): same results as F.linear, used by the paged model
+on CPU in float32 only, the dense weights replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig
+
+from opentgi.models.attention.torch_backend import TorchAttentionBackend
+from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
+from opentgi.models.registry import build_paged_model
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 40), (16, 40), (300, 40), (2, 3, 40)])
+def test_onednn_linear_equals_f_linear(bias, shape):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(72, 40, generator=gen)
+    b = torch.randn(72, generator=gen) if bias else None
+    x = torch.randn(*shape, generator=gen)
+    with torch.inference_mode():
+        out = OneDNNLinear(weight, b)(x)
+    assert out.shape == (*shape[:-1], 72)
+    torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+def test_usable_only_on_cpu_in_float32():
+    assert not onednn_linear_usable(torch.device("cpu"), torch.bfloat16)
+    assert not onednn_linear_usable(torch.device("cuda"), torch.float32)
+    assert onednn_linear_usable(torch.device("cpu"), torch.float32)  # torch's CPU wheels ship oneDNN
+
+
+def test_pack_linears_replaces_nested_linears():
+    module = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Sequential(nn.Linear(6, 4, bias=False)))
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        expected = module(x)
+        assert pack_linears(module) == 2
+        assert not any(isinstance(m, nn.Linear) for m in module.modules())
+        torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_llama_on_cpu_float32_uses_onednn(tiny_llama):
+    model = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
+                              torch.float32, torch.device("cpu"))
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, OneDNNLinear) and isinstance(layer.mlp.down_proj, OneDNNLinear)
+    assert model.logits_proj is not None
+    hidden = torch.randn(4, model.config.hidden_size)
+    expected = F.linear(hidden, model.model.embed_tokens.weight)  # tied embeddings
+    torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)
+    bf16 = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
+                             torch.bfloat16, torch.device("cpu"))
+    assert isinstance(bf16.model.layers[0].self_attn.qkv_proj, nn.Linear) and bf16.logits_proj is None
