@@ -273,3 +273,27 @@ def test_metrics_count_requests_successes_and_failures(client):
     failures = 'tgi_request_failure{err="validation"}'
     assert _sample(after, failures) == _sample(before, failures) + 1
     assert _sample(after, "tgi_request_generated_tokens_count") >= 1
+
+
+def test_integer_widths_are_tgi_rust_types(client):
+    """seed is u64, max_new_tokens and top_n_tokens u32 in TGI: values past i64/i32 that fit are served
+    or reach TGI's own checks; wider ones are serde's error, without "Input validation error"."""
+    body = client.post("/generate", json={"inputs": "Hi", "parameters": {
+        "max_new_tokens": 2, "do_sample": True, "seed": 2**64 - 1, "details": True}}).json()
+    assert body["details"]["seed"] == 2**64 - 1
+    response = client.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 3_000_000_000}})
+    assert response.json()["error"].startswith("Input validation error: `inputs` tokens + `max_new_tokens` must be")
+    response = client.post("/generate", json={"inputs": "Hi", "parameters": {"seed": 2**64}})
+    assert response.status_code == 422
+    assert response.json() == {"error": "Failed to deserialize the JSON body into the target type: parameters.seed: "
+                                        f"invalid value: integer `{2**64}`, expected u64", "error_type": "validation"}
+
+
+@pytest.mark.parametrize("path", ["/generate_stream", "/generate"])
+def test_a_body_tgi_cannot_deserialize_is_refused_before_any_stream_and_not_counted(client, path):
+    before = client.get("/metrics").text
+    response = client.post(path, json={"inputs": "Hi", "parameters": {"max_new_tokens": 2**32}})
+    assert response.status_code == 422 and response.headers["content-type"] == "application/json"
+    assert response.json()["error"] == ("Failed to deserialize the JSON body into the target type: "
+                                        f"parameters.max_new_tokens: invalid value: integer `{2**32}`, expected u32")
+    assert _sample(client.get("/metrics").text, "tgi_request_count") == _sample(before, "tgi_request_count")

@@ -59,6 +59,11 @@ class ErrorReply:
         return JSONResponse(self.body, status_code=self.status, headers=self.headers or None)
 
 
+class DeserializationError(engine_errors.ValidationError):
+    """The body does not fit TGI's Rust types (serde's error: axum refuses it before TGI's handler
+    runs, so it is never an in-stream event nor counted): 422 with axum's prefix."""
+
+
 class IncompleteGenerationError(engine_errors.OpenTGIError):
     """The engine's stream ended without a final event (TGI: 500 "Incomplete generation")."""
 
@@ -82,6 +87,8 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
         return ErrorReply(422, f"Template error: {exc.message}", "template_error")
     if getattr(exc, "error_type", None) == "tool_error":  # opentgi.api.tools.ToolError (OpenAI chat)
         return ErrorReply(422, f"Tool error: {exc.message}", "tool_error")
+    if isinstance(exc, DeserializationError):
+        return ErrorReply(422, DESERIALIZE_PREFIX + exc.message, "validation")
     if isinstance(exc, engine_errors.ValidationError):
         return ErrorReply(422, VALIDATION_PREFIX + exc.message, "validation")
     if isinstance(exc, engine_errors.OverloadedError):

@@ -25,11 +25,11 @@ from starlette.responses import JSONResponse, Response
 from opentgi import __version__
 from opentgi.api import runtime
 from opentgi.api import tgi_responses as encode
-from opentgi.api.errors import IncompleteGenerationError, tgi_error
+from opentgi.api.errors import DeserializationError, IncompleteGenerationError, tgi_error
 from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
 from opentgi.api.sse import sse_response
 from opentgi.api.tgi_params import Limits, build_request, check_integer_widths, check_parameters
-from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.engine.errors import OpenTGIError
 from opentgi.engine.events import GenerationResult
 from opentgi.schemas.tgi import GenerateParameters
 
@@ -54,6 +54,7 @@ class Prepared:
 
 
 def _parameters(body: dict) -> GenerateParameters | None:
+    """The body's `parameters` in TGI's types (raises DeserializationError where serde would fail)."""
     raw = body.get("parameters")
     if raw is None:
         return None
@@ -63,15 +64,15 @@ def _parameters(body: dict) -> GenerateParameters | None:
     except pydantic.ValidationError as exc:  # the document and the generated model disagree
         first = exc.errors()[0]
         where = ".".join(str(p) for p in ("parameters", *first["loc"]))
-        raise ValidationError(f"{where}: {first['msg']}") from exc
+        raise DeserializationError(f"{where}: {first['msg']}") from exc
 
 
-async def _prepare(body: dict, started_at: float, *, stream: bool, default_return_full_text: bool = False) -> Prepared:
+async def _prepare(body: dict, parameters: GenerateParameters | None, started_at: float, *, stream: bool,
+                   default_return_full_text: bool = False) -> Prepared:
     state = runtime.state()
     engine = state.engine
     limits = Limits.from_settings(state.settings, engine.info)
     inputs = body["inputs"]
-    parameters = _parameters(body)
     params = check_parameters(inputs, parameters, limits, stream=stream)
     if parameters is None or parameters.return_full_text is None:
         params.return_full_text = default_return_full_text
@@ -138,8 +139,10 @@ async def result_unless_disconnected(handle) -> GenerationResult:
     return result.result()
 
 
-async def _generate(body: dict, started_at: float, *, default_return_full_text: bool = False) -> tuple[dict, dict]:
-    prepared = await _prepare(body, started_at, stream=False, default_return_full_text=default_return_full_text)
+async def _generate(body: dict, parameters: GenerateParameters | None, started_at: float, *,
+                    default_return_full_text: bool) -> tuple[dict, dict]:
+    prepared = await _prepare(body, parameters, started_at, stream=False,
+                              default_return_full_text=default_return_full_text)
     result = await result_unless_disconnected(prepared.handle)
     payload = encode.generate_response(
         result, details=prepared.details, decoder_input_details=prepared.decoder_input_details,
@@ -149,22 +152,33 @@ async def _generate(body: dict, started_at: float, *, default_return_full_text: 
     return payload, _generate_headers(prepared, timings, winner.generated_tokens)
 
 
-async def generate(body: dict) -> Response:
+async def _json_answer(body: dict, *, default_return_full_text: bool = False, as_list: bool = False) -> Response:
+    try:
+        parameters = _parameters(body)
+    except OpenTGIError as exc:  # refused before TGI's handler: not counted
+        return tgi_error(exc).response()
     started_at = record_start()
     try:
-        payload, headers = await _generate(body, started_at)
+        payload, headers = await _generate(body, parameters, started_at,
+                                           default_return_full_text=default_return_full_text)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
     except OpenTGIError as exc:
         record_failure(exc)
         return tgi_error(exc).response()
-    return JSONResponse(payload, headers=headers)
+    return JSONResponse([payload] if as_list else payload, headers=headers)
 
 
-async def _stream_events(body: dict, started_at: float, default_return_full_text: bool) -> AsyncIterator[dict]:
+async def generate(body: dict) -> Response:
+    return await _json_answer(body)
+
+
+async def _stream_events(body: dict, parameters: GenerateParameters | None, started_at: float,
+                         default_return_full_text: bool) -> AsyncIterator[dict]:
     prepared = None
     try:
-        prepared = await _prepare(body, started_at, stream=True, default_return_full_text=default_return_full_text)
+        prepared = await _prepare(body, parameters, started_at, stream=True,
+                                  default_return_full_text=default_return_full_text)
         index = 0
         async for event in prepared.handle:
             index += 1
@@ -188,9 +202,13 @@ async def _stream_events(body: dict, started_at: float, default_return_full_text
 
 
 def _stream(body: dict, *, default_return_full_text: bool = False) -> Response:
+    try:
+        parameters = _parameters(body)
+    except OpenTGIError as exc:  # refused before the stream opens, as axum refuses it: not counted
+        return tgi_error(exc).response()
     started_at = record_start()
     headers = {"x-compute-type": _compute_type(), "x-compute-characters": str(len(body["inputs"]))}
-    return sse_response(_stream_events(body, started_at, default_return_full_text), headers=headers)
+    return sse_response(_stream_events(body, parameters, started_at, default_return_full_text), headers=headers)
 
 
 async def generate_stream(body: dict) -> Response:
@@ -202,15 +220,7 @@ async def compat_generate(body: dict) -> Response:
     full_text = runtime.engine().info.pipeline_tag == "text-generation"
     if body.get("stream"):
         return _stream(body, default_return_full_text=full_text)
-    started_at = record_start()
-    try:
-        payload, headers = await _generate(body, started_at, default_return_full_text=full_text)
-    except ClientGone:
-        return Response(status_code=499)
-    except OpenTGIError as exc:
-        record_failure(exc)
-        return tgi_error(exc).response()
-    return JSONResponse([payload], headers=headers)
+    return await _json_answer(body, default_return_full_text=full_text, as_list=True)
 
 
 # --- service routes -----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import jsonschema
 import numpy
 
+from opentgi.api.errors import DeserializationError
 from opentgi.engine.errors import NotSupportedError, ValidationError
 from opentgi.engine.request import GenerationRequest, GrammarSpec, SamplingParams, StoppingParams
 from opentgi.schemas.tgi import GenerateParameters
@@ -86,8 +87,7 @@ def check_integer_widths(parameters: dict | None) -> None:
     for name, (rust_type, maximum) in INTEGER_WIDTHS.items():
         value = (parameters or {}).get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > maximum:
-            raise ValidationError(f"Failed to deserialize the JSON body into the target type: "
-                                  f"parameters.{name}: invalid value: integer `{value}`, expected {rust_type}")
+            raise DeserializationError(f"parameters.{name}: invalid value: integer `{value}`, expected {rust_type}")
 
 
 def check_parameters(inputs: str, parameters: GenerateParameters | None, limits: Limits, *,

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 45e0d6bf71749be7) by codegen with
+# GENERATED from openapi/tgi.json (sha256 1fd075ca1d2a19f6) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
