@@ -139,7 +139,9 @@ async def test_invalid_requests_are_4xx_before_any_stream(llama_state):
         ({"inputs": "x", "parameters": {"n": 2, "best_of": 3}}, 422, "n == best_of"),
         ({"inputs": "x", "parameters": {"n": 2}}, 422, "best_of == 1"),
         ({"inputs": "x", "multimodal_params": {"images": [{"type": "base64", "data": "AA=="}]}}, 422, "text model"),
-        ({"inputs": "word " * 300}, 422, "tokens"),
+        ({"inputs": "word " * 300}, 422, "the input prompt token len 301 is too long > 200"),
+        ({"inputs": "x", "parameters": {"max_new_tokens": MAX_TOTAL_TOKENS}}, 422,
+         f"the req token total len (input len + output len) is too long > max_req_total_len:{MAX_TOTAL_TOKENS}"),
     ]
     for body, status, words in cases:  # well-formed but not servable: 422
         response = await lightllm.generate_stream(body)

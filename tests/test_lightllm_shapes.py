@@ -179,6 +179,14 @@ def test_stop_sequences_as_token_ids(smollm2_tokenizer):
             lightllm.stop_conditions([[bad]], tok)
 
 
+def test_lengths_checked_in_lightllm_words():
+    lightllm.check_lengths(10, 90, 50, 100)  # fits exactly
+    with pytest.raises(InputTooLongError, match="the input prompt token len 51 is too long > 50"):
+        lightllm.check_lengths(51, 1, 50, 100)
+    with pytest.raises(InputTooLongError, match=r"too long > max_req_total_len:100"):
+        lightllm.check_lengths(10, 91, 50, 100)  # never generated until the context cuts it short
+
+
 def test_n_and_best_of():
     assert lightllm.num_sequences(params()) == 1
     assert lightllm.num_sequences(params(best_of=3)) == 3

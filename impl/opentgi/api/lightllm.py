@@ -16,6 +16,7 @@ from opentgi.api.request_metrics import record_failure, record_start, record_suc
 from opentgi.api.sse import sse_response
 from opentgi.engine.errors import (
     GenerationError,
+    InputTooLongError,
     NotSupportedError,
     OpenTGIError,
     OverloadedError,
@@ -105,6 +106,18 @@ def stopping_params(params: schema.GenerateParameters, tokenizer=None) -> Stoppi
         stop_token_ids=stop_token_ids,
         ignore_eos=params.ignore_eos,
     )
+
+
+def check_lengths(prompt_tokens: int, max_new_tokens: int, max_input_tokens: int, max_total_tokens: int) -> None:
+    """LightLLM's limits, in its words: the prompt within the input limit, and prompt +
+    max_new_tokens within the request limit (never cut short by the context instead)."""
+    if prompt_tokens > max_input_tokens:
+        raise InputTooLongError(f"the input prompt token len {prompt_tokens} is too long > {max_input_tokens}",
+                                input_tokens=prompt_tokens, max_new_tokens=max_new_tokens, limit=max_input_tokens)
+    if prompt_tokens + max_new_tokens > max_total_tokens:
+        raise InputTooLongError(
+            f"the req token total len (input len + output len) is too long > max_req_total_len:{max_total_tokens}",
+            input_tokens=prompt_tokens, max_new_tokens=max_new_tokens, limit=max_total_tokens)
 
 
 def check_text_only(multimodal: schema.MultimodalParams | None, model_id: str) -> None:
@@ -276,6 +289,8 @@ async def _submit_generate(body: dict, *, stream: bool):
     if stream and num_sequences(params) != 1:
         raise ValidationError("stream api only support best_of == 1")
     prompt_token_ids = await engine.encode(request.inputs)
+    check_lengths(len(prompt_token_ids), params.max_new_tokens, engine.info.max_input_tokens,
+                  engine.info.max_total_tokens)
     generation = generation_request(prompt_token_ids, params, engine.tokenizer)
     record_validated(generation)
     handle = await engine.submit(generation)
