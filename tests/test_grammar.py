@@ -289,3 +289,25 @@ def test_processors_from_one_factory_are_independent(compiler, smollm2_tokenizer
     for tok in smollm2_tokenizer.encode("ab", add_special_tokens=False):
         p1.accept(tok)
     assert p1.is_terminated() and not p2.is_terminated()
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 12}, {"minLength": 2}, {"minLength": 1, "maxLength": 5}])
+def test_length_bounded_strings_never_admit_control_characters(bounds, compiler, smollm2_tokenizer,
+                                                               vocab_size, closers):
+    """xgrammar alone lets raw control characters into a length-bounded string (invalid JSON)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", **bounds}}, "required": ["city"]}
+    proc = compiler.compile_sync(GrammarSpec("json", schema))()
+    for tok in smollm2_tokenizer.encode('{"city": "Al', add_special_tokens=False):
+        proc.accept(tok)
+    logits = torch.zeros(vocab_size)
+    proc(logits)
+    allowed = torch.isfinite(logits).nonzero().flatten().tolist()
+    texts = smollm2_tokenizer.convert_ids_to_tokens(allowed)
+    control = [t for t, text in zip(allowed, (smollm2_tokenizer.decode([i]) for i in allowed))
+               if any(ord(ch) < 0x20 for ch in text)]
+    assert allowed and not control, f"control-character tokens allowed: {control[:10]}"
+    assert texts  # letters are still allowed
+    factory = compiler.compile_sync(GrammarSpec("json", schema))
+    for seed in SEEDS:
+        ids, _ = drive(factory, seed, vocab_size, closers)
+        jsonschema.validate(json.loads(smollm2_tokenizer.decode(ids)), schema)

@@ -231,10 +231,33 @@ class GrammarCompiler:
         kind, value = key
         try:
             if kind == "json":
-                return self._compiler.compile_json_schema(value, any_whitespace=False, strict_mode=True)
+                schema = json.dumps(_bounded_strings_as_patterns(json.loads(value)))
+                return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
             return self._compiler.compile_regex(value)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors carry a message
             raise _invalid(_xgrammar_message(e)) from None
+
+
+# One character of a JSON string that needs no escape: not a quote, backslash or control character.
+_PLAIN_JSON_STRING_CHAR = r'[^"\\\x00-\x1f]'
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples"})  # data, not subschemas
+
+
+def _bounded_strings_as_patterns(node):
+    """xgrammar 0.2.8 compiles a string with minLength/maxLength to a raw character class that lets
+    control characters through, which no JSON parser accepts inside a string. The same bounds as a
+    pattern over plain JSON string characters keep every output parseable (and still valid against
+    the original schema: the pattern only narrows which characters are used)."""
+    if isinstance(node, list):
+        return [_bounded_strings_as_patterns(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in _NOT_SCHEMAS else _bounded_strings_as_patterns(v)) for k, v in node.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not _NOT_SCHEMAS.union({"pattern", "format"}) & out.keys():
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        out["pattern"] = f"^{_PLAIN_JSON_STRING_CHAR}{{{low},{'' if high is None else high}}}$"
+    return out
 
 
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[02:24:18] /project/cpp/x.cc:83: "
