@@ -63,6 +63,31 @@ def test_warpers_match_transformers():
         torch.testing.assert_close(ours[row][keep], ref[0][keep])
 
 
+@pytest.mark.parametrize("rows", [
+    [SamplingParams(do_sample=True, top_k=50), SamplingParams(do_sample=True, temperature=0.7, top_k=7)],
+    [SamplingParams(do_sample=True, top_p=0.9), SamplingParams(do_sample=True, temperature=0.5, top_p=0.3),
+     SamplingParams(do_sample=True, top_k=20, top_p=0.8), SamplingParams(do_sample=True, top_k=2000)],
+])
+def test_topk_candidates_give_the_full_sort_distribution(rows):
+    """The sampler's topk path (a nucleus inside CANDIDATES tokens) equals the warpers over the whole
+    vocabulary; a row that needs the whole vocabulary sends the batch to the full path."""
+    V = 3000
+    torch.manual_seed(4)
+    logits = torch.randn(len(rows), V) * 4
+    sampler = Sampler(V, torch.device("cpu"))
+    seqs = [make_seq(p) for p in rows]
+    batch = sampler.batch_for(seqs)
+    s = logits / batch.temperature
+    probs, ids = sampler._candidate_probs(batch, s)
+    full = torch.zeros(len(rows), V).scatter_(1, ids, probs)
+    torch.testing.assert_close(full, torch.softmax(warped(sampler, seqs, logits), -1), atol=1e-6, rtol=1e-5)
+    flat = torch.zeros(1, V)  # uniform: a 0.9 nucleus needs 2,700 tokens
+    wide = [make_seq(SamplingParams(do_sample=True, top_p=0.9))]
+    assert sampler._candidate_probs(sampler.batch_for(wide), flat) is None
+    plain = [make_seq(SamplingParams(do_sample=True, top_k=5)), make_seq(SamplingParams(do_sample=True))]
+    assert sampler._candidate_probs(sampler.batch_for(plain), torch.randn(2, V)) is None
+
+
 def test_repetition_penalty_matches_transformers_and_greedy_rows_use_it():
     torch.manual_seed(1)
     V = 30
@@ -111,11 +136,12 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     (SamplingParams(do_sample=True), lambda l: torch.softmax(l, -1)),
     (SamplingParams(do_sample=True, temperature=0.5), lambda l: torch.softmax(l / 0.5, -1)),
     (SamplingParams(do_sample=True, top_k=3), "top_k"),
+    (SamplingParams(do_sample=True, top_p=0.7), "top_p"),
 ])
 def test_sampled_distribution_matches(params, expected_fn):
     V = 6
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0])
-    if expected_fn == "top_k":
+    if expected_fn in ("top_k", "top_p"):  # both keep the three best tokens here
         probs = torch.softmax(logits, -1)
         probs[3:] = 0
         probs /= probs.sum()

@@ -5,6 +5,11 @@ per-row processors (grammar, watermark), then for sampled rows temperature, top-
 typical-p and a draw from the row's own seeded generator (so a seed reproduces its output whatever
 the batch around it); greedy rows take the argmax. The reported logprob of the chosen token and
 the top-n alternatives come from the raw logits' log-softmax.
+
+Cost: a draw is one uniform number per row from its generator, looked up in the cumulative
+distribution (not a noise tensor over the vocabulary). When every sampled row keeps only its top
+tokens (top-k, or a top-p nucleus that `CANDIDATES` tokens cover), the warpers run on a `topk` of
+the logits instead of a sort of the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import torch
 
 from opentgi.engine.sampling_batch import SamplingBatch
 from opentgi.engine.sequence import Sequence
+
+CANDIDATES = 1024  # tokens examined for a top-p nucleus before falling back to a full sort
 
 
 @dataclass
@@ -82,14 +89,51 @@ class Sampler:
         s = scores.index_select(0, batch.sample_index)
         if batch.any_temperature:
             s = s / batch.temperature
-        s = self._warp(batch, s)
-        probs = torch.softmax(s, dim=-1)
-        noise = torch.empty_like(probs)
-        for row, g in enumerate(batch.generators):
-            noise[row].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)  # exponential race: a draw from probs
+        found = self._candidate_probs(batch, s)
+        if found is None:
+            probs, ids = torch.softmax(self._warp(batch, s), dim=-1), None
+        else:
+            probs, ids = found
+        # inverse CDF with one uniform per row from the row's own generator
+        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in batch.generators])
+        cdf = probs.cumsum(dim=-1)
+        target = (u * cdf[:, -1]).unsqueeze(1)
+        chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+        zero = probs.gather(1, chosen) == 0  # rounding at the very end of the CDF
+        if bool(zero.any()):
+            chosen = torch.where(zero, probs.argmax(dim=-1, keepdim=True), chosen)
+        sampled = (chosen if ids is None else ids.gather(1, chosen)).squeeze(1)
         next_tokens.index_copy_(0, batch.sample_index, sampled)
         return next_tokens
+
+    def _candidate_probs(self, batch: SamplingBatch, s: torch.Tensor):
+        """(probs [Bs, K], token ids [Bs, K]) after top-k / top-p over each row's K best tokens, or
+        None when some row needs the whole vocabulary (no top-k or top-p, typical-p, or a nucleus
+        wider than CANDIDATES). Same result as softmax(_warp(s)) restricted to the candidates."""
+        if batch.any_typical or not batch.candidates_only:
+            return None
+        vocab = s.shape[-1]
+        k = min(vocab, batch.max_top_k if batch.all_top_k else max(CANDIDATES, batch.max_top_k))
+        values, ids = s.topk(k, dim=-1)  # sorted, best first
+        neg_inf = float("-inf")
+        if batch.any_top_k:
+            positions = torch.arange(k, device=s.device).unsqueeze(0)
+            values = values.masked_fill(positions >= batch.top_k_t, neg_inf)
+        if batch.any_top_p:
+            # probabilities over what top-k left: the candidates, or the whole vocabulary for rows
+            # without top-k
+            lse = torch.where(batch.top_k_on, torch.logsumexp(values, dim=-1, keepdim=True),
+                              torch.logsumexp(s, dim=-1, keepdim=True))
+            probs = (values - lse).exp()
+            if not batch.all_top_k and k < vocab:
+                covered = probs.sum(dim=-1, keepdim=True) >= batch.top_p
+                if not bool((covered | batch.top_k_on).all()):
+                    return None
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove = (mass_before >= batch.top_p) & batch.top_p_on
+            remove[:, 0] = False
+            values = values.masked_fill(remove, neg_inf)
+        return torch.softmax(values, dim=-1), ids
 
     def _warp(self, batch: SamplingBatch, s: torch.Tensor) -> torch.Tensor:
         if not (batch.any_top_k or batch.any_top_p or batch.any_typical):

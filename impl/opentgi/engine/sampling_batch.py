@@ -40,6 +40,11 @@ class SamplingBatch:
             self.typical_p = col([p.typical_p for p in sp])
             self.typical_on = col([0.0 < p.typical_p < 1.0 for p in sp], torch.bool)
             self.any_typical = any(0.0 < p.typical_p < 1.0 for p in sp)
+            self.top_k_on = col([bool(k) for k in self.top_k], torch.bool)
+            self.all_top_k = all(self.top_k)
+            self.max_top_k = max(self.top_k)
+            # every sampled row keeps only its best tokens (the sampler's topk path may serve it)
+            self.candidates_only = all(k or 0.0 < p.top_p < 1.0 for k, p in zip(self.top_k, sp))
             self.generators = [self._generator(seqs[i]) for i in self.sample_rows]
 
         # penalties over all rows (greedy rows too, as in HF generate)
