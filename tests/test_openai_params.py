@@ -120,7 +120,7 @@ def test_response_formats():
     with pytest.raises(ValidationError, match="response_format.type"):
         response_format_grammar({"type": "yaml"}, LIMITS)
     no_grammar = OpenAILimits(**{**LIMITS.__dict__, "disable_grammar_support": True})
-    with pytest.raises(NotSupportedError):
+    with pytest.raises(NotSupportedError, match="^grammar is not supported$"):  # TGI's exact text
         response_format_grammar({"type": "json_object"}, no_grammar)
 
 

@@ -159,7 +159,7 @@ def response_format_grammar(response_format: dict | None, limits: OpenAILimits) 
     if kind == "text":
         return None
     if limits.disable_grammar_support:
-        raise NotSupportedError("Grammar is not supported")
+        raise NotSupportedError("grammar is not supported")  # TGI's ValidationError::Grammar
     if kind == "json":
         value = response_format.get("value")
         return GrammarSpec("json", value if isinstance(value, str) else json.dumps(value))
