@@ -297,10 +297,6 @@ async def _submit_generate(body: dict, *, stream: bool):
     return handle, params, len(prompt_token_ids)
 
 
-def generated_tokens(result: GenerationResult) -> int:
-    return sum(s.generated_tokens for s in result.sequences)
-
-
 async def generate(body: dict):
     started_at = record_start()
     try:
@@ -310,7 +306,7 @@ async def generate(body: dict):
     except OpenTGIError as exc:
         record_failure(exc)
         return error_response(exc)
-    record_success(started_at, generated_tokens(result), result.timings)
+    record_success(started_at, result.generated_tokens, result.timings)
     return json_answer(generate_response(result, return_details=params.return_details))
 
 
@@ -331,7 +327,7 @@ async def generate_stream(body: dict):
         except OpenTGIError as exc:
             record_failure(exc)
             raise
-        record_success(started_at, generated_tokens(result), result.timings)
+        record_success(started_at, result.generated_tokens, result.timings)
 
     return sse_response(events(), error_event=error_event)
 
@@ -361,5 +357,5 @@ async def get_score(body: dict):
     except OpenTGIError as exc:
         record_failure(exc)
         return error_response(exc)
-    record_success(started_at, generated_tokens(result), result.timings)
+    record_success(started_at, result.generated_tokens, result.timings)
     return answer

@@ -190,6 +190,6 @@ async def chat_completions(body: dict) -> Response:
         return common.error_response(exc)
     finally:
         prepared.handle.cancel()
-    common.record_success(started_at, sum(s.generated_tokens for s in result.sequences), result.timings)
+    common.record_success(started_at, result.generated_tokens, result.timings)
     return JSONResponse(shape.chat_completion(prepared.meta, result.sequences, prepared.num_prompt_tokens,
                                               using_tools=prepared.using_tools, logprobs=prepared.logprobs))

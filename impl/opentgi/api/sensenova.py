@@ -202,10 +202,6 @@ def request_error(exc: OpenTGIError) -> Response:
 # --- handler (operationId) --------------------------------------------------------------------
 
 
-def generated_tokens(result: GenerationResult) -> int:
-    return sum(s.generated_tokens for s in result.sequences)
-
-
 async def completions(body: dict):
     engine = runtime.engine()
     started_at = record_start()
@@ -228,7 +224,7 @@ async def completions(body: dict):
         except OpenTGIError as exc:
             record_failure(exc)
             return error_response(exc)
-        record_success(started_at, generated_tokens(result), result.timings)
+        record_success(started_at, result.generated_tokens, result.timings)
         return Response(dumps(completion_response(result, response_id)), media_type="application/json")
     encoder = ChunkEncoder(response_id, len(prompt_token_ids), request.n)
 
@@ -241,7 +237,7 @@ async def completions(body: dict):
         except OpenTGIError as exc:
             record_failure(exc)
             raise
-        record_success(started_at, generated_tokens(result), result.timings)
+        record_success(started_at, result.generated_tokens, result.timings)
         yield DONE
 
     return sse_response(chunks(), error_event=error_event)
