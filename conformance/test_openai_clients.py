@@ -9,14 +9,9 @@ asks the real default model (SmolLM2-135M-Instruct) a question.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import re
-import socket
-import threading
-import time
-from collections.abc import Iterator
 from typing import Literal
 
 import httpx
@@ -29,6 +24,7 @@ from huggingface_hub import InferenceClient
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoTokenizer
 
+from conformance.live import free_port, serve
 from opentgi.config import Settings
 from tests import tiny_models
 
@@ -409,42 +405,13 @@ def test_requests_are_counted_in_tgi_metrics(client, live_server):
 # --- servers of our own: FIM and the default model ----------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _serve(settings: Settings) -> Iterator[str]:
-    import uvicorn
-
-    from opentgi.api.app import create_app
-    from opentgi.engine.engine import Engine
-
-    app = create_app(settings, Engine.from_settings(settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="openai-test-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 300
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{settings.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 def test_completions_suffix_fill_in_the_middle():
     path = tiny_models.tiny_fim_llama_path()
-    settings = Settings(model_id=str(path), device="cpu", hostname="127.0.0.1", port=_free_port(),
+    settings = Settings(model_id=str(path), device="cpu", hostname="127.0.0.1", port=free_port(),
                         max_input_tokens=192, max_total_tokens=256, max_batch_total_tokens=1024)
     tok = AutoTokenizer.from_pretrained(path)
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
-    with _serve(settings) as base:
+    with serve(settings) as base:
         fim = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         out = fim.completions.create(model="tgi", prompt=prefix, suffix=suffix, max_tokens=4, temperature=0)
         plain = fim.completions.create(model="tgi", prompt=prefix, max_tokens=4, temperature=0)
@@ -456,9 +423,9 @@ def test_completions_suffix_fill_in_the_middle():
 
 @pytest.mark.slow
 def test_default_model_knows_the_capital_of_france():
-    settings = Settings(model_id=None, device="cpu", hostname="127.0.0.1", port=_free_port(),
+    settings = Settings(model_id=None, device="cpu", hostname="127.0.0.1", port=free_port(),
                         max_input_tokens=512, max_total_tokens=640, max_batch_total_tokens=4096)
-    with _serve(settings) as base:
+    with serve(settings) as base:
         chat = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         out = chat.chat.completions.create(
             model="tgi", messages=[{"role": "user", "content": "What is the capital of France?"}],

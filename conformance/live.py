@@ -1,0 +1,47 @@
+"""Serving the real app in a background thread for the live tests: one way, used by every suite."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+from opentgi.config import Settings
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(settings: Settings, *, startup_timeout_s: float = 300) -> Iterator[str]:
+    """Engine + app (with its metrics) for `settings`, served by uvicorn on settings.hostname:port;
+    yields the base URL and shuts the server down afterwards."""
+    import uvicorn
+
+    from opentgi.api.app import create_app
+    from opentgi.engine.engine import Engine
+    from opentgi.metrics import Metrics
+
+    metrics = Metrics()
+    engine = Engine.from_settings(settings, observer=metrics.observer)
+    app = create_app(settings, engine, metrics=metrics)
+    config = uvicorn.Config(app, host=settings.hostname, port=settings.port, log_level="warning",
+                            lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="live-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the live server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://{settings.hostname}:{settings.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
