@@ -48,7 +48,7 @@ class Settings:
     chunked_prefill_tokens: int | None = 512  # per-step token budget for prefill chunks; None = off
     enable_prefix_caching: bool = True
     block_size: int | None = None  # None = the attention backend's preference (16 CPU, 256 flash-attn)
-    kv_cache_memory_fraction: float = 0.9  # CUDA: fraction of free memory given to the KV pool
+    cuda_memory_fraction: float = 1.0  # CUDA: fraction of the device's memory the server may use
     kv_cache_cpu_bytes: int = 2 << 30  # CPU: KV pool budget when max_batch_total_tokens is unset
 
     # --- dialect extras ------------------------------------------------------------------------

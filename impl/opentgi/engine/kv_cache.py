@@ -1,8 +1,9 @@
 """Sizing and allocating the paged KV pool.
 
-One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]. On
-CUDA the pool takes `kv_cache_memory_fraction` of the memory free after loading the model; on CPU it
-holds `max_batch_total_tokens` tokens when that is set, else as many as `kv_cache_cpu_bytes` buys.
+One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_heads, head_dim]. The
+pool holds `max_batch_total_tokens` tokens when that is set; else, on CUDA, what the memory profile
+leaves (`gpu_memory.py`: `--cuda-memory-fraction` of the device, less the largest step's working
+memory), and on CPU as many as `kv_cache_cpu_bytes` buys.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from opentgi.config import Settings
+from opentgi.engine.gpu_memory import MemoryProfile, NotEnoughMemoryError
 from opentgi.models.base import ModelSpec
 
 
@@ -18,17 +20,26 @@ def bytes_per_block(spec: ModelSpec, block_size: int) -> int:
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
 
 
-def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int, max_useful_tokens: int | None = None) -> int:
+def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int, max_useful_tokens: int | None = None,
+                  profile: MemoryProfile | None = None) -> int:
     """How many blocks the pool gets (at least one). Without an explicit max_batch_total_tokens, a
     memory budget that buys more than `max_useful_tokens` (every concurrent request at the full
-    context) is trimmed to it: tiny models would otherwise get millions of tokens nobody can use."""
+    context) is trimmed to it: tiny models would otherwise get millions of tokens nobody can use.
+    `profile`: the device's memory after the profiling step (GPU); None sizes from the CPU budget."""
     per_block = bytes_per_block(spec, block_size)
     if settings.max_batch_total_tokens is not None:
         return max(1, -(-settings.max_batch_total_tokens // block_size))
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * settings.kv_cache_memory_fraction)
+    if profile is not None:
+        budget = profile.kv_budget(settings.cuda_memory_fraction)
+        if budget < per_block:
+            gib = 1 << 30
+            raise NotEnoughMemoryError(
+                f"no GPU memory left for the KV cache: {profile.free / gib:.2f} GiB free of "
+                f"{profile.total / gib:.2f} GiB, the largest step needs {profile.step_peak / gib:.2f} GiB, "
+                f"--cuda-memory-fraction {settings.cuda_memory_fraction} keeps "
+                f"{(1 - settings.cuda_memory_fraction) * profile.total / gib:.2f} GiB back, one block is "
+                f"{per_block / gib:.3f} GiB; raise --cuda-memory-fraction or lower "
+                f"--max-batch-prefill-tokens / --max-batch-size")
     else:
         budget = settings.kv_cache_cpu_bytes
     num_blocks = budget // per_block

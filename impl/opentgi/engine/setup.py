@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from opentgi.config import Settings
+from opentgi.engine.gpu_memory import CudaMemory, DeviceMemory, MemoryProfile, StepShape, profile_step
 from opentgi.engine.info import EngineInfo
 from opentgi.engine.kv_cache import num_kv_blocks
 from opentgi.models.base import ModelSpec
@@ -68,8 +69,34 @@ def _max_useful_tokens(settings: Settings, spec: ModelSpec) -> int:
     return settings.max_concurrent_requests * max_total_tokens_of(settings, spec)
 
 
-def build_runner(loaded, settings: Settings):
-    """(runner, spec, num_blocks, block_size) for a LoadedModel."""
+def max_input_tokens_of(settings: Settings, spec: ModelSpec) -> int:
+    max_total = max_total_tokens_of(settings, spec)
+    return settings.max_input_tokens or min(spec.max_position_embeddings - 1, 4095, max_total - 1)
+
+
+def max_batch_prefill_tokens_of(settings: Settings, spec: ModelSpec) -> int:
+    return settings.max_batch_prefill_tokens or max_input_tokens_of(settings, spec) + 50
+
+
+def largest_step(settings: Settings, spec: ModelSpec) -> StepShape:
+    """The biggest step the scheduler can form: a full prefill budget (a chunk, or a whole prompt
+    with chunking off) beside a decode row for every other sequence allowed to run."""
+    prefill = max_batch_prefill_tokens_of(settings, spec)
+    if settings.chunked_prefill_tokens is not None:
+        prefill = max(1, min(settings.chunked_prefill_tokens, prefill))
+    rows = settings.max_batch_size or settings.max_concurrent_requests * max(1, settings.max_best_of)
+    return StepShape(prefill_tokens=prefill, decode_rows=max(0, rows - 1))
+
+
+def _device_memory(spec: ModelSpec, memory: DeviceMemory | None) -> DeviceMemory | None:
+    if memory is None and torch.device(spec.device).type == "cuda":
+        return CudaMemory(torch.device(spec.device))
+    return memory
+
+
+def build_runner(loaded, settings: Settings, memory: DeviceMemory | None = None):
+    """(runner, spec, num_blocks, block_size) for a LoadedModel. On CUDA (or with `memory` given)
+    the KV pool is sized from device memory after profiling the largest step (gpu_memory.py)."""
     kind = getattr(loaded, "kind", "paged")
     spec = getattr(loaded, "spec", None)
     if kind == "generic":
@@ -79,22 +106,30 @@ def build_runner(loaded, settings: Settings):
             spec = spec_from_hf_config(loaded.model, eos_token_ids_of(loaded))
         block_size = _block_size(loaded, settings, spec)
         runner = GenericRunner(loaded.model, spec.device, compute_score=getattr(loaded, "compute_score", None))
-        num_blocks = num_kv_blocks(settings, spec, block_size, _max_useful_tokens(settings, spec))
+        memory = _device_memory(spec, memory)
+        profile = None
+        if memory is not None and settings.max_batch_total_tokens is None:
+            free, total = memory.mem_get_info()  # transformers' own caches: no paged step to profile
+            profile = MemoryProfile(free=free, total=total, step_peak=0)
+        num_blocks = num_kv_blocks(settings, spec, block_size, _max_useful_tokens(settings, spec), profile)
         return runner, spec, num_blocks, block_size
     from opentgi.engine.model_runner import ModelRunner
 
     spec = spec or loaded.model.spec
     block_size = _block_size(loaded, settings, spec)
-    num_blocks = num_kv_blocks(settings, spec, block_size, _max_useful_tokens(settings, spec))
+    memory = _device_memory(spec, memory)
+    profile = None
+    if memory is not None and settings.max_batch_total_tokens is None:
+        profile = profile_step(loaded.model, block_size, largest_step(settings, spec), memory)
+    num_blocks = num_kv_blocks(settings, spec, block_size, _max_useful_tokens(settings, spec), profile)
     return ModelRunner(loaded.model, num_blocks, block_size), spec, num_blocks, block_size
 
 
 def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, block_size: int,
                runner_kind: str) -> EngineInfo:
-    context = spec.max_position_embeddings
     max_total = max_total_tokens_of(settings, spec)
-    max_input = settings.max_input_tokens or min(context - 1, 4095, max_total - 1)
-    max_prefill = settings.max_batch_prefill_tokens or max_input + 50
+    max_input = max_input_tokens_of(settings, spec)
+    max_prefill = max_batch_prefill_tokens_of(settings, spec)
     tokenizer = loaded.tokenizer
     is_reward = bool(getattr(loaded, "is_reward_model", False)
                      or getattr(getattr(loaded, "model", None), "is_reward_model", False))
