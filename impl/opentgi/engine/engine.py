@@ -93,8 +93,8 @@ class Engine:
             watermark_blocks=max(0, num_blocks // 100), share_prefix=runner.kind == "paged"),
             self.block_manager)
         self.sampler = Sampler(spec.vocab_size, torch.device(spec.device))
-        self.core = EngineCore(runner=runner, scheduler=self.scheduler, block_manager=self.block_manager,
-                               sampler=self.sampler, tokenizer=self._loop_tokenizer, observer=self.observer)
+        self.core = EngineCore(runner=runner, scheduler=self.scheduler, sampler=self.sampler,
+                               tokenizer=self._loop_tokenizer, observer=self.observer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False

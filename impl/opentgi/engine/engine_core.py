@@ -1,5 +1,7 @@
 """The engine loop's body, synchronous and thread-confined: one `step()` schedules, runs the model,
-samples and post-processes, and returns the deliveries for the asyncio side.
+samples, lets the scheduler update from the output (the scheduler alone touches the block
+manager), then detokenizes and checks stop conditions, and returns the deliveries for the asyncio
+side.
 
 Other threads talk to it only through `add()` and `abort()`, which queue work for the next step.
 """
@@ -13,7 +15,6 @@ from collections import deque
 
 import torch
 
-from opentgi.engine.block_manager import BlockManager
 from opentgi.engine.errors import GenerationError
 from opentgi.engine.events import PrefillToken
 from opentgi.engine.observer import EngineObserver
@@ -21,17 +22,18 @@ from opentgi.engine.output_processor import OutputProcessor
 from opentgi.engine.request import FinishReason
 from opentgi.engine.request_state import Delivery, RequestState
 from opentgi.engine.sampler import Sampler
-from opentgi.engine.scheduler import Scheduler
+from opentgi.engine.scheduler import Scheduler, SchedulerOutput
+from opentgi.engine.sequence import Sequence
+from opentgi.engine.step_plan import RowTokens, StepPlan
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, *, runner, scheduler: Scheduler, block_manager: BlockManager, sampler: Sampler,
-                 tokenizer, observer: EngineObserver | None = None):
+    def __init__(self, *, runner, scheduler: Scheduler, sampler: Sampler, tokenizer,
+                 observer: EngineObserver | None = None):
         self.runner = runner
-        self.scheduler = scheduler
-        self.block_manager = block_manager
+        self.scheduler = scheduler  # the only owner of the block manager
         self.sampler = sampler
         self.output = OutputProcessor(tokenizer)
         self.tokenizer = tokenizer
@@ -81,89 +83,112 @@ class EngineCore:
                 self.runner.free(seq)
 
     def step(self) -> list[Delivery]:
+        """schedule -> run the model -> sample -> the scheduler updates from the output -> text
+        and stop conditions -> finished sequences leave -> report."""
         self._drain_inbox()
         out = self.scheduler.schedule()
-        for seq in out.preempted:
-            self.runner.free(seq)
-        if out.preempted:
-            self.observer.on_preemption(len(out.preempted))
+        self._on_preempted(out.preempted)
         if out.is_empty:
             self._report_idle()
             return []
+        plan = self._plan(out)
+        deliveries: dict[str, Delivery] = {}
+        try:
+            result = self.runner.execute(out.seqs, out.num_new_tokens, plan.sample_rows, plan.logit_rows,
+                                         plan.score_rows)
+            tokens = self._sample(out, plan, result)
+            plan.timings.forward_done()
+            self.scheduler.update_from_output(out, tokens.token_ids)
+            finished = self._process_outputs(out, plan, result, tokens, deliveries)
+            plan.timings.decode_done()
+            for seq, state in finished:
+                self._finish_seq(seq, state, deliveries)
+            plan.timings.filter_done()
+            ok = True
+        except Exception as exc:  # the model failed: fail this step's requests, keep serving the rest
+            log.exception("engine step failed")
+            ok = False
+            self._fail_step(out.seqs, exc, deliveries)
+        self._report_step(out, plan, ok)
+        return list(deliveries.values())
+
+    # --- the step's parts ------------------------------------------------------------------------
+    def _plan(self, out: SchedulerOutput) -> StepPlan:
         started = time.monotonic()
         # as TGI's tgi_batch_current_max_tokens: what the running batch may hold (prompt +
         # max_new_tokens of each running sequence); constant while tokens are generated
         committed = self.tokens_committed_running()
         self.peak_tokens_running = max(self.peak_tokens_running, committed)
-        seqs, num_new = out.seqs, out.num_new_tokens
-        sample_rows: list[int] = []
-        logit_rows: list[int] = []
-        score_rows: list[int] = []
-        for row, (seq, n) in enumerate(zip(seqs, num_new)):
-            completes = n == seq.num_uncomputed_tokens
-            if seq.request.score:
-                if completes:
-                    score_rows.append(row)
-            elif completes:
-                sample_rows.append(row)
-            if seq.prompt_logprobs is not None and seq.index == 0 \
-                    and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1 \
-                    and seq.num_computed_tokens < seq.num_prompt_tokens:
-                logit_rows.append(row)
-            state = self.requests[seq.request.request_id]
-            if state.timings.scheduled_at is None:
-                state.timings.scheduled_at = started
+        for seq in out.seqs:
+            timings = self.requests[seq.request.request_id].timings
+            if timings.scheduled_at is None:
+                timings.scheduled_at = started
         if out.concat_reason is not None:
             self.observer.on_batch_concat(reason=out.concat_reason)
-        deliveries: dict[str, Delivery] = {}
-        forward_s = decode_s = filter_s = None
-        try:
-            result = self.runner.execute(seqs, num_new, sample_rows, logit_rows, score_rows)
-            for seq, n in zip(seqs, num_new):
-                seq.num_computed_tokens += n
-                self.block_manager.commit(seq)
-            for row in logit_rows:
-                self._prompt_logprobs(seqs[row], num_new[row], result.position_logits[row])
-            finished = []  # (seq, state): removed after the step's events are built
-            for row in score_rows:
-                finished.append(self._finish_score(seqs[row], result.scores[row]))
-            sampled = [seqs[r] for r in sample_rows]
-            sout = self.sampler.sample(sampled, result.sample_logits) if sampled else None
-            # TGI's split: forward = model + token choice, decode = detokenize + stop checks,
-            # filter = removing the finished sequences from the batch
-            decode_at = time.monotonic()
-            forward_s = decode_at - started
-            for i, seq in enumerate(sampled):
-                event = self.output.process(seq, sout.token_ids[i], sout.logprobs[i], sout.top[i])
-                state = self.requests[seq.request.request_id]
-                if state.timings.first_token_at is None:
-                    state.timings.first_token_at = decode_at
+        return StepPlan.of(out, started, committed)
+
+    def _on_preempted(self, preempted: list[Sequence]) -> None:
+        for seq in preempted:
+            self.runner.free(seq)
+        if preempted:
+            self.observer.on_preemption(len(preempted))
+
+    def _sample(self, out: SchedulerOutput, plan: StepPlan, result) -> RowTokens:
+        """The chosen tokens of each scheduled row ([] for rows that sample nothing this step)."""
+        tokens = RowTokens.empty(len(out.seqs))
+        if not plan.sample_rows:
+            return tokens
+        sampled = [out.seqs[r] for r in plan.sample_rows]
+        sout = self.sampler.sample(sampled, result.sample_logits)
+        for i, row in enumerate(plan.sample_rows):
+            tokens.token_ids[row] = [sout.token_ids[i]]
+            tokens.logprobs[row] = [sout.logprobs[i]]
+            tokens.top[row] = [sout.top[i]]
+        return tokens
+
+    def _process_outputs(self, out: SchedulerOutput, plan: StepPlan, result, tokens: RowTokens,
+                         deliveries: dict[str, Delivery]) -> list[tuple[Sequence, RequestState]]:
+        """Prompt logprobs, scores, and for every sampled row its events: detokenized text and stop
+        conditions. Returns the sequences that finished, (seq, state)."""
+        seqs, num_new = out.seqs, out.num_new_tokens
+        for row in plan.logit_rows:
+            self._prompt_logprobs(seqs[row], num_new[row], result.position_logits[row])
+        finished = [self._finish_score(seqs[row], result.scores[row]) for row in plan.score_rows]
+        now = time.monotonic()
+        for row in plan.sample_rows:
+            seq = seqs[row]
+            state = self.requests[seq.request.request_id]
+            if state.timings.first_token_at is None:
+                state.timings.first_token_at = now
+            delivery = self._delivery(state, deliveries)
+            ids = tokens.token_ids[row]
+            base = len(seq.token_ids) - len(ids)  # the row's tokens were appended by the scheduler
+            for j in range(len(ids)):
+                event = self.output.process(seq, base + j + 1, tokens.logprobs[row][j], tokens.top[row][j])
                 state.events[seq.index].append(event)
-                self._delivery(state, deliveries).events.append(event)
+                delivery.events.append(event)
                 if event.finish_reason is not None:
+                    del seq.token_ids[base + j + 1:]  # accepted tokens past the end are dropped
                     finished.append((seq, state))
-            filter_at = time.monotonic()
-            decode_s = filter_at - decode_at
-            for seq, state in finished:
-                self._finish_seq(seq, state, deliveries)
-            filter_s = time.monotonic() - filter_at
-            ok = True
-        except Exception as exc:  # the model failed: fail this step's requests, keep serving the rest
-            log.exception("engine step failed")
-            ok = False
-            for seq in seqs:
-                state = self.requests.pop(seq.request.request_id, None)
-                if state is not None:
-                    self._release(state)
-                    self._delivery(state, deliveries).error = GenerationError(f"generation failed: {exc}")
-                    self._report_finished(state, ok=False)
+                    break
+        return finished
+
+    def _fail_step(self, seqs: list[Sequence], exc: Exception, deliveries: dict[str, Delivery]) -> None:
+        for seq in seqs:
+            state = self.requests.pop(seq.request.request_id, None)
+            if state is not None:
+                self._release(state)
+                self._delivery(state, deliveries).error = GenerationError(f"generation failed: {exc}")
+                self._report_finished(state, ok=False)
+
+    def _report_step(self, out: SchedulerOutput, plan: StepPlan, ok: bool) -> None:
         self.steps_total += 1
         self.last_step_at = time.monotonic()
-        duration = self.last_step_at - started
-        bm = self.block_manager
-        self.observer.on_batch(method="prefill" if out.has_prefill else "decode", size=len(seqs),
-                               max_tokens=committed, duration_s=duration, ok=ok,
-                               forward_s=forward_s, decode_s=decode_s, filter_s=filter_s,
+        t = plan.timings
+        bm = self.scheduler.block_manager
+        self.observer.on_batch(method="prefill" if out.has_prefill else "decode", size=len(out.seqs),
+                               max_tokens=plan.committed, duration_s=self.last_step_at - t.started, ok=ok,
+                               forward_s=t.forward_s, decode_s=t.decode_s, filter_s=t.filter_s,
                                next_size=out.num_admitted)
         self._busy = True
         self.observer.on_kv_blocks(used=bm.num_used_blocks, free=bm.num_free_blocks, cached=bm.num_cached_blocks)
@@ -171,7 +196,6 @@ class EngineCore:
             self._reported_prefix = (bm.prefix_hit_tokens, bm.prefix_query_tokens)
             self.observer.on_prefix_cache(hit_tokens=bm.prefix_hit_tokens, query_tokens=bm.prefix_query_tokens)
         self._report_idle()
-        return list(deliveries.values())
 
     def _report_idle(self) -> None:
         """TGI zeroes tgi_batch_current_size / _max_tokens once its batch is empty."""

@@ -1,5 +1,5 @@
-"""After the sampler: append each row's token, detokenize it, decide whether the sequence ends and
-build its TokenEvent."""
+"""After the scheduler appended a step's tokens: detokenize each one, decide whether the sequence
+ends there and build its TokenEvent."""
 
 from __future__ import annotations
 
@@ -22,13 +22,16 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
-    def process(self, seq: Sequence, token_id: int, logprob: float,
+    def process(self, seq: Sequence, end: int, logprob: float,
                 top: list[tuple[int, float]] | None) -> TokenEvent:
-        seq.token_ids.append(token_id)
+        """The token at seq.token_ids[end - 1] (tokens after it, if any, were accepted in the same
+        step and come next)."""
+        all_ids = seq.token_ids if end == len(seq.token_ids) else seq.token_ids[:end]
+        token_id = all_ids[-1]
         seq.cumulative_logprob += logprob
-        num_generated = seq.num_generated_tokens
+        num_generated = end - seq.num_prompt_tokens
         special = token_id in self.special_ids
-        token_text = seq.detokenizer.step(seq.token_ids)
+        token_text = seq.detokenizer.step(all_ids)
         stop = seq.stop_checker
         if special:
             shown, reason = "", stop.check_special(token_text, num_generated)
@@ -37,7 +40,7 @@ class OutputProcessor:
         else:
             shown, reason = stop.check_text(token_text, num_generated)
         if reason is None:
-            reason = stop.check_token(token_id, num_generated, len(seq.token_ids))
+            reason = stop.check_token(token_id, num_generated, end)
             if reason is None and seq.processors and any(p.is_terminated() for p in seq.processors):
                 reason = FinishReason.EOS_TOKEN if token_id in stop.eos_token_ids else FinishReason.GRAMMAR
             if reason is not None:

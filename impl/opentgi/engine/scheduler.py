@@ -177,6 +177,17 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     # --- after the step ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, new_token_ids: list[list[int]]) -> None:
+        """After the forward: append to each scheduled sequence the tokens chosen for it
+        (new_token_ids[row], [] for a prompt chunk that does not complete), advance it past the
+        tokens whose k/v the step wrote, and register its newly full blocks in the prefix cache."""
+        bm = self.block_manager
+        for seq, n, tokens in zip(out.seqs, out.num_new_tokens, new_token_ids):
+            if tokens:
+                seq.token_ids.extend(tokens)
+            seq.num_computed_tokens += n
+            bm.commit(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or cancelled) sequence and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:

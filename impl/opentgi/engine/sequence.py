@@ -42,6 +42,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.block_hashes: list[int] = []
+        # proposed continuation verified by this step's forward (speculative decoding); never in
+        # token_ids, whose tokens are all accepted
+        self.draft_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.detokenizer = detokenizer
