@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opentgi", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the TGI, LightLLM and SenseNova APIs")
+    add_serve_options(serve)
+    return parser
+
+
+def add_serve_options(serve: argparse.ArgumentParser) -> None:
+    """`opentgi serve`'s flags (also `text-generation-launcher`'s: opentgi.launcher)."""
     for option in OPTIONS:
         env_help = " / ".join(option.env_names)
         if option.is_switch:
@@ -107,7 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             serve.add_argument(option.flag, type=option.type, default=None,
                                help=f"{option.help} [env: {env_help}]")
-    return parser
 
 
 def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
@@ -192,8 +197,21 @@ def serve(settings: Settings) -> None:
     engine = Engine.from_settings(settings, observer=metrics.observer)
     app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
+    for line in startup_links(settings):
+        log.info("%s", line)
     uvicorn.run(app, host=settings.hostname, port=settings.port, log_config=None,
                 timeout_graceful_shutdown=5)
+
+
+def startup_links(settings: Settings) -> list[str]:
+    """Where to point a browser: the API's base URL and its Swagger UI."""
+    host = settings.hostname
+    if host in ("0.0.0.0", "::", ""):  # listening on every interface: this machine reaches it as localhost
+        host = "localhost"
+    elif ":" in host:
+        host = f"[{host}]"
+    base = f"http://{host}:{settings.port}"
+    return [f"API: {base}", f"Swagger UI: {base}/docs"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

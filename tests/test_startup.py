@@ -1,0 +1,71 @@
+"""Start-up as a user sees it: `opentgi serve` and `text-generation-launcher` in a subprocess on the tiny
+Llama; no warnings on stderr, the links to open printed, the server answering."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conformance.live import free_port
+from tests import tiny_models
+
+ROOT = Path(__file__).resolve().parents[1]
+# `nox -s serve` installs the package alone, without httpx2 (which only the test extra's openai pulls
+# in): Starlette then warns when Connexion imports its test client. Hide httpx2 to start as that user.
+AS_A_FRESH_INSTALL = "import sys; sys.modules['httpx2'] = None; "
+
+
+def _run_until_healthy(argv, port, timeout_s=180):
+    env = {**os.environ, "PYTHONWARNINGS": "default", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert process.poll() is None, f"the server exited: {process.communicate()[1][-3000:]}"
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=10)
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=30)
+    return info, stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> str:
+    return str(tiny_models.tiny_llama_path())
+
+
+def test_opentgi_serve_starts_quietly_and_prints_its_links(tiny_model):
+    port = free_port()
+    argv = [sys.executable, "-W", "default", "-c", AS_A_FRESH_INSTALL + "from opentgi.cli import main; main()",
+            "serve", "--model-id", tiny_model, "--port", str(port), "--num-threads", "1"]
+    info, stderr = _run_until_healthy(argv, port)
+    assert info.status_code == 200
+    assert not re.search(r"\w*Warning\b", stderr), stderr
+    assert f"API: http://localhost:{port}" in stderr
+    assert f"Swagger UI: http://localhost:{port}/docs" in stderr
+
+
+def test_text_generation_launcher_serves_a_model_folder(tiny_model):
+    scripts = (ROOT / "pyproject.toml").read_text(encoding="utf-8").split("[project.scripts]")[1]
+    target = re.search(r'^text-generation-launcher = "([\w.:]+)"', scripts, re.M).group(1)
+    module, _, function = target.partition(":")
+    port = free_port()
+    # The console script pip writes calls `target`; the checkout's declaration is what is tested here.
+    argv = [sys.executable, "-c", f"import sys; from {module} import {function}; sys.exit({function}())",
+            "--model-id", tiny_model, "--port", str(port), "--max-input-length", "100"]
+    info, stderr = _run_until_healthy(argv, port)
+    assert info.status_code == 200, stderr
+    assert info.json()["max_input_tokens"] == 100
