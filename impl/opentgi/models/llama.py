@@ -120,11 +120,11 @@ class PagedLlama(nn.Module):
         elif not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by `materialize` (needs the real device)
-        self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32)
+        self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
 
     def materialize(self) -> None:
         """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
-        CPU in float32 run the linear layers through oneDNN (models/layers/linear.py)."""
+        CPU in float32 or bfloat16 run the linear layers through oneDNN (models/layers/linear.py)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()

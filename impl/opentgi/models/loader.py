@@ -57,9 +57,30 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # native bfloat16 dot products (Cooper Lake, Zen 4, AMX)
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """True on CPUs whose flags (Linux /proc/cpuinfo) include avx512_bf16 or amx_bf16: there,
+    oneDNN's bfloat16 matmuls read half the bytes of float32 at no cost in arithmetic."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[-1].split())
+            return any(f in flags for f in _BF16_CPU_FLAGS)
+    return False
+
+
 def resolve_dtype(settings: Settings, device: torch.device) -> torch.dtype:
+    """--dtype when given; else bfloat16 on CUDA and on CPUs with native bfloat16, float32 elsewhere."""
     if settings.dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()):
+            return torch.bfloat16
+        return torch.float32
     try:
         return _DTYPES[settings.dtype]
     except KeyError:
