@@ -12,14 +12,17 @@ from tests import tiny_models
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 
 
-@pytest.fixture(autouse=True)
-def _float32_by_default(monkeypatch):
+@pytest.fixture(scope="session", autouse=True)
+def _float32_by_default():
     """The tests compare against transformers in float32 on whatever CPU runs them: the automatic
-    dtype (bfloat16 on CPUs with avx512_bf16/AMX, models/loader.py) is pinned to float32 here.
+    dtype (bfloat16 on CPUs with avx512_bf16/AMX, models/loader.py) is pinned to float32 here,
+    for the whole session (module-scoped fixtures load models too).
     tests/test_models_dtype.py tests the automatic choice and bfloat16 itself."""
     from opentgi.models import loader
 
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda cpuinfo=None: False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "cpu_has_bf16", lambda cpuinfo=None: False)
+        yield
 
 
 @pytest.fixture(scope="session")
