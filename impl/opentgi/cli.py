@@ -63,6 +63,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--json-output", _bool, "log JSON lines", is_switch=True),
     Option("--api", str, "which dialect owns the root paths: tgi | lightllm (default tgi)"),
     Option("--api-key", str, "bearer token required on every non-health route"),
+    Option("--disable-ui", _bool, "no chat page at GET /", is_switch=True),
     Option("--max-concurrent-requests", int, "requests in flight at most; past it: 429 (default 128)"),
     Option("--max-best-of", int, "largest best_of (default 2)"),
     Option("--max-stop-sequences", int, "most stop sequences per request (default 4)"),
@@ -212,7 +213,8 @@ def startup_links(settings: Settings) -> list[str]:
     elif ":" in host:
         host = f"[{host}]"
     base = f"http://{host}:{settings.port}"
-    return [f"API: {base}", f"Swagger UI: {base}/docs"]
+    links = [f"API: {base}", f"Swagger UI: {base}/docs"]
+    return links if settings.disable_ui else [*links, f"chat page: {base}/"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -27,6 +27,7 @@ class Settings:
     json_output: bool = False
     api: str = "tgi"  # which dialect owns the root paths: "tgi" | "lightllm"
     api_key: str | None = None  # bearer token required on every non-health route when set
+    disable_ui: bool = False  # no chat page at GET /
 
     # --- TGI router limits ---------------------------------------------------------------------
     max_concurrent_requests: int = 128

@@ -245,6 +245,10 @@ def create_app(settings: Settings, engine, *, metrics=None,
     app.add_error_handler(connexion.exceptions.ProblemException, mapper)
     app.add_middleware(runtime.StateMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        server_state=server_state)
+    if not settings.disable_ui:  # ahead of the API key: the page itself holds nothing secret
+        from opentgi.api.chat_page import ChatPageMiddleware
+
+        app.add_middleware(ChatPageMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION)
     if settings.api_key:
         from opentgi.api.auth import BearerAuthMiddleware
 
