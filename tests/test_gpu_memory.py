@@ -106,4 +106,4 @@ def test_cuda_memory_fraction_flag_and_env():
 
 def test_bfloat16_is_the_default_on_cuda():
     assert resolve_dtype(Settings(), torch.device("cuda")) == torch.bfloat16
-    assert resolve_dtype(Settings(), torch.device("cpu")) == torch.float32
+    assert resolve_dtype(Settings(dtype="float16"), torch.device("cuda")) == torch.float16
