@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from opentgi.api import lightllm
+from opentgi.api.errors import RequestSchemaError
 from opentgi.engine.errors import (
     GenerationError,
     InputTooLongError,
@@ -222,7 +223,7 @@ def test_errors_in_lightllm_shape(exc, status):
 
 
 def test_errors_before_the_handler_are_400():
-    response = lightllm.request_error(ValidationError("parameters.top_p: 2 is greater than the maximum of 1"))
+    response = lightllm.request_error(RequestSchemaError("parameters.top_p: 2 is greater than the maximum of 1"))
     assert response.status_code == 400
     assert response.body == b'{"message":"parameters.top_p: 2 is greater than the maximum of 1"}'
     assert lightllm.request_error(OverloadedError("Model is overloaded")).status_code == 429

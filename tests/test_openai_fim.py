@@ -1,16 +1,16 @@
-"""Fill-in-the-middle prompt building for /v1/completions `suffix` (opentgi.api.fim)."""
+"""Fill-in-the-middle prompt building for /v1/completions `suffix` (opentgi.engine.fim)."""
 
 from __future__ import annotations
 
 import pytest
 
-from opentgi.api.fim import (
+from opentgi.engine.errors import NotSupportedError
+from opentgi.engine.fim import (
     build_fim_prompt_ids,
     detect_fim_format,
     render_fim_template,
     validate_fim_template,
 )
-from opentgi.engine.errors import NotSupportedError
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from opentgi.api import generation
 from opentgi.api import openai_chat as chat
 from opentgi.api import openai_common as common
 from opentgi.api import openai_completions as completions
@@ -50,22 +51,29 @@ def ev(index: int, text: str, n: int, finish: FinishReason | None = None) -> Tok
 @pytest.fixture(autouse=True)
 def no_runtime(monkeypatch):
     """No app is serving: metrics are not recorded."""
-    monkeypatch.setattr(common, "record_success", lambda *args: None)
-    monkeypatch.setattr(common, "record_failure", lambda exc: None)
+    monkeypatch.setattr(generation, "record_success", lambda *args: None)
+    monkeypatch.setattr(generation, "record_failure", lambda exc: None)
 
 
-async def _collect(gen) -> list:
-    return [item async for item in gen]
+async def _collect(events) -> list:
+    return [item async for item in events]
+
+
+def _stream(encode, prepared, handles):
+    """The events the request path sends for `encode` over these handles (errors in TGI's shape)."""
+    gen = generation.Generation(started_at=0.0, context=prepared, handles=handles)
+    return generation._events(None, common.SHAPE, encode, gen)
 
 
 def _chat(handle, n=1, using_tools=False, include_usage=False, logprobs=False):
-    return chat.PreparedChat(handle=handle, meta=META, num_prompt_tokens=7, n=n, using_tools=using_tools,
-                                 logprobs=logprobs, include_usage=include_usage)
+    prepared = chat.PreparedChat(meta=META, num_prompt_tokens=7, n=n, using_tools=using_tools, logprobs=logprobs,
+                                 include_usage=include_usage)
+    return chat._chat_stream, prepared, [handle]
 
 
 async def test_chat_stream_n_choices_roles_first_then_interleaved_with_usage_and_done():
     events = [ev(0, "a", 1), ev(1, "b", 1), ev(1, "", 2, FinishReason.EOS_TOKEN), ev(0, "c", 2, FinishReason.LENGTH)]
-    out = await _collect(chat._chat_stream(_chat(FakeHandle(events), n=2, include_usage=True)))
+    out = await _collect(_stream(*_chat(FakeHandle(events), n=2, include_usage=True)))
     assert out[-1] == common.DONE
     chunks = out[:-1]
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
@@ -82,7 +90,7 @@ async def test_chat_stream_tool_call_deltas():
     answer = '{"name": "f", "arguments": {"x": 1}}'
     pieces = [answer[:12], answer[12:30], answer[30:]]
     events = [ev(0, p, i + 1, FinishReason.GRAMMAR if i == 2 else None) for i, p in enumerate(pieces)]
-    out = await _collect(chat._chat_stream(_chat(FakeHandle(events), using_tools=True)))
+    out = await _collect(_stream(*_chat(FakeHandle(events), using_tools=True)))
     deltas = [c["choices"][0]["delta"] for c in out[1:-1]]
     calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "f" and calls[0]["id"].startswith("call_")
@@ -92,14 +100,14 @@ async def test_chat_stream_tool_call_deltas():
 
 async def test_chat_stream_error_is_one_event_then_done():
     handle = FakeHandle([ev(0, "a", 1)], error=GenerationError("CUDA out of memory"))
-    out = await _collect(chat._chat_stream(_chat(handle)))
+    out = await _collect(_stream(*_chat(handle)))
     assert out[-1] == common.DONE
     assert out[-2] == {"error": "Request failed during generation: CUDA out of memory", "error_type": "generation"}
     assert handle.cancelled
 
 
 async def test_chat_stream_that_ends_early_is_incomplete():
-    out = await _collect(chat._chat_stream(_chat(FakeHandle([ev(0, "a", 1)]))))
+    out = await _collect(_stream(*_chat(FakeHandle([ev(0, "a", 1)]))))
     assert out[-2]["error_type"] == "incomplete_generation" and out[-1] == common.DONE
 
 
@@ -108,9 +116,9 @@ async def test_completion_stream_several_prompts_echo_and_logprobs():
     handles = [FakeHandle([ev(0, " x", 1, FinishReason.LENGTH)], prefill=[PrefillToken(1, "A", None)]),
                FakeHandle([ev(0, " y", 1, FinishReason.EOS_TOKEN)],
                           prefill=[PrefillToken(2, "B", None), PrefillToken(2, "B", -0.5)])]
-    prepared = completions.PreparedCompletion(handles=handles, prompts=["A", "BB"], prompt_lengths=[1, 2], meta=META,
-                                           n=1, echo=True, logprobs=0, include_usage=True)
-    out = await _collect(completions._completion_stream(prepared))
+    prepared = completions.PreparedCompletion(prompts=["A", "BB"], prompt_lengths=[1, 2], meta=META,
+                                              n=1, echo=True, logprobs=0, include_usage=True)
+    out = await _collect(_stream(completions._completion_stream, prepared, handles))
     assert out[-1] == common.DONE
     choices = [c["choices"][0] for c in out[:-2]]
     by_index = {i: [c for c in choices if c["index"] == i] for i in (0, 1)}

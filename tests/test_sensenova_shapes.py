@@ -7,6 +7,7 @@ import json
 import pytest
 
 from opentgi.api import sensenova
+from opentgi.api.errors import RequestSchemaError
 from opentgi.engine.errors import GenerationError, InputTooLongError, OverloadedError, UnhealthyError
 from opentgi.engine.events import GenerationResult, SequenceResult, Timings, TokenEvent
 from opentgi.engine.request import FinishReason
@@ -131,9 +132,8 @@ def test_errors_in_sensenova_shape(exc, status, code):
 
 
 def test_errors_before_the_handler_are_400():
-    from opentgi.engine.errors import ValidationError
 
-    response = sensenova.request_error(ValidationError("n: 5 is greater than the maximum of 4"))
+    response = sensenova.request_error(RequestSchemaError("n: 5 is greater than the maximum of 4"))
     assert response.status_code == 400
     assert response.body == (
         b'{"error":{"code":3,"message":"invalid argument: n: 5 is greater than the maximum of 4","details":[]}}'

@@ -147,7 +147,7 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
     if settings.api not in ("tgi", "lightllm"):
         raise SystemExit(f"opentgi: --api must be tgi or lightllm, got {settings.api!r}")
     if settings.fim_template:
-        from opentgi.api.fim import validate_fim_template
+        from opentgi.engine.fim import validate_fim_template
 
         try:
             validate_fim_template(settings.fim_template)

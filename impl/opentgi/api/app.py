@@ -30,9 +30,9 @@ from starlette.routing import Mount as StarletteMount
 
 from opentgi.api import request_metrics, runtime
 from opentgi.api.body_validation import BodyParseError, BodySchemaError, validator_map
-from opentgi.api.errors import FieldLimits, tgi_error
+from opentgi.api.errors import FieldLimits, RequestSchemaError, tgi_error
 from opentgi.config import Settings
-from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.engine.errors import OpenTGIError
 from opentgi.schemas import spec_path
 
 log = logging.getLogger(__name__)
@@ -164,11 +164,11 @@ def _as_dialect_error(exc: Exception) -> OpenTGIError | None:
     if isinstance(exc, OpenTGIError):
         return exc
     if isinstance(exc, BodySchemaError):
-        return ValidationError(f"{exc.field}: {exc.message}" if exc.field else exc.message)
+        return RequestSchemaError(f"{exc.field}: {exc.message}" if exc.field else exc.message)
     if isinstance(exc, BodyParseError):
-        return ValidationError(f"invalid JSON body: {exc.reason}")
+        return RequestSchemaError(f"invalid JSON body: {exc.reason}")
     if isinstance(exc, connexion.exceptions.BadRequestProblem):
-        return ValidationError(str(exc.detail))
+        return RequestSchemaError(str(exc.detail))
     return None
 
 

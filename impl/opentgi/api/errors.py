@@ -59,6 +59,23 @@ class ErrorReply:
         return JSONResponse(self.body, status_code=self.status, headers=self.headers or None)
 
 
+@dataclass(frozen=True)
+class JSONError:
+    """A dialect's error answer (LightLLM, SenseNova): status, JSON body (compact, non-ASCII kept)."""
+
+    status: int
+    body: dict
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers or None)
+
+
+class RequestSchemaError(engine_errors.ValidationError):
+    """The body breaks the dialect's document (Connexion's validation), for the dialects with their own
+    error shape: LightLLM and SenseNova answer it 400 where their handlers' refusals are 422."""
+
+
 class DeserializationError(engine_errors.ValidationError):
     """The body does not fit TGI's Rust types (serde's error: axum refuses it before TGI's handler
     runs, so it is never an in-stream event nor counted): 422 with axum's prefix."""

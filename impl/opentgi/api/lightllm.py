@@ -11,9 +11,10 @@ import json
 
 from starlette.responses import JSONResponse, Response
 
+from opentgi.api import generation as request_path
 from opentgi.api import runtime
-from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
-from opentgi.api.sse import sse_response
+from opentgi.api.errors import JSONError, RequestSchemaError
+from opentgi.api.generation import Generation, Prepare, Shape
 from opentgi.engine.errors import (
     GenerationError,
     InputTooLongError,
@@ -221,29 +222,37 @@ def compute_token_load(stats, pool_tokens: int) -> dict:
     ).model_dump(mode="json")
 
 
-def error_status(exc: OpenTGIError) -> int:
+def error_status(exc: BaseException) -> int:
+    if isinstance(exc, RequestSchemaError):  # the body breaks the document
+        return 400
     for error_type, status in ERROR_STATUS:
         if isinstance(exc, error_type):
             return status
     return 500
 
 
+def error_shape(exc: BaseException) -> JSONError:
+    """LightLLM's one error shape, `{"message": ...}`: for handlers, the app's error mapper, auth
+    and a stream's last event alike."""
+    message = exc.message if isinstance(exc, OpenTGIError) else f"Internal server error: {type(exc).__name__}"
+    return JSONError(error_status(exc), {"message": message}, dict(getattr(exc, "headers", None) or {}))
+
+
 def error_event(exc: BaseException) -> dict:
     """The last event of a stream that failed after it opened."""
-    message = exc.message if isinstance(exc, OpenTGIError) else f"Internal server error: {type(exc).__name__}"
-    return {"message": message}
+    return error_shape(exc).body
 
 
-def error_response(exc: OpenTGIError) -> JSONResponse:
-    return JSONResponse({"message": exc.message}, status_code=error_status(exc))
+def error_response(exc: BaseException) -> Response:
+    return error_shape(exc).response()
 
 
-def request_error(exc: OpenTGIError) -> JSONResponse:
-    """An error raised before the handler ran (the app's error mapper calls this): a request that
-    breaks the document (Connexion's validation, as a ValidationError) is a 400."""
-    if isinstance(exc, ValidationError):
-        return JSONResponse({"message": exc.message}, status_code=400)
+def request_error(exc: OpenTGIError) -> Response:
+    """An error raised before the handler ran (the app's error mapper calls this)."""
     return error_response(exc)
+
+
+SHAPE = Shape(error=error_shape)
 
 
 def json_answer(payload: dict) -> Response:
@@ -282,59 +291,57 @@ async def token_load():
     return JSONResponse(compute_token_load(engine.stats(), engine.info.max_batch_total_tokens))
 
 
-async def _submit_generate(body: dict, *, stream: bool):
-    engine = runtime.engine()
-    request, params = parse_generate(body)
-    check_text_only(request.multimodal_params, engine.info.model_id)
-    if stream and num_sequences(params) != 1:
-        raise ValidationError("stream api only support best_of == 1")
-    prompt_token_ids = await engine.encode(request.inputs)
-    check_lengths(len(prompt_token_ids), params.max_new_tokens, engine.info.max_input_tokens,
-                  engine.info.max_total_tokens)
-    generation = generation_request(prompt_token_ids, params, engine.tokenizer)
-    record_validated(generation)
-    handle = await engine.submit(generation)
-    return handle, params, len(prompt_token_ids)
+def _prepare_generate(body: dict, *, stream: bool) -> Prepare:
+    async def prepare():
+        engine = runtime.engine()
+        request, params = parse_generate(body)
+        check_text_only(request.multimodal_params, engine.info.model_id)
+        if stream and num_sequences(params) != 1:
+            raise ValidationError("stream api only support best_of == 1")
+        prompt_token_ids = await engine.encode(request.inputs)
+        check_lengths(len(prompt_token_ids), params.max_new_tokens, engine.info.max_input_tokens,
+                      engine.info.max_total_tokens)
+        generation = generation_request(prompt_token_ids, params, _Vocabulary(engine))
+        return [generation], (params, len(prompt_token_ids))
+
+    return prepare
+
+
+class _Vocabulary:
+    """What token-id stop sequences need of the engine: its vocabulary size and decoding."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __len__(self) -> int:
+        return self.engine.info.vocab_size
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.engine.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 async def generate(body: dict):
-    started_at = record_start()
-    try:
-        handle, params, _ = await _submit_generate(body, stream=False)
-        async with handle:  # the client going away cancels the request
-            result = await handle.result()
-    except OpenTGIError as exc:
-        record_failure(exc)
-        return error_response(exc)
-    record_success(started_at, result.generated_tokens, result.timings)
-    return json_answer(generate_response(result, return_details=params.return_details))
+    def answer(gen: Generation, results: list[GenerationResult]) -> Response:
+        params, _ = gen.context
+        return json_answer(generate_response(results[0], return_details=params.return_details))
+
+    return await request_path.generate(_prepare_generate(body, stream=False), SHAPE, answer)
+
+
+async def _stream_events(gen: Generation):
+    _, prompt_tokens = gen.context
+    async for event in gen.handle:
+        yield stream_event(event, prompt_tokens)
+    result = await gen.handle.result()
+    gen.success(result.generated_tokens, result.timings)
 
 
 async def generate_stream(body: dict):
-    started_at = record_start()
-    try:
-        handle, _, prompt_tokens = await _submit_generate(body, stream=True)
-    except OpenTGIError as exc:
-        record_failure(exc)
-        return error_response(exc)  # before the stream opens: never a 200
-
-    async def events():
-        try:
-            async with handle:
-                async for event in handle:
-                    yield stream_event(event, prompt_tokens)
-                result = await handle.result()
-        except OpenTGIError as exc:
-            record_failure(exc)
-            raise
-        record_success(started_at, result.generated_tokens, result.timings)
-
-    return sse_response(events(), error_event=error_event)
+    return await request_path.stream(_prepare_generate(body, stream=True), SHAPE, _stream_events)
 
 
 async def get_score(body: dict):
-    started_at = record_start()
-    try:
+    async def prepare():
         engine = runtime.engine()
         request = schema.ScoreRequest.model_validate(body)
         check_text_only(request.multimodal_params, engine.info.model_id)
@@ -343,19 +350,14 @@ async def get_score(body: dict):
                 f"/get_score needs a reward model; the served model {engine.info.model_id} is not one"
             )
         prompt_token_ids = await engine.encode(request.chat)
-        score_request = GenerationRequest(
+        return [GenerationRequest(
             prompt_token_ids=prompt_token_ids,
             sampling=SamplingParams(),
             stopping=StoppingParams(max_new_tokens=SCORE_MAX_NEW_TOKENS),
             score=True,
-        )
-        record_validated(score_request)
-        handle = await engine.submit(score_request)
-        async with handle:
-            result = await handle.result()
-        answer = json_answer(score_response(result))
-    except OpenTGIError as exc:
-        record_failure(exc)
-        return error_response(exc)
-    record_success(started_at, result.generated_tokens, result.timings)
-    return answer
+        )], None
+
+    def answer(gen: Generation, results: list[GenerationResult]) -> Response:
+        return json_answer(score_response(results[0]))
+
+    return await request_path.generate(prepare, SHAPE, answer)

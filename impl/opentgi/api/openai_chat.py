@@ -5,17 +5,19 @@ events ending with `data: [DONE]`. Tools and `response_format` become the reques
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, Response
 
+from opentgi.api import generation, runtime
 from opentgi.api import openai_common as common
 from opentgi.api import openai_shapes as shape
-from opentgi.api import runtime
 from opentgi.api.chat_template import render_chat
 from opentgi.api.errors import IncompleteGenerationError
+from opentgi.api.generation import Generation
 from opentgi.api.openai_params import (
     DEFAULT_MAX_TOKENS,
     OpenAILimits,
@@ -28,9 +30,7 @@ from opentgi.api.openai_params import (
     stop_sequences,
     stopping_params,
 )
-from opentgi.api.sse import sse_response
 from opentgi.api.tools import ToolAnswerStream, ToolError, new_tool_call_id, select_tools, tool_grammar_schema
-from opentgi.engine.errors import OpenTGIError
 from opentgi.engine.events import TokenEvent
 from opentgi.engine.request import FinishReason, GenerationRequest, GrammarSpec
 from opentgi.schemas.tgi import ChatRequest
@@ -38,14 +38,12 @@ from opentgi.schemas.tgi import ChatRequest
 
 @dataclass
 class PreparedChat:
-    handle: object
     meta: shape.ResponseMeta
     num_prompt_tokens: int
     n: int
     using_tools: bool
     logprobs: bool
     include_usage: bool
-    started_at: float = 0.0
 
 
 def _chat_grammar(body: dict, limits: OpenAILimits) -> tuple[GrammarSpec | None, bool, list]:
@@ -64,19 +62,7 @@ def _chat_grammar(body: dict, limits: OpenAILimits) -> tuple[GrammarSpec | None,
     return format_grammar, False, tools
 
 
-def _chat_template(engine):
-    """The tokenizer's named templates when it has several (so `tool_use` can be picked when tools
-    are given), else the engine's resolved template."""
-    named = getattr(engine.tokenizer, "chat_template", None)
-    return named if isinstance(named, dict) else engine.info.chat_template
-
-
-def _special_tokens(tokenizer) -> dict[str, str]:
-    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
-    return {k: v for k, v in tokens.items() if isinstance(v, str)}
-
-
-async def _prepare_chat(body: dict, started_at: float) -> PreparedChat:
+async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedChat]:
     state = runtime.state()
     engine = state.engine
     limits = common.limits_of(state)
@@ -91,10 +77,10 @@ async def _prepare_chat(body: dict, started_at: float) -> PreparedChat:
                                frequency_penalty=req.frequency_penalty,
                                presence_penalty=req.presence_penalty, seed=req.seed,
                                logit_bias=body.get("logit_bias"), limits=limits)
-    info = engine.info
+    template = engine.chat_template()
     text = await asyncio.to_thread(
-        render_chat, _chat_template(engine), body["messages"], bos_token=info.bos_token,
-        eos_token=info.eos_token, special_tokens=_special_tokens(engine.tokenizer), tools=tools or None,
+        render_chat, template.template, body["messages"], bos_token=template.bos_token,
+        eos_token=template.eos_token, special_tokens=template.special_tokens, tools=tools or None,
         tool_prompt=req.tool_prompt)
     prompt_ids = await engine.encode(text, add_special_tokens=False)
     requested = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
@@ -102,12 +88,10 @@ async def _prepare_chat(body: dict, started_at: float) -> PreparedChat:
     request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,
                                 stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
                                 grammar=grammar)
-    common.record_validated(request)
-    handle = await engine.submit(request)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return PreparedChat(handle=handle, meta=shape.ResponseMeta.new("chatcmpl", info.model_id),
-                        num_prompt_tokens=len(prompt_ids), n=n, using_tools=using_tools, logprobs=logprobs,
-                        include_usage=include_usage, started_at=started_at)
+    return [request], PreparedChat(meta=shape.ResponseMeta.new("chatcmpl", engine.info.model_id),
+                                   num_prompt_tokens=len(prompt_ids), n=n, using_tools=using_tools,
+                                   logprobs=logprobs, include_usage=include_usage)
 
 
 class _ChatChoiceStream:
@@ -142,54 +126,47 @@ class _ChatChoiceStream:
         return shape.finish_reason(reason)
 
 
-async def _chat_stream(p: PreparedChat) -> AsyncIterator[dict | str]:
+async def _chat_stream(gen: Generation) -> AsyncIterator[dict | str]:
+    p: PreparedChat = gen.context
+
     def chunk(choice: dict) -> dict:
         return shape.chat_chunk(p.meta, [choice], include_usage=p.include_usage)
 
     completion_tokens = 0
-    try:
-        choices = [_ChatChoiceStream(i, p.using_tools) for i in range(p.n)]
-        for i in range(p.n):
-            yield chunk(shape.chat_choice_delta(i, {"role": "assistant", "content": ""}))
-        finished = 0
-        async for _, event in common.events_of([p.handle]):
-            choice = choices[event.index]
-            deltas = choice.deltas(event)
-            if not deltas and (p.logprobs or event.finish_reason is not None):
-                deltas = [{}]
-            for k, delta in enumerate(deltas):
-                last = k == len(deltas) - 1
-                finish = choice.finish_reason(event.finish_reason) if last and event.finish_reason else None
-                yield chunk(shape.chat_choice_delta(event.index, delta, finish=finish,
-                                                    logprob_events=[event] if p.logprobs and k == 0 else None))
-            if event.finish_reason is not None:
-                completion_tokens += event.generated_tokens
-                finished += 1
-        if finished < p.n:
-            raise IncompleteGenerationError()
-        common.record_success(p.started_at, completion_tokens)
-        if p.include_usage:
-            yield shape.chat_chunk(p.meta, [], include_usage=True,
-                                   usage_value=shape.usage(p.num_prompt_tokens, completion_tokens))
-    except OpenTGIError as exc:
-        yield common.error_event(exc)
+    choices = [_ChatChoiceStream(i, p.using_tools) for i in range(p.n)]
+    for i in range(p.n):
+        yield chunk(shape.chat_choice_delta(i, {"role": "assistant", "content": ""}))
+    finished = 0
+    async for _, event in common.events_of(gen.handles):
+        choice = choices[event.index]
+        deltas = choice.deltas(event)
+        if not deltas and (p.logprobs or event.finish_reason is not None):
+            deltas = [{}]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            finish = choice.finish_reason(event.finish_reason) if last and event.finish_reason else None
+            yield chunk(shape.chat_choice_delta(event.index, delta, finish=finish,
+                                                logprob_events=[event] if p.logprobs and k == 0 else None))
+        if event.finish_reason is not None:
+            completion_tokens += event.generated_tokens
+            finished += 1
+    if finished < p.n:
+        raise IncompleteGenerationError()
+    gen.success(completion_tokens)
+    if p.include_usage:
+        yield shape.chat_chunk(p.meta, [], include_usage=True,
+                               usage_value=shape.usage(p.num_prompt_tokens, completion_tokens))
     yield common.DONE
 
 
+def _chat_answer(gen: Generation, results: list) -> Response:
+    p: PreparedChat = gen.context
+    return JSONResponse(shape.chat_completion(p.meta, results[0].sequences, p.num_prompt_tokens,
+                                              using_tools=p.using_tools, logprobs=p.logprobs))
+
+
 async def chat_completions(body: dict) -> Response:
-    started_at = common.record_start()
-    try:
-        prepared = await _prepare_chat(body, started_at)
-    except OpenTGIError as exc:
-        return common.error_response(exc)
+    prepare = functools.partial(_prepare_chat, body)
     if body.get("stream"):
-        return sse_response(_chat_stream(prepared), handle=prepared.handle)
-    try:
-        result = await prepared.handle.result()
-    except OpenTGIError as exc:
-        return common.error_response(exc)
-    finally:
-        prepared.handle.cancel()
-    common.record_success(started_at, result.generated_tokens, result.timings)
-    return JSONResponse(shape.chat_completion(prepared.meta, result.sequences, prepared.num_prompt_tokens,
-                                              using_tools=prepared.using_tools, logprobs=prepared.logprobs))
+        return await generation.stream(prepare, common.SHAPE, _chat_stream)
+    return await generation.generate(prepare, common.SHAPE, _chat_answer)

@@ -8,22 +8,17 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pydantic
-from starlette.responses import Response
 
 from opentgi.api.errors import tgi_error
+from opentgi.api.generation import Shape
 from opentgi.api.openai_params import OpenAILimits
-from opentgi.api.request_metrics import (  # TGI's request metrics, as on every route (common.record_*)
-    record_failure,
-    record_start,  # noqa: F401
-    record_success,  # noqa: F401
-    record_validated,  # noqa: F401
-)
-from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.engine.errors import ValidationError
 from opentgi.engine.events import TokenEvent
-from opentgi.engine.request import GenerationRequest
 
 # sse.sse_event writes "data:" + a str event verbatim: the leading space gives "data: [DONE]".
 DONE = " [DONE]"
+# TGI's error shape; a stream that fails still ends with [DONE].
+SHAPE = Shape(error=tgi_error, stream_end_after_error=DONE)
 
 
 def parse_model(model, body: dict):
@@ -36,31 +31,8 @@ def parse_model(model, body: dict):
 
 def limits_of(state) -> OpenAILimits:
     info = state.engine.info
-    vocab = info.vocab_size or len(state.engine.tokenizer)
+    vocab = info.vocab_size
     return OpenAILimits.from_settings(state.settings, info, vocab)
-
-
-def error_response(exc: OpenTGIError) -> Response:
-    record_failure(exc)
-    return tgi_error(exc).response()
-
-
-def error_event(exc: OpenTGIError) -> dict:
-    record_failure(exc)
-    return tgi_error(exc).body
-
-
-async def submit_all(engine, requests: list[GenerationRequest]) -> list:
-    """Submit every request or none: a refusal cancels the ones already queued."""
-    handles = []
-    try:
-        for request in requests:
-            handles.append(await engine.submit(request))
-    except BaseException:
-        for handle in handles:
-            handle.cancel()
-        raise
-    return handles
 
 
 async def events_of(handles: list) -> AsyncIterator[tuple[int, TokenEvent]]:

@@ -4,17 +4,17 @@ a list; with `suffix`, a fill-in-the-middle prompt), `n` sequences each -> an Op
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, Response
 
+from opentgi.api import generation, runtime
 from opentgi.api import openai_common as common
 from opentgi.api import openai_shapes as shape
-from opentgi.api import runtime
 from opentgi.api.errors import IncompleteGenerationError
-from opentgi.api.fim import build_fim_prompt_ids
+from opentgi.api.generation import Generation
 from opentgi.api.openai_params import (
     DEFAULT_MAX_TOKENS,
     check_n,
@@ -25,15 +25,13 @@ from opentgi.api.openai_params import (
     stop_sequences,
     stopping_params,
 )
-from opentgi.api.sse import sse_response
-from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.engine.errors import ValidationError
 from opentgi.engine.request import GenerationRequest
 from opentgi.schemas.tgi import CompletionRequest
 
 
 @dataclass
 class PreparedCompletion:
-    handles: list
     prompts: list[str]
     prompt_lengths: list[int]
     meta: shape.ResponseMeta
@@ -41,7 +39,6 @@ class PreparedCompletion:
     echo: bool
     logprobs: int | None
     include_usage: bool
-    started_at: float = 0.0
 
     def choice_index(self, prompt_index: int, seq_index: int) -> int:
         return prompt_index * self.n + seq_index
@@ -50,11 +47,10 @@ class PreparedCompletion:
 async def _prompt_ids(engine, settings, prompt: str, suffix: str | None) -> list[int]:
     if suffix is None:
         return await engine.encode(prompt)
-    return await asyncio.to_thread(build_fim_prompt_ids, engine.tokenizer, prompt, suffix,
-                                   settings.fim_template)
+    return await engine.encode_fim(prompt, suffix, settings.fim_template)
 
 
-async def _prepare_completion(body: dict, started_at: float) -> PreparedCompletion:
+async def _prepare_completion(body: dict) -> tuple[list[GenerationRequest], PreparedCompletion]:
     state = runtime.state()
     engine = state.engine
     limits = common.limits_of(state)
@@ -89,13 +85,10 @@ async def _prepare_completion(body: dict, started_at: float) -> PreparedCompleti
             top_n_tokens=logprobs or 0,
             prompt_logprobs=echo and logprobs is not None))  # the echoed prompt's logprobs
         lengths.append(len(ids))
-    for request in requests:
-        common.record_validated(request)
-    handles = await common.submit_all(engine, requests)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return PreparedCompletion(handles=handles, prompts=prompts, prompt_lengths=lengths,
-                              meta=shape.ResponseMeta.new("cmpl", engine.info.model_id), n=n, echo=echo,
-                              logprobs=logprobs, include_usage=include_usage, started_at=started_at)
+    return requests, PreparedCompletion(prompts=prompts, prompt_lengths=lengths,
+                                        meta=shape.ResponseMeta.new("cmpl", engine.info.model_id), n=n,
+                                        echo=echo, logprobs=logprobs, include_usage=include_usage)
 
 
 def _echo_logprobs(builder: shape.CompletionLogprobs, result) -> dict:
@@ -118,9 +111,10 @@ def _completion_choices(p: PreparedCompletion, prompt_index: int, result) -> lis
     return choices
 
 
-async def _completion_stream(p: PreparedCompletion) -> AsyncIterator[dict | str]:
+async def _completion_stream(gen: Generation) -> AsyncIterator[dict | str]:
     """With `echo`, each choice starts with its prompt. The prompt's logprobs come with the engine's
     final result, so with `echo` and `logprobs` a prompt's chunks are held until its sequences end."""
+    p: PreparedCompletion = gen.context
 
     def chunk(choice: dict) -> dict:
         return shape.completion_chunk(p.meta, [choice], include_usage=p.include_usage)
@@ -132,66 +126,60 @@ async def _completion_stream(p: PreparedCompletion) -> AsyncIterator[dict | str]
     hold = p.echo and p.logprobs is not None
     held: dict[int, list[dict]] = {i: [] for i in range(len(p.prompts))}
     finished_of: dict[int, int] = dict.fromkeys(held, 0)
-    try:
-        builders = {}
-        if p.echo and not hold:
-            for i in range(len(p.prompts)):
-                for echoed in echo_chunks(i, None):
-                    yield echoed
-        completion_tokens = 0
-        finished = 0
-        async for i, event in common.events_of(p.handles):
-            index = p.choice_index(i, event.index)
-            logprobs = None
-            if p.logprobs is not None:
-                if index not in builders:
-                    builders[index] = shape.CompletionLogprobs(
-                        len(p.prompts[i]), with_top=p.logprobs > 0)
-                logprobs = builders[index].tokens([event])
-            if event.text_delta or event.finish_reason is not None or logprobs is not None:
-                out = chunk(shape.completion_choice(index, event.text_delta,
-                                                    shape.finish_reason(event.finish_reason), logprobs))
-                if hold:
-                    held[i].append(out)
-                else:
+    builders = {}
+    if p.echo and not hold:
+        for i in range(len(p.prompts)):
+            for echoed in echo_chunks(i, None):
+                yield echoed
+    completion_tokens = 0
+    finished = 0
+    async for i, event in common.events_of(gen.handles):
+        index = p.choice_index(i, event.index)
+        logprobs = None
+        if p.logprobs is not None:
+            if index not in builders:
+                builders[index] = shape.CompletionLogprobs(
+                    len(p.prompts[i]), with_top=p.logprobs > 0)
+            logprobs = builders[index].tokens([event])
+        if event.text_delta or event.finish_reason is not None or logprobs is not None:
+            out = chunk(shape.completion_choice(index, event.text_delta,
+                                                shape.finish_reason(event.finish_reason), logprobs))
+            if hold:
+                held[i].append(out)
+            else:
+                yield out
+        if event.finish_reason is not None:
+            completion_tokens += event.generated_tokens
+            finished += 1
+            finished_of[i] += 1
+            if hold and finished_of[i] == p.n:  # the result (with the prompt's logprobs) is in
+                result = await gen.handles[i].result()
+                echoed = _echo_logprobs(shape.CompletionLogprobs(0, with_top=p.logprobs > 0), result)
+                for out in echo_chunks(i, echoed) + held.pop(i):
                     yield out
-            if event.finish_reason is not None:
-                completion_tokens += event.generated_tokens
-                finished += 1
-                finished_of[i] += 1
-                if hold and finished_of[i] == p.n:  # the result (with the prompt's logprobs) is in
-                    result = await p.handles[i].result()
-                    echoed = _echo_logprobs(shape.CompletionLogprobs(0, with_top=p.logprobs > 0), result)
-                    for out in echo_chunks(i, echoed) + held.pop(i):
-                        yield out
-        if finished < len(p.handles) * p.n:
-            raise IncompleteGenerationError()
-        common.record_success(p.started_at, completion_tokens)
-        if p.include_usage:
-            yield shape.completion_chunk(p.meta, [], include_usage=True,
-                                         usage_value=shape.usage(sum(p.prompt_lengths), completion_tokens))
-    except OpenTGIError as exc:
-        yield common.error_event(exc)
+    if finished < len(gen.handles) * p.n:
+        raise IncompleteGenerationError()
+    gen.success(completion_tokens)
+    if p.include_usage:
+        yield shape.completion_chunk(p.meta, [], include_usage=True,
+                                     usage_value=shape.usage(sum(p.prompt_lengths), completion_tokens))
     yield common.DONE
 
 
-async def completions(body: dict) -> Response:
-    started_at = common.record_start()
-    try:
-        prepared = await _prepare_completion(body, started_at)
-    except OpenTGIError as exc:
-        return common.error_response(exc)
-    if body.get("stream"):
-        return sse_response(_completion_stream(prepared))
-    try:
-        results = await asyncio.gather(*(h.result() for h in prepared.handles))
-    except OpenTGIError as exc:
-        return common.error_response(exc)
-    finally:
-        for handle in prepared.handles:
-            handle.cancel()
+def _completion_answer(gen: Generation, results: list) -> Response:
+    p: PreparedCompletion = gen.context
     completion_tokens = sum(s.generated_tokens for r in results for s in r.sequences)
-    common.record_success(started_at, completion_tokens, results[0].timings)
-    choices = [c for i, result in enumerate(results) for c in _completion_choices(prepared, i, result)]
-    return JSONResponse(shape.completion(prepared.meta, choices,
-                                         shape.usage(sum(prepared.prompt_lengths), completion_tokens)))
+    choices = [c for i, result in enumerate(results) for c in _completion_choices(p, i, result)]
+    return JSONResponse(shape.completion(p.meta, choices, shape.usage(sum(p.prompt_lengths), completion_tokens)))
+
+
+def _completion_tokens(results: list) -> int:
+    return sum(s.generated_tokens for r in results for s in r.sequences)
+
+
+async def completions(body: dict) -> Response:
+    prepare = functools.partial(_prepare_completion, body)
+    if body.get("stream"):
+        return await generation.stream(prepare, common.SHAPE, _completion_stream)
+    return await generation.generate(prepare, common.SHAPE, _completion_answer,
+                                     generated_tokens=_completion_tokens)

@@ -16,6 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentgi.api.engine_client import EngineClient
 from opentgi.config import Settings
 
 _current: ContextVar[ServerState] = ContextVar("opentgi_server_state")
@@ -24,7 +25,7 @@ _current: ContextVar[ServerState] = ContextVar("opentgi_server_state")
 @dataclass
 class ServerState:
     settings: Settings
-    engine: Any  # opentgi.engine.engine.Engine (kept untyped: api must import without torch loaded)
+    engine: EngineClient
     metrics: Any = None  # opentgi.metrics.Metrics of this app
     started_at: float = field(default_factory=time.monotonic)
     last_success_at: float | None = None  # monotonic time of the last generation that succeeded
@@ -49,7 +50,7 @@ def state() -> ServerState:
         raise RuntimeError("no opentgi app is serving this request (runtime.bind was not called)") from None
 
 
-def engine():
+def engine() -> EngineClient:
     return state().engine
 
 

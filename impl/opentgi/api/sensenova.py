@@ -14,9 +14,10 @@ import uuid
 
 from starlette.responses import Response
 
+from opentgi.api import generation as request_path
 from opentgi.api import runtime
-from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
-from opentgi.api.sse import sse_response
+from opentgi.api.errors import JSONError, RequestSchemaError
+from opentgi.api.generation import Generation, Shape
 from opentgi.engine.errors import (
     GenerationError,
     InputTooLongError,
@@ -169,75 +170,72 @@ def error_body(code: int, message: str) -> dict:
 
 def error_status_code(exc: BaseException) -> tuple[int, int]:
     """(HTTP status, SenseNova code) of an engine error."""
+    if isinstance(exc, RequestSchemaError):  # the body breaks the document
+        return 400, INVALID_ARGUMENT
     for error_type, status, code in ERRORS:
         if isinstance(exc, error_type):
             return status, code
     return 500, INTERNAL
 
 
+def error_shape(exc: BaseException) -> JSONError:
+    """SenseNova's one error shape, `{"error": {"code", "message", "details"}}`: for the handler, the
+    app's error mapper, auth and a stream's last event alike."""
+    status, code = error_status_code(exc)
+    if isinstance(exc, RequestSchemaError):
+        message = f"invalid argument: {exc.message}"
+    elif isinstance(exc, OpenTGIError):
+        message = exc.message
+    else:
+        message = f"Internal server error: {type(exc).__name__}"
+    return JSONError(status, error_body(code, message), dict(getattr(exc, "headers", None) or {}))
+
+
 def error_event(exc: BaseException) -> dict:
     """The last event of a stream that failed after it opened."""
-    _, code = error_status_code(exc)
-    message = exc.message if isinstance(exc, OpenTGIError) else f"Internal server error: {type(exc).__name__}"
-    return error_body(code, message)
+    return error_shape(exc).body
 
 
-def error_response(exc: OpenTGIError) -> Response:
-    status, code = error_status_code(exc)
-    return error_json(status, code, exc.message)
-
-
-def error_json(status: int, code: int, message: str) -> Response:
-    return Response(dumps(error_body(code, message)), status_code=status, media_type="application/json")
+def error_response(exc: BaseException) -> Response:
+    return error_shape(exc).response()
 
 
 def request_error(exc: OpenTGIError) -> Response:
-    """An error raised before the handler ran (the app's error mapper calls this): a request that
-    breaks the document (Connexion's validation, as a ValidationError) is a 400."""
-    if isinstance(exc, ValidationError):
-        return error_json(400, INVALID_ARGUMENT, f"invalid argument: {exc.message}")
+    """An error raised before the handler ran (the app's error mapper calls this)."""
     return error_response(exc)
+
+
+SHAPE = Shape(error=error_shape)
 
 
 # --- handler (operationId) --------------------------------------------------------------------
 
 
 async def completions(body: dict):
-    engine = runtime.engine()
-    started_at = record_start()
-    try:
+    request = None
+
+    async def prepare():
+        nonlocal request
+        engine = runtime.engine()
         request = schema.CompletionRequest.model_validate(body)
         prompt_token_ids = await engine.encode(request.prompt)
         check_context(request, len(prompt_token_ids), engine.info.max_total_tokens)
-        words = runtime.settings().sensitive_words
-        generation = generation_request(request, prompt_token_ids, words)
-        record_validated(generation)
-        handle = await engine.submit(generation)
-    except OpenTGIError as exc:
-        record_failure(exc)
-        return error_response(exc)  # before any stream opens: never a 200
-    response_id = completion_id()
-    if not request.stream:
-        try:
-            async with handle:  # the client going away cancels the request
-                result = await handle.result()
-        except OpenTGIError as exc:
-            record_failure(exc)
-            return error_response(exc)
-        record_success(started_at, result.generated_tokens, result.timings)
-        return Response(dumps(completion_response(result, response_id)), media_type="application/json")
-    encoder = ChunkEncoder(response_id, len(prompt_token_ids), request.n)
+        generation = generation_request(request, prompt_token_ids, runtime.settings().sensitive_words)
+        return [generation], (completion_id(), len(prompt_token_ids))
 
-    async def chunks():
-        try:
-            async with handle:
-                async for event in handle:
-                    yield encoder.encode(event)
-                result = await handle.result()
-        except OpenTGIError as exc:
-            record_failure(exc)
-            raise
-        record_success(started_at, result.generated_tokens, result.timings)
+    def answer(gen: Generation, results: list[GenerationResult]) -> Response:
+        response_id, _ = gen.context
+        return Response(dumps(completion_response(results[0], response_id)), media_type="application/json")
+
+    async def chunks(gen: Generation):
+        response_id, prompt_tokens = gen.context
+        encoder = ChunkEncoder(response_id, prompt_tokens, request.n)
+        async for event in gen.handle:
+            yield encoder.encode(event)
+        result = await gen.handle.result()
+        gen.success(result.generated_tokens, result.timings)
         yield DONE
 
-    return sse_response(chunks(), error_event=error_event)
+    if body.get("stream"):
+        return await request_path.stream(prepare, SHAPE, chunks)
+    return await request_path.generate(prepare, SHAPE, answer)

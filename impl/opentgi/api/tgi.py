@@ -8,7 +8,6 @@ the engine refuses, still answers 200 and carries the error as the stream's only
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
@@ -19,15 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pydantic
-from connexion import context as connexion_context
 from starlette.responses import JSONResponse, Response
 
 from opentgi import __version__
-from opentgi.api import runtime
+from opentgi.api import generation, runtime
 from opentgi.api import tgi_responses as encode
 from opentgi.api.errors import DeserializationError, IncompleteGenerationError, tgi_error
-from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
-from opentgi.api.sse import sse_response
 from opentgi.api.tgi_params import Limits, build_request, check_integer_widths, check_parameters
 from opentgi.engine.errors import OpenTGIError
 from opentgi.engine.events import GenerationResult
@@ -41,16 +37,16 @@ HEALTH_RECENT_S = 10.0  # a generation that succeeded this recently vouches for 
 
 # --- request preparation -------------------------------------------------------------------------
 
+SHAPE = generation.Shape(error=tgi_error, refuse_in_stream=True)  # TGI: a refused stream is a 200 + error event
+
 
 @dataclass
 class Prepared:
-    handle: object  # engine RequestHandle
     inputs: str
     input_length: int
     details: bool
     decoder_input_details: bool
     return_full_text: bool
-    started_at: float
 
 
 def _parameters(body: dict) -> GenerateParameters | None:
@@ -67,22 +63,23 @@ def _parameters(body: dict) -> GenerateParameters | None:
         raise DeserializationError(f"{where}: {first['msg']}") from exc
 
 
-async def _prepare(body: dict, parameters: GenerateParameters | None, started_at: float, *, stream: bool,
-                   default_return_full_text: bool = False) -> Prepared:
-    state = runtime.state()
-    engine = state.engine
-    limits = Limits.from_settings(state.settings, engine.info)
-    inputs = body["inputs"]
-    params = check_parameters(inputs, parameters, limits, stream=stream)
-    if parameters is None or parameters.return_full_text is None:
-        params.return_full_text = default_return_full_text
-    prompt_token_ids = await engine.encode(inputs)
-    request = build_request(params, prompt_token_ids, limits, parameters)
-    record_validated(request)
-    handle = await engine.submit(request)
-    return Prepared(handle=handle, inputs=inputs, input_length=request.num_prompt_tokens,
-                    details=params.details, decoder_input_details=params.decoder_input_details,
-                    return_full_text=params.return_full_text, started_at=started_at)
+def _prepare(body: dict, parameters: GenerateParameters | None, *, stream: bool,
+             default_return_full_text: bool = False) -> generation.Prepare:
+    async def prepare():
+        state = runtime.state()
+        engine = state.engine
+        limits = Limits.from_settings(state.settings, engine.info)
+        inputs = body["inputs"]
+        params = check_parameters(inputs, parameters, limits, stream=stream)
+        if parameters is None or parameters.return_full_text is None:
+            params.return_full_text = default_return_full_text
+        prompt_token_ids = await engine.encode(inputs)
+        request = build_request(params, prompt_token_ids, limits, parameters)
+        return [request], Prepared(inputs=inputs, input_length=request.num_prompt_tokens, details=params.details,
+                                   decoder_input_details=params.decoder_input_details,
+                                   return_full_text=params.return_full_text)
+
+    return prepare
 
 
 def _compute_type() -> str:
@@ -113,43 +110,10 @@ def _generate_headers(prepared: Prepared, timings: dict[str, float], generated_t
     }
 
 
-class ClientGone(Exception):
-    """The client closed the connection before its (non-streaming) answer was ready."""
-
-
-async def _disconnected() -> None:
-    """Returns once the client has gone (the ASGI receive channel says http.disconnect)."""
-    receive = connexion_context.receive
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def result_unless_disconnected(handle) -> GenerationResult:
-    """The handle's result; cancels the generation when the client goes first (as TGI drops it)."""
-    result = asyncio.ensure_future(handle.result())
-    gone = asyncio.ensure_future(_disconnected())
-    try:
-        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not result.done():
-        handle.cancel()
-        result.cancel()
-        raise ClientGone()
-    return result.result()
-
-
-async def _generate(body: dict, parameters: GenerateParameters | None, started_at: float, *,
-                    default_return_full_text: bool) -> tuple[dict, dict]:
-    prepared = await _prepare(body, parameters, started_at, stream=False,
-                              default_return_full_text=default_return_full_text)
-    result = await result_unless_disconnected(prepared.handle)
-    payload = encode.generate_response(
-        result, details=prepared.details, decoder_input_details=prepared.decoder_input_details,
-        prompt_prefix=prepared.inputs if prepared.return_full_text else None)
-    winner = result.sequences[encode.best_sequence_index(result)]
-    timings = record_success(prepared.started_at, winner.generated_tokens, result.timings)
-    return payload, _generate_headers(prepared, timings, winner.generated_tokens)
+def _winner_tokens(results: list[GenerationResult]) -> int:
+    """TGI counts the tokens of the answer it returns (best_of's best sequence)."""
+    result = results[0]
+    return result.sequences[encode.best_sequence_index(result)].generated_tokens
 
 
 async def _json_answer(body: dict, *, default_return_full_text: bool = False, as_list: bool = False) -> Response:
@@ -157,69 +121,60 @@ async def _json_answer(body: dict, *, default_return_full_text: bool = False, as
         parameters = _parameters(body)
     except OpenTGIError as exc:  # refused before TGI's handler: not counted
         return tgi_error(exc).response()
-    started_at = record_start()
-    try:
-        payload, headers = await _generate(body, parameters, started_at,
-                                           default_return_full_text=default_return_full_text)
-    except ClientGone:
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-    except OpenTGIError as exc:
-        record_failure(exc)
-        return tgi_error(exc).response()
-    return JSONResponse([payload] if as_list else payload, headers=headers)
+
+    def answer(gen: generation.Generation, results: list[GenerationResult]) -> Response:
+        prepared, result = gen.context, results[0]
+        payload = encode.generate_response(
+            result, details=prepared.details, decoder_input_details=prepared.decoder_input_details,
+            prompt_prefix=prepared.inputs if prepared.return_full_text else None)
+        headers = _generate_headers(prepared, gen.durations, _winner_tokens(results))
+        return JSONResponse([payload] if as_list else payload, headers=headers)
+
+    prepare = _prepare(body, parameters, stream=False, default_return_full_text=default_return_full_text)
+    return await generation.generate(prepare, SHAPE, answer, generated_tokens=_winner_tokens)
 
 
 async def generate(body: dict) -> Response:
     return await _json_answer(body)
 
 
-async def _stream_events(body: dict, parameters: GenerateParameters | None, started_at: float,
-                         default_return_full_text: bool) -> AsyncIterator[dict]:
-    prepared = None
-    try:
-        prepared = await _prepare(body, parameters, started_at, stream=True,
-                                  default_return_full_text=default_return_full_text)
-        index = 0
-        async for event in prepared.handle:
-            index += 1
-            if event.finish_reason is None:
-                yield encode.stream_response(index, event)
-                continue
-            result = await prepared.handle.result()
-            sequence = result.sequences[0]
-            prefix = prepared.inputs if prepared.return_full_text else ""
-            details = encode.stream_details(sequence) if prepared.details else None
-            record_success(prepared.started_at, sequence.generated_tokens, result.timings)
-            yield encode.stream_response(index, event, generated_text=prefix + sequence.text, details=details)
-            return
-        raise IncompleteGenerationError()
-    except OpenTGIError as exc:
-        record_failure(exc)
-        raise
-    finally:
-        if prepared is not None:
-            prepared.handle.cancel()  # a no-op once the request is done
+async def _stream_events(gen: generation.Generation) -> AsyncIterator[dict]:
+    prepared = gen.context
+    index = 0
+    async for event in gen.handle:
+        index += 1
+        if event.finish_reason is None:
+            yield encode.stream_response(index, event)
+            continue
+        result = await gen.handle.result()
+        sequence = result.sequences[0]
+        prefix = prepared.inputs if prepared.return_full_text else ""
+        details = encode.stream_details(sequence) if prepared.details else None
+        gen.success(sequence.generated_tokens, result.timings)
+        yield encode.stream_response(index, event, generated_text=prefix + sequence.text, details=details)
+        return
+    raise IncompleteGenerationError()
 
 
-def _stream(body: dict, *, default_return_full_text: bool = False) -> Response:
+async def _stream(body: dict, *, default_return_full_text: bool = False) -> Response:
     try:
         parameters = _parameters(body)
     except OpenTGIError as exc:  # refused before the stream opens, as axum refuses it: not counted
         return tgi_error(exc).response()
-    started_at = record_start()
     headers = {"x-compute-type": _compute_type(), "x-compute-characters": str(len(body["inputs"]))}
-    return sse_response(_stream_events(body, parameters, started_at, default_return_full_text), headers=headers)
+    prepare = _prepare(body, parameters, stream=True, default_return_full_text=default_return_full_text)
+    return await generation.stream(prepare, SHAPE, _stream_events, headers=headers)
 
 
 async def generate_stream(body: dict) -> Response:
-    return _stream(body)
+    return await _stream(body)
 
 
 async def compat_generate(body: dict) -> Response:
     """POST /: `stream` picks SSE or a one-element array; return_full_text defaults by pipeline tag."""
     full_text = runtime.engine().info.pipeline_tag == "text-generation"
     if body.get("stream"):
-        return _stream(body, default_return_full_text=full_text)
+        return await _stream(body, default_return_full_text=full_text)
     return await _json_answer(body, default_return_full_text=full_text, as_list=True)
 
 
@@ -286,18 +241,16 @@ def source_sha() -> str | None:
 
 
 async def tokenize(body: dict) -> Response:
-    engine = runtime.engine()
-    tokenizer = engine.tokenizer
-    if not getattr(tokenizer, "is_fast", False):
-        return JSONResponse({"error": "No fast tokenizer or tokenizer.json for this model",
-                             "error_type": "no fast tokenizer"}, status_code=404)
     try:
         parameters = _parameters(body)
     except OpenTGIError as exc:
         return tgi_error(exc).response()
     inputs = body["inputs"]
-    encoding = await asyncio.to_thread(tokenizer, inputs, return_offsets_mapping=True)
-    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    tokenized = await runtime.engine().tokenize(inputs)
+    if tokenized is None:
+        return JSONResponse({"error": "No fast tokenizer or tokenizer.json for this model",
+                             "error_type": "no fast tokenizer"}, status_code=404)
+    ids, offsets = tokenized.ids, tokenized.offsets
     truncate = parameters.truncate if parameters is not None else None
     if truncate is not None and truncate < len(ids):
         ids, offsets = ids[len(ids) - truncate:], offsets[len(offsets) - truncate:]

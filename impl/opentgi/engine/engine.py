@@ -35,7 +35,7 @@ from opentgi.engine.errors import (
     ValidationError,
 )
 from opentgi.engine.handle import RequestHandle
-from opentgi.engine.info import EngineInfo, EngineStats
+from opentgi.engine.info import ChatTemplate, EngineInfo, EngineStats, TokenizedText
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.engine.request_state import Delivery, RequestState
@@ -170,6 +170,28 @@ class Engine:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await asyncio.to_thread(
             lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    async def tokenize(self, text: str) -> TokenizedText | None:
+        """Ids with character offsets; None when the tokenizer is not a fast one (no offsets)."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            return None
+        encoding = await asyncio.to_thread(self.tokenizer, text, return_offsets_mapping=True)
+        return TokenizedText(list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]])
+
+    async def encode_fim(self, prefix: str, suffix: str, fim_template: str | None = None) -> list[int]:
+        from opentgi.engine.fim import build_fim_prompt_ids
+
+        return await asyncio.to_thread(build_fim_prompt_ids, self.tokenizer, prefix, suffix, fim_template)
+
+    def chat_template(self) -> ChatTemplate:
+        named = getattr(self.tokenizer, "chat_template", None)
+        tokens = getattr(self.tokenizer, "special_tokens_map", None) or {}
+        return ChatTemplate(named if isinstance(named, dict) else self.info.chat_template,
+                            bos_token=self.info.bos_token, eos_token=self.info.eos_token,
+                            special_tokens={k: v for k, v in tokens.items() if isinstance(v, str)})
 
     def check_request(self, request: GenerationRequest) -> None:
         """The checks `submit` makes before queueing (limits that can never be met)."""

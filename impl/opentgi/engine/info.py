@@ -52,3 +52,22 @@ class EngineStats:
     steps_total: int
     last_step_at: float
     requests_in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """What a chat template renders with: the template (or the tokenizer's named templates, so
+    `tool_use` can be picked when tools are given) and the special tokens it may name."""
+
+    template: str | dict[str, str] | None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    """/tokenize's answer: token ids and each token's (start, end) character offsets."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]

@@ -1,0 +1,199 @@
+"""The one request path every generating route of every dialect goes through.
+
+As TGI's routes all end in `generate_internal` (router `server.rs`), each handler here only parses
+its body into engine requests (`prepare`) and shapes the answer (`answer`, or `encode` for a
+stream); this module does the rest, once:
+
+    started_at = record_start()                      # tgi_request_count
+    requests, context = await prepare()              # the dialect's parsing and checks
+    record_validated(...); handles = submit(...)     # every request or none
+    non-stream: results, unless the client leaves    # a client that leaves cancels the engine work
+    stream:     SSE of encode(generation)            # a client that leaves closes it, which cancels
+    record_success(...) / record_failure(exc)        # tgi_request_success / _failure{err}
+    errors -> shape.error(exc)                       # the dialect's one error-shape function
+
+A client is gone when the ASGI receive channel says `http.disconnect` (uvicorn never cancels the
+handler itself): the request's handles are cancelled then, at any point after the body was read,
+while the prompt is tokenized, the grammar compiled, queued, or generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from connexion import context as connexion_context
+from starlette.responses import Response
+
+from opentgi.api import runtime
+from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
+from opentgi.api.sse import Event, sse_response
+from opentgi.engine.errors import OpenTGIError
+from opentgi.engine.events import GenerationResult, Timings
+from opentgi.engine.request import GenerationRequest
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left: nobody reads it
+
+
+class ErrorShape:
+    """What a dialect's one error-shape function returns: status, JSON body and headers."""
+
+    status: int
+    body: Mapping[str, Any]
+    headers: Mapping[str, str]
+
+    def response(self) -> Response: ...
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a dialect contributes to the path besides parsing and answers."""
+
+    error: Callable[[BaseException], ErrorShape]  # the dialect's error shape (status, body)
+    # The data sent after a stream's error event (OpenAI's " [DONE]"), if any.
+    stream_end_after_error: str | None = None
+    # TGI answers a streaming request it refuses with a 200 whose only event is the error.
+    refuse_in_stream: bool = False
+
+
+@dataclass
+class Generation:
+    """One request on its way: what `prepare` built, the engine handles, when it arrived."""
+
+    started_at: float
+    context: Any = None
+    requests: list[GenerationRequest] = field(default_factory=list)
+    handles: list = field(default_factory=list)
+    durations: dict[str, float] | None = None  # recorded at success (TGI's timing headers quote them)
+
+    @property
+    def handle(self):
+        return self.handles[0]
+
+    def success(self, generated_tokens: int, timings: Timings | None = None) -> dict[str, float]:
+        """Records the success (an encoder calls it before its final event); returns the durations."""
+        self.durations = record_success(self.started_at, generated_tokens, timings)
+        return self.durations
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            handle.cancel()  # a no-op once a request is done
+
+
+Prepare = Callable[[], Awaitable[tuple[list[GenerationRequest], Any]]]
+Answer = Callable[[Generation, list[GenerationResult]], Response]
+Encode = Callable[[Generation], AsyncIterator[Event]]
+
+
+def sum_generated_tokens(results: list[GenerationResult]) -> int:
+    return sum(r.generated_tokens for r in results)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+async def _client_gone() -> None:
+    """Returns once the client has gone (the ASGI receive channel says http.disconnect); never
+    returns outside a served request (a handler called directly, as in unit tests)."""
+    try:
+        receive = connexion_context.receive._get_current_object()
+    except (LookupError, RuntimeError):
+        await asyncio.Event().wait()
+        return
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_gone(work: Awaitable):
+    """`work`'s value; raises ClientGone (after cancelling `work`) when the client leaves first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+async def submit_all(engine, requests: list[GenerationRequest]) -> list:
+    """Submit every request or none: a refusal (or the client leaving) cancels those already queued."""
+    handles = []
+    try:
+        for request in requests:
+            handles.append(await engine.submit(request))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+async def _start(prepare: Prepare, generation: Generation) -> None:
+    requests, generation.context = await prepare()
+    generation.requests = list(requests)
+    for request in generation.requests:
+        record_validated(request)
+    generation.handles = await submit_all(runtime.engine(), generation.requests)
+
+
+async def generate(prepare: Prepare, shape: Shape, answer: Answer, *,
+                   generated_tokens: Callable[[list[GenerationResult]], int] = sum_generated_tokens) -> Response:
+    """A non-streaming generation: `answer(generation, results)` once every request is done."""
+    generation = Generation(started_at=record_start())
+    try:
+        await unless_client_gone(_start(prepare, generation))
+        results = await unless_client_gone(asyncio.gather(*(h.result() for h in generation.handles)))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except OpenTGIError as exc:
+        record_failure(exc)
+        return shape.error(exc).response()
+    finally:
+        generation.cancel()
+    generation.success(generated_tokens(results), results[0].timings if results else None)
+    return answer(generation, results)
+
+
+async def stream(prepare: Prepare, shape: Shape, encode: Encode, *,
+                 headers: Mapping[str, str] | None = None) -> Response:
+    """A streaming generation: SSE of `encode(generation)`; an error after the stream opened is its
+    last event in the dialect's shape. Before it opens, a refusal is a plain error response (unless
+    the dialect refuses in the stream, as TGI does)."""
+    generation = Generation(started_at=record_start())
+    if not shape.refuse_in_stream:
+        try:
+            await unless_client_gone(_start(prepare, generation))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except OpenTGIError as exc:
+            record_failure(exc)
+            return shape.error(exc).response()
+    return sse_response(_events(prepare, shape, encode, generation), headers=headers,
+                        error_event=lambda exc: shape.error(exc).body)
+
+
+async def _events(prepare: Prepare, shape: Shape, encode: Encode, generation: Generation) -> AsyncIterator[Event]:
+    try:
+        if not generation.handles:
+            await _start(prepare, generation)
+        async for event in encode(generation):
+            yield event
+    except OpenTGIError as exc:
+        record_failure(exc)
+        yield shape.error(exc).body
+        if shape.stream_end_after_error is not None:
+            yield shape.stream_end_after_error
+    finally:
+        generation.cancel()  # the client left (the stream was closed) or the request ended
