@@ -168,6 +168,27 @@ def tiny_fim_llama_path(seed: int = 0) -> Path:
                             extra_special_tokens=FIM_TOKENS)
 
 
+def tiny_lora_path(base: Path, *, seed: int, r: int, alpha: float, targets: list[str],
+                   use_rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter for the tiny model at `base`, saved by `peft` itself (adapter_config.json
+    + adapter_model.safetensors). Both A and B are random (init_lora_weights=False), so the adapter
+    visibly changes the base model's answers."""
+    params = {"base": base.name, "seed": seed, "r": r, "alpha": alpha, "targets": targets, "rslora": use_rslora}
+
+    def build(out: Path) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+        torch.manual_seed(seed)
+        config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
+                            use_rslora=use_rslora, lora_dropout=0.0)
+        get_peft_model(model, config).save_pretrained(out)
+
+    return _cached_folder("tiny-lora", params, build)
+
+
 def build_all() -> dict[str, Path]:
     """Build (or find) every test model; handy to warm the cache: `python -m tests.tiny_models`."""
     return {"tokenizer": smollm2_tokenizer_path(), "llama": tiny_llama_path(),

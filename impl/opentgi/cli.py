@@ -57,6 +57,8 @@ OPTIONS: tuple[Option, ...] = (
            "with avx512_bf16 or AMX, else float32)"),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads on CPU (default: torch's choice)"),
+    Option("--lora-adapters", str, "LoRA adapters to serve beside the base model (PEFT folders): "
+           "comma-separated hub ids already in the local Hugging Face cache, folders, or name=path"),
     Option("--trust-remote-code", _bool, "allow model code from the model folder", is_switch=True),
     Option("--hostname", str, "address to listen on (default 0.0.0.0)"),
     Option("--port", int, "port to listen on (default 8080)"),
@@ -191,12 +193,16 @@ def serve(settings: Settings) -> None:
     from opentgi.api.app import create_app
     from opentgi.engine.engine import Engine
     from opentgi.metrics import Metrics
+    from opentgi.models.loader import ModelLoadError
 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     log.info("loading %s", settings.model_id or "the default model (SmolLM2-135M-Instruct)")
     metrics = Metrics()  # one per app: the engine reports batches/queue/KV, the handlers requests
-    engine = Engine.from_settings(settings, observer=metrics.observer)
+    try:
+        engine = Engine.from_settings(settings, observer=metrics.observer)
+    except ModelLoadError as exc:  # a missing model or a bad adapter: say why, no traceback
+        raise SystemExit(f"opentgi: {exc}") from None
     app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
     for line in startup_links(settings):

@@ -20,6 +20,7 @@ class Settings:
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda when available
     num_threads: int | None = None  # torch.set_num_threads on CPU; None = torch's default
     trust_remote_code: bool = False
+    lora_adapters: str | None = None  # comma-separated adapter ids / folders / name=path (PEFT LoRA)
 
     # --- server ------------------------------------------------------------------------------
     hostname: str = "0.0.0.0"

@@ -30,6 +30,13 @@ def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(seq: Sequence) -> int | None:
+    """The parent hash of a sequence's first block: its LoRA adapter's, so that two adapters (or an
+    adapter and the base model), whose k/v differ for the same tokens, never share a block."""
+    adapter = seq.request.adapter_id
+    return None if adapter is None else hash(("lora-adapter", adapter))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
@@ -74,13 +81,14 @@ class BlockManager:
             return None
         return block_id
 
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
-        """Cached blocks holding the longest prefix of token_ids of at most max_tokens tokens:
-        (block ids, their hashes). Takes no reference."""
+    def match_prefix(self, token_ids: list[int], max_tokens: int,
+                     root: int | None = None) -> tuple[list[int], list[int]]:
+        """Cached blocks holding the longest prefix of token_ids of at most max_tokens tokens, under
+        the given root hash (`root_hash`): (block ids, their hashes). Takes no reference."""
         bs = self.block_size
         block_ids: list[int] = []
         hashes: list[int] = []
-        parent: int | None = None
+        parent: int | None = root
         for i in range(max_tokens // bs):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk)
@@ -98,7 +106,7 @@ class BlockManager:
         number of tokens found cached."""
         assert not seq.block_table, "admit() of a sequence that holds blocks"
         n = len(seq.token_ids)
-        block_ids, hashes = self.match_prefix(seq.token_ids, n - 1) if use_prefix_cache else ([], [])
+        block_ids, hashes = self.match_prefix(seq.token_ids, n - 1, root_hash(seq)) if use_prefix_cache else ([], [])
         for block_id in block_ids:
             self._ref(block_id)
         seq.block_table = block_ids
@@ -113,7 +121,7 @@ class BlockManager:
         """Register the sequence's newly full, computed blocks in the prefix cache."""
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
         for i in range(seq.num_hashed_blocks, num_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk)

@@ -32,6 +32,7 @@ from opentgi.engine.errors import (
     NotSupportedError,
     OverloadedError,
     UnhealthyError,
+    UnknownAdapterError,
     ValidationError,
 )
 from opentgi.engine.handle import RequestHandle
@@ -205,6 +206,7 @@ class Engine:
             raise ValidationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         if request.n < 1:
             raise ValidationError(f"n must be at least 1, got {request.n}")
+        self.resolve_adapter(request)
         if request.score and not info.is_reward_model:
             raise NotSupportedError("scoring needs a reward model (a *ForSequenceClassification model)")
         if not request.score and info.is_reward_model:
@@ -236,6 +238,17 @@ class Engine:
                 f"the input has {n_prompt} tokens, more than one prefill step takes "
                 f"({info.max_batch_prefill_tokens}, max_batch_prefill_tokens) with chunked prefill off",
                 input_tokens=n_prompt, max_new_tokens=max_new, limit=info.max_batch_prefill_tokens)
+
+    def resolve_adapter(self, request: GenerationRequest) -> None:
+        """The base model's own id selects the base model (adapter_id None); any other id must name
+        a loaded LoRA adapter."""
+        adapter = request.adapter_id
+        if adapter is None:
+            return
+        if adapter == self.info.model_id:
+            request.adapter_id = None
+        elif adapter not in self.info.adapters:
+            raise UnknownAdapterError(adapter, self.info.adapters)
 
     async def submit(self, request: GenerationRequest) -> RequestHandle:
         if self._thread is None or self._loop is None:

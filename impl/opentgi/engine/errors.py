@@ -25,6 +25,16 @@ class InputTooLongError(ValidationError):
         self.limit = limit
 
 
+class UnknownAdapterError(ValidationError):
+    """The request names a LoRA adapter the server did not load (422 in every dialect)."""
+
+    def __init__(self, adapter_id: str, loaded: list[str]):
+        listed = ", ".join(repr(a) for a in loaded) if loaded else "none (start the server with --lora-adapters)"
+        super().__init__(f"adapter {adapter_id!r} is not loaded; loaded adapters: {listed}")
+        self.adapter_id = adapter_id
+        self.loaded = list(loaded)
+
+
 class GrammarError(ValidationError):
     """A grammar (JSON schema / regex) could not be compiled."""
 

@@ -35,6 +35,7 @@ class EngineInfo:
     chunked_prefill_tokens: int | None = None
     runner_kind: str = "paged"  # "paged" | "generic"
     vocab_size: int = 0
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded at start-up, in order
 
 
 @dataclass

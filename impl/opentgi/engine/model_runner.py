@@ -39,6 +39,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, block_size)
         self._pad_block = -1 if self.device.type == "cpu" else 0
+        self.lora = getattr(model, "lora", None)  # models/lora.py LoraState when adapters are loaded
 
     def free(self, seq: Sequence) -> None:
         """Nothing to drop: the paged cache belongs to the block manager."""
@@ -91,7 +92,13 @@ class ModelRunner:
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
                 logit_rows: list[int] = (), score_rows: list[int] = ()) -> StepOutput:
         input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)
-        hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
+        if self.lora is not None:
+            self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
+        try:
+            hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         out = StepOutput(sample_logits=None)
         if sample_rows:
             last = torch.tensor([cu_q[r + 1] - 1 for r in sample_rows], device=self.device)

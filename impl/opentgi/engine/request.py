@@ -67,6 +67,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # logprobs of every prompt token (TGI decoder_input_details)
     grammar: GrammarSpec | None = None
     score: bool = False  # reward model: one prefill pass, result.score, no tokens generated
+    adapter_id: str | None = None  # a LoRA adapter loaded at start-up (--lora-adapters); None = base
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     @property

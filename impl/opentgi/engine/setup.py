@@ -161,4 +161,5 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
         chunked_prefill_tokens=settings.chunked_prefill_tokens,
         runner_kind=runner_kind,
         vocab_size=spec.vocab_size,
+        adapters=list(getattr(loaded, "adapters", None) or []),
     )

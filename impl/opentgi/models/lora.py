@@ -1,0 +1,364 @@
+"""LoRA adapters on the paged Llama-family model: PEFT checkpoints loaded at start-up, many adapters
+served in one batch.
+
+Loading (`load_adapters`): each adapter is a PEFT folder (`adapter_config.json` +
+`adapter_model.safetensors`) with its own rank and alpha, on any subset of the q/k/v/o/gate/up/down
+projections. Anything this code cannot apply exactly (DoRA, `modules_to_save`, LoRA biases, rank or
+alpha patterns, embeddings, a shape that does not fit the base model) stops start-up with a message
+saying which adapter and why.
+
+Serving (`attach_lora`): every adapted projection of the model (the fused `qkv_proj` and
+`gate_up_proj`, `o_proj`, `down_proj`) is wrapped in a `LoraLinear`. Per layer and projection, the
+A matrices of all adapters are stacked into one shrink matrix [slots*parts*R, in] and the B matrices
+(scaled by alpha/r, each part in its own output columns) into one expand matrix [slots*parts*R, out],
+ranks zero-padded to the largest R. A step whose rows use adapters computes, for every token,
+
+    y = base(x) + ((x @ A_stack.T) * mask) @ B_stack
+
+where `mask` keeps, for each token, only the columns of its row's adapter (built once per step and
+shared by every layer). Only the adapters the step uses are stacked in (`index_select` when it uses
+fewer than are loaded). This is punica's BGMV (a gathered A/B per row) done as two dense matmuls:
+measured on CPU against the per-row gather (`bgmv_delta`, kept as the reference the tests compare
+against), see docs/benchmarks.md. A step where no row uses an adapter, or a server without
+adapters, does no LoRA work at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The model's (fused) projections and the PEFT modules each one holds, in output order.
+GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+class LoraAdapterError(ValueError):
+    """An adapter cannot be loaded or applied; the message names it and says why."""
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    folder: Path
+    rank: int
+    alpha: float
+    scaling: float
+    base_model: str | None
+    # (layer, module) -> (A [r, in], B [out, r]) as in the checkpoint (B not yet scaled)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({module for _, module in self.weights}, key=TARGET_MODULES.index)
+
+
+# --- naming and finding adapters ------------------------------------------------------------------
+
+
+def parse_adapter_list(text: str | list[str] | None) -> list[tuple[str, str]]:
+    """`--lora-adapters` (comma-separated `id` or `name=path`) -> [(name, source)], in order."""
+    items = text if isinstance(text, list) else (text or "").split(",")
+    out: list[tuple[str, str]] = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        name, sep, source = item.partition("=")
+        name, source = (name.strip(), source.strip()) if sep else (item, item)
+        if not name or not source:
+            raise LoraAdapterError(f"--lora-adapters entry {item!r}: expected an id, a folder or name=path")
+        if any(name == seen for seen, _ in out):
+            raise LoraAdapterError(f"--lora-adapters names adapter {name!r} twice")
+        out.append((name, source))
+    return out
+
+
+def resolve_adapter_folder(name: str, source: str) -> Path:
+    """A local folder, else a hub id already in the local Hugging Face cache (nothing is downloaded)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise LoraAdapterError(f"adapter {name!r}: {source!r} is a file; give the adapter's folder "
+                               "(adapter_config.json + adapter_model.safetensors)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a valid repo id, or not cached: one clear message below
+        raise LoraAdapterError(
+            f"adapter {name!r}: {source!r} is not a local folder and not in the local Hugging Face "
+            f"cache (adapters are never downloaded at start-up). Download it first "
+            f"(`huggingface-cli download {source}`) or pass name=/path/to/adapter") from None
+
+
+# --- reading PEFT checkpoints ---------------------------------------------------------------------
+
+
+def _check_config(name: str, config: dict) -> None:
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoraAdapterError(f"adapter {name!r} is a {peft_type} adapter; only LoRA is supported")
+    refusals = [
+        (config.get("use_dora"), "uses DoRA (use_dora)"),
+        (config.get("modules_to_save"), f"trains whole modules too (modules_to_save={config.get('modules_to_save')})"),
+        (config.get("bias", "none") not in ("none", None), f"trains biases (bias={config.get('bias')!r})"),
+        (config.get("rank_pattern"), "has per-module ranks (rank_pattern)"),
+        (config.get("alpha_pattern"), "has per-module alphas (alpha_pattern)"),
+        (config.get("fan_in_fan_out"), "stores weights transposed (fan_in_fan_out)"),
+        (config.get("layer_replication"), "replicates layers (layer_replication)"),
+    ]
+    for bad, why in refusals:
+        if bad:
+            raise LoraAdapterError(f"adapter {name!r} {why}: not supported")
+    targets = config.get("target_modules")
+    if isinstance(targets, (list, tuple)):
+        unsupported = sorted(set(targets) - set(TARGET_MODULES))
+        if unsupported:
+            raise LoraAdapterError(f"adapter {name!r} targets {unsupported}: only {list(TARGET_MODULES)} "
+                                   "can carry LoRA here")
+
+
+def _read_tensors(name: str, folder: Path) -> dict[str, torch.Tensor]:
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        other = " (only adapter_model.bin: convert it to safetensors)" if (folder / "adapter_model.bin").exists() else ""
+        raise LoraAdapterError(f"adapter {name!r}: {folder} has no adapter_model.safetensors{other}")
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+        raise LoraAdapterError(f"adapter {name!r}: cannot read {path}: {exc}") from None
+
+
+def load_peft_adapter(name: str, folder: Path) -> LoraAdapter:
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file():
+        raise LoraAdapterError(f"adapter {name!r}: {folder} has no adapter_config.json (not a PEFT adapter)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraAdapterError(f"adapter {name!r}: cannot read {config_path}: {exc}") from None
+    _check_config(name, config)
+    try:
+        rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    except (KeyError, TypeError, ValueError):
+        raise LoraAdapterError(f"adapter {name!r}: adapter_config.json lacks a valid rank `r`") from None
+    if rank < 1:
+        raise LoraAdapterError(f"adapter {name!r}: rank r={rank} must be at least 1")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    adapter = LoraAdapter(name=name, folder=folder, rank=rank, alpha=alpha, scaling=scaling,
+                          base_model=config.get("base_model_name_or_path"))
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_tensors(name, folder).items():
+        match = _KEY.search(key)
+        if match is None or match.group(3) not in TARGET_MODULES:
+            raise LoraAdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B matrix of one of "
+                                   f"{list(TARGET_MODULES)}: not supported")
+        layer, _, module, half = match.groups()
+        halves.setdefault((int(layer), module), {})[half] = tensor
+    if not halves:
+        raise LoraAdapterError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
+    for (layer, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoraAdapterError(f"adapter {name!r}: layer {layer} {module} has lora_{''.join(pair)} "
+                                   "without its other half")
+        a, b = pair["A"], pair["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise LoraAdapterError(f"adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and "
+                                   f"lora_B {tuple(b.shape)} are not [r, in] and [out, r]")
+        if a.shape[0] != rank:
+            raise LoraAdapterError(f"adapter {name!r}: layer {layer} {module} has rank {a.shape[0]}, "
+                                   f"adapter_config.json says r={rank}")
+        adapter.weights[(layer, module)] = (a, b)
+    return adapter
+
+
+def module_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) of each PEFT target module of a Llama-family config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def check_fits(adapter: LoraAdapter, config, model_id: str) -> None:
+    """Every matrix must fit the base model's layer count and projection shapes."""
+    shapes = module_shapes(config)
+    other = adapter.base_model and adapter.base_model != model_id
+    trained_for = f" (trained for {adapter.base_model!r})" if other else ""
+    for (layer, module), (a, b) in adapter.weights.items():
+        if layer >= config.num_hidden_layers:
+            raise LoraAdapterError(f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: "
+                                   f"it adapts layer {layer}, the model has {config.num_hidden_layers} layers")
+        fan_in, fan_out = shapes[module]
+        if a.shape[1] != fan_in or b.shape[0] != fan_out:
+            raise LoraAdapterError(
+                f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: layer {layer} "
+                f"{module} maps {a.shape[1]} -> {b.shape[0]} features, the model's maps {fan_in} -> {fan_out}")
+    if other:
+        log.info("adapter %r was trained on %r; its shapes fit %r", adapter.name, adapter.base_model, model_id)
+
+
+def load_adapters(spec: str | list[str] | None, config, model_id: str) -> list[LoraAdapter]:
+    adapters = []
+    for name, source in parse_adapter_list(spec):
+        if name == model_id:
+            raise LoraAdapterError(f"adapter name {name!r} is the base model's id, which selects the base model")
+        adapter = load_peft_adapter(name, resolve_adapter_folder(name, source))
+        check_fits(adapter, config, model_id)
+        log.info("LoRA adapter %r: rank %d, alpha %g, %s", name, adapter.rank, adapter.alpha,
+                 "/".join(adapter.target_modules))
+        adapters.append(adapter)
+    return adapters
+
+
+# --- the batched delta ----------------------------------------------------------------------------
+
+
+def bgmv_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """Punica's BGMV in plain torch: every token gathers its adapter's A [R, in] and B [R, out]
+    (a [S, R, in], b [S, R, out]; slot -1 = no adapter). The per-row reference of `LoraLinear`."""
+    used = token_slots >= 0
+    out = x.new_zeros(x.shape[0], b.shape[-1])
+    if used.any():
+        rows = used.nonzero().squeeze(1)
+        slots = token_slots[rows]
+        shrunk = torch.bmm(x[rows].unsqueeze(1), a[slots].transpose(1, 2))  # [n, 1, R]
+        out[rows] = torch.bmm(shrunk, b[slots]).squeeze(1)
+    return out
+
+
+class LoraStep:
+    """One step's adapter assignment: the slots it uses and, per token, the mask of its slot."""
+
+    def __init__(self, token_slots: torch.Tensor, used_slots: list[int], num_slots: int, rank: int, dtype):
+        self.token_slots = token_slots
+        self.all_slots = len(used_slots) == num_slots
+        self.used = torch.tensor(used_slots, device=token_slots.device)
+        onehot = (token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(dtype)  # [T, used]
+        self._onehot = onehot
+        self._rank = rank
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def mask(self, parts: int) -> torch.Tensor:
+        found = self._masks.get(parts)
+        if found is None:
+            found = self._masks[parts] = self._onehot.repeat_interleave(parts * self._rank, dim=1)
+        return found
+
+
+class LoraState:
+    """Shared by every LoraLinear of a model: the adapters' slots and the current step."""
+
+    def __init__(self, names: list[str], rank: int, dtype: torch.dtype, device: torch.device):
+        self.names = names
+        self.slot_of = {name: i for i, name in enumerate(names)}
+        self.rank = rank
+        self.dtype = dtype
+        self.device = device
+        self.step: LoraStep | None = None
+
+    def begin_step(self, adapter_ids: list[str | None], num_new_tokens: list[int]) -> None:
+        """Rows' adapters (None = base) and token counts, in the varlen order of the step."""
+        slots = [-1 if a is None else self.slot_of[a] for a in adapter_ids]
+        used = sorted({s for s in slots if s >= 0})
+        if not used:
+            self.step = None
+            return
+        per_token = [s for s, n in zip(slots, num_new_tokens) for _ in range(n)]
+        token_slots = torch.tensor(per_token, dtype=torch.int64, device=self.device)
+        self.step = LoraStep(token_slots, used, len(self.names), self.rank, self.dtype)
+
+    def end_step(self) -> None:
+        self.step = None
+
+
+class LoraLinear(nn.Module):
+    """A projection with the stacked LoRA matrices of every adapter: base(x) plus, for the tokens of
+    rows using an adapter, that adapter's scaled B(A(x))."""
+
+    def __init__(self, base: nn.Module, state: LoraState, shrink: torch.Tensor, expand: torch.Tensor,
+                 parts: int):
+        super().__init__()
+        self.base = base
+        self.state = state
+        self.parts = parts
+        self.register_buffer("shrink", shrink, persistent=False)  # [S*parts*R, in]
+        self.register_buffer("expand", expand, persistent=False)  # [S*parts*R, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        step = self.state.step
+        if step is None:
+            return y
+        shrink, expand = self.shrink, self.expand
+        if not step.all_slots:  # only the adapters this step uses
+            width = self.parts * self.state.rank
+            shrink = shrink.view(-1, width, shrink.shape[-1]).index_select(0, step.used).flatten(0, 1)
+            expand = expand.view(-1, width, expand.shape[-1]).index_select(0, step.used).flatten(0, 1)
+        h = torch.mm(x, shrink.t()).mul_(step.mask(self.parts))
+        return y.addmm_(h, expand)
+
+
+def _stack(adapters: list[LoraAdapter], layer: int, modules: tuple[str, ...], shapes, rank: int,
+           dtype, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Shrink [S*P*R, in] and expand [S*P*R, out_total] of one projection group, or None when no
+    adapter touches it. Rows (slot, part, r); part p's B fills only its own output columns."""
+    if not any((layer, m) in ad.weights for ad in adapters for m in modules):
+        return None
+    fan_in = shapes[modules[0]][0]
+    outs = [shapes[m][1] for m in modules]
+    num_parts = len(modules)
+    shrink = torch.zeros(len(adapters), num_parts, rank, fan_in, dtype=torch.float32)
+    expand = torch.zeros(len(adapters), num_parts, rank, sum(outs), dtype=torch.float32)
+    for s, adapter in enumerate(adapters):
+        col = 0
+        for p, module in enumerate(modules):
+            pair = adapter.weights.get((layer, module))
+            if pair is not None:
+                a, b = pair
+                r = a.shape[0]
+                shrink[s, p, :r] = a.float()
+                expand[s, p, :r, col:col + outs[p]] = (b.float() * adapter.scaling).t()
+            col += outs[p]
+    return (shrink.reshape(-1, fan_in).to(device=device, dtype=dtype).contiguous(),
+            expand.reshape(-1, sum(outs)).to(device=device, dtype=dtype).contiguous())
+
+
+def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
+    """Wrap the model's adapted projections (after `materialize`) and set `model.lora`; with no
+    adapters the model is left exactly as it was."""
+    if not adapters:
+        return None
+    spec = model.spec
+    rank = max(a.rank for a in adapters)
+    state = LoraState([a.name for a in adapters], rank, spec.dtype, torch.device(spec.device))
+    shapes = module_shapes(model.config)
+    for i, layer in enumerate(model.model.layers):
+        for attr, (owner, modules) in GROUPS.items():
+            parent = getattr(layer, owner)
+            stacked = _stack(adapters, i, modules, shapes, rank, spec.dtype, spec.device)
+            if stacked is not None:
+                setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked, parts=len(modules)))
+    model.lora = state
+    return state
