@@ -64,6 +64,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--port", int, "port to listen on (default 8080)"),
     Option("--json-output", _bool, "log JSON lines", is_switch=True),
     Option("--api", str, "which dialect owns the root paths: tgi | lightllm (default tgi)"),
+    Option("--otlp-endpoint", str, "OpenTelemetry collector (OTLP/HTTP, e.g. http://collector:4318) to "
+           "send request traces to"),
+    Option("--otlp-service-name", str, "service name of the traces (default "
+           "text-generation-inference.router)"),
     Option("--api-key", str, "bearer token required on every non-health route"),
     Option("--disable-ui", _bool, "no chat page at GET /", is_switch=True),
     Option("--max-concurrent-requests", int, "requests in flight at most; past it: 429 (default 128)"),
@@ -172,6 +176,7 @@ class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {"timestamp": self.formatTime(record), "level": record.levelname,
                  "target": record.name, "message": record.getMessage()}
+        entry.update(getattr(record, "fields", None) or {})  # structured fields (the request log line)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -207,7 +212,7 @@ def serve(settings: Settings) -> None:
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
     for line in startup_links(settings):
         log.info("%s", line)
-    uvicorn.run(app, host=settings.hostname, port=settings.port, log_config=None,
+    uvicorn.run(app, host=settings.hostname, port=settings.port, log_config=None, access_log=False,
                 timeout_graceful_shutdown=5)
 
 

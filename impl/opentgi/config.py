@@ -28,6 +28,8 @@ class Settings:
     json_output: bool = False
     api: str = "tgi"  # which dialect owns the root paths: "tgi" | "lightllm"
     api_key: str | None = None  # bearer token required on every non-health route when set
+    otlp_endpoint: str | None = None  # OTLP/HTTP collector for request traces; None = no tracing
+    otlp_service_name: str = "text-generation-inference.router"  # TGI's default service name
     disable_ui: bool = False  # no chat page at GET /
 
     # --- TGI router limits ---------------------------------------------------------------------

@@ -31,6 +31,8 @@ from starlette.routing import Mount as StarletteMount
 from opentgi.api import request_metrics, runtime
 from opentgi.api.body_validation import BodyParseError, BodySchemaError, validator_map
 from opentgi.api.errors import FieldLimits, RequestSchemaError, tgi_error
+from opentgi.api.request_context import RequestContextMiddleware
+from opentgi.api.tracing import request_tracer
 from opentgi.config import Settings
 from opentgi.engine.errors import OpenTGIError
 from opentgi.schemas import spec_path
@@ -214,6 +216,7 @@ def create_app(settings: Settings, engine, *, metrics=None,
                dialects: tuple[Dialect, ...] = DIALECTS) -> AsyncApp:
     """The ASGI app serving every dialect's document with `engine` (started in the lifespan)."""
     server_state = runtime.ServerState(settings=settings, engine=engine, metrics=app_metrics(engine, metrics))
+    tracer = request_tracer(settings.otlp_endpoint, settings.otlp_service_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -222,6 +225,8 @@ def create_app(settings: Settings, engine, *, metrics=None,
             yield
         finally:
             await engine.stop()
+            if tracer is not None:
+                tracer.shutdown()  # send the spans still batched
 
     app = AsyncApp(__name__, lifespan=lifespan, validator_map=validator_map(), middlewares=_middlewares())
     mounts = mounts_for(settings, dialects)
@@ -243,6 +248,8 @@ def create_app(settings: Settings, engine, *, metrics=None,
     app.add_error_handler(Exception, mapper)
     app.add_error_handler(HTTPException, mapper)
     app.add_error_handler(connexion.exceptions.ProblemException, mapper)
+    # Outermost of ours (added first): the request id, log line and trace see every answer, 401s too.
+    app.add_middleware(RequestContextMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, tracer=tracer)
     app.add_middleware(runtime.StateMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        server_state=server_state)
     if not settings.disable_ui:  # ahead of the API key: the page itself holds nothing secret

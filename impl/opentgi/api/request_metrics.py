@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from opentgi.api import runtime
+from opentgi.api import request_context, runtime
 from opentgi.api.body_validation import BodySchemaError
 from opentgi.api.errors import VALIDATION_PREFIX, ErrorReply, tgi_error
 from opentgi.engine.errors import GenerationError
@@ -41,6 +41,9 @@ def record_validated(request: GenerationRequest) -> None:
     """Validation passed: the prompt's length and the request's max_new_tokens."""
     runtime.metrics().request_validated(input_length=request.num_prompt_tokens,
                                         max_new_tokens=request.stopping.max_new_tokens)
+    record = request_context.current()
+    if record is not None:  # the request's log line and trace (several prompts: their sum)
+        record.input_tokens = (record.input_tokens or 0) + request.num_prompt_tokens
 
 
 def record_failure(exc: BaseException) -> None:
@@ -48,7 +51,11 @@ def record_failure(exc: BaseException) -> None:
     also stops vouching for the engine's health (the next /health runs a probe)."""
     if isinstance(exc, GenerationError):
         runtime.state().last_success_at = None
-    runtime.metrics().request_finished(ok=False, err=tgi_error(exc).error_type)
+    error_type = tgi_error(exc).error_type
+    runtime.metrics().request_finished(ok=False, err=error_type)
+    record = request_context.current()
+    if record is not None:
+        record.error = error_type
 
 
 def durations(started_at: float, timings: Timings | None, now: float) -> dict[str, float]:
@@ -67,6 +74,10 @@ def record_success(started_at: float, generated_tokens: int, timings: Timings | 
     durations recorded (TGI's response headers report the same ones)."""
     runtime.state().record_success()
     recorded = durations(started_at, timings, time.monotonic())
+    record = request_context.current()
+    if record is not None:
+        record.generated_tokens = generated_tokens
+        record.timings = timings
     runtime.metrics().request_finished(ok=True, generated_tokens=generated_tokens, **recorded)
     return recorded
 
