@@ -108,6 +108,9 @@ def traced(tiny_llama):
                     "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2, "top_p": 2}})
                 answers["chat"] = client.post("/v1/chat/completions", json={
                     "model": "tgi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+                answers["chat_stream"] = client.post("/v1/chat/completions", json={
+                    "model": "tgi", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                    "stream": True})
                 answers["health"] = client.get("/health", headers={"x-request-id": "bad id\twith spaces"})
         finally:
             request_log.removeHandler(handler)
@@ -167,7 +170,9 @@ def test_every_dialect_route_is_traced_and_failures_are_marked(traced):
                 roots.setdefault(name, []).append(spans)
     assert answers["generate_stream"].status_code == 200 and answers["chat"].status_code == 200
     assert {"decode", "prefill"} <= set(roots["generate_stream"][0])
-    assert {"decode", "prefill"} <= set(roots["chat_completions"][0])
+    assert answers["chat_stream"].status_code == 200 and len(roots["chat_completions"]) == 2
+    for spans in roots["chat_completions"]:  # streamed or not: the engine's spans
+        assert {"validate", "queued", "infer", "prefill", "decode"} <= set(spans)
     assert answers["invalid"].status_code == 422
     refused = [s for s in roots["generate"] if "infer" not in s]
     assert len(refused) == 1 and set(refused[0]) == {"generate", "validate"}
@@ -184,7 +189,7 @@ def test_request_id_header_and_one_log_line_per_request(traced):
     assert answers["health"].headers["x-request-id"] != "bad id\twith spaces"  # unusable: replaced
     assert answers["invalid"].headers["x-request-id"]
     lines = {r.fields["request_id"]: r.fields for r in records}
-    assert len(records) == len(lines) == 5
+    assert len(records) == len(lines) == 6
     line = lines["client-id-7"]
     assert line["method"] == "POST" and line["path"] == "/generate" and line["operation"] == "generate"
     assert line["status"] == 200 and line["generated_tokens"] == 3 and line["input_tokens"] >= 1

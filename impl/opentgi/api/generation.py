@@ -77,7 +77,11 @@ class Generation:
         return self.handles[0]
 
     def success(self, generated_tokens: int, timings: Timings | None = None) -> dict[str, float]:
-        """Records the success (an encoder calls it before its final event); returns the durations."""
+        """Records the success (an encoder calls it before its final event); returns the durations.
+        Without `timings`, those of the first request's result, when delivered (streams)."""
+        if timings is None and self.handles:
+            final = getattr(self.handles[0], "final", None)
+            timings = final.timings if final is not None else None
         self.durations = record_success(self.started_at, generated_tokens, timings)
         return self.durations
 

@@ -67,6 +67,11 @@ class RequestHandle:
             raise GenerationError("request was cancelled")
         return self._result
 
+    @property
+    def final(self) -> GenerationResult | None:
+        """The result once delivered (with the last events), without waiting; else None."""
+        return self._result
+
     def cancel(self) -> None:
         """The client is gone: end its sequences; their KV blocks are freed by the next step."""
         if self.done:
