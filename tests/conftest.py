@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny test models (see tests/tiny_models.py), one thread for torch."""
+"""Shared fixtures: the tiny test models (see tests/tiny_models.py), one thread for torch, and the
+hypothesis profiles of the property tests (tests/hypothesis_profiles.py: `ci` by default, `deep`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import tiny_models
+from tests import hypothesis_profiles, tiny_models  # noqa: F401 - registers the profiles
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 
