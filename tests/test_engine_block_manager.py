@@ -167,3 +167,27 @@ def test_prefix_caching_off_frees_content():
     bm.free(a)
     assert bm.num_cached_blocks == 0
     assert bm.admit(make_seq([1, 2, 3])) == 0
+
+
+def test_identical_prompts_computed_side_by_side_keep_one_findable_block():
+    """Found by the block-manager state machine (tests/test_properties_block_manager.py): two
+    sequences with the same prompt computed in the same step used to keep two copies of each full
+    block, only the first registered; once the first was freed and evicted, the prefix the second
+    still held was not found any more (its n > 1 siblings recomputed the prompt)."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, b = make_seq([1, 1, 1]), make_seq([1, 1, 1])
+    for s in (a, b):
+        bm.admit(s)
+        assert bm.allocate_slots(s, 3)
+    for s in (a, b):
+        s.num_computed_tokens = 3
+        bm.commit(s)
+    assert a.block_table[0] == b.block_table[0]  # b's copy swapped for the registered block
+    check_invariants(bm, [a, b])
+    bm.free(a)
+    c = make_seq([5, 5, 5, 5])  # takes every block that is not held
+    run_prefill(bm, c)
+    check_invariants(bm, [b, c])
+    sibling = make_seq([1, 1, 1])
+    assert bm.admit(sibling) == 2
+    assert sibling.block_table == b.block_table[:1]

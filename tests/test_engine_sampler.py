@@ -183,6 +183,26 @@ def test_seed_reproduces_whatever_the_batch():
     assert different_seed != alone
 
 
+def test_seed_reproduces_whichever_path_the_neighbours_choose():
+    """Found by tests/test_properties_sampling.py: a top-k / top-p row alone takes the topk
+    candidates path; beside a row that needs the whole vocabulary (plain sampling, typical-p) the
+    batch takes the full-sort path. The draw used to walk the candidates in value order there and
+    the vocabulary in id order here, so the same seed picked another token."""
+    V = 50
+    torch.manual_seed(4)
+    steps = [torch.randn(2, V) for _ in range(20)]
+
+    def run(neighbour: SamplingParams | None) -> list[int]:
+        me = make_seq(SamplingParams(do_sample=True, top_k=10), seed=77)
+        rows = [me] if neighbour is None else [me, make_seq(neighbour, seed=5)]
+        sampler = Sampler(V, torch.device("cpu"))
+        return [sampler.sample(rows, logits[:len(rows)]).token_ids[0] for logits in steps]
+
+    alone = run(None)
+    assert run(SamplingParams(do_sample=True)) == alone
+    assert run(SamplingParams(do_sample=True, typical_p=0.5)) == alone
+
+
 def test_top_n_includes_ties_and_uses_raw_logprobs():
     V = 8
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 1.0]])

@@ -97,6 +97,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self._admit(seq):
             self.running.append(seq)
 
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 99))
+    def allocate_same(self, i: int) -> None:
+        """A request with the prompt of one already running (identical concurrent requests)."""
+        other = self._pick(self.running, i)
+        self.allocate(other.token_ids[:other.num_prompt_tokens], False)
+
     @precondition(lambda self: any(s.num_uncomputed_tokens for s in self.running))
     @rule(i=st.integers(0, 99), chunk=st.integers(1, 8))
     def prefill_chunk(self, i: int, chunk: int) -> None:

@@ -176,7 +176,8 @@ def test_output_processor_stream_equals_final_text(prompt, generated, stops, sho
     processor = OutputProcessor(TOKENIZER)
     deltas, token_texts = [], []
     for t in generated:
-        event = processor.process(seq, t, 0.0, None)
+        seq.token_ids.append(t)  # the scheduler appends the step's tokens (update_from_output)
+        event = processor.process(seq, len(seq.token_ids), 0.0, None)
         deltas.append(event.text_delta)
         # the reference sees the text of the tokens that are not special (special ones show nothing)
         token_texts.append("" if event.special else event.token_text)

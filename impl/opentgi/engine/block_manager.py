@@ -118,7 +118,10 @@ class BlockManager:
         return seq.num_cached_tokens
 
     def commit(self, seq: Sequence) -> None:
-        """Register the sequence's newly full, computed blocks in the prefix cache."""
+        """Register the sequence's newly full, computed blocks in the prefix cache. A block whose
+        prefix another block already holds (identical prompts computed side by side) is swapped
+        for that one and freed: one block per prefix, so the prefix stays findable as long as any
+        sequence holds it."""
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
@@ -130,6 +133,12 @@ class BlockManager:
                 block.hash = h
                 block.token_ids = chunk
                 self.hash_to_block[h] = block.block_id
+            else:
+                same = self._lookup(h, chunk)
+                if same is not None and same != block.block_id:
+                    self._ref(same)
+                    seq.block_table[i] = same
+                    self._unref(block)
             seq.block_hashes.append(h)
             parent = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
@@ -158,6 +167,18 @@ class BlockManager:
         block.hash = None
         block.token_ids = None
 
+    def _unref(self, block: Block) -> None:
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block.block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if self.enable_prefix_caching and block.hash is not None \
+                    and self.hash_to_block.get(block.hash) == block.block_id:
+                self.evictable[block.block_id] = None
+            else:
+                self._forget(block)
+                self.free_block_ids.append(block.block_id)
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more computed tokens. False (nothing taken) when the pool
         has too few blocks."""
@@ -172,17 +193,7 @@ class BlockManager:
         """Drop the sequence's references; its blocks go to the LRU list (hashed) or the free list.
         Freed in reverse, so a prompt's tail is evicted before its head."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of KV block {block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if self.enable_prefix_caching and block.hash is not None \
-                        and self.hash_to_block.get(block.hash) == block_id:
-                    self.evictable[block_id] = None
-                else:
-                    self._forget(block)
-                    self.free_block_ids.append(block_id)
+            self._unref(self.blocks[block_id])
         seq.block_table = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0

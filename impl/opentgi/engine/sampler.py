@@ -93,7 +93,11 @@ class Sampler:
         if found is None:
             probs, ids = torch.softmax(self._warp(batch, s), dim=-1), None
         else:
+            # the draw walks the distribution in token-id order on both paths, so a seed picks
+            # the same token whichever path the row's batch neighbours send it down
             probs, ids = found
+            ids, order = ids.sort(dim=-1)
+            probs = probs.gather(1, order)
         # inverse CDF with one uniform per row from the row's own generator
         u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in batch.generators])
         cdf = probs.cumsum(dim=-1)
