@@ -9,7 +9,10 @@ import pytest
 
 from opentgi.api import runtime
 from opentgi.api.app import DIALECTS, create_app, mounts_for
+from opentgi.api.engine_client import EngineClient
 from opentgi.config import Settings
+from opentgi.engine.errors import OverloadedError
+from opentgi.engine.info import ChatTemplate, EngineStats, TokenizedText
 from opentgi.schemas import spec_path
 
 
@@ -27,7 +30,7 @@ class FakeInfo:
 
 
 class FakeEngine:
-    """Enough of the engine front for routes that never generate."""
+    """The EngineClient protocol, for routes that never generate: text is one token per character."""
 
     def __init__(self):
         self.info = FakeInfo()
@@ -38,6 +41,45 @@ class FakeEngine:
 
     async def stop(self):
         self.stopped = True
+
+    async def encode(self, text, add_special_tokens=True, max_tokens=None):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, token_ids, skip_special_tokens=False):
+        return "".join(chr(65 + i % 26) for i in token_ids)
+
+    async def tokenize(self, text):
+        return TokenizedText([ord(c) % 100 for c in text], [(i, i + 1) for i in range(len(text))])
+
+    async def encode_fim(self, prefix, suffix, fim_template=None):
+        return await self.encode(prefix + suffix)
+
+    def chat_template(self):
+        return ChatTemplate(None)
+
+    async def submit(self, request):
+        raise OverloadedError("Model is overloaded")
+
+    def healthy(self):
+        return True
+
+    async def probe(self):
+        return True
+
+    def stats(self):
+        return EngineStats(waiting=0, running=0, num_blocks=16, used_blocks=0, cached_blocks=0,
+                           tokens_held_running=0, peak_tokens_running=0, preemptions_total=0,
+                           prefix_hit_tokens=0, prefix_query_tokens=0, steps_total=0, last_step_at=0.0)
+
+
+def test_the_fake_and_the_engine_implement_the_engine_client():
+    from opentgi.engine.engine import Engine
+
+    assert isinstance(FakeEngine(), EngineClient)
+    names = [n for n, v in vars(EngineClient).items() if callable(v) and not n.startswith("_")]
+    assert "submit" in names and "chat_template" in names
+    missing = [name for name in names if not hasattr(Engine, name)]
+    assert missing == []
 
 
 def test_mounts_follow_settings_api():

@@ -49,7 +49,7 @@ class ScriptedEngine(FakeEngine):
         self.handle = handle
         self.submitted = []
 
-    async def encode(self, text, add_special_tokens=True):
+    async def encode(self, text, add_special_tokens=True, max_tokens=None):
         return [1] * max(1, len(text) // 4)
 
     async def submit(self, request):

@@ -70,6 +70,9 @@ OPTIONS: tuple[Option, ...] = (
            "text-generation-inference.router)"),
     Option("--api-key", str, "bearer token required on every non-health route"),
     Option("--disable-ui", _bool, "no chat page at GET /", is_switch=True),
+    Option("--payload-limit", int, "request body bytes at most; past it: 413 (default 2000000)"),
+    Option("--shutdown-timeout", float, "seconds in-flight requests may finish in after SIGTERM "
+           "(default 30)"),
     Option("--max-concurrent-requests", int, "requests in flight at most; past it: 429 (default 128)"),
     Option("--max-best-of", int, "largest best_of (default 2)"),
     Option("--max-stop-sequences", int, "most stop sequences per request (default 4)"),

@@ -31,6 +31,8 @@ class Settings:
     otlp_endpoint: str | None = None  # OTLP/HTTP collector for request traces; None = no tracing
     otlp_service_name: str = "text-generation-inference.router"  # TGI's default service name
     disable_ui: bool = False  # no chat page at GET /
+    payload_limit: int = 2_000_000  # request body bytes at most (TGI's --payload-limit); past it: 413
+    shutdown_timeout: float = 30.0  # seconds in-flight requests may finish in after SIGTERM
 
     # --- TGI router limits ---------------------------------------------------------------------
     max_concurrent_requests: int = 128

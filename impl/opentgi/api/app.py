@@ -30,7 +30,14 @@ from starlette.routing import Mount as StarletteMount
 
 from opentgi.api import request_metrics, runtime
 from opentgi.api.body_validation import BodyParseError, BodySchemaError, validator_map
-from opentgi.api.errors import FieldLimits, RequestSchemaError, tgi_error
+from opentgi.api.errors import (
+    FieldLimits,
+    RequestSchemaError,
+    StatusError,
+    UnsupportedMediaTypeError,
+    tgi_error,
+)
+from opentgi.api.limits import InputLimitsMiddleware
 from opentgi.api.request_context import RequestContextMiddleware
 from opentgi.api.tracing import request_tracer
 from opentgi.config import Settings
@@ -171,6 +178,11 @@ def _as_dialect_error(exc: Exception) -> OpenTGIError | None:
         return RequestSchemaError(f"invalid JSON body: {exc.reason}")
     if isinstance(exc, connexion.exceptions.BadRequestProblem):
         return RequestSchemaError(str(exc.detail))
+    if isinstance(exc, connexion.exceptions.UnsupportedMediaTypeProblem):
+        return UnsupportedMediaTypeError()
+    status = getattr(exc, "status_code", None)
+    if isinstance(exc, HTTPException) and status in (404, 405):
+        return StatusError(status, "Not Found" if status == 404 else "Method Not Allowed", exc.headers)
     return None
 
 
@@ -261,6 +273,9 @@ def create_app(settings: Settings, engine, *, metrics=None,
 
         app.add_middleware(BearerAuthMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                            api_key=settings.api_key, dialect_of=mapper.dialect_of)
+    # after the key check: a body is read only for a client that may send one
+    app.add_middleware(InputLimitsMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
+                       payload_limit=settings.payload_limit, error_response=mapper.response)
     return app
 
 

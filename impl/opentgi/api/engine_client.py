@@ -24,7 +24,9 @@ class EngineClient(Protocol):
     async def stop(self) -> None: ...
 
     # --- text ------------------------------------------------------------------------------------
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    async def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids; with `max_tokens`, a text that cannot fit is refused (InputTooLongError) before
+        the tokenizer runs."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 

@@ -71,6 +71,32 @@ class JSONError:
         return JSONResponse(self.body, status_code=self.status, headers=self.headers or None)
 
 
+class StatusError(engine_errors.OpenTGIError):
+    """A refusal at the HTTP level, before any handler, with its own status (413, 415, 404, 405);
+    every dialect answers it with that status in its own shape."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = dict(headers or {})
+
+
+class PayloadTooLargeError(StatusError):
+    """The request body is larger than --payload-limit (TGI, axum: 413)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"Failed to buffer the request body: length limit exceeded (the limit is {limit} "
+                              f"bytes, --payload-limit)")
+        self.limit = limit
+
+
+class UnsupportedMediaTypeError(StatusError):
+    """A body without `Content-Type: application/json` (axum: 415)."""
+
+    def __init__(self):
+        super().__init__(415, "Expected request with `Content-Type: application/json`")
+
+
 class RequestSchemaError(engine_errors.ValidationError):
     """The body breaks the dialect's document (Connexion's validation), for the dialects with their own
     error shape: LightLLM and SenseNova answer it 400 where their handlers' refusals are 422."""
@@ -114,6 +140,9 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
         return ErrorReply(424, f"Request failed during generation: {exc.message}", "generation")
     if isinstance(exc, engine_errors.UnhealthyError):
         return ErrorReply(503, "unhealthy", "healthcheck")
+    if isinstance(exc, StatusError):
+        error_type = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "validation")
+        return ErrorReply(exc.status, exc.message, error_type, exc.headers)
     if isinstance(exc, IncompleteGenerationError):
         return ErrorReply(500, "Incomplete generation", "incomplete_generation")
     if isinstance(exc, ProblemException | HTTPException):

@@ -26,13 +26,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
 from connexion import context as connexion_context
 from starlette.responses import Response
 
 from opentgi.api import runtime
 from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
 from opentgi.api.sse import Event, sse_response
-from opentgi.engine.errors import OpenTGIError
+from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult, Timings
 from opentgi.engine.request import GenerationRequest
 
@@ -145,7 +146,11 @@ async def submit_all(engine, requests: list[GenerationRequest]) -> list:
 
 
 async def _start(prepare: Prepare, generation: Generation) -> None:
-    requests, generation.context = await prepare()
+    try:
+        requests, generation.context = await prepare()
+    except pydantic.ValidationError as exc:  # the document and the generated model disagree
+        first = exc.errors()[0]
+        raise ValidationError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc
     generation.requests = list(requests)
     for request in generation.requests:
         record_validated(request)

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from opentgi.api import generation as request_path
 from opentgi.api import runtime
-from opentgi.api.errors import JSONError, RequestSchemaError
+from opentgi.api.errors import JSONError, RequestSchemaError, StatusError
 from opentgi.api.generation import Generation, Prepare, Shape
 from opentgi.engine.errors import (
     GenerationError,
@@ -225,6 +225,8 @@ def compute_token_load(stats, pool_tokens: int) -> dict:
 def error_status(exc: BaseException) -> int:
     if isinstance(exc, RequestSchemaError):  # the body breaks the document
         return 400
+    if isinstance(exc, StatusError):  # refused at the HTTP level (413, 415, 404, 405)
+        return exc.status
     for error_type, status in ERROR_STATUS:
         if isinstance(exc, error_type):
             return status
@@ -298,7 +300,7 @@ def _prepare_generate(body: dict, *, stream: bool) -> Prepare:
         check_text_only(request.multimodal_params, engine.info.model_id)
         if stream and num_sequences(params) != 1:
             raise ValidationError("stream api only support best_of == 1")
-        prompt_token_ids = await engine.encode(request.inputs)
+        prompt_token_ids = await engine.encode(request.inputs, max_tokens=engine.info.max_input_tokens)
         check_lengths(len(prompt_token_ids), params.max_new_tokens, engine.info.max_input_tokens,
                       engine.info.max_total_tokens)
         generation = generation_request(prompt_token_ids, params, _Vocabulary(engine))
@@ -349,7 +351,7 @@ async def get_score(body: dict):
             raise NotSupportedError(
                 f"/get_score needs a reward model; the served model {engine.info.model_id} is not one"
             )
-        prompt_token_ids = await engine.encode(request.chat)
+        prompt_token_ids = await engine.encode(request.chat, max_tokens=engine.info.max_total_tokens)
         return [GenerationRequest(
             prompt_token_ids=prompt_token_ids,
             sampling=SamplingParams(),

@@ -82,7 +82,7 @@ async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedCh
         render_chat, template.template, body["messages"], bos_token=template.bos_token,
         eos_token=template.eos_token, special_tokens=template.special_tokens, tools=tools or None,
         tool_prompt=req.tool_prompt)
-    prompt_ids = await engine.encode(text, add_special_tokens=False)
+    prompt_ids = await engine.encode(text, add_special_tokens=False, max_tokens=limits.max_input_tokens)
     requested = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     budget = max_new_tokens(requested, DEFAULT_MAX_TOKENS, len(prompt_ids), limits)
     request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,

@@ -46,7 +46,7 @@ class PreparedCompletion:
 
 async def _prompt_ids(engine, settings, prompt: str, suffix: str | None) -> list[int]:
     if suffix is None:
-        return await engine.encode(prompt)
+        return await engine.encode(prompt, max_tokens=engine.info.max_input_tokens)
     return await engine.encode_fim(prompt, suffix, settings.fim_template)
 
 

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from opentgi.api import generation as request_path
 from opentgi.api import runtime
-from opentgi.api.errors import JSONError, RequestSchemaError
+from opentgi.api.errors import JSONError, RequestSchemaError, StatusError
 from opentgi.api.generation import Generation, Shape
 from opentgi.engine.errors import (
     GenerationError,
@@ -172,6 +172,8 @@ def error_status_code(exc: BaseException) -> tuple[int, int]:
     """(HTTP status, SenseNova code) of an engine error."""
     if isinstance(exc, RequestSchemaError):  # the body breaks the document
         return 400, INVALID_ARGUMENT
+    if isinstance(exc, StatusError):  # refused at the HTTP level (413, 415, 404, 405)
+        return exc.status, INVALID_ARGUMENT
     for error_type, status, code in ERRORS:
         if isinstance(exc, error_type):
             return status, code
@@ -218,7 +220,7 @@ async def completions(body: dict):
         nonlocal request
         engine = runtime.engine()
         request = schema.CompletionRequest.model_validate(body)
-        prompt_token_ids = await engine.encode(request.prompt)
+        prompt_token_ids = await engine.encode(request.prompt, max_tokens=engine.info.max_total_tokens)
         check_context(request, len(prompt_token_ids), engine.info.max_total_tokens)
         generation = generation_request(request, prompt_token_ids, runtime.settings().sensitive_words)
         return [generation], (completion_id(), len(prompt_token_ids))

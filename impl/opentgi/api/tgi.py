@@ -25,14 +25,17 @@ from opentgi.api import generation, runtime
 from opentgi.api import tgi_responses as encode
 from opentgi.api.errors import DeserializationError, IncompleteGenerationError, tgi_error
 from opentgi.api.tgi_params import Limits, build_request, check_integer_widths, check_parameters
-from opentgi.engine.errors import OpenTGIError
+from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult
 from opentgi.schemas.tgi import GenerateParameters
 
 log = logging.getLogger(__name__)
 
 ROUTER_NAME = "opentgi"
-HEALTH_RECENT_S = 10.0  # a generation that succeeded this recently vouches for the engine
+HEALTH_RECENT_S = 10.0
+# /tokenize takes texts of up to this many characters per token of the KV pool (no request could
+# use more tokens than the pool holds), so a huge text costs a 422, not seconds of tokenizing.
+TOKENIZE_MAX_CHARS_PER_TOKEN = 16  # a generation that succeeded this recently vouches for the engine
 
 
 # --- request preparation -------------------------------------------------------------------------
@@ -73,7 +76,8 @@ def _prepare(body: dict, parameters: GenerateParameters | None, *, stream: bool,
         params = check_parameters(inputs, parameters, limits, stream=stream)
         if parameters is None or parameters.return_full_text is None:
             params.return_full_text = default_return_full_text
-        prompt_token_ids = await engine.encode(inputs)
+        # with `truncate`, TGI keeps the prompt's last tokens: any length is fine
+        prompt_token_ids = await engine.encode(inputs, max_tokens=None if params.truncate else limits.max_input_tokens)
         request = build_request(params, prompt_token_ids, limits, parameters)
         return [request], Prepared(inputs=inputs, input_length=request.num_prompt_tokens, details=params.details,
                                    decoder_input_details=params.decoder_input_details,
@@ -246,7 +250,12 @@ async def tokenize(body: dict) -> Response:
     except OpenTGIError as exc:
         return tgi_error(exc).response()
     inputs = body["inputs"]
-    tokenized = await runtime.engine().tokenize(inputs)
+    engine = runtime.engine()
+    if len(inputs) > engine.info.max_batch_total_tokens * TOKENIZE_MAX_CHARS_PER_TOKEN:
+        return tgi_error(ValidationError(
+            f"`inputs` is too long to tokenize: {len(inputs)} characters, at most "
+            f"{engine.info.max_batch_total_tokens * TOKENIZE_MAX_CHARS_PER_TOKEN}")).response()
+    tokenized = await engine.tokenize(inputs)
     if tokenized is None:
         return JSONResponse({"error": "No fast tokenizer or tokenizer.json for this model",
                              "error_type": "no fast tokenizer"}, status_code=404)

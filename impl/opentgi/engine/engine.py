@@ -103,6 +103,7 @@ class Engine:
         self._grammar_compiler = None
         self._rng = random.SystemRandom()
         self._step_started_at: float | None = None
+        self._max_token_chars: int | None = None  # the vocabulary's longest token, in characters
 
     @classmethod
     def from_settings(cls, settings: Settings, observer: EngineObserver | None = None) -> Engine:
@@ -168,9 +169,23 @@ class Engine:
             self.core.abort(request_id)
 
     # --- requests ----------------------------------------------------------------------------------
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`. With `max_tokens`, a text too long to fit is refused before it is
+        tokenized (InputTooLongError): no token covers more characters than the vocabulary's longest."""
+        if max_tokens is not None:
+            self.check_text_length(text, max_tokens)
         return await asyncio.to_thread(
             lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def check_text_length(self, text: str, max_tokens: int) -> None:
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max((len(token) for token in vocab), default=0) or 1 << 30
+        at_least = -(-len(text) // self._max_token_chars)
+        if at_least > max_tokens:
+            raise InputTooLongError(
+                f"the input has at least {at_least} tokens ({len(text)} characters), more than the limit of "
+                f"{max_tokens} tokens", input_tokens=at_least, max_new_tokens=None, limit=max_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
