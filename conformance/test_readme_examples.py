@@ -72,8 +72,8 @@ def parse_curl(line: int, command: str) -> CurlExample:
 def readme_examples() -> list[CurlExample]:
     examples, in_block, pending, start = [], False, "", 0
     for number, text in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
-        if text.startswith("```"):
-            in_block = text.strip() == "```bash"
+        if text.startswith("```"):  # any fenced block: bash, sh, console or none
+            in_block = not in_block
             continue
         if not in_block:
             continue
