@@ -3,6 +3,11 @@
 `live_server` is the base URL ("http://127.0.0.1:PORT") of one server per test session, started in
 a background thread on a free port. Its limits are small so property tests stay fast on 2 cores.
 `live_settings` holds the Settings it runs with.
+
+`pytest conformance --server-url http://host:port` runs the live-server tests against a server
+already running instead (another build, or another implementation of the APIs); start it on the
+same model and limits as `live_settings` (the tiny Llama's folder: `python -m tests.tiny_models`).
+Tests that start servers of their own still do.
 """
 
 from __future__ import annotations
@@ -37,7 +42,16 @@ def live_settings() -> Settings:
     )
 
 
+def pytest_addoption(parser):
+    parser.addoption("--server-url", default=None,
+                     help="run the live-server tests against this running server instead of starting one")
+
+
 @pytest.fixture(scope="session")
-def live_server(live_settings: Settings) -> Iterator[str]:
+def live_server(request, live_settings: Settings) -> Iterator[str]:
+    url = request.config.getoption("--server-url")
+    if url:
+        yield url.rstrip("/")
+        return
     with serve(live_settings, startup_timeout_s=120) as url:
         yield url

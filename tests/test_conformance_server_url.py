@@ -1,0 +1,36 @@
+"""`pytest conformance --server-url URL` runs the live-server tests against a running server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from conformance.conftest import LIVE_MAX_INPUT_TOKENS, LIVE_MAX_TOTAL_TOKENS
+from conformance.live import free_port, serve
+from opentgi.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def request_count(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics").text
+    return float(re.search(r"^tgi_request_count (\S+)$", metrics, re.M).group(1))
+
+
+def test_conformance_tests_talk_to_the_given_server(tiny_llama):
+    settings = Settings(model_id=str(tiny_llama), hostname="127.0.0.1", port=free_port(),
+                        max_input_tokens=LIVE_MAX_INPUT_TOKENS, max_total_tokens=LIVE_MAX_TOTAL_TOKENS,
+                        max_batch_total_tokens=16 * LIVE_MAX_TOTAL_TOKENS)
+    with serve(settings) as url:
+        before = request_count(url)
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--server-url", url,
+             "conformance/test_tgi_clients.py::test_generate_details_and_finish_reason_contract"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert "1 passed" in run.stdout
+        assert request_count(url) > before  # the test's requests reached this server, not one of its own
