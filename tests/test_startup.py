@@ -57,6 +57,7 @@ def test_opentgi_serve_starts_quietly_and_prints_its_links(tiny_model):
     assert f"API: http://localhost:{port}" in stderr
     assert f"Swagger UI: http://localhost:{port}/docs" in stderr
     assert f"chat page: http://localhost:{port}/" in stderr
+    assert "Adding spec json" not in stderr  # Connexion's line per document
 
 
 def test_text_generation_launcher_serves_a_model_folder(tiny_model):

@@ -192,6 +192,7 @@ def configure_logging(json_output: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    logging.getLogger("connexion").setLevel(logging.WARNING)  # not a line per API document at start-up
 
 
 def serve(settings: Settings) -> None:
