@@ -36,16 +36,24 @@ sampled_params = st.builds(
     top_p=st.one_of(st.just(1.0), st.floats(0.05, 0.99)),
     typical_p=st.one_of(st.just(1.0), st.just(1.0), st.floats(0.05, 0.99)),
 )
+# One warper at a time: with tied logits, which members of a tie group at a set's border top-k and
+# top-p keep is arbitrary (position in a sort), and the next warper's set depends on it.
+one_warper_params = st.one_of(
+    st.builds(SamplingParams, do_sample=st.just(True), temperature=st.sampled_from([1.0, 0.7, 2.0]),
+              top_k=st.integers(1, 40)),
+    st.builds(SamplingParams, do_sample=st.just(True), top_p=st.floats(0.05, 0.99)),
+    st.builds(SamplingParams, do_sample=st.just(True), typical_p=st.floats(0.05, 0.99)),
+)
 any_params = st.one_of(sampled_params, st.just(SamplingParams(do_sample=False)))
 
 
 @st.composite
-def logits_rows(draw, rows: int) -> torch.Tensor:
+def logits_rows(draw, rows: int, ties: bool | None = None) -> torch.Tensor:
     """[rows, V] random logits: V small or past the sampler's candidate window, some ties, some -inf."""
     vocab = draw(st.sampled_from([5, 37, 300, 1500]))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     logits = torch.randn(rows, vocab, generator=g) * draw(st.sampled_from([0.1, 1.0, 4.0, 12.0]))
-    if draw(st.booleans()):
+    if draw(st.booleans()) if ties is None else ties:
         logits = logits.round()  # ties
     if draw(st.booleans()):
         logits[torch.rand(rows, vocab, generator=g) < 0.3] = float("-inf")
@@ -79,8 +87,9 @@ def allowed(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=examples(60))
 @given(data=st.data(), rows=st.integers(1, 6))
 def test_warpers_never_pick_outside_their_set(data, rows):
-    params = [data.draw(sampled_params) for _ in range(rows)]
-    logits = data.draw(logits_rows(rows))
+    ties = data.draw(st.booleans())
+    params = [data.draw(one_warper_params if ties else sampled_params) for _ in range(rows)]
+    logits = data.draw(logits_rows(rows, ties))
     vocab = logits.shape[1]
     seqs = [make_seq(p, seed=data.draw(st.integers(0, 2**32))) for p in params]
     sampler = Sampler(vocab, CPU)

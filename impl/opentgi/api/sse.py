@@ -43,7 +43,9 @@ def dumps(payload: Any) -> str:
 
 def sse_event(payload: Event) -> bytes:
     data = payload if isinstance(payload, str) else dumps(payload)
-    return f"data:{data}\n\n".encode()
+    # a lone surrogate (JSON's "\ud800" escape in a request, echoed back) has no UTF-8: written as
+    # the same JSON escape instead of failing the stream
+    return f"data:{data}\n\n".encode("utf-8", "backslashreplace")
 
 
 KEEP_ALIVE_S = 15.0  # axum's KeepAlive default: an empty comment after 15 s without an event
