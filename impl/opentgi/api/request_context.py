@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from opentgi.engine.events import Timings
 
 REQUEST_ID_HEADER = "x-request-id"
+TRACE_CONTEXT_HEADERS = frozenset({"traceparent", "tracestate"})  # W3C trace context, kept for tracing
 _USABLE_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")  # printable, no spaces: safe in logs and headers
 _current: ContextVar[RequestRecord | None] = ContextVar("opentgi_request_record", default=None)
 log = logging.getLogger("opentgi.request")
@@ -34,7 +35,7 @@ class RequestRecord:
     path: str
     started_at: float = field(default_factory=time.monotonic)  # time.monotonic(), as engine Timings
     started_ns: int = field(default_factory=time.time_ns)  # the same instant on the wall clock
-    headers: dict[str, str] = field(default_factory=dict)  # the request's headers (trace context)
+    headers: dict[str, str] = field(default_factory=dict)  # the caller's trace context headers only
     operation: str | None = None  # e.g. "opentgi.api.tgi.generate" once routed
     status: int | None = None
     finished_at: float | None = None
@@ -103,7 +104,8 @@ class RequestContextMiddleware:
         extensions = scope.setdefault("extensions", {})  # Connexion's routing writes the operation here
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         record = RequestRecord(request_id=request_id_from(headers), method=scope.get("method", ""),
-                               path=scope.get("path", ""), headers=headers)
+                               path=scope.get("path", ""),
+                               headers={k: v for k, v in headers.items() if k in TRACE_CONTEXT_HEADERS})
         id_header = (REQUEST_ID_HEADER.encode(), record.request_id.encode())
 
         async def send_with_id(message):
