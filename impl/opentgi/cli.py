@@ -60,6 +60,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("--lora-adapters", str, "LoRA adapters to serve beside the base model (PEFT folders): "
            "comma-separated hub ids already in the local Hugging Face cache, folders, or name=path"),
     Option("--trust-remote-code", _bool, "allow model code from the model folder", is_switch=True),
+    Option("--sharded", _bool, "shard the model across devices: true | false (as TGI's launcher: true "
+           "without --num-shard takes every device in CUDA_VISIBLE_DEVICES)"),
+    Option("--num-shard", int, "tensor-parallel ranks, one process each (default: 1, or one per device "
+           "in CUDA_VISIBLE_DEVICES)"),
+    Option("--master-addr", str, "rendezvous address of rank 0 (default 127.0.0.1)"),
+    Option("--master-port", int, "rendezvous port of rank 0 (default: a free port; 29500 with RANK)"),
+    Option("--rank", int, "this process's rank when every rank is started externally, as torch's "
+           "env:// rendezvous (with WORLD_SIZE, MASTER_ADDR, MASTER_PORT)", env=("RANK",)),
+    Option("--world-size", int, "ranks in all when started externally", env=("WORLD_SIZE",)),
+    Option("--local-rank", int, "this rank's device index on its machine (default 0)", env=("LOCAL_RANK",)),
     Option("--hostname", str, "address to listen on (default 0.0.0.0)"),
     Option("--port", int, "port to listen on (default 8080)"),
     Option("--json-output", _bool, "log JSON lines", is_switch=True),
@@ -143,6 +153,7 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
             values[option.field] = value
 
     settings = Settings()
+    settings.num_shard, settings.shard_rank = resolve_shards(values, environ)
     renamed = {"sensitive_words": "sensitive_words_file"}
     for name, value in values.items():
         if name == "disable_prefix_caching":
@@ -165,6 +176,45 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
     if settings.sensitive_words_file:
         settings.sensitive_words = read_word_list(settings.sensitive_words_file)
     return settings
+
+
+def _num_cuda_devices(environ: Mapping[str, str]) -> int | None:
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK"):
+        if name in environ:
+            return len(environ[name].split(","))
+    return None
+
+
+def resolve_shards(values: dict[str, Any], environ: Mapping[str, str]) -> tuple[int, int | None]:
+    """(num_shard, shard_rank) from --sharded / --num-shard as TGI's launcher decides them, or from
+    --rank / --world-size (RANK, WORLD_SIZE) when every rank is started externally. Pops the
+    options it reads from `values`."""
+    sharded, num_shard = values.pop("sharded", None), values.pop("num_shard", None)
+    rank, world_size = values.pop("rank", None), values.pop("world_size", None)
+    if world_size is not None or rank is not None:
+        if world_size is None or rank is None:
+            raise SystemExit("opentgi: RANK and WORLD_SIZE go together (torch's env:// rendezvous)")
+        if not 0 <= rank < world_size:
+            raise SystemExit(f"opentgi: RANK {rank} is outside 0..{world_size - 1} (WORLD_SIZE {world_size})")
+        if num_shard is not None and num_shard != world_size:
+            raise SystemExit(f"opentgi: --num-shard {num_shard} disagrees with WORLD_SIZE {world_size}")
+        return world_size, rank
+    if sharded is True and num_shard is None:
+        devices = _num_cuda_devices(environ)
+        if devices is None:
+            raise SystemExit("opentgi: --sharded true needs --num-shard or CUDA_VISIBLE_DEVICES")
+        if devices <= 1:
+            raise SystemExit(f"opentgi: `sharded` is true but only found {devices} CUDA devices")
+        num_shard = devices
+    elif sharded is True and num_shard <= 1:
+        raise SystemExit("opentgi: `sharded` is true but `num_shard` <= 1")
+    elif sharded is False and num_shard is None:
+        num_shard = 1
+    elif sharded is None and num_shard is None:
+        num_shard = _num_cuda_devices(environ) or 1
+    if num_shard < 1:
+        raise SystemExit("opentgi: `num_shard` cannot be < 1")
+    return num_shard, None
 
 
 def read_word_list(path: str) -> list[str]:
@@ -208,16 +258,35 @@ def serve(settings: Settings) -> None:
         torch.set_num_threads(settings.num_threads)
     log.info("loading %s", settings.model_id or "the default model (SmolLM2-135M-Instruct)")
     metrics = Metrics()  # one per app: the engine reports batches/queue/KV, the handlers requests
+    shards = None
     try:
-        engine = Engine.from_settings(settings, observer=metrics.observer)
+        if settings.num_shard > 1:
+            from opentgi.engine import shards as sharding
+
+            if settings.shard_rank:  # a rank > 0 started externally: no HTTP, only its shard
+                raise SystemExit(sharding.run_external_worker(settings))
+            shards = sharding.start_group(settings)
+            engine = shards.start(observer=metrics.observer)
+        else:
+            engine = Engine.from_settings(settings, observer=metrics.observer)
     except ModelLoadError as exc:  # a missing model or a bad adapter: say why, no traceback
         raise SystemExit(f"opentgi: {exc}") from None
     app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
     for line in startup_links(settings):
         log.info("%s", line)
-    uvicorn.run(app, host=settings.hostname, port=settings.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.hostname, port=settings.port, log_config=None,
+                                           access_log=False, timeout_graceful_shutdown=5))
+    if shards is None:
+        server.run()
+        return
+    shards.on_failure = lambda: setattr(server, "should_exit", True)
+    try:
+        server.run()
+    finally:
+        shards.close()
+    if shards.failure:
+        raise SystemExit(1)
 
 
 def startup_links(settings: Settings) -> list[str]:

@@ -22,6 +22,13 @@ class Settings:
     trust_remote_code: bool = False
     lora_adapters: str | None = None  # comma-separated adapter ids / folders / name=path (PEFT LoRA)
 
+    # --- sharding (tensor parallelism, engine/shards.py) -----------------------------------------
+    num_shard: int = 1  # ranks in the tensor-parallel group
+    shard_rank: int | None = None  # set (RANK) when the ranks are started externally (env://)
+    local_rank: int = 0  # this rank's device index on its machine (cuda:<local_rank>)
+    master_addr: str = "127.0.0.1"  # the rendezvous store (held by rank 0)
+    master_port: int | None = None  # None: a free port locally, 29500 when started externally
+
     # --- server ------------------------------------------------------------------------------
     hostname: str = "0.0.0.0"
     port: int = 8080

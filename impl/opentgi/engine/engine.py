@@ -316,6 +316,8 @@ class Engine:
     def healthy(self) -> bool:
         if self._thread is None or not self._thread.is_alive():
             return False
+        if getattr(self.runner, "failure", None):  # a shard of the tensor-parallel group is gone
+            return False
         started = self._step_started_at
         return started is None or time.monotonic() - started < STALL_AFTER_S
 

@@ -122,6 +122,12 @@ def build_runner(loaded, settings: Settings, memory: DeviceMemory | None = None)
     if memory is not None and settings.max_batch_total_tokens is None:
         profile = profile_step(loaded.model, block_size, largest_step(settings, spec), memory)
     num_blocks = num_kv_blocks(settings, spec, block_size, _max_useful_tokens(settings, spec), profile)
+    tp = getattr(loaded, "tp", None)
+    if tp is not None and tp.world_size > 1:  # each rank sized its own pool: all use the smallest
+        from opentgi.engine.sharded_runner import ShardedModelRunner
+
+        num_blocks = tp.min_over_ranks(num_blocks)
+        return ShardedModelRunner(loaded.model, num_blocks, block_size, tp), spec, num_blocks, block_size
     return ModelRunner(loaded.model, num_blocks, block_size), spec, num_blocks, block_size
 
 

@@ -42,6 +42,7 @@ class LoadedModel:
     attention_backend: str | None  # "torch" | "flash-attn" on the paged path, None on the generic one
     block_size: int  # the KV block size the paged model wants (Settings.block_size or the backend's)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded (--lora-adapters), in order
+    tp: Any = None  # models.parallel.TPGroup when this is one rank's shard of the model
 
     @property
     def is_reward_model(self) -> bool:
@@ -189,7 +190,8 @@ def _attach_adapters(settings: Settings, model, kind: str, config, model_id: str
     return [a.name for a in adapters]
 
 
-def load_model(settings: Settings) -> LoadedModel:
+def load_model(settings: Settings, tp=None) -> LoadedModel:
+    """The model `settings` name; with `tp` (models.parallel.TPGroup) this rank's shard of it."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if settings.num_threads:
@@ -206,9 +208,12 @@ def load_model(settings: Settings) -> LoadedModel:
     reason = paged_unsupported_reason(config)
     if reason is None:
         backend = select_backend(device, dtype)
-        model = build_paged_model(folder, config, backend, dtype, device)
+        model = build_paged_model(folder, config, backend, dtype, device, tp=tp)
         kind, spec, backend_name = "paged", model.spec, backend.name
         block_size = select_block_size(backend, settings.block_size)
+    elif tp is not None and tp.world_size > 1:
+        raise ModelLoadError(f"--num-shard {tp.world_size}: only the paged model code shards, and "
+                             f"{model_id!r} is not served by it ({reason})")
     else:
         arch = architecture_of(config)
         if arch.endswith("ForSequenceClassification"):
@@ -229,4 +234,4 @@ def load_model(settings: Settings) -> LoadedModel:
                        model_id=model_id, model_sha=model_sha, chat_template=_chat_template_of(tokenizer),
                        eos_token_ids=eos, pipeline_tag="text-classification" if reward else "text-generation",
                        folder=folder, attention_backend=backend_name, block_size=block_size,
-                       adapters=adapters)
+                       adapters=adapters, tp=tp)

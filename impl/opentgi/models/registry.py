@@ -56,7 +56,9 @@ def paged_unsupported_reason(config) -> str | None:
 
 
 def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: torch.dtype,
-                      device: torch.device) -> PagedLlama:
+                      device: torch.device, tp=None) -> PagedLlama:
+    """The model on `device`; with `tp` (a models.parallel.TPGroup of more than one rank) this
+    rank's shard of it, loaded from its slices of the checkpoint."""
     reason = paged_unsupported_reason(config)
     if reason is not None:
         raise ValueError(f"cannot serve {folder} on the paged path: {reason}")
@@ -75,10 +77,20 @@ def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: to
         sliding_window=sliding_window_of(config),
         is_reward_model=head == "score",
     )
+    plan = None
+    if tp is not None and tp.world_size > 1:
+        from opentgi.models.parallel import ShardPlan
+
+        plan = ShardPlan.of(config, tp.rank, tp.world_size)
+        spec.num_kv_heads = plan.num_kv_heads
     with torch.device("meta"):
-        model = PagedLlama(config, spec, backend, qkv_bias, head)
+        model = PagedLlama(config if plan is None else plan.local_config(config), spec, backend, qkv_bias, head)
     model = model.to_empty(device=device).to(dtype)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
-    load_weights(model, folder, ignore_unexpected=ignore)
+    load_weights(model, folder, ignore_unexpected=ignore, shard=None if plan is None else plan.slice)
+    if plan is not None:
+        from opentgi.models.parallel import parallelize
+
+        parallelize(model, plan, tp)
     model.materialize()
     return model.eval()

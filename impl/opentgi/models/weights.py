@@ -36,14 +36,33 @@ def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
 
 
-def load_weights(module: nn.Module, folder: Path, ignore_unexpected: tuple[str, ...] = ()) -> None:
+def iter_checkpoint_sliced(folder: Path, shard) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like iter_checkpoint, but each tensor is `shard(name, shape, read)`, where `read(index)`
+    reads only the indexed part (safetensors get_slice: the rest is never read)."""
+    for path in checkpoint_files(folder):
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    stored = f.get_slice(name)
+                    yield name, shard(name, tuple(stored.get_shape()), stored.__getitem__)
+        else:
+            for name, tensor in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items():
+                yield name, shard(name, tuple(tensor.shape), tensor.__getitem__)
+
+
+def load_weights(module: nn.Module, folder: Path, ignore_unexpected: tuple[str, ...] = (),
+                 shard=None) -> None:
     """Copy every tensor of the checkpoint into the parameter of the same name (converting dtype
     and device). Fails on a missing parameter or a shape mismatch; checkpoint entries with no
-    parameter are fine only when they end with one of `ignore_unexpected`."""
+    parameter are fine only when they end with one of `ignore_unexpected`. `shard` (tensor
+    parallelism, models/parallel.py ShardPlan.slice) picks the part of each tensor to load."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
+    tensors = iter_checkpoint(folder) if shard is None else iter_checkpoint_sliced(folder, shard)
     with torch.no_grad():
-        for name, tensor in iter_checkpoint(folder):
+        for name, tensor in tensors:
             param = params.get(name)
             if param is None:
                 if name.endswith(ignore_unexpected) or name.endswith("rotary_emb.inv_freq"):
