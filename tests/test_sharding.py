@@ -29,7 +29,8 @@ from opentgi.models.parallel import ShardingError, ShardPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 16  # chunked prefill: prompts longer than this are prefilled over several steps
-SERVER_FLAGS = ["--chunked-prefill-tokens", str(CHUNK), "--num-threads", "1", "--max-batch-total-tokens", "4096"]
+SERVER_FLAGS = ["--chunked-prefill-tokens", str(CHUNK), "--num-threads", "1", "--max-batch-total-tokens", "4096",
+                "--dtype", "float32"]
 
 
 def _config(heads, kv, hidden=64, inter=128, vocab=100):
@@ -176,7 +177,7 @@ def sharded(tiny_llama):
 @pytest.fixture(scope="module")
 def single(tiny_llama):
     settings = Settings(model_id=str(tiny_llama), hostname="127.0.0.1", port=free_port(), num_threads=1,
-                        chunked_prefill_tokens=CHUNK, max_batch_total_tokens=4096)
+                        chunked_prefill_tokens=CHUNK, max_batch_total_tokens=4096, dtype="float32")
     with serve(settings) as url:
         yield url
 
