@@ -260,9 +260,12 @@ def _operations(doc: dict) -> dict[tuple[str, str], dict]:
     return {(path, m): op for path, item in doc["paths"].items() for m, op in item.items() if m in HTTP_METHODS}
 
 
+ADDED_OPERATIONS = {("/v1/models", "get")}  # TGI 2.2's route, listing LoRA adapters too (issue 13)
+
+
 def test_same_operations_as_upstream_2_1_2():
     ours, upstream = _operations(TGI), _operations(UPSTREAM_212)
-    assert set(ours) == set(upstream)
+    assert set(ours) == set(upstream) | ADDED_OPERATIONS
     for key, op in upstream.items():
         assert ours[key]["operationId"] == op["operationId"], key
         assert ours[key].get("requestBody", {}).get("content", {}).keys() == \
@@ -274,7 +277,8 @@ def test_same_operations_as_upstream_2_1_2():
 
 # Additions for the OpenAI routes (issue 5), each recorded in openapi/CHANGES.md.
 ADDED_SCHEMAS = {"StreamOptions", "LogitBias", "StopSequences", "JsonSchemaFormat", "ResponseFormat",
-                 "CompletionLogprobs", "ChatCompletionStreamDelta"}
+                 "CompletionLogprobs", "ChatCompletionStreamDelta",
+                 "ModelInfo", "ModelsInfo"}  # /v1/models (issue 13)
 ADDED_FIELDS = {
     "ChatRequest": {"stream_options", "max_completion_tokens"},
     "Message": {"tool_calls", "tool_call_id"},
@@ -282,6 +286,7 @@ ADDED_FIELDS = {
     "ChatCompletion": {"object"}, "ChatCompletionChunk": {"object", "usage"},
     "Chunk": {"object", "usage"}, "CompletionFinal": {"object"},
     "FunctionDefinition": {"parameters"},
+    "Info": {"adapters"},  # LoRA adapters (issue 13)
 }
 RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"], "FunctionDefinition": ["name"]}
 

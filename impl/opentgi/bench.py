@@ -82,8 +82,10 @@ def make_prompt(tokenizer, num_tokens: int, prefix: str = "") -> str:
 # --- the HTTP side ---------------------------------------------------------------------------------
 
 
-async def stream_one(client, url: str, prompt: str, new_tokens: int) -> RequestTiming:
+async def stream_one(client, url: str, prompt: str, new_tokens: int, adapter_id: str | None = None) -> RequestTiming:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "do_sample": False}}
+    if adapter_id is not None:
+        body["parameters"]["adapter_id"] = adapter_id
     timing = RequestTiming(sent_at=time.perf_counter())
     try:
         async with client.stream("POST", f"{url}/generate_stream", json=body) as response:
@@ -104,7 +106,8 @@ async def stream_one(client, url: str, prompt: str, new_tokens: int) -> RequestT
 
 
 async def run_level(url: str, prompts: list[str], concurrency: int, num_requests: int, new_tokens: int,
-                    time_limit_s: float) -> LevelResult:
+                    time_limit_s: float, adapters: list[str] = ()) -> LevelResult:
+    """`adapters`: LoRA adapters the requests cycle through (none: the base model)."""
     import httpx
 
     timings: list[RequestTiming] = []
@@ -115,8 +118,9 @@ async def run_level(url: str, prompts: list[str], concurrency: int, num_requests
         nonlocal next_index
         while next_index < num_requests and time.perf_counter() < deadline:
             prompt = prompts[next_index % len(prompts)]
+            adapter = adapters[next_index % len(adapters)] if adapters else None
             next_index += 1
-            timings.append(await stream_one(client, url, prompt, new_tokens))
+            timings.append(await stream_one(client, url, prompt, new_tokens, adapter))
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -297,6 +301,129 @@ def report(levels: list[LevelResult], hf_tps: float, bare_tps: float, cold: floa
     return "\n".join(lines) + "\n"
 
 
+# --- LoRA adapters mixed in one batch ----------------------------------------------------------------
+
+
+def write_random_adapters(config, folder: Path, count: int, rank: int) -> list[Path]:
+    """`count` random PEFT LoRA adapters of `rank` on all seven projections of every layer, written
+    in PEFT's own format (adapter_config.json + adapter_model.safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from opentgi.models.lora import TARGET_MODULES, module_shapes
+
+    shapes = module_shapes(config)
+    owners = {"o_proj": "self_attn", "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
+    paths = []
+    for i in range(count):
+        gen = torch.Generator().manual_seed(1000 + i)
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for module in TARGET_MODULES:
+                fan_in, fan_out = shapes[module]
+                key = f"base_model.model.model.layers.{layer}.{owners.get(module, 'mlp')}.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+        out = folder / f"lora{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES),
+            "bias": "none", "base_model_name_or_path": getattr(config, "_name_or_path", None)}))
+        paths.append(out)
+    return paths
+
+
+def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int, repeats: int = 20) -> tuple[float, float]:
+    """Median ms of every layer's LoRA deltas for one step of `num_tokens` tokens spread over
+    `num_adapters` adapters: (stacked shrink/expand pair as LoraLinear does it, per-token gather
+    as punica's BGMV), side by side on the same random weights."""
+    import torch
+
+    from opentgi.models.lora import GROUPS, LoraLinear, LoraState, bgmv_delta, module_shapes
+
+    shapes = module_shapes(config)
+    gen = torch.Generator().manual_seed(0)
+    names = [f"l{i}" for i in range(num_adapters)]
+    state = LoraState(names, rank, torch.float32, torch.device("cpu"))
+    state.begin_step([names[i % num_adapters] for i in range(num_tokens)], [1] * num_tokens)
+    slots = state.step.token_slots
+    layers = []
+    for _, modules in GROUPS.values():
+        parts, fan_in, fan_out = len(modules), shapes[modules[0]][0], sum(shapes[m][1] for m in modules)
+        a = torch.randn(num_adapters, parts * rank, fan_in, generator=gen)
+        b = torch.randn(num_adapters, parts * rank, fan_out, generator=gen)
+        stacked = LoraLinear(lambda x, n=fan_out: x.new_zeros(x.shape[0], n), state,
+                             a.flatten(0, 1), b.flatten(0, 1), parts)
+        layers.append((stacked, a, b, torch.randn(num_tokens, fan_in, generator=gen)))
+
+    def timed(fn) -> float:
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(config.num_hidden_layers):
+                for stacked, a, b, x in layers:
+                    fn(stacked, a, b, x)
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs) * 1e3
+
+    with torch.inference_mode():
+        dense = timed(lambda stacked, a, b, x: stacked(x))
+        gather = timed(lambda stacked, a, b, x: bgmv_delta(x, a, b, slots))
+    return dense, gather
+
+
+def lora_comparison(args, loaded, prompts: list[str]) -> str:
+    """Throughput at one concurrency with 0, 1, ... adapters mixed, side by side on one server (every
+    adapter loaded), in interleaved rounds; returns the markdown table."""
+    import tempfile
+
+    counts = [int(x) for x in args.lora.split(",")]
+    c = args.lora_concurrency
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_random_adapters(loaded.hf_config, Path(tmp), max(counts), args.lora_rank)
+        names = [p.name for p in paths]
+        server_args = argparse.Namespace(**vars(args))
+        server_args.server_arg = [*args.server_arg, "--lora-adapters", ",".join(f"{p.name}={p}" for p in paths)]
+        totals = {k: [0, 0.0, 0, 0] for k in counts}  # tokens, wall, requests, errors
+        with local_server(server_args) as url:
+            asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit, names))  # warm-up
+            n = min(args.max_requests, max(4, 2 * c))
+            for round_ in range(args.lora_rounds):
+                for k in counts:
+                    lv = asyncio.run(run_level(url, prompts, c, n, args.new_tokens, args.level_time_limit,
+                                               names[:k]))
+                    t = totals[k]
+                    t[0] += lv.tokens
+                    t[1] += lv.wall_s
+                    t[2] += lv.requests
+                    t[3] += lv.errors
+                    print(f"round {round_ + 1}, {k} adapters: {lv.throughput:.1f} tokens/s", flush=True)
+    base_tps = totals[counts[0]][0] / totals[counts[0]][1]
+    ops = {k: lora_op_timings(loaded.hf_config, k, args.lora_rank, c) for k in counts if k}
+    lines = [
+        f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — LoRA adapters mixed, {loaded.model_id}",
+        "",
+        f"Machine: {machine_line(args.num_threads)}.",
+        (f"One server with {max(counts)} random rank-{args.lora_rank} adapters on all seven projections loaded; "
+         f"concurrency {c}, greedy, {args.new_tokens} new tokens, requests cycling through the first k "
+         f"adapters (k = 0: the base model), {args.lora_rounds} interleaved rounds summed."),
+        "",
+        "| adapters mixed | requests | tokens | tokens/s | time per token vs base |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for k in counts:
+        tokens, wall, requests, errors = totals[k]
+        tps = tokens / wall if wall else 0.0
+        lines.append(f"| {k} | {requests} | {tokens} | {tps:.1f} | {base_tps / tps:.2f}x |"
+                     + (f" ({errors} errors)" if errors else ""))
+    lines += ["", f"The LoRA delta alone, every layer of one {c}-token decode step (median ms, same weights):", "",
+              "| adapters mixed | stacked shrink/expand (served) | per-token gather (punica BGMV in torch) |",
+              "|---:|---:|---:|"]
+    lines += [f"| {k} | {dense:.2f} | {gather:.2f} |" for k, (dense, gather) in ops.items()]
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m opentgi.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="an already running server (default: start one on loopback)")
@@ -310,6 +437,10 @@ def parse_args(argv=None):
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra `opentgi serve` argument")
     p.add_argument("--output", default="docs/benchmarks.md", help="markdown file to append to ('' = none)")
+    p.add_argument("--lora", help="only the LoRA comparison: comma-separated adapter counts mixed, e.g. 0,1,4")
+    p.add_argument("--lora-concurrency", type=int, default=16, help="concurrency of the LoRA comparison")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the random adapters (--lora)")
+    p.add_argument("--lora-rounds", type=int, default=2, help="interleaved rounds (--lora)")
     return p.parse_args(argv)
 
 
@@ -326,6 +457,14 @@ def main(argv=None) -> None:
     tokenizer = loaded.tokenizer
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
+    if args.lora:
+        text = lora_comparison(args, loaded, prompts)
+        print()
+        print(text)
+        if args.output:
+            with Path(args.output).open("a") as f:
+                f.write("\n" + text)
+        return
     levels: list[LevelResult] = []
     hf_tps = bare_tps = 0.0
     baseline_prompts = (prompts * args.baseline_prompts)[:args.baseline_prompts]

@@ -175,6 +175,8 @@ class Metrics:
         self.preemptions = c("opentgi_preemptions_total")
         self.prompt_tokens = c("opentgi_prompt_tokens_total")
         self.generation_tokens = c("opentgi_generation_tokens_total")
+        # requests queued per LoRA adapter (label: the adapter's name, or the base model's id)
+        self.adapter_requests = c("opentgi_adapter_requests_total", ("adapter",))
         self.observer = MetricsObserver(self)
 
     # --- definitions ---------------------------------------------------------------------------
@@ -216,6 +218,11 @@ class Metrics:
                 self.request_input_length.observe(input_length)
             if max_new_tokens is not None:
                 self.request_max_new_tokens.observe(max_new_tokens)
+
+    def request_submitted(self, adapter: str) -> None:
+        """A request reached the engine's queue, served by `adapter` (the base model's id for none)."""
+        with self._lock:
+            self.adapter_requests.inc((adapter,))
 
     def request_finished(self, ok: bool, err: str | None = None, *, total_s: float | None = None,
                          validation_s: float | None = None, queue_s: float | None = None,

@@ -31,7 +31,13 @@ from connexion import context as connexion_context
 from starlette.responses import Response
 
 from opentgi.api import runtime
-from opentgi.api.request_metrics import record_failure, record_start, record_success, record_validated
+from opentgi.api.request_metrics import (
+    record_failure,
+    record_start,
+    record_submitted,
+    record_success,
+    record_validated,
+)
 from opentgi.api.sse import Event, sse_response
 from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult, Timings
@@ -155,6 +161,7 @@ async def _start(prepare: Prepare, generation: Generation) -> None:
     for request in generation.requests:
         record_validated(request)
     generation.handles = await submit_all(runtime.engine(), generation.requests)
+    record_submitted(generation.requests)
 
 
 async def generate(prepare: Prepare, shape: Shape, answer: Answer, *,

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from opentgi.api import generation, runtime
 from opentgi.api import openai_common as common
 from opentgi.api import openai_shapes as shape
+from opentgi.api.adapters import adapter_named_by_model, served_model_name
 from opentgi.api.chat_template import render_chat
 from opentgi.api.errors import IncompleteGenerationError
 from opentgi.api.generation import Generation
@@ -87,9 +88,10 @@ async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedCh
     budget = max_new_tokens(requested, DEFAULT_MAX_TOKENS, len(prompt_ids), limits)
     request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,
                                 stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
-                                grammar=grammar)
+                                grammar=grammar, adapter_id=adapter_named_by_model(engine.info, req.model))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return [request], PreparedChat(meta=shape.ResponseMeta.new("chatcmpl", engine.info.model_id),
+    model = served_model_name(engine.info, request.adapter_id)
+    return [request], PreparedChat(meta=shape.ResponseMeta.new("chatcmpl", model),
                                    num_prompt_tokens=len(prompt_ids), n=n, using_tools=using_tools,
                                    logprobs=logprobs, include_usage=include_usage)
 

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from opentgi.api import generation, runtime
 from opentgi.api import openai_common as common
 from opentgi.api import openai_shapes as shape
+from opentgi.api.adapters import adapter_named_by_model, served_model_name
 from opentgi.api.errors import IncompleteGenerationError
 from opentgi.api.generation import Generation
 from opentgi.api.openai_params import (
@@ -73,6 +74,7 @@ async def _prepare_completion(body: dict) -> tuple[list[GenerationRequest], Prep
     # Absent or null: TGI's default (100, capped to what fits); the model's 32 is the document's.
     requested = body.get("max_tokens")
     echo = bool(req.echo)
+    adapter = adapter_named_by_model(engine.info, req.model)  # else the base model
     requests = []
     lengths = []
     for prompt in prompts:
@@ -83,11 +85,12 @@ async def _prepare_completion(body: dict) -> tuple[list[GenerationRequest], Prep
         requests.append(GenerationRequest(
             prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
             top_n_tokens=logprobs or 0,
-            prompt_logprobs=echo and logprobs is not None))  # the echoed prompt's logprobs
+            prompt_logprobs=echo and logprobs is not None,  # the echoed prompt's logprobs
+            adapter_id=adapter))
         lengths.append(len(ids))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return requests, PreparedCompletion(prompts=prompts, prompt_lengths=lengths,
-                                        meta=shape.ResponseMeta.new("cmpl", engine.info.model_id), n=n,
+                                        meta=shape.ResponseMeta.new("cmpl", served_model_name(engine.info, adapter)), n=n,
                                         echo=echo, logprobs=logprobs, include_usage=include_usage)
 
 

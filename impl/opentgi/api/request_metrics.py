@@ -46,6 +46,15 @@ def record_validated(request: GenerationRequest) -> None:
         record.input_tokens = (record.input_tokens or 0) + request.num_prompt_tokens
 
 
+def record_submitted(requests: list[GenerationRequest]) -> None:
+    """The engine took the requests: opentgi_adapter_requests_total{adapter}, one per request, by the
+    LoRA adapter serving it (the engine has resolved it: None is the base model, named by its id)."""
+    metrics = runtime.metrics()
+    base = runtime.engine().info.model_id
+    for request in requests:
+        metrics.request_submitted(request.adapter_id or base)
+
+
 def record_failure(exc: BaseException) -> None:
     """The request failed: tgi_request_failure{err=<TGI error_type>}. A failure during generation
     also stops vouching for the engine's health (the next /health runs a probe)."""

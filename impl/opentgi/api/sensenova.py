@@ -16,6 +16,7 @@ from starlette.responses import Response
 
 from opentgi.api import generation as request_path
 from opentgi.api import runtime
+from opentgi.api.adapters import adapter_named_by_model
 from opentgi.api.errors import JSONError, RequestSchemaError, StatusError
 from opentgi.api.generation import Generation, Shape
 from opentgi.engine.errors import (
@@ -223,6 +224,7 @@ async def completions(body: dict):
         prompt_token_ids = await engine.encode(request.prompt, max_tokens=engine.info.max_total_tokens)
         check_context(request, len(prompt_token_ids), engine.info.max_total_tokens)
         generation = generation_request(request, prompt_token_ids, runtime.settings().sensitive_words)
+        generation.adapter_id = adapter_named_by_model(engine.info, request.model)  # else the base model
         return [generation], (completion_id(), len(prompt_token_ids))
 
     def answer(gen: Generation, results: list[GenerationResult]) -> Response:

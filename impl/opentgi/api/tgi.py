@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from opentgi import __version__
 from opentgi.api import generation, runtime
 from opentgi.api import tgi_responses as encode
+from opentgi.api.adapters import models_list
 from opentgi.api.errors import DeserializationError, IncompleteGenerationError, tgi_error
 from opentgi.api.tgi_params import Limits, build_request, check_integer_widths, check_parameters
 from opentgi.engine.errors import OpenTGIError, ValidationError
@@ -223,7 +224,13 @@ async def get_model_info() -> Response:
         "version": __version__,
         "sha": source_sha(),
         "docker_label": None,
+        "adapters": list(info.adapters),
     })
+
+
+async def openai_get_model_info() -> Response:
+    """GET /v1/models: the base model and its LoRA adapters."""
+    return JSONResponse(models_list(runtime.engine().info))
 
 
 def validation_workers() -> int:

@@ -234,4 +234,5 @@ def build_request(params: TGIParameters, prompt_token_ids: list[int], limits: Li
         top_n_tokens=params.top_n_tokens,
         prompt_logprobs=params.decoder_input_details,
         grammar=params.grammar,
+        adapter_id=parameters.adapter_id if parameters is not None else None,
     )

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 1fd075ca1d2a19f6) by codegen with
+# GENERATED from openapi/tgi.json (sha256 8cb13943427ed1db) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -102,6 +102,11 @@ class Info(BaseModel):
     validation_workers: int = Field(..., examples=[2], ge=0)
     version: str = Field(..., examples=['0.5.0'])
     waiting_served_ratio: float = Field(..., examples=[1.2])
+    adapters: list[str] | None = Field(
+        None,
+        description='LoRA adapters loaded with --lora-adapters (an opentgi addition)',
+        examples=[['my-lora']],
+    )
 
 
 class Type2(Enum):
@@ -236,6 +241,21 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float]]
     text_offset: list[TextOffsetItem]
+
+
+class ModelInfo(BaseModel):
+    id: str = Field(..., examples=['HuggingFaceTB/SmolLM2-135M-Instruct'])
+    object: str = Field(..., examples=['model'])
+    created: int = Field(..., examples=[1706270835], ge=0)
+    owned_by: str = Field(..., examples=['HuggingFaceTB/SmolLM2-135M-Instruct'])
+    parent: str | None = Field(
+        None, description="For a LoRA adapter: the base model's id", examples=[None]
+    )
+
+
+class ModelsInfo(BaseModel):
+    object: str = Field(..., examples=['list'])
+    data: list[ModelInfo]
 
 
 class BestOfSequence(BaseModel):
