@@ -29,7 +29,7 @@ LIMITS = FieldLimits(max_best_of=2, max_stop_sequences=4, max_top_n_tokens=5, ma
     (errors.OverloadedError("whatever"), 429, {"error": "Model is overloaded", "error_type": "overloaded"}),
     (errors.GenerationError("OOM"), 424, {"error": "Request failed during generation: OOM",
                                           "error_type": "generation"}),
-    (errors.UnhealthyError("stalled"), 503, {"error": "unhealthy", "error_type": "healthcheck"}),
+    (errors.UnhealthyError("stalled"), 503, {"error": "unhealthy: stalled", "error_type": "healthcheck"}),
     (IncompleteGenerationError(), 500, {"error": "Incomplete generation", "error_type": "incomplete_generation"}),
 ])
 def test_engine_errors(exc, status, body):

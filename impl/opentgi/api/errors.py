@@ -139,7 +139,7 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
     if isinstance(exc, engine_errors.GenerationError):
         return ErrorReply(424, f"Request failed during generation: {exc.message}", "generation")
     if isinstance(exc, engine_errors.UnhealthyError):
-        return ErrorReply(503, "unhealthy", "healthcheck")
+        return ErrorReply(503, f"unhealthy: {exc.message}", "healthcheck")
     if isinstance(exc, StatusError):
         error_type = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "validation")
         return ErrorReply(exc.status, exc.message, error_type, exc.headers)

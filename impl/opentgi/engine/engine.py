@@ -48,7 +48,9 @@ from opentgi.engine.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
 
-STALL_AFTER_S = 120.0  # a step running longer than this marks the engine unhealthy
+STALL_AFTER_S = 120.0  # a step running longer than this fails what is in flight; the engine is unhealthy
+WATCHDOG_INTERVAL_S = 0.25  # how often the watchdog looks at the loop thread
+BUSY_VOUCHES_S = 5.0  # a step that ended this recently, with sequences running, vouches for health
 
 __all__ = ["Engine", "EngineInfo", "EngineStats"]
 
@@ -103,6 +105,10 @@ class Engine:
         self._grammar_compiler = None
         self._rng = random.SystemRandom()
         self._step_started_at: float | None = None
+        self.stall_after_s = STALL_AFTER_S
+        self.failure: str | None = None  # why the engine cannot serve (loop died, step stalled)
+        self._watchdog: asyncio.Task | None = None
+        self._probes: set[str] = set()  # health probes in flight: not counted against the limit
         self._max_token_chars: int | None = None  # the vocabulary's longest token, in characters
 
     @classmethod
@@ -119,35 +125,78 @@ class Engine:
             return
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self.failure = None
         self._thread = threading.Thread(target=self._run, name="opentgi-engine", daemon=True)
         self._thread.start()
+        self._watchdog = asyncio.create_task(self._watch(), name="opentgi-engine-watchdog")
 
     async def stop(self) -> None:
         self._stopping = True
         self.core.wakeup.set()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
-        for handle in list(self._live.values()):
-            handle._deliver([], None, UnhealthyError("the engine stopped"))
-        self._live.clear()
+        self._fail_live("the engine stopped")
 
     def _run(self) -> None:
         core = self.core
-        while not self._stopping:
-            if not core.has_work():
-                core.wakeup.wait(0.5)
-                core.wakeup.clear()
-                continue
-            self._step_started_at = time.monotonic()
-            try:
-                deliveries = core.step()
-            except Exception as exc:  # a bug outside the model: fail what is in flight, keep going
-                log.exception("engine loop error")
-                deliveries = self._fail_all(exc)
-            self._step_started_at = None
-            if deliveries:
-                self._loop.call_soon_threadsafe(self._deliver, deliveries)
+        try:
+            while not self._stopping:
+                if not core.has_work():
+                    core.wakeup.wait(0.5)
+                    core.wakeup.clear()
+                    continue
+                self._step_started_at = time.monotonic()
+                try:
+                    deliveries = core.step()
+                except Exception as exc:  # a bug outside the model: fail what is in flight, keep going
+                    log.exception("engine loop error")
+                    deliveries = self._fail_all(exc)
+                self._step_started_at = None
+                if deliveries:
+                    self._loop.call_soon_threadsafe(self._deliver, deliveries)
+        except BaseException as exc:
+            log.critical("the engine loop died", exc_info=exc)
+            self.failure = f"the engine loop died ({type(exc).__name__}: {exc})"
+            raise
+
+    async def _watch(self) -> None:
+        """The watchdog: a loop thread that died or a step past `stall_after_s` fails every request in
+        flight with UnhealthyError at once (new ones are refused by `submit` while it lasts)."""
+        failed_for: str | None = None
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            if self._stopping:
+                return
+            reason = self._unhealthy_reason()
+            if reason is not None and reason != failed_for:
+                log.error("engine unhealthy: %s; failing %d requests in flight", reason, len(self._live))
+                self._fail_live(reason)
+            failed_for = reason
+
+    def _unhealthy_reason(self) -> str | None:
+        if self.failure is not None:
+            return self.failure
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine loop is not running"
+        shard_failure = getattr(self.runner, "failure", None)
+        if shard_failure:  # a shard of the tensor-parallel group is gone
+            return shard_failure
+        started = self._step_started_at
+        if started is not None and time.monotonic() - started > self.stall_after_s:
+            return (f"an engine step has run for {time.monotonic() - started:.0f} s "
+                    f"(stalled: the limit is {self.stall_after_s:g} s)")
+        return None
+
+    def _fail_live(self, reason: str) -> None:
+        """Fails every request in flight (on the event loop) and tells the loop thread to drop them."""
+        for request_id, handle in list(self._live.items()):
+            handle._deliver([], None, UnhealthyError(reason))
+            self.core.abort(request_id)
+        self._live.clear()
 
     def _fail_all(self, exc: Exception) -> list[Delivery]:
         deliveries = []
@@ -163,8 +212,10 @@ class Engine:
             handle._deliver(d.events, d.result, d.error)
             if d.result is not None or d.error is not None:
                 self._live.pop(d.state.request_id, None)
+                self._probes.discard(d.state.request_id)
 
     def _cancel(self, request_id: str) -> None:
+        self._probes.discard(request_id)
         if self._live.pop(request_id, None) is not None:
             self.core.abort(request_id)
 
@@ -265,10 +316,15 @@ class Engine:
         elif adapter not in self.info.adapters:
             raise UnknownAdapterError(adapter, self.info.adapters)
 
-    async def submit(self, request: GenerationRequest) -> RequestHandle:
+    async def submit(self, request: GenerationRequest, *, probe: bool = False) -> RequestHandle:
+        """Queues `request`. A health probe (`probe=True`) is not counted against
+        --max-concurrent-requests: a full server is still a healthy one."""
         if self._thread is None or self._loop is None:
             raise UnhealthyError("the engine is not started")
-        if len(self._live) >= self.settings.max_concurrent_requests:
+        reason = self._unhealthy_reason()
+        if reason is not None:
+            raise UnhealthyError(reason)
+        if not probe and len(self._live) - len(self._probes) >= self.settings.max_concurrent_requests:
             raise OverloadedError("Model is overloaded")
         self.check_request(request)
         grammar_factory = await self._compile_grammar(request) if request.grammar is not None else None
@@ -276,6 +332,8 @@ class Engine:
         seqs = self._make_sequences(request, grammar_factory)
         state = RequestState(request, seqs, handle, queued_at=time.monotonic())
         self._live[request.request_id] = handle
+        if probe:
+            self._probes.add(request.request_id)
         self.core.add(state)
         return handle
 
@@ -314,17 +372,17 @@ class Engine:
 
     # --- health and stats ----------------------------------------------------------------------------
     def healthy(self) -> bool:
-        if self._thread is None or not self._thread.is_alive():
-            return False
-        if getattr(self.runner, "failure", None):  # a shard of the tensor-parallel group is gone
-            return False
-        started = self._step_started_at
-        return started is None or time.monotonic() - started < STALL_AFTER_S
+        """The loop thread runs and no step has stalled (see the watchdog)."""
+        return self._unhealthy_reason() is None
 
     async def probe(self, timeout_s: float = 60.0) -> bool:
-        """One greedy one-token generation through the whole engine."""
+        """One greedy one-token generation through the whole engine, outside the concurrency limit.
+        A busy engine (sequences running, a step ended moments ago) is vouched for by its progress:
+        the probe would only wait behind the queue."""
         if not self.healthy():
             return False
+        if self.scheduler.running and time.monotonic() - self.core.last_step_at < BUSY_VOUCHES_S:
+            return True
         token = (self.info.eos_token_ids or [0])[0]
         if self.info.is_reward_model:
             request = GenerationRequest([token], SamplingParams(), StoppingParams(max_new_tokens=1), score=True)
@@ -332,7 +390,7 @@ class Engine:
             request = GenerationRequest([token], SamplingParams(),
                                         StoppingParams(max_new_tokens=1, ignore_eos=True))
         try:
-            handle = await self.submit(request)
+            handle = await self.submit(request, probe=True)
             await asyncio.wait_for(handle.result(), timeout_s)
             return True
         except Exception:

@@ -62,18 +62,25 @@ class EngineCore:
 
     # --- the step ------------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
+        aborted = set()
         while self._aborts:
-            state = self.requests.pop(self._aborts.popleft(), None)
+            request_id = self._aborts.popleft()
+            aborted.add(request_id)
+            state = self.requests.pop(request_id, None)
             if state is not None:
                 self._release(state)
         while self._inbox:
             state = self._inbox.popleft()
-            if state.done:  # cancelled before it was ever scheduled
+            if state.done or state.request_id in aborted:  # cancelled before it was ever scheduled
+                state.done = True
                 continue
             self.requests[state.request_id] = state
             for seq in state.seqs:
                 self.scheduler.add(seq)
         self.observer.on_queue_size(self.scheduler.num_waiting)
+        if aborted:  # the gauges show the freed blocks now, not after the next batch
+            bm = self.scheduler.block_manager
+            self.observer.on_kv_blocks(used=bm.num_used_blocks, free=bm.num_free_blocks, cached=bm.num_cached_blocks)
 
     def _release(self, state: RequestState) -> None:
         state.done = True

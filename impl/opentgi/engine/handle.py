@@ -35,7 +35,7 @@ class RequestHandle:
 
     # --- filled from the event loop by the engine ----------------------------------------------------
     def _deliver(self, events: list[TokenEvent], result: GenerationResult | None, error: Exception | None) -> None:
-        if self._cancelled:
+        if self.done:  # cancelled, or already failed by the watchdog: a late step's output is dropped
             return
         self._events.extend(events)
         if result is not None:

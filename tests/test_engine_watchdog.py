@@ -1,0 +1,154 @@
+"""Health that tells the truth: the watchdog fails requests in flight when the loop thread dies or a
+step stalls, and new requests are refused at once; probes are not refused by a full server; a request
+cancelled before the loop picks it up never runs; the KV gauges follow an abort at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from opentgi.config import Settings
+from opentgi.engine.engine import Engine
+from opentgi.engine.errors import UnhealthyError
+from opentgi.engine.handle import RequestHandle
+from opentgi.engine.observer import EngineObserver
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.engine.request_state import RequestState
+from opentgi.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    return load_model(Settings(model_id=str(tiny_llama)))
+
+
+def long_request(max_new: int = 200) -> GenerationRequest:
+    return GenerationRequest([1, 15, 27, 99], SamplingParams(), StoppingParams(max_new_tokens=max_new, ignore_eos=True))
+
+
+async def started(llama, observer=None, **settings) -> Engine:
+    engine = Engine(llama, Settings(max_batch_total_tokens=4096, **settings), observer=observer)
+    await engine.start()
+    return engine
+
+
+class Die(BaseException):
+    """Not an Exception: nothing in the loop catches it, so the loop thread ends."""
+
+
+async def test_a_dead_loop_thread_fails_requests_in_flight_and_refuses_new_ones(llama, monkeypatch):
+    engine = await started(llama)
+    try:
+        handle = await engine.submit(long_request())
+        await anext(aiter(handle))  # generating
+        step = engine.core.step
+
+        def dying_step():
+            raise Die("boom")
+
+        monkeypatch.setattr(engine.core, "step", dying_step)
+        began = time.monotonic()
+        with pytest.raises(UnhealthyError, match="the engine loop died"):
+            await asyncio.wait_for(handle.result(), 10)
+        assert time.monotonic() - began < 5
+        assert not engine.healthy() and not await engine.probe()
+        began = time.monotonic()
+        with pytest.raises(UnhealthyError, match="died"):
+            await engine.submit(long_request())
+        assert time.monotonic() - began < 0.5  # at once, not after a timeout
+        monkeypatch.setattr(engine.core, "step", step)
+    finally:
+        await engine.stop()
+
+
+async def test_a_stalled_step_fails_requests_in_flight_and_refuses_new_ones(llama, monkeypatch):
+    engine = await started(llama)
+    engine.stall_after_s = 0.3
+    try:
+        handle = await engine.submit(long_request())
+        await anext(aiter(handle))
+        execute = engine.runner.execute
+        calls = []
+
+        def slow_execute(*args, **kwargs):
+            if not calls:
+                calls.append(1)
+                time.sleep(2.0)  # one step far past the (test's) stall limit
+            return execute(*args, **kwargs)
+
+        monkeypatch.setattr(engine.runner, "execute", slow_execute)
+        began = time.monotonic()
+        with pytest.raises(UnhealthyError, match="stalled"):
+            await asyncio.wait_for(handle.result(), 10)
+        assert time.monotonic() - began < 1.8  # failed while the step was still running
+        assert not engine.healthy()
+        with pytest.raises(UnhealthyError, match="stalled"):
+            await engine.submit(long_request())
+        # once the step ends the engine serves again, and the failed request's blocks are freed
+        deadline = time.monotonic() + 10
+        while not engine.healthy():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        result = await (await engine.submit(long_request(max_new=3))).result()
+        assert result.sequences[0].generated_tokens == 3
+        assert engine.stats().used_blocks == 0 and engine.stats().running == 0
+    finally:
+        await engine.stop()
+
+
+async def test_a_probe_is_not_refused_by_a_full_server(llama):
+    engine = await started(llama, max_concurrent_requests=1)
+    try:
+        handle = await engine.submit(long_request())
+        await anext(aiter(handle))
+        assert await engine.probe(timeout_s=30)
+        handle.cancel()
+        # idle again: the probe runs a generation (still outside the limit)
+        deadline = time.monotonic() + 10
+        while engine.stats().running:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        other = await engine.submit(long_request(max_new=2))
+        assert await engine.probe(timeout_s=30)
+        await other.result()
+    finally:
+        await engine.stop()
+
+
+class Gauges(EngineObserver):
+    def __init__(self):
+        self.kv_used: list[int] = []
+
+    def on_kv_blocks(self, *, used, free, cached):
+        self.kv_used.append(used)
+
+
+async def test_a_request_cancelled_before_the_loop_picks_it_up_never_runs(llama):
+    gauges = Gauges()
+    engine = Engine(llama, Settings(max_batch_total_tokens=4096), observer=gauges)  # no loop thread
+    request = long_request()
+    handle = RequestHandle(request, engine._cancel)
+    state = RequestState(request, engine._make_sequences(request, None), handle, queued_at=time.monotonic())
+    engine._live[request.request_id] = handle
+    engine.core.add(state)
+    handle.cancel()  # before any step drained the inbox
+    assert engine.core.step() == []
+    assert engine.core.steps_total == 0 and not engine.scheduler.has_work()
+    assert engine.stats().used_blocks == 0 and not engine.core.requests
+
+
+async def test_the_kv_gauge_follows_an_abort_at_once(llama):
+    gauges = Gauges()
+    engine = Engine(llama, Settings(max_batch_total_tokens=4096), observer=gauges)
+    request = long_request()
+    handle = RequestHandle(request, engine._cancel)
+    state = RequestState(request, engine._make_sequences(request, None), handle, queued_at=time.monotonic())
+    engine._live[request.request_id] = handle
+    engine.core.add(state)
+    engine.core.step()  # prefill: blocks held
+    assert gauges.kv_used[-1] > 0
+    handle.cancel()
+    engine.core.step()  # nothing left to run: no batch, yet the gauge drops
+    assert gauges.kv_used[-1] == 0
