@@ -122,8 +122,9 @@ def test_start_up_errors_before_any_rank_starts(tiny_llama, capsys):
 
 
 # --- a live 2-shard server against one shard -----------------------------------------------------
-def _spawn_server(model: Path, port: int, *flags: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "impl"), os.environ.get("PYTHONPATH", "")])}
+def _spawn_server(model: Path, port: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "impl"), os.environ.get("PYTHONPATH", "")]),
+           **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "opentgi.cli", "serve", "--model-id", str(model),
                              "--port", str(port), "--hostname", "127.0.0.1", *flags],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -278,18 +279,23 @@ def test_killed_rank_makes_the_server_exit(sharded):
     assert not any(_alive(p) for p in workers + helpers)
 
 
-def test_rank_0_killed_leaves_no_orphans(tiny_llama):
-    port = free_port()
-    proc = _spawn_server(tiny_llama, port, "--num-shard", "2", *SERVER_FLAGS)
+def test_env_rendezvous_and_no_orphans(tiny_llama, single):
+    """Ranks started one by one with torch's env:// variables (as the multi-node recipe in
+    deploy/kubernetes does): rank 0 serves, rank 1 only computes; rank 0 killed -> rank 1 exits."""
+    port, master_port = free_port(), free_port()
+    common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+    worker = _spawn_server(tiny_llama, free_port(), *SERVER_FLAGS, env={**common, "RANK": "1"})
+    leader = _spawn_server(tiny_llama, port, *SERVER_FLAGS, env={**common, "RANK": "0"})
+    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}")
-        children = _children(proc.pid)
-        proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_alive(p) for p in children)
+        _wait_ready(leader, url)
+        assert _greedy_tokens(url, PROMPTS[1], 12) == _greedy_tokens(single, PROMPTS[1], 12)
+        leader.kill()
+        code = worker.wait(20)
+        assert code != 0
+        err = worker.stderr.read()
+        assert "shard 1:" in err and "exiting" in err, err
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for proc in (leader, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
