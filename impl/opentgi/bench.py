@@ -7,7 +7,11 @@ In one run, on one machine:
 2. a warm-vs-cold prefix-cache TTFT for a repeated ~1,000-token prompt;
 3. baselines in this process on the same model: serial transformers `generate`, and a bare loop of
    the paged model's own forward with its KV cache (no scheduler, no sampler, no HTTP);
-then prints the numbers and the ratios, and appends a markdown table to docs/benchmarks.md.
+4. where a decode step's time goes, on an engine in this process (`bench_steps.py`);
+5. with `--peer NAME=URL` (repeatable): the same `/v1/completions` load against opentgi and each
+   peer in turn, with tokens/s, resident memory and opentgi's ratios (`bench_peers.py`);
+then prints the numbers and the ratios, and appends markdown tables to docs/benchmarks.md.
+The in-process parts load the model with the server's own flags (`--server-arg`).
 """
 
 from __future__ import annotations
@@ -267,7 +271,7 @@ def machine_line(threads: int | None) -> str:
 
 
 def report(levels: list[LevelResult], hf_tps: float, bare_tps: float, cold: float, warm: float,
-           args, model_name: str) -> str:
+           args, model_name: str, extra: list[str] = ()) -> str:
     by_c = {lv.concurrency: lv for lv in levels}
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {model_name}",
@@ -298,6 +302,7 @@ def report(levels: list[LevelResult], hf_tps: float, bare_tps: float, cold: floa
     if cold:
         ratios.append(f"| warm / cold prefix TTFT | {warm / cold:.2f}x |")
     lines += ratios
+    lines += extra
     return "\n".join(lines) + "\n"
 
 
@@ -429,7 +434,12 @@ def parse_args(argv=None):
     p.add_argument("--url", help="an already running server (default: start one on loopback)")
     p.add_argument("--model-id", help="model for the local server and the baselines (default model if unset)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (server and baselines)")
-    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels ('' = none)")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                   help="another server (OpenAI /v1/completions) to drive side by side; repeatable")
+    p.add_argument("--peer-concurrency", default="1,16,64", help="levels of the side-by-side run")
+    p.add_argument("--breakdown-concurrency", default="1,16",
+                   help="levels of the decode-step breakdown ('' = none)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--max-requests", type=int, default=64, help="requests per level at most")
     p.add_argument("--level-time-limit", type=float, default=120.0, help="seconds per level at most")
@@ -444,16 +454,51 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _levels(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def server_settings(args):
+    """The Settings `opentgi serve` builds from the benchmark's server flags."""
+    from opentgi.cli import build_parser, settings_from
+
+    argv = ["serve"] + (["--model-id", args.model_id] if args.model_id else []) + list(args.server_arg)
+    if args.num_threads:
+        argv += ["--num-threads", str(args.num_threads)]
+    return settings_from(build_parser().parse_args(argv), {})
+
+
+def side_by_side(args, url: str, prompts: list[str]) -> list[str]:
+    from opentgi import bench_peers
+
+    servers = [("opentgi", url)] + [bench_peers.parse_peer(p) for p in args.peer]
+    levels, rss = [], {}
+    for name, server_url in servers:  # each server in turn; the others stay idle
+        for c in _levels(args.peer_concurrency):
+            lv = asyncio.run(bench_peers.completions_level(name, server_url, prompts, c, max(6, 2 * c),
+                                                           args.new_tokens, args.level_time_limit))
+            print(f"{name} /v1/completions concurrency {c}: {lv.requests} requests, {lv.tokens} tokens "
+                  f"in {lv.wall_s:.1f}s = {lv.throughput:.1f} tokens/s"
+                  + (f"; {lv.errors} errors, first: {lv.first_error}" if lv.errors else ""), flush=True)
+            levels.append(lv)
+        rss[name] = bench_peers.server_rss(server_url)
+    lines = ["", f"Side by side, one run, each server in turn (the others idle): `/v1/completions`, greedy, "
+             f"{args.new_tokens} new tokens, not streamed, tokens from `usage`.", ""]
+    lines += bench_peers.table([n for n, _ in servers], levels, rss)
+    return lines
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
 
-    from opentgi.config import Settings
+    from opentgi import bench_steps
     from opentgi.models.loader import load_model
 
+    settings = server_settings(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    loaded = load_model(Settings(model_id=args.model_id))
+    loaded = load_model(settings)
     tokenizer = loaded.tokenizer
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
@@ -471,7 +516,7 @@ def main(argv=None) -> None:
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(local_server(args))
         asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit))  # warm-up
-        for c in (int(x) for x in args.concurrency.split(",")):
+        for c in _levels(args.concurrency):
             n = min(args.max_requests, max(4, 2 * c))
             lv = asyncio.run(run_level(url, prompts, c, n, args.new_tokens, args.level_time_limit))
             print(f"concurrency {c}: {lv.requests} requests, {lv.tokens} tokens in {lv.wall_s:.1f}s = "
@@ -490,10 +535,22 @@ def main(argv=None) -> None:
                 print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
         cold, warm = asyncio.run(prefix_ttft(url, long_prompt))
         print(f"prefix cache: cold TTFT {cold:.3f}s, warm TTFT {warm:.3f}s", flush=True)
+        extra = side_by_side(args, url, prompts) if args.peer else []
+    breakdown = []
+    if loaded.kind == "paged":
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        for c in _levels(args.breakdown_concurrency):
+            breakdown.append(bench_steps.measure(loaded, settings, prompt_ids, c, args.new_tokens))
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in breakdown[-1].median_ms.items())
+            print(f"decode step at concurrency {c} (ms): {parts}; whole step {breakdown[-1].step_ms:.2f}",
+                  flush=True)
+    if breakdown:
+        extra += ["", f"Where a decode step's time goes ({loaded.spec.dtype}, engine in the benchmark's "
+                  "process, medians):", ""] + bench_steps.table(breakdown)
     if not hf_tps:
         hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, baseline_prompts, args.new_tokens)
         print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
-    text = report(levels, hf_tps, bare_tps, cold, warm, args, loaded.model_id)
+    text = report(levels, hf_tps, bare_tps, cold, warm, args, f"{loaded.model_id}, {loaded.spec.dtype}", extra)
     print()
     print(text)
     if args.output:

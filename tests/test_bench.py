@@ -1,0 +1,70 @@
+"""The benchmark's side-by-side load (bench_peers.py) and decode-step breakdown (bench_steps.py) on
+the tiny Llama: they measure what they say (no speed is asserted here)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from conformance.live import free_port, serve
+from opentgi import bench_peers, bench_steps
+from opentgi.config import Settings
+from opentgi.models.loader import load_model
+
+
+def test_parse_peer():
+    assert bench_peers.parse_peer("vllm=http://127.0.0.1:8202/") == ("vllm", "http://127.0.0.1:8202")
+    for bad in ("vllm", "=http://x:1", "vllm=127.0.0.1:8202"):
+        with pytest.raises(ValueError, match="NAME=http"):
+            bench_peers.parse_peer(bad)
+
+
+def test_side_by_side_table_has_ratios_and_memory():
+    levels = [bench_peers.PeerLevel("opentgi", 1, 6, 384, 4.0, 0), bench_peers.PeerLevel("vllm", 1, 6, 384, 8.0, 0),
+              bench_peers.PeerLevel("opentgi", 16, 32, 2048, 8.0, 0),
+              bench_peers.PeerLevel("vllm", 16, 30, 1920, 6.0, 2)]
+    lines = bench_peers.table(["opentgi", "vllm"], levels, {"opentgi": 512 * 2**20, "vllm": None})
+    assert lines[0] == "| server | c=1 tokens/s | c=16 tokens/s | resident memory (MiB) |"
+    assert lines[2] == "| opentgi | 96.0 | 256.0 | 512 |"
+    assert lines[3] == "| vllm | 48.0 | 320.0 (2 errors) | – |"
+    assert lines[4] == "| opentgi / vllm | 2.00x | 0.80x | – |"
+
+
+def test_server_rss_finds_the_process_listening_on_the_port():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert bench_peers.listening_pid(port) == os.getpid()
+        rss = bench_peers.server_rss(f"http://127.0.0.1:{port}")
+    assert rss is not None and rss > 10 * 2**20
+    assert bench_peers.server_rss("http://example.com:80") is None  # not on this machine
+
+
+def test_completions_level_counts_usage_tokens(tiny_llama, smollm2_tokenizer):
+    settings = Settings(model_id=str(tiny_llama), device="cpu", hostname="127.0.0.1", port=free_port(),
+                        max_batch_total_tokens=4096)
+    prompts = ["The quick brown fox", "Once upon a time"]
+    with serve(settings, startup_timeout_s=120) as url:
+        lv = asyncio.run(bench_peers.completions_level("opentgi", url, prompts, 2, 4, 5, 60))
+        bad = asyncio.run(bench_peers.completions_level("x", url.replace(str(settings.port), str(free_port())),
+                                                        prompts, 1, 2, 5, 60))
+    assert (lv.requests, lv.errors) == (4, 0)
+    assert 4 <= lv.tokens <= 20 and lv.throughput > 0  # up to 5 each; an EOS may end one early
+    assert bad.requests == 0 and bad.errors == 2 and "ConnectError" in bad.first_error
+
+
+def test_step_breakdown_splits_decode_steps(tiny_llama):
+    loaded = load_model(Settings(model_id=str(tiny_llama)))
+    settings = Settings(model_id=str(tiny_llama), max_batch_total_tokens=4096)
+    ids = loaded.tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
+    result = bench_steps.measure(loaded, settings, [ids], concurrency=3, new_tokens=6)
+    assert result.steps == 5  # one prefill step gives each row its first token, then 5 decode steps
+    assert set(result.median_ms) == set(bench_steps.PARTS)
+    inner = sum(v for k, v in result.median_ms.items() if k != "delivery")
+    assert result.median_ms["model"] > 0 and inner == pytest.approx(result.step_ms, rel=0.5)
+    lines = bench_steps.table([result])
+    assert lines[0].endswith("| c=3 |") and any(line.startswith("| model |") for line in lines)
