@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from opentgi.api import generation
+from opentgi.api import generation, runtime
 from opentgi.api import openai_chat as chat
 from opentgi.api import openai_common as common
 from opentgi.api import openai_completions as completions
 from opentgi.api import openai_shapes as shape
+from opentgi.config import Settings
 from opentgi.engine.errors import GenerationError
 from opentgi.engine.events import PrefillToken, TokenEvent
 from opentgi.engine.request import FinishReason
@@ -50,9 +51,12 @@ def ev(index: int, text: str, n: int, finish: FinishReason | None = None) -> Tok
 
 @pytest.fixture(autouse=True)
 def no_runtime(monkeypatch):
-    """No app is serving: metrics are not recorded."""
+    """No app is serving: metrics are not recorded (the state only holds the drain, never started)."""
     monkeypatch.setattr(generation, "record_success", lambda *args: None)
     monkeypatch.setattr(generation, "record_failure", lambda exc: None)
+    token = runtime.bind(runtime.ServerState(settings=Settings(), engine=None))
+    yield
+    runtime.unbind(token)
 
 
 async def _collect(events) -> list:

@@ -250,6 +250,7 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from opentgi.api.app import create_app
+    from opentgi.api.shutdown import GracefulServer
     from opentgi.engine.engine import Engine
     from opentgi.metrics import Metrics
     from opentgi.models.loader import ModelLoadError
@@ -275,8 +276,9 @@ def serve(settings: Settings) -> None:
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
     for line in startup_links(settings):
         log.info("%s", line)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.hostname, port=settings.port, log_config=None,
-                                           access_log=False, timeout_graceful_shutdown=5))
+    server = GracefulServer(uvicorn.Config(app, host=settings.hostname, port=settings.port, log_config=None,
+                                           access_log=False), drain=app.server_state.drain,
+                            shutdown_timeout=settings.shutdown_timeout)
     if shards is None:
         server.run()
         return

@@ -276,6 +276,7 @@ def create_app(settings: Settings, engine, *, metrics=None,
     # after the key check: a body is read only for a client that may send one
     app.add_middleware(InputLimitsMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        payload_limit=settings.payload_limit, error_response=mapper.response)
+    app.server_state = server_state  # the CLI's server starts its drain on SIGTERM
     return app
 
 

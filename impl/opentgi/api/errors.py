@@ -97,6 +97,11 @@ class UnsupportedMediaTypeError(StatusError):
         super().__init__(415, "Expected request with `Content-Type: application/json`")
 
 
+class ShuttingDownError(engine_errors.UnhealthyError):
+    """The server is shutting down: no new requests, and those still running at the end of
+    --shutdown-timeout end with this (503 in every dialect)."""
+
+
 class RequestSchemaError(engine_errors.ValidationError):
     """The body breaks the dialect's document (Connexion's validation), for the dialects with their own
     error shape: LightLLM and SenseNova answer it 400 where their handlers' refusals are 422."""

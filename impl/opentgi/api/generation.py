@@ -31,6 +31,7 @@ from connexion import context as connexion_context
 from starlette.responses import Response
 
 from opentgi.api import runtime
+from opentgi.api.errors import ShuttingDownError
 from opentgi.api.request_metrics import (
     record_failure,
     record_start,
@@ -122,20 +123,53 @@ async def _client_gone() -> None:
         pass
 
 
+CUT_MESSAGE = "the server shut down before the request finished (--shutdown-timeout)"
+
+
 async def unless_client_gone(work: Awaitable):
-    """`work`'s value; raises ClientGone (after cancelling `work`) when the client leaves first."""
+    """`work`'s value; raises ClientGone (after cancelling `work`) when the client leaves first, and
+    ShuttingDownError when the server's shutdown deadline comes first."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_client_gone())
+    cut = asyncio.ensure_future(runtime.state().drain.cut())
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone, cut}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        cut.cancel()
     if not task.done():
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        raise ClientGone()
+        if gone.done() and not gone.cancelled():
+            raise ClientGone()
+        raise ShuttingDownError(CUT_MESSAGE)
     return task.result()
+
+
+async def _until_cut(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    """`events`, ended by ShuttingDownError at the server's shutdown deadline."""
+    drain = runtime.state().drain
+    iterator = events.__aiter__()
+    cut = asyncio.ensure_future(drain.cut())
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+                raise ShuttingDownError(CUT_MESSAGE)
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        cut.cancel()
+        aclose = getattr(iterator, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def submit_all(engine, requests: list[GenerationRequest]) -> list:
@@ -152,6 +186,8 @@ async def submit_all(engine, requests: list[GenerationRequest]) -> list:
 
 
 async def _start(prepare: Prepare, generation: Generation) -> None:
+    if runtime.state().drain.draining:
+        raise ShuttingDownError("the server is shutting down")
     try:
         requests, generation.context = await prepare()
     except pydantic.ValidationError as exc:  # the document and the generated model disagree
@@ -204,7 +240,7 @@ async def _events(prepare: Prepare, shape: Shape, encode: Encode, generation: Ge
     try:
         if not generation.handles:
             await _start(prepare, generation)
-        async for event in encode(generation):
+        async for event in _until_cut(encode(generation)):
             yield event
     except OpenTGIError as exc:
         record_failure(exc)

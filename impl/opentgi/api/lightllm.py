@@ -267,7 +267,7 @@ def json_answer(payload: dict) -> Response:
 async def _is_healthy() -> bool:
     """The engine loop is alive and a one-token generation goes through it."""
     engine = runtime.engine()
-    if not engine.healthy():
+    if not engine.healthy() or runtime.state().drain.draining:  # shutting down: no more traffic
         return False
     try:
         return await engine.probe()

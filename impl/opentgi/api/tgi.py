@@ -189,7 +189,7 @@ async def compat_generate(body: dict) -> Response:
 async def health() -> Response:
     state = runtime.state()
     engine = state.engine
-    ok = engine.healthy()
+    ok = engine.healthy() and not state.drain.draining  # a server shutting down takes no more traffic
     recent = state.last_success_at is not None and time.monotonic() - state.last_success_at < HEALTH_RECENT_S
     if ok and not recent:
         ok = await engine.probe()
