@@ -123,7 +123,8 @@ def test_chat_page_streams_stops_and_fits_a_phone(browser, server):
     steps = _metric(server, DECODE_STEPS) - steps_before
     time.sleep(1.0)
     assert _metric(server, DECODE_STEPS) - steps_before == steps
-    assert 0 < steps < MAX_TOKENS
+    assert 0 < steps < MAX_TOKENS, steps
+    print(f"decode steps before Stop took effect: {steps:.0f}")
     load = httpx.get(f"{server}/token_load", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
     assert load["current_load"] == 0  # no KV held for a running request
     browser.save_screenshot(str(ARTIFACTS / "desktop-stopped.png"))
