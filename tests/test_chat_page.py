@@ -1,5 +1,6 @@
-"""The chat page at GET / on the real app: served beside TGI's POST /, open without the API key, off
-with --disable-ui, and self-contained (nothing loaded from another origin)."""
+"""The chat page at GET / on the real app: served to browsers (Accept: text/html) beside TGI's POST /,
+TGI's 405 for other clients, open without the API key, off with --disable-ui, and self-contained
+(nothing loaded from another origin)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ from tests.test_api_app import FakeEngine
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
+BROWSER = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}  # Chrome's
+METHOD_NOT_ALLOWED = {"error": "Method Not Allowed", "error_type": "method_not_allowed"}
+
+
 def client(**settings) -> httpx.AsyncClient:
     app = create_app(Settings(**settings), FakeEngine())
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", headers=BROWSER)
 
 
 @pytest.mark.parametrize("api", ["tgi", "lightllm"])
@@ -25,11 +30,13 @@ async def test_get_root_is_the_chat_page_and_post_root_is_tgi(api):
     async with client(api=api) as http:
         page = await http.get("/")
         head = await http.head("/")
+        api_client = await http.get("/", headers={"Accept": "*/*"})  # curl's, and API clients'
         post = await http.post("/", json={})  # TGI's POST /: still validated by its document
     assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
     assert "/v1/chat/completions" in page.text and 'name="viewport"' in page.text
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert head.status_code == 200 and head.content == b""
+    assert api_client.status_code == 405 and api_client.json() == METHOD_NOT_ALLOWED
     assert post.status_code == 422 and "missing field `inputs`" in post.json()["error"]
 
 
@@ -52,4 +59,4 @@ async def test_disable_ui_gives_tgi_405_back():
     async with client(disable_ui=True) as http:
         response = await http.get("/")
     assert response.status_code == 405
-    assert response.json() == {"error": "Method Not Allowed", "error_type": "method_not_allowed"}
+    assert response.json() == METHOD_NOT_ALLOWED

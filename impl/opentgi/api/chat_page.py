@@ -2,9 +2,10 @@
 from this server's `/v1/chat/completions`.
 
 It is served by an ASGI middleware in front of Connexion's routing, so it is no operation of any
-OpenAPI document (TGI's document has `POST /` only, and schemathesis tests what is documented). The
-page holds nothing secret and is served without the API key; the requests it makes send the key.
-`--disable-ui` turns it off (then `GET /` is TGI's 405 again).
+OpenAPI document (TGI's document has `POST /` only). Only a request that asks for HTML (a browser's
+`Accept: text/html`) gets the page; any other `GET /` is TGI's 405, as API clients and schemathesis'
+undeclared-method check expect. The page holds nothing secret and is served without the API key;
+the requests it makes send the key. `--disable-ui` turns it off.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def page() -> bytes:
     return resources.files("opentgi.api").joinpath("chat.html").read_bytes()
 
 
+def _wants_html(scope) -> bool:
+    return any(name == b"accept" and b"text/html" in value.lower() for name, value in scope.get("headers", ()))
+
+
 class ChatPageMiddleware:
     """ASGI middleware: `GET /` and `HEAD /` answer the chat page; everything else passes on."""
 
@@ -34,7 +39,8 @@ class ChatPageMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != "/" or scope["method"] not in ("GET", "HEAD"):
+        if (scope["type"] != "http" or scope["path"] != "/" or scope["method"] not in ("GET", "HEAD")
+                or not _wants_html(scope)):
             await self.app(scope, receive, send)
             return
         body = page()
