@@ -39,6 +39,7 @@ from opentgi.api.errors import (
 )
 from opentgi.api.limits import InputLimitsMiddleware
 from opentgi.api.request_context import RequestContextMiddleware
+from opentgi.api.tgi_params import refusal_in_tgi_order
 from opentgi.api.tracing import request_tracer
 from opentgi.config import Settings
 from opentgi.engine.errors import OpenTGIError
@@ -153,7 +154,9 @@ class ErrorMapper:
             own = _as_dialect_error(exc)
             if own is not None:
                 return _import(dialect.error_response)(own)
-        reply = tgi_error(exc, self.limits())
+        limits = self.limits()
+        refusal = refusal_in_tgi_order(operation_id, exc, limits) if isinstance(exc, BodySchemaError) else None
+        reply = tgi_error(exc if refusal is None else refusal, limits)
         if operation_id is not None:
             request_metrics.record_refused_body(operation_id, exc, reply)
         return reply.response()

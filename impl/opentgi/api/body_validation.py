@@ -43,6 +43,7 @@ class BodySchemaError(BadRequestProblem):
         self.instance = instance
         self.message = message
         self.others = others  # the body's other failures, so a dialect can pick the one its server reports
+        self.body: t.Any = None  # the whole parsed body (set by the validator)
 
     @property
     def all_errors(self) -> tuple[BodySchemaError, ...]:
@@ -156,6 +157,7 @@ class TypedJSONBodyValidator(JSONRequestBodyValidator):
             best = best_match(errors) or errors[0]
             error = BodySchemaError.from_jsonschema(best)
             error.others = tuple(BodySchemaError.from_jsonschema(e) for e in errors if e is not best)
+            error.body = body
             raise error
         return None
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import jsonschema
 import numpy
 
-from opentgi.api.errors import DeserializationError
+from opentgi.api.body_validation import BodySchemaError
+from opentgi.api.errors import DeserializationError, FieldLimits, tgi_field_message
 from opentgi.engine.errors import NotSupportedError, ValidationError
 from opentgi.engine.request import GenerationRequest, GrammarSpec, SamplingParams, StoppingParams
 from opentgi.schemas.tgi import GenerateParameters
@@ -179,6 +180,38 @@ def check_parameters(inputs: str, parameters: GenerateParameters | None, limits:
         truncate=truncate, top_n_tokens=top_n_tokens, details=bool(p.details),
         decoder_input_details=bool(p.decoder_input_details),
         return_full_text=bool(p.return_full_text), grammar=None)
+
+
+# TGI's generation operations (as Connexion resolves them): whether they stream (compat_generate:
+# the body's `stream` says)
+GENERATE_OPERATIONS = {"opentgi.api.tgi.generate": False, "opentgi.api.tgi.generate_stream": True,
+                       "opentgi.api.tgi.compat_generate": None}
+
+
+def refusal_in_tgi_order(operation_id: str | None, exc: BodySchemaError,
+                         limits: FieldLimits) -> ValidationError | None:
+    """A body whose parameters break only the document's ranges, refused as TGI refuses it: its own
+    checks in its own order, where the streaming and best_of ones (no schema states them) come
+    before any range. None when the body fails otherwise (serde would reject it first)."""
+    if operation_id not in GENERATE_OPERATIONS or not isinstance(exc.body, dict):
+        return None
+    if any(tgi_field_message(error, limits) is None for error in exc.all_errors):
+        return None
+    body = exc.body
+    stream = GENERATE_OPERATIONS[operation_id]
+    if stream is None:
+        stream = body.get("stream") is True
+    raw = body.get("parameters")
+    parameters = GenerateParameters.model_construct(**raw) if isinstance(raw, dict) else None
+    inputs = body.get("inputs")
+    try:
+        check_parameters(inputs if isinstance(inputs, str) else "", parameters,
+                         Limits(max_best_of=limits.max_best_of, max_stop_sequences=limits.max_stop_sequences,
+                                max_top_n_tokens=limits.max_top_n_tokens, max_input_tokens=limits.max_input_tokens,
+                                max_total_tokens=0), stream=stream)
+    except ValidationError as refusal:
+        return refusal
+    return None
 
 
 def check_grammar(params: TGIParameters, parameters: GenerateParameters | None, limits: Limits) -> None:
