@@ -158,27 +158,28 @@ def test_prefix_blocks_are_keyed_by_adapter():
 
 
 def test_delta_equals_per_row_gather():
-    """The stacked matmul pair computes what punica's per-row gather (bgmv_delta) computes, with
-    every slot in the step or only some of them."""
+    """The stacked matmuls compute what punica's per-row gather (bgmv_delta) computes for each fused
+    part, with every slot in the step or only some of them, and nothing for a step without adapters."""
     gen = torch.Generator().manual_seed(0)
-    num_slots, rank, fan_in, fan_out = 3, 4, 16, 24
-    a = torch.randn(num_slots, rank, fan_in, generator=gen)
-    b = torch.randn(num_slots, rank, fan_out, generator=gen)
+    num_slots, rank, fan_in, outs = 3, 4, 16, [24, 8]
+    a = torch.randn(num_slots, len(outs), rank, fan_in, generator=gen)
+    b = [torch.randn(num_slots, rank, out, generator=gen) for out in outs]
     state = lora.LoraState(["x", "y", "z"], rank, torch.float32, torch.device("cpu"))
-    zero = torch.nn.Linear(fan_in, fan_out, bias=False)
+    zero = torch.nn.Linear(fan_in, sum(outs), bias=False)
     torch.nn.init.zeros_(zero.weight)
-    layer = lora.LoraLinear(zero, state, a.reshape(-1, fan_in), b.reshape(-1, fan_out), parts=1)
+    layer = lora.LoraLinear(zero, state, a, b)
     x = torch.randn(7, fan_in, generator=gen)
     for ids, counts in [(["y", None, "x"], [3, 1, 3]), (["z", "z"], [4, 3]),
                         ([None, "x", "y", "z"], [1, 2, 2, 2])]:
         state.begin_step(ids, counts)
-        slots = [-1 if i is None else state.slot_of[i] for i, n in zip(ids, counts) for _ in range(n)]
+        slots = torch.tensor([-1 if i is None else state.slot_of[i] for i, n in zip(ids, counts) for _ in range(n)])
+        expected = torch.cat([lora.bgmv_delta(x, a[:, p], b[p], slots) for p in range(len(outs))], dim=1)
         with torch.no_grad():
-            torch.testing.assert_close(layer(x), lora.bgmv_delta(x, a, b, torch.tensor(slots)))
+            torch.testing.assert_close(layer(x), expected)
     state.begin_step([None, None], [3, 4])
     assert state.step is None
     with torch.no_grad():
-        assert torch.equal(layer(x), torch.zeros(7, fan_out))
+        assert torch.equal(layer(x), torch.zeros(7, sum(outs)))
 
 
 def _copy(adapter, tmp_path, config=None, tensors=None):

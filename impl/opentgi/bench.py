@@ -355,11 +355,10 @@ def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int, repea
     slots = state.step.token_slots
     layers = []
     for _, modules in GROUPS.values():
-        parts, fan_in, fan_out = len(modules), shapes[modules[0]][0], sum(shapes[m][1] for m in modules)
-        a = torch.randn(num_adapters, parts * rank, fan_in, generator=gen)
-        b = torch.randn(num_adapters, parts * rank, fan_out, generator=gen)
-        stacked = LoraLinear(lambda x, n=fan_out: x.new_zeros(x.shape[0], n), state,
-                             a.flatten(0, 1), b.flatten(0, 1), parts)
+        fan_in, outs = shapes[modules[0]][0], [shapes[m][1] for m in modules]
+        a = torch.randn(num_adapters, len(modules), rank, fan_in, generator=gen) / fan_in ** 0.5
+        b = [torch.randn(num_adapters, rank, out, generator=gen) * 0.01 for out in outs]
+        stacked = LoraLinear(lambda x, n=sum(outs): x.new_zeros(x.shape[0], n), state, a, b)
         layers.append((stacked, a, b, torch.randn(num_tokens, fan_in, generator=gen)))
 
     def timed(fn) -> float:
@@ -374,7 +373,8 @@ def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int, repea
 
     with torch.inference_mode():
         dense = timed(lambda stacked, a, b, x: stacked(x))
-        gather = timed(lambda stacked, a, b, x: bgmv_delta(x, a, b, slots))
+        gather = timed(lambda stacked, a, b, x: torch.cat([bgmv_delta(x, a[:, p], b[p], slots)
+                                                           for p in range(len(b))], dim=1))
     return dense, gather
 
 

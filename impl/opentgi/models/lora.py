@@ -9,18 +9,18 @@ saying which adapter and why.
 
 Serving (`attach_lora`): every adapted projection of the model (the fused `qkv_proj` and
 `gate_up_proj`, `o_proj`, `down_proj`) is wrapped in a `LoraLinear`. Per layer and projection, the
-A matrices of all adapters are stacked into one shrink matrix [slots*parts*R, in] and the B matrices
-(scaled by alpha/r, each part in its own output columns) into one expand matrix [slots*parts*R, out],
-ranks zero-padded to the largest R. A step whose rows use adapters computes, for every token,
+A matrices of all adapters are stacked into one shrink matrix [in, parts*slots*R] and the B matrices
+(scaled by alpha/r) into one expand matrix [slots*R, out] per fused part, ranks zero-padded to the
+largest R. A step whose rows use adapters computes, for every token,
 
-    y = base(x) + ((x @ A_stack.T) * mask) @ B_stack
+    y = base(x) + ((x @ shrink) * mask) @ expand        (per part, into that part's columns)
 
 where `mask` keeps, for each token, only the columns of its row's adapter (built once per step and
 shared by every layer). Only the adapters the step uses are stacked in (`index_select` when it uses
-fewer than are loaded). This is punica's BGMV (a gathered A/B per row) done as two dense matmuls:
-measured on CPU against the per-row gather (`bgmv_delta`, kept as the reference the tests compare
-against), see docs/benchmarks.md. A step where no row uses an adapter, or a server without
-adapters, does no LoRA work at all.
+fewer than are loaded). This is punica's BGMV (a gathered A/B per row) done as dense matmuls:
+`bench.py --lora` measures it against the per-token gather (`bgmv_delta`, kept as the reference
+the tests compare against). A step where no row uses an adapter, or a server without adapters,
+does no LoRA work at all.
 """
 
 from __future__ import annotations
@@ -254,16 +254,17 @@ class LoraStep:
     def __init__(self, token_slots: torch.Tensor, used_slots: list[int], num_slots: int, rank: int, dtype):
         self.token_slots = token_slots
         self.all_slots = len(used_slots) == num_slots
+        self.num_used = len(used_slots)
         self.used = torch.tensor(used_slots, device=token_slots.device)
         onehot = (token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(dtype)  # [T, used]
-        self._onehot = onehot
-        self._rank = rank
+        self._slot_mask = onehot.repeat_interleave(rank, dim=1)  # [T, used*R]: columns (slot, r)
         self._masks: dict[int, torch.Tensor] = {}
 
     def mask(self, parts: int) -> torch.Tensor:
+        """[T, parts*used*R], columns (part, slot, r): 1 where the slot is the token's adapter."""
         found = self._masks.get(parts)
         if found is None:
-            found = self._masks[parts] = self._onehot.repeat_interleave(parts * self._rank, dim=1)
+            found = self._masks[parts] = self._slot_mask.repeat(1, parts)
         return found
 
 
@@ -294,17 +295,22 @@ class LoraState:
 
 
 class LoraLinear(nn.Module):
-    """A projection with the stacked LoRA matrices of every adapter: base(x) plus, for the tokens of
-    rows using an adapter, that adapter's scaled B(A(x))."""
+    """A projection (one or several fused parts, e.g. q/k/v) with the stacked LoRA matrices of every
+    adapter: base(x) plus, for the tokens of rows using an adapter, that adapter's scaled B(A(x)).
 
-    def __init__(self, base: nn.Module, state: LoraState, shrink: torch.Tensor, expand: torch.Tensor,
-                 parts: int):
+    a: [slots, parts, R, in]; b: per part [slots, R, out_p] (already scaled; zero rows pad smaller
+    ranks, zero matrices stand for parts an adapter does not adapt). Kept as shrink [in, parts*slots*R]
+    (columns (part, slot, r), transposed: measured 1.7x faster than multiplying by A.T on CPU) and one
+    expand [slots*R, out_p] per part, each adding into its own output columns."""
+
+    def __init__(self, base: nn.Module, state: LoraState, a: torch.Tensor, b: list[torch.Tensor]):
         super().__init__()
         self.base = base
         self.state = state
-        self.parts = parts
-        self.register_buffer("shrink", shrink, persistent=False)  # [S*parts*R, in]
-        self.register_buffer("expand", expand, persistent=False)  # [S*parts*R, out]
+        self.num_slots, self.parts, self.rank, fan_in = a.shape
+        self.shrink = a.permute(3, 1, 0, 2).reshape(fan_in, -1).contiguous()
+        self.expand = [part.reshape(-1, part.shape[-1]).contiguous() for part in b]
+        self.out_sizes = [part.shape[-1] for part in b]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -313,36 +319,39 @@ class LoraLinear(nn.Module):
             return y
         shrink, expand = self.shrink, self.expand
         if not step.all_slots:  # only the adapters this step uses
-            width = self.parts * self.state.rank
-            shrink = shrink.view(-1, width, shrink.shape[-1]).index_select(0, step.used).flatten(0, 1)
-            expand = expand.view(-1, width, expand.shape[-1]).index_select(0, step.used).flatten(0, 1)
-        h = torch.mm(x, shrink.t()).mul_(step.mask(self.parts))
-        return y.addmm_(h, expand)
+            shrink = shrink.view(-1, self.parts, self.num_slots, self.rank).index_select(2, step.used)
+            shrink = shrink.reshape(shrink.shape[0], -1)
+            expand = [e.view(self.num_slots, self.rank, -1).index_select(0, step.used).flatten(0, 1)
+                      for e in expand]
+        h = torch.mm(x, shrink).mul_(step.mask(self.parts))
+        if self.parts == 1:
+            return y.addmm_(h, expand[0])
+        width = step.num_used * self.rank
+        col = 0
+        for p, size in enumerate(self.out_sizes):
+            y[:, col:col + size].addmm_(h[:, p * width:(p + 1) * width], expand[p])
+            col += size
+        return y
 
 
 def _stack(adapters: list[LoraAdapter], layer: int, modules: tuple[str, ...], shapes, rank: int,
-           dtype, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Shrink [S*P*R, in] and expand [S*P*R, out_total] of one projection group, or None when no
-    adapter touches it. Rows (slot, part, r); part p's B fills only its own output columns."""
+           dtype, device) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """A [slots, parts, R, in] and B per part [slots, R, out_p] (scaled) of one projection group, or
+    None when no adapter touches it."""
     if not any((layer, m) in ad.weights for ad in adapters for m in modules):
         return None
     fan_in = shapes[modules[0]][0]
-    outs = [shapes[m][1] for m in modules]
-    num_parts = len(modules)
-    shrink = torch.zeros(len(adapters), num_parts, rank, fan_in, dtype=torch.float32)
-    expand = torch.zeros(len(adapters), num_parts, rank, sum(outs), dtype=torch.float32)
+    a_all = torch.zeros(len(adapters), len(modules), rank, fan_in, dtype=torch.float32)
+    b_all = [torch.zeros(len(adapters), rank, shapes[m][1], dtype=torch.float32) for m in modules]
     for s, adapter in enumerate(adapters):
-        col = 0
         for p, module in enumerate(modules):
             pair = adapter.weights.get((layer, module))
             if pair is not None:
                 a, b = pair
                 r = a.shape[0]
-                shrink[s, p, :r] = a.float()
-                expand[s, p, :r, col:col + outs[p]] = (b.float() * adapter.scaling).t()
-            col += outs[p]
-    return (shrink.reshape(-1, fan_in).to(device=device, dtype=dtype).contiguous(),
-            expand.reshape(-1, sum(outs)).to(device=device, dtype=dtype).contiguous())
+                a_all[s, p, :r] = a.float()
+                b_all[p][s, :r] = (b.float() * adapter.scaling).t()
+    return (a_all.to(device=device, dtype=dtype), [b.to(device=device, dtype=dtype) for b in b_all])
 
 
 def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
@@ -359,6 +368,6 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
             parent = getattr(layer, owner)
             stacked = _stack(adapters, i, modules, shapes, rank, spec.dtype, spec.device)
             if stacked is not None:
-                setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked, parts=len(modules)))
+                setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked))
     model.lora = state
     return state
