@@ -169,8 +169,8 @@ def test_delta_equals_per_row_gather():
     torch.nn.init.zeros_(zero.weight)
     layer = lora.LoraLinear(zero, state, a, b)
     x = torch.randn(7, fan_in, generator=gen)
-    for ids, counts in [(["y", None, "x"], [3, 1, 3]), (["z", "z"], [4, 3]),
-                        ([None, "x", "y", "z"], [1, 2, 2, 2])]:
+    for ids, counts in [(["y", None, "x"], [3, 1, 3]), (["x", "y"], [5, 2]), (["z", "z"], [4, 3]),
+                        ([None, "x", "y", "z"], [1, 2, 2, 2]), (["y", None, "x"], [3, 1, 3])]:
         state.begin_step(ids, counts)
         slots = torch.tensor([-1 if i is None else state.slot_of[i] for i, n in zip(ids, counts) for _ in range(n)])
         expected = torch.cat([lora.bgmv_delta(x, a[:, p], b[p], slots) for p in range(len(outs))], dim=1)

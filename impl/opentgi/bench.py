@@ -391,36 +391,43 @@ def lora_comparison(args, loaded, prompts: list[str]) -> str:
         server_args = argparse.Namespace(**vars(args))
         server_args.server_arg = [*args.server_arg, "--lora-adapters", ",".join(f"{p.name}={p}" for p in paths)]
         totals = {k: [0, 0.0, 0, 0] for k in counts}  # tokens, wall, requests, errors
+        rounds: dict[int, list[float]] = {k: [] for k in counts}
         with local_server(server_args) as url:
             asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit, names))  # warm-up
-            n = min(args.max_requests, max(4, 2 * c))
             for round_ in range(args.lora_rounds):
                 for k in counts:
-                    lv = asyncio.run(run_level(url, prompts, c, n, args.new_tokens, args.level_time_limit,
+                    # a fresh prefix on every prompt: no level is helped by the prefix cache
+                    unique = [f"{uuid.uuid4().hex[:8]} {p}" for p in (prompts * c)[:c]]
+                    lv = asyncio.run(run_level(url, unique, c, c, args.new_tokens, args.level_time_limit,
                                                names[:k]))
                     t = totals[k]
                     t[0] += lv.tokens
                     t[1] += lv.wall_s
                     t[2] += lv.requests
                     t[3] += lv.errors
+                    rounds[k].append(lv.throughput)
                     print(f"round {round_ + 1}, {k} adapters: {lv.throughput:.1f} tokens/s", flush=True)
-    base_tps = totals[counts[0]][0] / totals[counts[0]][1]
+    base_median = statistics.median(rounds[counts[0]])
     ops = {k: lora_op_timings(loaded.hf_config, k, args.lora_rank, c) for k in counts if k}
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — LoRA adapters mixed, {loaded.model_id}",
         "",
         f"Machine: {machine_line(args.num_threads)}.",
         (f"One server with {max(counts)} random rank-{args.lora_rank} adapters on all seven projections loaded; "
-         f"concurrency {c}, greedy, {args.new_tokens} new tokens, requests cycling through the first k "
-         f"adapters (k = 0: the base model), {args.lora_rounds} interleaved rounds summed."),
+         f"concurrency {c}, greedy, {args.new_tokens} new tokens, prompts of "
+         f"{'/'.join(map(str, PROMPT_TOKENS))} tokens each with a fresh prefix (no prefix-cache hits), "
+         f"requests cycling through the first k adapters (k = 0: the base model); {args.lora_rounds} "
+         f"interleaved rounds of {c} requests each."),
         "",
-        "| adapters mixed | requests | tokens | tokens/s | time per token vs base |",
-        "|---:|---:|---:|---:|---:|",
+        "| adapters mixed | requests | tokens | tokens/s (all rounds) | tokens/s (median round) "
+        "| time per token vs base (median rounds) |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for k in counts:
         tokens, wall, requests, errors = totals[k]
         tps = tokens / wall if wall else 0.0
-        lines.append(f"| {k} | {requests} | {tokens} | {tps:.1f} | {base_tps / tps:.2f}x |"
+        median = statistics.median(rounds[k])
+        lines.append(f"| {k} | {requests} | {tokens} | {tps:.1f} | {median:.1f} | {base_median / median:.2f}x |"
                      + (f" ({errors} errors)" if errors else ""))
     lines += ["", f"The LoRA delta alone, every layer of one {c}-token decode step (median ms, same weights):", "",
               "| adapters mixed | stacked shrink/expand (served) | per-token gather (punica BGMV in torch) |",
@@ -450,7 +457,7 @@ def parse_args(argv=None):
     p.add_argument("--lora", help="only the LoRA comparison: comma-separated adapter counts mixed, e.g. 0,1,4")
     p.add_argument("--lora-concurrency", type=int, default=16, help="concurrency of the LoRA comparison")
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the random adapters (--lora)")
-    p.add_argument("--lora-rounds", type=int, default=2, help="interleaved rounds (--lora)")
+    p.add_argument("--lora-rounds", type=int, default=5, help="interleaved rounds (--lora)")
     return p.parse_args(argv)
 
 

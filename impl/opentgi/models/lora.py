@@ -256,6 +256,7 @@ class LoraStep:
         self.all_slots = len(used_slots) == num_slots
         self.num_used = len(used_slots)
         self.used = torch.tensor(used_slots, device=token_slots.device)
+        self.used_key = tuple(used_slots)
         onehot = (token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(dtype)  # [T, used]
         self._slot_mask = onehot.repeat_interleave(rank, dim=1)  # [T, used*R]: columns (slot, r)
         self._masks: dict[int, torch.Tensor] = {}
@@ -311,6 +312,20 @@ class LoraLinear(nn.Module):
         self.shrink = a.permute(3, 1, 0, 2).reshape(fan_in, -1).contiguous()
         self.expand = [part.reshape(-1, part.shape[-1]).contiguous() for part in b]
         self.out_sizes = [part.shape[-1] for part in b]
+        self._subset_cache: tuple | None = None  # (used slots, shrink, expand) of the last subset
+
+    def _subset(self, step: LoraStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The stacked matrices of the step's adapters only; kept while consecutive steps use the
+        same ones (decode steps mostly do)."""
+        cached = self._subset_cache
+        if cached is not None and cached[0] == step.used_key:
+            return cached[1], cached[2]
+        shrink = self.shrink.view(-1, self.parts, self.num_slots, self.rank).index_select(2, step.used)
+        shrink = shrink.reshape(shrink.shape[0], -1)
+        expand = [e.view(self.num_slots, self.rank, -1).index_select(0, step.used).flatten(0, 1)
+                  for e in self.expand]
+        self._subset_cache = (step.used_key, shrink, expand)
+        return shrink, expand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -319,10 +334,7 @@ class LoraLinear(nn.Module):
             return y
         shrink, expand = self.shrink, self.expand
         if not step.all_slots:  # only the adapters this step uses
-            shrink = shrink.view(-1, self.parts, self.num_slots, self.rank).index_select(2, step.used)
-            shrink = shrink.reshape(shrink.shape[0], -1)
-            expand = [e.view(self.num_slots, self.rank, -1).index_select(0, step.used).flatten(0, 1)
-                      for e in expand]
+            shrink, expand = self._subset(step)
         h = torch.mm(x, shrink).mul_(step.mask(self.parts))
         if self.parts == 1:
             return y.addmm_(h, expand[0])
