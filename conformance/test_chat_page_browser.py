@@ -153,4 +153,7 @@ def test_chat_page_streams_stops_and_fits_a_phone(browser, server):
     overflow = browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 0, f"the page is {overflow}px wider than a phone's screen"
     browser.save_screenshot(str(ARTIFACTS / "phone.png"))
+
+    browser.find_element("id", "new-chat").click()
+    assert browser.find_elements("css selector", ".msg") == []
     print(f"screenshots: {ARTIFACTS}")
