@@ -147,14 +147,21 @@ def documented_validation_statuses(document: dict) -> list[str]:
     return sorted(found)
 
 
-def schemathesis_config(base_url: str, accepted: list[str]) -> SchemathesisConfig:
+def schemathesis_config(base_url: str, accepted: list[str], *, stateful: bool = False) -> SchemathesisConfig:
     return SchemathesisConfig.from_dict({
         "base-url": base_url,
         "request-timeout": 60,
         "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
-        "phases": {"stateful": {"enabled": False}},
+        "phases": {"stateful": {"enabled": stateful}},
         "checks": {"positive_data_acceptance": {"expected-statuses": DEFAULT_ACCEPTED + accepted}},
     })
+
+
+def has_links(document: dict) -> bool:
+    return any("links" in (response or {})
+               for path_item in (document.get("paths") or {}).values()
+               for operation in path_item.values() if isinstance(operation, dict)
+               for response in (operation.get("responses") or {}).values())
 
 
 def _operation_tests(document: Path):
@@ -173,9 +180,38 @@ def _operation_tests(document: Path):
     return test_operation
 
 
-# test_tgi, test_lightllm, test_sensenova, ...: pytest collects one test per operation of each.
+STATEFUL_EXAMPLES = 8
+STATEFUL_STEPS = 4
+
+
+def _stateful_test(document: Path):
+    """Schemathesis' stateful phase over the document's OpenAPI links (e.g. /tokenize -> /generate:
+    the text just tokenized is generated from), every response checked as in the per-operation runs."""
+    raw = load_document(document)
+    config = schemathesis_config("http://127.0.0.1", documented_validation_statuses(raw), stateful=True)
+    machine = schemathesis.openapi.from_dict(rewrap_event_streams(raw), config=config).as_state_machine()
+
+    def test_links(live_server, live_settings):
+        base_url = live_server + base_path_of(document, live_settings)
+
+        class Workflow(machine):
+            def get_call_kwargs(self, case):
+                return {"base_url": base_url}
+
+        Workflow.run(settings=hypothesis.settings(
+            max_examples=STATEFUL_EXAMPLES, stateful_step_count=STATEFUL_STEPS, deadline=None,
+            derandomize=True, database=None, suppress_health_check=list(hypothesis.HealthCheck)))
+
+    return test_links
+
+
+# test_tgi, test_lightllm, test_sensenova, ...: pytest collects one test per operation of each, and
+# test_tgi_links, ...: the stateful phase of each document with links.
 for _document in documents():
-    globals()[f"test_{_document.stem.replace('-', '_').replace('.', '_')}"] = _operation_tests(_document)
+    _name = f"test_{_document.stem.replace('-', '_').replace('.', '_')}"
+    globals()[_name] = _operation_tests(_document)
+    if has_links(load_document(_document)):
+        globals()[f"{_name}_links"] = _stateful_test(_document)
 
 
 def test_every_document_is_mounted(live_settings):

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 8cb13943427ed1db) by codegen with
+# GENERATED from openapi/tgi.json (sha256 80317d41bf2b6ffd) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
