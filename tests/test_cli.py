@@ -31,8 +31,10 @@ def test_flags_fill_settings():
 
 def test_environment_variables_like_tgi_and_flag_wins():
     env = {"MODEL_ID": "env-model", "PORT": "7000", "MAX_INPUT_LENGTH": "50", "JSON_OUTPUT": "true",
-           "MAX_BEST_OF": "3"}
+           "MAX_BEST_OF": "3", "SPECULATE": "3"}
     settings = parse(["--port", "7001"], env)
+    assert settings.speculate == 3
+    assert parse(["--speculate", "5"], env).speculate == 5
     assert settings.model_id == "env-model"
     assert settings.port == 7001
     assert settings.max_input_tokens == 50  # TGI's legacy name still works
@@ -52,7 +54,8 @@ def test_switches_and_renamed_fields(tmp_path):
 
 
 @pytest.mark.parametrize("argv,env", [(["--api", "grpc"], {}), ([], {"PORT": "eighty"}),
-                                      (["--fim-template", "<PRE>{prefix}<MID>"], {})])
+                                      (["--fim-template", "<PRE>{prefix}<MID>"], {}),
+                                      (["--speculate", "-1"], {})])
 def test_bad_values_exit_with_a_message(argv, env):
     with pytest.raises(SystemExit) as info:
         parse(argv, env)

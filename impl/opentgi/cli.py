@@ -103,6 +103,8 @@ OPTIONS: tuple[Option, ...] = (
            is_switch=True),
     Option("--cuda-memory-fraction", float, "fraction of the GPU's memory the server may use; the KV "
            "cache gets what the weights and the largest step leave of it (default 1.0)"),
+    Option("--speculate", int, "speculative decoding: up to N n-gram (prompt lookup) draft tokens "
+           "verified per decode step (default: off)"),
     Option("--block-size", int, "KV cache block size in tokens (default: 16 on CPU, 256 with flash-attn)"),
     Option("--disable-grammar-support", _bool, "reject grammar / response_format", is_switch=True),
     Option("--watermark-gamma", float, "watermark green-list fraction (default 0.5)"),
@@ -164,6 +166,8 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
             setattr(settings, renamed.get(name, name), value)
     if not 0.0 < settings.cuda_memory_fraction <= 1.0:
         raise SystemExit(f"opentgi: --cuda-memory-fraction must be in (0, 1], got {settings.cuda_memory_fraction}")
+    if settings.speculate is not None and settings.speculate < 0:
+        raise SystemExit(f"opentgi: --speculate must be 0 or more, got {settings.speculate}")
     if settings.api not in ("tgi", "lightllm"):
         raise SystemExit(f"opentgi: --api must be tgi or lightllm, got {settings.api!r}")
     if settings.fim_template:

@@ -64,6 +64,7 @@ class Settings:
     block_size: int | None = None  # None = the attention backend's preference (16 CPU, 256 flash-attn)
     cuda_memory_fraction: float = 1.0  # CUDA: fraction of the device's memory the server may use
     kv_cache_cpu_bytes: int = 2 << 30  # CPU: KV pool budget when max_batch_total_tokens is unset
+    speculate: int | None = None  # n-gram drafts verified per decode step (TGI's --speculate); None/0 = off
 
     # --- dialect extras ------------------------------------------------------------------------
     fim_template: str | None = None  # e.g. "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"

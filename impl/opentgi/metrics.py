@@ -24,7 +24,8 @@ prometheus-client would add, so the exposition is written here in TGI's text for
 (`# TYPE name kind`, samples, one blank line between families). Histogram buckets, as TGI's router
 sets them: every `*_duration` histogram 0.0001 * 1.5^k for k = 1..35; `tgi_request_input_length`
 max_input_tokens/100 * (1..100); `tgi_request_generated_tokens` and `tgi_request_max_new_tokens`
-max_total_tokens/100 * (1..100); `tgi_batch_next_size` 1..1024.
+max_total_tokens/100 * (1..100); `tgi_batch_next_size` 1..1024; `tgi_request_skipped_tokens` (with
+`--speculate N`: per generation step of a sequence, the drafts it kept) 0..N.
 
 Where each TGI metric comes from: the `tgi_request_*` ones from the API handlers (request_started /
 request_finished; input length and max_new_tokens are recorded when given, as TGI records them once
@@ -177,6 +178,12 @@ class Metrics:
         self.generation_tokens = c("opentgi_generation_tokens_total")
         # requests queued per LoRA adapter (label: the adapter's name, or the base model's id)
         self.adapter_requests = c("opentgi_adapter_requests_total", ("adapter",))
+        # --- speculative decoding (--speculate) ---
+        self.request_skipped_tokens = h("tgi_request_skipped_tokens", [0.0])
+        self.spec_draft_tokens = c("opentgi_spec_draft_tokens_total")
+        self.spec_accepted_tokens = c("opentgi_spec_accepted_tokens_total")
+        self.spec_acceptance_rate = g("opentgi_spec_acceptance_rate")
+        self.request_skipped_tokens.children.clear()  # shown once speculation runs
         self.observer = MetricsObserver(self)
 
     # --- definitions ---------------------------------------------------------------------------
@@ -204,6 +211,12 @@ class Metrics:
                 family.buckets = linear_buckets(limit)
                 family.children.clear()
                 family._child(())
+
+    def set_speculate(self, num_speculative_tokens: int) -> None:
+        """Buckets of tgi_request_skipped_tokens, 0..N as TGI's router sets them."""
+        with self._lock:
+            self.request_skipped_tokens.buckets = [float(x) for x in range(num_speculative_tokens + 1)]
+            self.request_skipped_tokens.children.clear()
 
     # --- request level (API handlers) ----------------------------------------------------------
     def request_started(self) -> None:
@@ -307,6 +320,17 @@ class MetricsObserver(EngineObserver):
         with self.m._lock:
             self.m.prompt_tokens.inc(amount=input_tokens)
             self.m.generation_tokens.inc(amount=generated_tokens)
+
+    def on_speculation(self, *, draft_tokens: list[int], accepted_tokens: list[int]) -> None:
+        m = self.m
+        with m._lock:
+            for kept in accepted_tokens:
+                m.request_skipped_tokens.observe(kept)
+            m.spec_draft_tokens.inc(amount=sum(draft_tokens))
+            m.spec_accepted_tokens.inc(amount=sum(accepted_tokens))
+            drafted = m.spec_draft_tokens.children[()][0]
+            if drafted:
+                m.spec_acceptance_rate.set(m.spec_accepted_tokens.children[()][0] / drafted)
 
     def on_preemption(self, num_sequences: int) -> None:
         with self.m._lock:

@@ -224,6 +224,7 @@ def app_metrics(engine, metrics=None):
         observer = getattr(engine, "observer", None)
         metrics = observer.m if isinstance(observer, MetricsObserver) else Metrics()
     metrics.set_limits(engine.info.max_input_tokens, engine.info.max_total_tokens)
+    metrics.set_speculate(getattr(engine.info, "speculate", 0))
     return install(metrics)  # the module-level recording functions forward to this app's instance
 
 

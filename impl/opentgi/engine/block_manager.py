@@ -189,6 +189,17 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (they held only rejected speculative
+        drafts: never full of computed tokens, so never hashed)."""
+        keep = self.blocks_for(len(seq.token_ids))
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, "trim of a shared or cached block"
+            block.ref_count = 0
+            self.free_block_ids.append(block_id)
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its blocks go to the LRU list (hashed) or the free list.
         Freed in reverse, so a prompt's tail is evicted before its head."""

@@ -93,7 +93,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(
             prefill_budget=budget, chunked_prefill=chunked, max_waiting_tokens=settings.max_waiting_tokens,
             waiting_served_ratio=settings.waiting_served_ratio, max_batch_size=settings.max_batch_size,
-            watermark_blocks=max(0, num_blocks // 100), share_prefix=runner.kind == "paged"),
+            watermark_blocks=max(0, num_blocks // 100), share_prefix=runner.kind == "paged",
+            num_speculative_tokens=info.speculate),
             self.block_manager)
         self.sampler = Sampler(spec.vocab_size, torch.device(spec.device))
         self.core = EngineCore(runner=runner, scheduler=self.scheduler, sampler=self.sampler,

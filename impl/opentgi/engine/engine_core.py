@@ -24,6 +24,7 @@ from opentgi.engine.request_state import Delivery, RequestState
 from opentgi.engine.sampler import Sampler
 from opentgi.engine.scheduler import Scheduler, SchedulerOutput
 from opentgi.engine.sequence import Sequence
+from opentgi.engine.speculative import verify
 from opentgi.engine.step_plan import RowTokens, StepPlan
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,18 @@ class EngineCore:
         if not plan.sample_rows:
             return tokens
         sampled = [out.seqs[r] for r in plan.sample_rows]
+        drafts = [s.draft_token_ids for s in sampled]
+        if any(drafts):
+            vout = verify(self.sampler, sampled, drafts, result.sample_logits)
+            for i, row in enumerate(plan.sample_rows):
+                tokens.token_ids[row], tokens.logprobs[row], tokens.top[row] = \
+                    vout.token_ids[i], vout.logprobs[i], vout.top[i]
+            self.observer.on_speculation(draft_tokens=[len(d) for d in drafts],
+                                         accepted_tokens=[len(t) - 1 for t in vout.token_ids])
+            return tokens
         sout = self.sampler.sample(sampled, result.sample_logits)
+        if self.scheduler.proposer is not None:  # TGI records every generation's skipped tokens
+            self.observer.on_speculation(draft_tokens=[0] * len(sampled), accepted_tokens=[0] * len(sampled))
         for i, row in enumerate(plan.sample_rows):
             tokens.token_ids[row] = [sout.token_ids[i]]
             tokens.logprobs[row] = [sout.logprobs[i]]

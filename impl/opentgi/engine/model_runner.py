@@ -1,9 +1,9 @@
 """Runs one step of the paged model: builds the step's tensors from the scheduled sequences, runs
 the forward over the packed ("varlen") batch and returns the logits the engine needs.
 
-Sequence b feeds tokens token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens[b]];
-their k/v go to the slots of its block_table; its attention reads its first context_lens[b]
-tokens.
+Sequence b feeds tokens token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens[b]]
+(with speculative decoding: its last token, then its draft_token_ids); their k/v go to the slots of
+its block_table; its attention reads its first context_lens[b] tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from opentgi.models.attention.metadata import AttentionMetadata
 
 @dataclass
 class StepOutput:
-    sample_logits: torch.Tensor | None  # [len(sample_rows), vocab]: the last new position of each
+    # [sum of k, vocab]: the last k new positions of each sample row in order, k = 1 + its drafts
+    sample_logits: torch.Tensor | None
     position_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [n_new, vocab]
     scores: dict[int, float] = field(default_factory=dict)  # row -> reward model score
 
@@ -61,6 +62,11 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
+            elif seq.draft_token_ids:
+                input_ids.extend(seq.token_ids[start:])
+                input_ids.extend(seq.draft_token_ids)
+                positions.extend(range(start, end))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
             else:
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
@@ -101,7 +107,9 @@ class ModelRunner:
                 self.lora.end_step()
         out = StepOutput(sample_logits=None)
         if sample_rows:
-            last = torch.tensor([cu_q[r + 1] - 1 for r in sample_rows], device=self.device)
+            last = torch.tensor([p for r in sample_rows
+                                 for p in range(cu_q[r + 1] - 1 - len(seqs[r].draft_token_ids), cu_q[r + 1])],
+                                device=self.device)
             out.sample_logits = self.model.compute_logits(hidden.index_select(0, last))
         for r in logit_rows:
             out.position_logits[r] = self.model.compute_logits(hidden[cu_q[r]:cu_q[r + 1]])

@@ -38,3 +38,7 @@ class EngineObserver:
     def on_prefix_cache(self, *, hit_tokens: int, query_tokens: int) -> None:
         """Cumulative totals since start (as EngineStats.prefix_hit_tokens / prefix_query_tokens),
         reported after a step that changed them."""
+
+    def on_speculation(self, *, draft_tokens: list[int], accepted_tokens: list[int]) -> None:
+        """With --speculate, after each step that generated tokens: per sequence that did, the
+        drafts it fed and how many of them were kept (TGI's tgi_request_skipped_tokens)."""

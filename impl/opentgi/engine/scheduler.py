@@ -14,7 +14,10 @@ left of the budget. Knobs, with TGI's meaning:
 - the KV pool (`max_batch_total_tokens`): when a running sequence needs a block and none is free,
   the newest running sequence is preempted (its blocks freed, recomputed later from its tokens).
   The oldest running sequence can always proceed, since every sequence fits the pool alone (the
-  engine rejects those that cannot up front), so the loop never deadlocks.
+  engine rejects those that cannot up front), so the loop never deadlocks;
+- `num_speculative_tokens` (`--speculate`): a running decode that `can_speculate` also feeds up to
+  that many n-gram drafts (engine/speculative.py), verified by the same forward. Drafts never
+  exceed what the sequence may still generate, so a sequence alone still always fits the pool.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 
 from opentgi.engine.block_manager import BlockManager
 from opentgi.engine.sequence import Sequence, SequenceStatus
+from opentgi.engine.speculative import NgramProposer, can_speculate
 
 
 @dataclass
@@ -35,6 +39,7 @@ class SchedulerConfig:
     max_batch_size: int | None = None
     watermark_blocks: int = 0  # admissions leave this many blocks free for running decodes
     share_prefix: bool = True  # reuse cached KV blocks (False on the generic path: HF caches)
+    num_speculative_tokens: int = 0  # n-gram drafts per running decode (0: no speculation)
 
 
 @dataclass
@@ -59,7 +64,8 @@ class SchedulerOutput:
 
     @property
     def has_prefill(self) -> bool:
-        return any(n > 1 for n in self.num_new_tokens) or self.num_admitted > 0
+        return any(n - len(s.draft_token_ids) > 1 for s, n in zip(self.seqs, self.num_new_tokens)) \
+            or self.num_admitted > 0
 
 
 class Scheduler:
@@ -70,6 +76,10 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.steps_since_admission = 0
         self.preemptions_total = 0
+        k = config.num_speculative_tokens
+        self.proposer = NgramProposer(k) if k > 0 else None
+        self.draft_tokens_total = 0  # drafts fed to the model
+        self.accepted_tokens_total = 0  # of those, kept
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -101,6 +111,9 @@ class Scheduler:
                 if n <= 0:
                     i += 1
                     continue
+            elif self.proposer is not None and can_speculate(seq):
+                seq.draft_token_ids = self.proposer.propose(seq)
+                n += len(seq.draft_token_ids)
             while not bm.allocate_slots(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -120,6 +133,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -180,13 +194,25 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, new_token_ids: list[list[int]]) -> None:
         """After the forward: append to each scheduled sequence the tokens chosen for it
         (new_token_ids[row], [] for a prompt chunk that does not complete), advance it past the
-        tokens whose k/v the step wrote, and register its newly full blocks in the prefix cache."""
+        tokens whose k/v the step wrote, and register its newly full blocks in the prefix cache.
+        A speculated row keeps the k/v of its accepted drafts only: those of rejected drafts lie
+        past its computed tokens (never hashed, overwritten later) and the blocks that held
+        nothing else are given back."""
         bm = self.block_manager
         for seq, n, tokens in zip(out.seqs, out.num_new_tokens, new_token_ids):
             if tokens:
                 seq.token_ids.extend(tokens)
+            num_drafts = len(seq.draft_token_ids)
+            if num_drafts:
+                # fed: the last token + the drafts; kept: all but the last of `tokens` were drafts
+                n = len(tokens)
+                self.draft_tokens_total += num_drafts
+                self.accepted_tokens_total += n - 1
+                seq.draft_token_ids = []
             seq.num_computed_tokens += n
             bm.commit(seq)
+            if num_drafts:
+                bm.trim(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or cancelled) sequence and free its blocks."""
@@ -195,7 +221,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
+        if self.proposer is not None:
+            self.proposer.forget(seq)
 
     @property
     def num_waiting(self) -> int:

@@ -3,6 +3,8 @@ the engine reports (settings' `None`s resolved against the model)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from opentgi.config import Settings
@@ -10,6 +12,8 @@ from opentgi.engine.gpu_memory import CudaMemory, DeviceMemory, MemoryProfile, S
 from opentgi.engine.info import EngineInfo
 from opentgi.engine.kv_cache import num_kv_blocks
 from opentgi.models.base import ModelSpec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_BLOCK_SIZE = 16
 
@@ -131,6 +135,15 @@ def build_runner(loaded, settings: Settings, memory: DeviceMemory | None = None)
     return ModelRunner(loaded.model, num_blocks, block_size), spec, num_blocks, block_size
 
 
+def speculate_tokens(settings: Settings, runner_kind: str) -> int:
+    """--speculate N on the paged path (the generic path's HF caches cannot roll back drafts)."""
+    n = settings.speculate or 0
+    if n and runner_kind != "paged":
+        log.warning("--speculate %d ignored: this model runs on the generic (transformers) path", n)
+        return 0
+    return n
+
+
 def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, block_size: int,
                runner_kind: str) -> EngineInfo:
     max_total = max_total_tokens_of(settings, spec)
@@ -168,4 +181,5 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
         runner_kind=runner_kind,
         vocab_size=spec.vocab_size,
         adapters=list(getattr(loaded, "adapters", None) or []),
+        speculate=speculate_tokens(settings, runner_kind),
     )
