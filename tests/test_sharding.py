@@ -161,7 +161,8 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def sharded(tiny_llama):
     port = free_port()
-    proc = _spawn_server(tiny_llama, port, "--num-shard", "2", *SERVER_FLAGS)
+    # with speculative decoding: the drafts' logits come back from the shards too
+    proc = _spawn_server(tiny_llama, port, "--num-shard", "2", "--speculate", "3", *SERVER_FLAGS)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(proc, url)

@@ -29,6 +29,12 @@ def _score_value(score: torch.Tensor) -> float:
     return float(score.float().reshape(-1)[0].item())
 
 
+def sample_positions(seqs: list[Sequence], sample_rows: list[int], cu_q: list[int]) -> list[int]:
+    """Where in the flat batch the sampled logits come from: each sample row's last 1 + (its
+    drafts) new positions."""
+    return [p for r in sample_rows for p in range(cu_q[r + 1] - 1 - len(seqs[r].draft_token_ids), cu_q[r + 1])]
+
+
 class ModelRunner:
     kind = "paged"
 
@@ -107,9 +113,7 @@ class ModelRunner:
                 self.lora.end_step()
         out = StepOutput(sample_logits=None)
         if sample_rows:
-            last = torch.tensor([p for r in sample_rows
-                                 for p in range(cu_q[r + 1] - 1 - len(seqs[r].draft_token_ids), cu_q[r + 1])],
-                                device=self.device)
+            last = torch.tensor(sample_positions(seqs, sample_rows, cu_q), device=self.device)
             out.sample_logits = self.model.compute_logits(hidden.index_select(0, last))
         for r in logit_rows:
             out.position_logits[r] = self.model.compute_logits(hidden[cu_q[r]:cu_q[r + 1]])

@@ -2,8 +2,9 @@
 
 Rank 0 (the driver, which owns the scheduler and the block manager) builds each step's tensors as
 the single-shard runner does and broadcasts them: a fixed header of sizes, then one int64 payload
-(input ids, positions, slot mapping, cu_seqlens_q/k, context lens, block tables, and the rows to
-sample, to return position logits for and to score). Every rank runs its shard of the forward pass
+(input ids, positions, slot mapping, cu_seqlens_q/k, context lens, block tables, the positions to
+sample from (each sample row's last one, and with speculative decoding its drafts'), and the rows
+to return position logits for and to score). Every rank runs its shard of the forward pass
 on them; the LM head's vocabulary slices are gathered on rank 0, which samples. The other ranks run
 `serve_forever`, which receives steps until the driver says stop.
 
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from opentgi.engine.model_runner import ModelRunner, StepOutput, _score_value
+from opentgi.engine.model_runner import ModelRunner, StepOutput, _score_value, sample_positions
 from opentgi.models.attention.metadata import AttentionMetadata
 
 _STEP, _NOOP, _STOP = 1, 2, 3
@@ -43,8 +44,8 @@ class ShardedModelRunner(ModelRunner):
     def execute(self, seqs, num_new_tokens, sample_rows, logit_rows=(), score_rows=()) -> StepOutput:
         if self.failure is not None:
             raise RuntimeError(self.failure)
-        input_ids, positions, attn, _cu_q = self.prepare(seqs, num_new_tokens)
-        rows = [list(sample_rows), list(logit_rows), list(score_rows)]
+        input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)
+        rows = [sample_positions(seqs, sample_rows, cu_q), list(logit_rows), list(score_rows)]
         with self._lock:
             self._send(_STEP, input_ids, positions, attn, rows)
             return self._run(input_ids, positions, attn, rows)
@@ -89,12 +90,12 @@ class ShardedModelRunner(ModelRunner):
 
     # --- every rank ------------------------------------------------------------------------------
     def _run(self, input_ids, positions, attn: AttentionMetadata, rows) -> StepOutput | None:
-        sample_rows, logit_rows, score_rows = rows
+        sample_at, logit_rows, score_rows = rows
         hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
         cu_q = attn.cu_seqlens_q.tolist()
         out = StepOutput(sample_logits=None)
-        if sample_rows:
-            last = torch.tensor([cu_q[r + 1] - 1 for r in sample_rows], device=self.device)
+        if sample_at:
+            last = torch.tensor(sample_at, device=self.device)
             out.sample_logits = self._logits(hidden.index_select(0, last))
         for r in logit_rows:
             out.position_logits[r] = self._logits(hidden[cu_q[r]:cu_q[r + 1]])
