@@ -1,5 +1,6 @@
-"""Start-up as a user sees it: `opentgi serve` and `text-generation-launcher` in a subprocess on the tiny
-Llama; no warnings on stderr, the links to open printed, the server answering."""
+"""Start-up as a user sees it: `text-generation-launcher` (which runs `opentgi serve`'s start-up) in a
+subprocess on the tiny Llama folder; no warnings on stderr, the links to open printed, the server
+answering with the flags given."""
 
 import os
 import re
@@ -9,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from conformance.live import free_port
 from tests import tiny_models
@@ -42,32 +42,21 @@ def _run_until_healthy(argv, port, timeout_s=180):
     return info, stderr
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> str:
-    return str(tiny_models.tiny_llama_path())
-
-
-def test_opentgi_serve_starts_quietly_and_prints_its_links(tiny_model):
-    port = free_port()
-    argv = [sys.executable, "-W", "default", "-c", AS_A_FRESH_INSTALL + "from opentgi.cli import main; main()",
-            "serve", "--model-id", tiny_model, "--port", str(port), "--num-threads", "1"]
-    info, stderr = _run_until_healthy(argv, port)
-    assert info.status_code == 200
-    assert not re.search(r"\w*Warning\b", stderr), stderr
-    assert f"API: http://localhost:{port}" in stderr
-    assert f"Swagger UI: http://localhost:{port}/docs" in stderr
-    assert f"chat page: http://localhost:{port}/" in stderr
-    assert "Adding spec json" not in stderr  # Connexion's line per document
-
-
-def test_text_generation_launcher_serves_a_model_folder(tiny_model):
+def test_text_generation_launcher_serves_a_model_folder_quietly_and_prints_its_links():
+    """One server start (they are slow on 2 cores): the launcher runs `opentgi serve`'s own start-up."""
     scripts = (ROOT / "pyproject.toml").read_text(encoding="utf-8").split("[project.scripts]")[1]
     target = re.search(r'^text-generation-launcher = "([\w.:]+)"', scripts, re.M).group(1)
     module, _, function = target.partition(":")
     port = free_port()
     # The console script pip writes calls `target`; the checkout's declaration is what is tested here.
-    argv = [sys.executable, "-c", f"import sys; from {module} import {function}; sys.exit({function}())",
-            "--model-id", tiny_model, "--port", str(port), "--max-input-length", "100"]
+    code = AS_A_FRESH_INSTALL + f"from {module} import {function}; sys.exit({function}())"
+    argv = [sys.executable, "-W", "default", "-c", code, "--model-id", str(tiny_models.tiny_llama_path()),
+            "--port", str(port), "--max-input-length", "100", "--num-threads", "1"]
     info, stderr = _run_until_healthy(argv, port)
     assert info.status_code == 200, stderr
-    assert info.json()["max_input_tokens"] == 100
+    assert info.json()["max_input_tokens"] == 100  # TGI's legacy flag name
+    assert not re.search(r"\w*Warning\b", stderr), stderr
+    assert f"API: http://localhost:{port}" in stderr
+    assert f"Swagger UI: http://localhost:{port}/docs" in stderr
+    assert f"chat page: http://localhost:{port}/" in stderr
+    assert "Adding spec json" not in stderr  # Connexion's line per document
