@@ -9,6 +9,8 @@ over a small pool and a tiny vocabulary (so prefixes collide often), and checks 
   (a shadow cache written as the engine would) hold exactly those tokens,
 - every live sequence reads its own tokens back from its blocks (sharing never hands out another
   prefix's k/v, and no sequence writes into a block someone else holds),
+- a full block a running sequence holds is found by its prefix, and one prefix lives in one block
+  (identical prompts computed side by side used to keep two copies, one of them unfindable),
 - freeing everything returns the pool to empty (a rule, and the teardown).
 """
 
@@ -245,6 +247,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert [self.kv[block_id][s] for s in range(bs)] == list(block.token_ids)
         for block_id in bm.evictable:
             assert bm.hash_to_block.get(bm.blocks[block_id].hash) == block_id
+
+    @invariant()
+    def held_prefixes_are_findable_once(self) -> None:
+        """A full block a running sequence holds is found by its prefix (siblings and later prompts
+        share it), and one prefix is held in one block."""
+        bm = self.bm
+        block_of: dict[int, int] = {}
+        for seq in self.running:
+            for i, h in enumerate(seq.block_hashes):
+                assert block_of.setdefault(h, seq.block_table[i]) == seq.block_table[i], "one prefix, two blocks"
+                assert bm.hash_to_block.get(h) == seq.block_table[i], "a held prefix the cache cannot find"
 
     @invariant()
     def sequences_read_their_own_tokens(self) -> None:
