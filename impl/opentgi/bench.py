@@ -288,10 +288,12 @@ def report(levels: list[LevelResult], hf_tps: float, bare_tps: float, cold: floa
                      f"{percentile(lv.ttft, 50):.3f} | {percentile(lv.ttft, 99):.3f} | "
                      f"{percentile(lv.itl, 50) * 1e3:.1f} | {percentile(lv.itl, 99) * 1e3:.1f} |"
                      + (f" ({lv.errors} errors)" if lv.errors else ""))
-    lines += ["", "| measure | value |", "|---|---:|",
-              f"| serial transformers `generate` (tokens/s) | {hf_tps:.1f} |",
-              f"| bare paged forward loop, decode (tokens/s) | {bare_tps:.1f} |",
-              f"| prefix cache, ~1,000-token prompt: cold TTFT (s) | {cold:.3f} |",
+    lines += ["", "| measure | value |", "|---|---:|"]
+    if hf_tps:
+        lines.append(f"| serial transformers `generate` (tokens/s) | {hf_tps:.1f} |")
+    if bare_tps:
+        lines.append(f"| bare paged forward loop, decode (tokens/s) | {bare_tps:.1f} |")
+    lines += [f"| prefix cache, ~1,000-token prompt: cold TTFT (s) | {cold:.3f} |",
               f"| prefix cache, same prompt again: warm TTFT (s) | {warm:.3f} |"]
     ratios = []
     if 16 in by_c and hf_tps:
@@ -554,7 +556,7 @@ def main(argv=None) -> None:
     if breakdown:
         extra += ["", f"Where a decode step's time goes ({loaded.spec.dtype}, engine in the benchmark's "
                   "process, medians):", ""] + bench_steps.table(breakdown)
-    if not hf_tps:
+    if not hf_tps and levels:  # --concurrency '': only the side-by-side and the breakdown
         hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, baseline_prompts, args.new_tokens)
         print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
     text = report(levels, hf_tps, bare_tps, cold, warm, args, f"{loaded.model_id}, {loaded.spec.dtype}", extra)
