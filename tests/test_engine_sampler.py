@@ -244,3 +244,17 @@ def test_row_processors_apply_to_their_row_only():
     assert out.token_ids == [2, 1]
     assert proc.accepted == [2]
     assert math.isfinite(out.logprobs[0])
+
+
+def test_plain_greedy_rows_take_the_first_best_token_with_its_logprob():
+    sampler = Sampler(vocab_size=40, device=torch.device("cpu"))
+    seqs = [make_seq(SamplingParams()) for _ in range(3)]
+    assert sampler.batch_for(seqs).plain_greedy
+    logits = torch.randn(3, 48, generator=torch.Generator().manual_seed(3))
+    logits[0, [7, 21]] = 9.0  # a tie: the lower id, as argmax
+    logits[1, 45] = 99.0  # past vocab_size (padded LM head rows): never chosen
+    out = sampler.sample(seqs, logits)
+    expected = logits[:, :40].argmax(-1).tolist()
+    assert out.token_ids == expected and out.token_ids[0] == 7
+    want = torch.log_softmax(logits[:, :40], -1)[torch.arange(3), torch.tensor(expected)]
+    assert out.logprobs == pytest.approx(want.tolist(), abs=1e-5)

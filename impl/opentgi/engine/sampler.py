@@ -47,12 +47,13 @@ class Sampler:
         batch = self.batch_for(seqs)
         logits = logits[:, :self.vocab_size].float()
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        if batch.plain_greedy:
-            next_tokens = logits.argmax(dim=-1)
+        if batch.plain_greedy:  # every row greedy, nothing to apply: one pass finds token and logit
+            best, next_tokens = logits.max(dim=-1)
+            chosen_logprobs = best - lse.squeeze(1)
         else:
             scores = self._process(batch, logits.clone())
             next_tokens = self._choose(batch, scores)
-        chosen_logprobs = (logits.gather(1, next_tokens.unsqueeze(1)) - lse).squeeze(1)
+            chosen_logprobs = (logits.gather(1, next_tokens.unsqueeze(1)) - lse).squeeze(1)
         top = self._top_n(batch, logits, lse) if batch.any_top_n else [None] * batch.size
         batch.update(next_tokens)
         token_list = next_tokens.tolist()
