@@ -275,14 +275,15 @@ def test_killed_rank_makes_the_server_exit(sharded):
     code = proc.wait(30)
     assert code != 0 and time.monotonic() - started < 15
     stderr = proc.stderr.read()
-    assert stderr.count("tensor-parallel group broken: shard 1 exited with code -9") == 1, stderr
+    assert stderr.count("shards: tensor-parallel group broken: shard 1 exited with code -9") == 1, stderr
     time.sleep(1)
     assert not any(_alive(p) for p in workers + helpers)
 
 
-def test_env_rendezvous_and_no_orphans(tiny_llama, single):
-    """Ranks started one by one with torch's env:// variables (as the multi-node recipe in
-    deploy/kubernetes does): rank 0 serves, rank 1 only computes; rank 0 killed -> rank 1 exits."""
+def test_env_rendezvous_hung_rank_and_no_orphans(tiny_llama, single):
+    """Ranks started one by one with torch's env:// variables (as deploy/kubernetes/multi-node does):
+    rank 0 serves, rank 1 only computes. Rank 1 frozen (SIGSTOP) -> rank 0 unhealthy, one clear
+    message, non-zero exit within seconds; rank 1, resumed, finds rank 0 gone and exits too."""
     port, master_port = free_port(), free_port()
     common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
     worker = _spawn_server(tiny_llama, free_port(), *SERVER_FLAGS, env={**common, "RANK": "1"})
@@ -291,11 +292,34 @@ def test_env_rendezvous_and_no_orphans(tiny_llama, single):
     try:
         _wait_ready(leader, url)
         assert _greedy_tokens(url, PROMPTS[1], 12) == _greedy_tokens(single, PROMPTS[1], 12)
-        leader.kill()
-        code = worker.wait(20)
-        assert code != 0
-        err = worker.stderr.read()
-        assert "shard 1:" in err and "exiting" in err, err
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        code = leader.wait(30)
+        assert code != 0 and time.monotonic() - started < 20
+        err = leader.stderr.read()
+        assert err.count("shards: tensor-parallel group broken: shard 1 stopped responding") == 1, err
+        os.kill(worker.pid, signal.SIGCONT)
+        assert worker.wait(20) != 0
+        assert "shard 1:" in worker.stderr.read()
+    finally:
+        for proc in (leader, worker):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_start_up_error_on_another_rank_is_reported_once(tiny_llama):
+    """Rank 1 cannot load its model (rank 0 can): rank 0 reports rank 1's error once and both exit."""
+    master_port = free_port()
+    common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
+    missing = tiny_llama.parent / "no-such-model"
+    worker = _spawn_server(missing, free_port(), *SERVER_FLAGS, env={**common, "RANK": "1"})
+    leader = _spawn_server(tiny_llama, free_port(), *SERVER_FLAGS, env={**common, "RANK": "0"})
+    try:
+        assert leader.wait(120) != 0 and worker.wait(30) != 0
+        err = leader.stderr.read()
+        assert err.count("shard 1 failed to start: ModelLoadError:") == 1, err
+        assert "no-such-model" in err
     finally:
         for proc in (leader, worker):
             if proc.poll() is None:

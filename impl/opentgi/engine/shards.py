@@ -227,7 +227,7 @@ class ShardGroup:
             tp = _connect(store, rdv, settings0)
             engine = Engine(load_model(settings0, tp=tp), settings0, observer=observer)
         except Exception:
-            self._stop_processes()
+            self._startup_failed(store)
             raise
         self.runner = engine.runner
         if self.failure:
@@ -238,6 +238,25 @@ class ShardGroup:
         self.serving = True
         log.info("%d shards ready (%s)", self.world_size, dist_backend_name())
         return engine
+
+    def _startup_failed(self, store) -> None:
+        """Rank 0's start-up raised: stop the others and report once. When another rank failed
+        first (rank 0 then only saw the broken collective), its stored error is the one reported."""
+        with self._lock:
+            reporting = self.failure is not None  # the monitor already said it and is exiting
+            self.failure = self.failure or "start-up failed"
+        if reporting:
+            time.sleep(30)
+        self.heartbeat.stopped.set()
+        deadline = time.monotonic() + 2.0  # a failing rank stores its error as it goes
+        errors: list[str] = []
+        while not errors and time.monotonic() < deadline:
+            errors = [f"shard {r} failed to start{_stored_error(store, r)}" for r in range(1, self.world_size)
+                      if _stored_error(store, r)]
+            time.sleep(0.1)
+        self._stop_processes()
+        if errors:
+            raise SystemExit("opentgi: " + "; ".join(errors)) from None
 
     def _keepalive_loop(self) -> None:
         while not self._keepalive.wait(1.0):
