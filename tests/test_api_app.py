@@ -27,6 +27,7 @@ class FakeInfo:
     max_total_tokens: int = 128
     max_batch_total_tokens: int = 4096
     eos_token_ids: list = field(default_factory=lambda: [0])
+    vocab_size: int = 100
     adapters: list = field(default_factory=list)
 
 

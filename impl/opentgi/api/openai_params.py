@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentgi.engine.errors import InputTooLongError, NotSupportedError, ValidationError
+from opentgi.engine.grammar_bounds import check_bounds as check_grammar_bounds
 from opentgi.engine.request import GrammarSpec, SamplingParams, StoppingParams
 
 # TGI 2.1's code default on both routes (`max_tokens.or(Some(100))`); its document says 32 for
@@ -162,8 +163,10 @@ def response_format_grammar(response_format: dict | None, limits: OpenAILimits) 
         raise NotSupportedError("grammar is not supported")  # TGI's ValidationError::Grammar
     if kind == "json":
         value = response_format.get("value")
+        check_grammar_bounds(GrammarSpec("json", value))
         return GrammarSpec("json", value if isinstance(value, str) else json.dumps(value))
     if kind == "regex":
+        check_grammar_bounds(GrammarSpec("regex", response_format["value"]))
         return GrammarSpec("regex", response_format["value"])
     if kind == "json_object":
         return GrammarSpec("json", json.dumps({"type": "object"}))
@@ -174,6 +177,7 @@ def response_format_grammar(response_format: dict | None, limits: OpenAILimits) 
             schema = {"type": "object"}
         if not isinstance(schema, dict):
             raise ValidationError("`response_format.json_schema.schema` must be a JSON schema object")
+        check_grammar_bounds(GrammarSpec("json", schema))
         return GrammarSpec("json", json.dumps(schema))
     raise ValidationError(f"`response_format.type` must be one of json, regex, json_object, "
                           f"json_schema, text. Given: {kind!r}")

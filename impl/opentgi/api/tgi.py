@@ -8,6 +8,7 @@ the engine refuses, still answers 200 and carries the error as the stream's only
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -79,7 +80,10 @@ def _prepare(body: dict, parameters: GenerateParameters | None, *, stream: bool,
             params.return_full_text = default_return_full_text
         # with `truncate`, TGI keeps the prompt's last tokens: any length is fine
         prompt_token_ids = await engine.encode(inputs, max_tokens=None if params.truncate else limits.max_input_tokens)
-        request = build_request(params, prompt_token_ids, limits, parameters)
+        if parameters is not None and parameters.grammar is not None:  # the schema checks: off the loop
+            request = await asyncio.to_thread(build_request, params, prompt_token_ids, limits, parameters)
+        else:
+            request = build_request(params, prompt_token_ids, limits, parameters)
         return [request], Prepared(inputs=inputs, input_length=request.num_prompt_tokens, details=params.details,
                                    decoder_input_details=params.decoder_input_details,
                                    return_full_text=params.return_full_text)

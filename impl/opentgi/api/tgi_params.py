@@ -23,6 +23,8 @@ import numpy
 from opentgi.api.body_validation import BodySchemaError
 from opentgi.api.errors import DeserializationError, FieldLimits, tgi_field_message
 from opentgi.engine.errors import NotSupportedError, ValidationError
+from opentgi.engine.grammar_bounds import MAX_SCHEMA_CHARS
+from opentgi.engine.grammar_bounds import check_bounds as check_grammar_bounds
 from opentgi.engine.request import GenerationRequest, GrammarSpec, SamplingParams, StoppingParams
 from opentgi.schemas.tgi import GenerateParameters
 
@@ -223,15 +225,20 @@ def check_grammar(params: TGIParameters, parameters: GenerateParameters | None, 
         raise NotSupportedError("grammar is not supported")
     if grammar.type == "regex":
         params.grammar = GrammarSpec(type="regex", value=grammar.value)
+        check_grammar_bounds(params.grammar)
         return
     value = grammar.value
     if isinstance(value, str):
+        if len(value) > MAX_SCHEMA_CHARS:  # bounded before it is parsed
+            raise ValidationError(f"grammar is not valid: the JSON schema has {len(value)} characters; "
+                                  f"at most {MAX_SCHEMA_CHARS} are allowed")
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValidationError(f"grammar is not valid: {exc}") from exc
     if not isinstance(value, dict):
         raise ValidationError("grammar is not supported")
+    check_grammar_bounds(GrammarSpec(type="json", value=value))  # before the meta-schema check
     try:
         jsonschema.Draft202012Validator.check_schema(value)
     except jsonschema.SchemaError as exc:

@@ -110,6 +110,8 @@ class Engine:
         self.failure: str | None = None  # why the engine cannot serve (loop died, step stalled)
         self._watchdog: asyncio.Task | None = None
         self._probes: set[str] = set()  # health probes in flight: not counted against the limit
+        self._compiling = 0  # admitted requests still compiling their grammar
+        self.grammar_compile_timeout_s: float | None = None  # None: grammar.COMPILE_TIMEOUT_S
         self._max_token_chars: int | None = None  # the vocabulary's longest token, in characters
 
     @classmethod
@@ -325,10 +327,16 @@ class Engine:
         reason = self._unhealthy_reason()
         if reason is not None:
             raise UnhealthyError(reason)
-        if not probe and len(self._live) - len(self._probes) >= self.settings.max_concurrent_requests:
+        if not probe and len(self._live) - len(self._probes) + self._compiling >= self.settings.max_concurrent_requests:
             raise OverloadedError("Model is overloaded")
         self.check_request(request)
-        grammar_factory = await self._compile_grammar(request) if request.grammar is not None else None
+        grammar_factory = None
+        if request.grammar is not None:  # a request compiling its grammar holds a slot too
+            self._compiling += 1
+            try:
+                grammar_factory = await self._compile_grammar(request)
+            finally:
+                self._compiling -= 1
         handle = RequestHandle(request, self._cancel)
         seqs = self._make_sequences(request, grammar_factory)
         state = RequestState(request, seqs, handle, queued_at=time.monotonic())
@@ -346,7 +354,7 @@ class Engine:
 
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
                                                      eos_token_ids=self.info.eos_token_ids)
-        return await self._grammar_compiler.compile(request.grammar)
+        return await self._grammar_compiler.compile(request.grammar, timeout_s=self.grammar_compile_timeout_s)
 
     def _make_sequences(self, request: GenerationRequest, grammar_factory) -> list[Sequence]:
         sampling = request.sampling

@@ -36,7 +36,7 @@ Semantics (documented differences from TGI 2.1.2 live in docs/differences-from-t
 from __future__ import annotations
 
 import asyncio
-import functools
+import hashlib
 import json
 import logging
 import re
@@ -51,11 +51,20 @@ import torch
 import xgrammar as xgr
 
 from opentgi.engine.errors import GrammarError
+from opentgi.engine.grammar_bounds import (
+    COMPILE_TIMEOUT_S,
+    MAX_SCHEMA_CHARS,
+    MAX_SCHEMA_DEPTH,
+    NORMALISED_CACHE_SIZE,
+    check_bounds,
+    check_document,
+)
 from opentgi.engine.request import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_TYPES = ("json", "regex")
+
 
 
 def _invalid(detail: str) -> GrammarError:
@@ -94,16 +103,47 @@ def grammar_key(spec: GrammarSpec) -> tuple[str, str]:
         elif not isinstance(value, str):
             raise _invalid(f"a JSON schema must be an object, not {type(value).__name__}")
         return kind, _normalised_schema(value)
+    check_bounds(spec)
     if not isinstance(spec.value, str):
         raise _invalid(f"a regex grammar must be a string, not {type(spec.value).__name__}")
     return kind, spec.value
 
 
-@functools.lru_cache(maxsize=256)
+_normalised: OrderedDict[bytes, str] = OrderedDict()
+_normalised_lock = threading.Lock()
+
+
 def _normalised_schema(text: str) -> str:
-    """Schema text checked against the meta-schema (milliseconds: cached, as it runs on the event
-    loop), re-serialised compactly. Key order is kept: it is the order properties are generated in."""
-    return json.dumps(parse_json_schema(text), ensure_ascii=False, separators=(",", ":"))
+    """Schema text checked against the meta-schema, re-serialised compactly; key order is kept (it
+    is the order properties are generated in). Cached by the text's SHA-256, NORMALISED_CACHE_SIZE
+    entries at most (the texts are bounded by MAX_SCHEMA_CHARS)."""
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    with _normalised_lock:
+        found = _normalised.get(digest)
+        if found is not None:
+            _normalised.move_to_end(digest)
+            return found
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise _invalid(f"the JSON schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS} are allowed")
+    schema = parse_json_schema_bounded(text)
+    normalised = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    with _normalised_lock:
+        _normalised[digest] = normalised
+        while len(_normalised) > NORMALISED_CACHE_SIZE:
+            _normalised.popitem(last=False)
+    return normalised
+
+
+def parse_json_schema_bounded(text: str) -> Any:
+    """`parse_json_schema` with the document bounds checked between parsing and the meta-schema."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _invalid(str(e)) from None
+    except RecursionError:
+        raise _invalid(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
+    check_document(value)
+    return parse_json_schema(value)
 
 
 class GrammarProcessor:
@@ -192,16 +232,44 @@ class GrammarCompiler:
         self._max_cache = max_cache
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._waiters: dict[Future, int] = {}  # requests awaiting each compile (event loop only)
 
-    async def compile(self, spec: GrammarSpec) -> Callable[[], GrammarProcessor]:
-        """A factory of per-sequence processors; raises GrammarError. Awaiting never blocks the loop."""
-        future = self._submit(grammar_key(spec))
-        # shield: a cancelled caller must not cancel a compilation other requests may share.
-        compiled = await asyncio.shield(asyncio.wrap_future(future))
+    async def compile(self, spec: GrammarSpec, timeout_s: float | None = None) -> Callable[[], GrammarProcessor]:
+        """A factory of per-sequence processors; raises GrammarError. Awaiting never blocks the loop:
+        the bounds are checked first, the schema is parsed and checked in a thread, and a compile
+        that takes longer than `timeout_s` (COMPILE_TIMEOUT_S) is a GrammarError. Requests asking for
+        the same grammar share its compile; when the last of them leaves (cancelled, timed out) a
+        compile still queued is dropped. A compile already running in xgrammar cannot be
+        interrupted: the bounds keep it short."""
+        check_bounds(spec)
+        key = await asyncio.to_thread(grammar_key, spec)
+        future = self._submit(key)
+        self._waiters[future] = self._waiters.get(future, 0) + 1
+        try:
+            # shield: a caller that leaves must not cancel a compilation other requests share.
+            compiled = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                              COMPILE_TIMEOUT_S if timeout_s is None else timeout_s)
+        except TimeoutError:
+            raise _invalid(f"the grammar took longer than {COMPILE_TIMEOUT_S if timeout_s is None else timeout_s:g} s "
+                           f"to compile") from None
+        finally:
+            self._leave(key, future)
         return partial(GrammarProcessor, compiled, self.vocab_size, self._nonstop_bits, self.eos_token_ids)
+
+    def _leave(self, key, future: Future) -> None:
+        left = self._waiters.get(future, 1) - 1
+        if left > 0:
+            self._waiters[future] = left
+            return
+        self._waiters.pop(future, None)
+        if not future.done() and future.cancel():  # nobody waits for it and it has not started
+            with self._lock:
+                if self._cache.get(key) is future:
+                    del self._cache[key]
 
     def compile_sync(self, spec: GrammarSpec) -> Callable[[], GrammarProcessor]:
         """Blocking variant for callers outside an event loop (tests, benchmarks)."""
+        check_bounds(spec)
         compiled = self._submit(grammar_key(spec)).result()
         return partial(GrammarProcessor, compiled, self.vocab_size, self._nonstop_bits, self.eos_token_ids)
 
