@@ -324,3 +324,27 @@ def test_start_up_error_on_another_rank_is_reported_once(tiny_llama):
         for proc in (leader, worker):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_kv_pool_is_the_smallest_over_ranks(tiny_llama):
+    """Each rank sizes its pool from its own memory budget; all take the minimum (agreed through
+    the group: here a stand-in that says another rank can hold only 7 blocks)."""
+    from opentgi.engine.setup import build_runner
+    from opentgi.engine.sharded_runner import ShardedModelRunner
+    from opentgi.models.loader import load_model
+
+    offered = []
+
+    class OtherRankHoldsLess:
+        rank, world_size, is_driver = 0, 2, True
+
+        def min_over_ranks(self, value):
+            offered.append(value)
+            return min(value, 7)
+
+    settings = Settings(model_id=str(tiny_llama), dtype="float32", kv_cache_cpu_bytes=1 << 20)
+    loaded = load_model(settings)
+    loaded.tp = OtherRankHoldsLess()
+    runner, _spec, num_blocks, _block_size = build_runner(loaded, settings)
+    assert isinstance(runner, ShardedModelRunner) and num_blocks == runner.num_blocks == 7
+    assert offered[0] > 7 and runner.kv_caches[0][0].shape[0] == 7
