@@ -280,18 +280,30 @@ def test_killed_rank_makes_the_server_exit(sharded):
     assert not any(_alive(p) for p in workers + helpers)
 
 
-def test_env_rendezvous_hung_rank_and_no_orphans(tiny_llama, single):
+def _scores(url: str) -> list[float]:
+    chats = ["<|im_start|>user\nhi<|im_end|>\n", "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"]
+    replies = [httpx.post(f"{url}/get_score", json={"chat": c}, timeout=60) for c in chats]
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    return [r.json()["score"] for r in replies]
+
+
+def test_env_rendezvous_hung_rank_and_no_orphans(tiny_reward):
     """Ranks started one by one with torch's env:// variables (as deploy/kubernetes/multi-node does):
-    rank 0 serves, rank 1 only computes. Rank 1 frozen (SIGSTOP) -> rank 0 unhealthy, one clear
-    message, non-zero exit within seconds; rank 1, resumed, finds rank 0 gone and exits too."""
+    rank 0 serves, rank 1 only computes; a reward model's /get_score (LightLLM) scores as one shard.
+    Rank 1 frozen (SIGSTOP) -> rank 0 unhealthy, one clear message, non-zero exit within seconds;
+    rank 1, resumed, finds rank 0 gone and exits too."""
     port, master_port = free_port(), free_port()
     common = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
-    worker = _spawn_server(tiny_llama, free_port(), *SERVER_FLAGS, env={**common, "RANK": "1"})
-    leader = _spawn_server(tiny_llama, port, *SERVER_FLAGS, env={**common, "RANK": "0"})
+    worker = _spawn_server(tiny_reward, free_port(), *SERVER_FLAGS, env={**common, "RANK": "1"})
+    leader = _spawn_server(tiny_reward, port, *SERVER_FLAGS, env={**common, "RANK": "0"})
     url = f"http://127.0.0.1:{port}"
     try:
+        settings = Settings(model_id=str(tiny_reward), hostname="127.0.0.1", port=free_port(), num_threads=1,
+                            dtype="float32")
+        with serve(settings) as single:
+            expected = _scores(single)
         _wait_ready(leader, url)
-        assert _greedy_tokens(url, PROMPTS[1], 12) == _greedy_tokens(single, PROMPTS[1], 12)
+        assert _scores(url) == pytest.approx(expected, abs=1e-5)
         os.kill(worker.pid, signal.SIGSTOP)
         started = time.monotonic()
         code = leader.wait(30)
