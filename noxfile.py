@@ -6,6 +6,8 @@
   lint         ruff, and every OpenAPI document validated
   bench        the benchmark (`-- --url http://host:port` to point it at another server)
   serve        start the server (`-- --model-id ...` and any other `opentgi serve` flag)
+  soak         a live server under minutes of mixed traffic, disconnects, bad input and a SIGTERM
+               (`-- --duration 600 --concurrency 16 --model-id ...`); not part of `tests`
 """
 
 from __future__ import annotations
@@ -84,6 +86,13 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     install(session, "test")
     session.run("python", "-m", "opentgi.bench", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """conformance/soak.py: asserts 0 x 5xx, 0 KV blocks held after, no request lost, flat RSS, exit 0."""
+    install(session, "test")
+    session.run("python", "-m", "conformance.soak", *session.posargs, env=OFFLINE)
 
 
 @nox.session

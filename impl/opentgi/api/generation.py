@@ -134,6 +134,9 @@ async def unless_client_gone(work: Awaitable):
     cut = asyncio.ensure_future(runtime.state().drain.cut())
     try:
         await asyncio.wait({task, gone, cut}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request's own task was cancelled: so is its work
+        task.cancel()
+        raise
     finally:
         gone.cancel()
         cut.cancel()
@@ -152,24 +155,29 @@ async def _until_cut(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
     drain = runtime.state().drain
     iterator = events.__aiter__()
     cut = asyncio.ensure_future(drain.cut())
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(iterator.__anext__())
             await asyncio.wait({step, cut}, return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()
-                with contextlib.suppress(BaseException):
-                    await step
                 raise ShuttingDownError(CUT_MESSAGE)
             try:
-                yield step.result()
+                event = step.result()
             except StopAsyncIteration:
                 return
+            step = None
+            yield event
     finally:
         cut.cancel()
+        if step is not None and not step.done():  # closed (client gone, shutdown) mid-event: stop the source
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
         aclose = getattr(iterator, "aclose", None)
         if aclose is not None:
-            await aclose()
+            with contextlib.suppress(RuntimeError):  # already closed by its cancelled step
+                await aclose()
 
 
 async def submit_all(engine, requests: list[GenerationRequest]) -> list:
