@@ -26,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -168,13 +169,16 @@ def local_server(args):
     if args.num_threads:
         cmd += ["--num-threads", str(args.num_threads)]
     cmd += args.server_arg
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the server's log goes to a file: a pipe nobody reads fills up (64 KiB) and blocks the server
+    log_file = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + args.startup_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+                log_file.seek(0)
+                raise RuntimeError(f"the server exited ({proc.returncode}): {log_file.read()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
@@ -188,6 +192,7 @@ def local_server(args):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        log_file.close()
 
 
 # --- in-process baselines --------------------------------------------------------------------------
@@ -383,8 +388,6 @@ def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int, repea
 def lora_comparison(args, loaded, prompts: list[str]) -> str:
     """Throughput at one concurrency with 0, 1, ... adapters mixed, side by side on one server (every
     adapter loaded), in interleaved rounds; returns the markdown table."""
-    import tempfile
-
     counts = [int(x) for x in args.lora.split(",")]
     c = args.lora_concurrency
     with tempfile.TemporaryDirectory() as tmp:
