@@ -282,12 +282,15 @@ def report(levels: list[LevelResult], hf_tps: float, bare_tps: float, cold: floa
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — {model_name}",
         "",
         f"Machine: {machine_line(args.num_threads)}.",
-        (f"Greedy, {args.new_tokens} new tokens, prompts of {'/'.join(map(str, PROMPT_TOKENS))} tokens, "
-        f"TGI `/generate_stream` over loopback HTTP."),
-        "",
-        "| concurrency | requests | tokens | tokens/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    if levels:
+        lines += [
+            (f"Greedy, {args.new_tokens} new tokens, prompts of {'/'.join(map(str, PROMPT_TOKENS))} tokens, "
+             f"TGI `/generate_stream` over loopback HTTP."),
+            "",
+            "| concurrency | requests | tokens | tokens/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
     for lv in levels:
         lines.append(f"| {lv.concurrency} | {lv.requests} | {lv.tokens} | {lv.throughput:.1f} | "
                      f"{percentile(lv.ttft, 50):.3f} | {percentile(lv.ttft, 99):.3f} | "
