@@ -8,7 +8,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from opentgi.api.auth import BearerAuthMiddleware, dialect_resolver, is_open_path, unauthorized_body
+from opentgi.api.auth import BearerAuthMiddleware, dialect_error_response, dialect_resolver, is_open_path
 
 MOUNTS = [
     ("", "tgi", ["/generate", "/generate_stream", "/health", "/info"]),
@@ -25,7 +25,8 @@ async def ok(request):
 def make_client(api_key: str) -> httpx.AsyncClient:
     paths = {base + p for base, _, ps in MOUNTS for p in ps}
     app = Starlette(routes=[Route(p, ok, methods=["GET", "POST", "HEAD"]) for p in paths])
-    app.add_middleware(BearerAuthMiddleware, api_key=api_key, dialect_of=dialect_resolver(MOUNTS))
+    app.add_middleware(BearerAuthMiddleware, api_key=api_key,
+                       error_response=dialect_error_response(dialect_resolver(MOUNTS)))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
@@ -84,12 +85,17 @@ async def test_health_checks_need_no_key(path):
         assert (await client.head(path)).status_code == 200
 
 
-def test_bodies():
-    assert unauthorized_body("tgi", "x") == {"error": "x", "error_type": "unauthorized"}
-    assert unauthorized_body("lightllm", "x") == {"message": "x"}
-    assert unauthorized_body("sensenova", "x") == {"error": {"code": 16, "message": "x", "details": []}}
+def test_bodies_come_from_each_dialects_one_error_shape():
+    from opentgi.api import lightllm, sensenova
+    from opentgi.api.errors import UnauthorizedError, tgi_error
+
+    exc = UnauthorizedError("x")
+    assert tgi_error(exc).body == {"error": "x", "error_type": "unauthorized"}
+    assert lightllm.error_shape(exc).body == {"message": "x"}
+    assert sensenova.error_shape(exc).body == {"error": {"code": 16, "message": "x", "details": []}}
+    assert {tgi_error(exc).status, lightllm.error_shape(exc).status, sensenova.error_shape(exc).status} == {401}
 
 
 def test_empty_key_is_refused():
     with pytest.raises(ValueError):
-        BearerAuthMiddleware(None, api_key="", dialect_of=lambda p: "tgi")
+        BearerAuthMiddleware(None, api_key="", error_response=dialect_error_response(lambda p: "tgi"))

@@ -276,7 +276,7 @@ def create_app(settings: Settings, engine, *, metrics=None,
         from opentgi.api.auth import BearerAuthMiddleware
 
         app.add_middleware(BearerAuthMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
-                           api_key=settings.api_key, dialect_of=mapper.dialect_of)
+                           api_key=settings.api_key, error_response=mapper.response)
     # after the key check: a body is read only for a client that may send one
     app.add_middleware(InputLimitsMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        payload_limit=settings.payload_limit, error_response=mapper.response)

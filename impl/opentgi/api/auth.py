@@ -9,24 +9,24 @@ gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authe
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable, Iterable
 
-UNAUTHORIZED_MESSAGE = "Unauthorized: missing or invalid bearer token"
-# SenseNova's (gRPC-style) error code for a request without valid credentials.
-SENSENOVA_UNAUTHENTICATED = 16
+from starlette.responses import Response
+
+from opentgi.api.errors import UnauthorizedError
 
 OPEN_PATH_NAMES = frozenset({"health", "healthz"})
 DOC_PATH_NAMES = frozenset({"openapi.json", "openapi.yaml", "docs", "swagger.json"})
 
 
-def unauthorized_body(dialect: str, message: str = UNAUTHORIZED_MESSAGE) -> dict:
-    """The 401 body in `dialect`'s error shape ("tgi", "lightllm" or "sensenova")."""
-    if dialect == "lightllm":
-        return {"message": message}
-    if dialect == "sensenova":
-        return {"error": {"code": SENSENOVA_UNAUTHENTICATED, "message": message, "details": []}}
-    return {"error": message, "error_type": "unauthorized"}
+def dialect_error_response(dialect_of: Callable[[str], str]) -> Callable[[str, Exception], Response]:
+    """(path, error) -> the response of the dialect owning the path, from its one error-shape function
+    (the app passes its error mapper's `response` instead, which does the same)."""
+    from opentgi.api import lightllm, sensenova
+    from opentgi.api.errors import tgi_error
+
+    shapes = {"tgi": tgi_error, "lightllm": lightllm.error_shape, "sensenova": sensenova.error_shape}
+    return lambda path, exc: shapes[dialect_of(path)](exc).response()
 
 
 def is_open_path(path: str) -> bool:
@@ -66,33 +66,21 @@ def dialect_resolver(
 
 
 class BearerAuthMiddleware:
-    """ASGI middleware: a 401 in the path's dialect shape unless the bearer token matches."""
+    """ASGI middleware: a 401 (UnauthorizedError) in the path's dialect shape unless the bearer token
+    matches."""
 
-    def __init__(self, app, *, api_key: str, dialect_of: Callable[[str], str]):
+    def __init__(self, app, *, api_key: str, error_response: Callable[[str, Exception], Response]):
         if not api_key:
             raise ValueError("BearerAuthMiddleware needs a non-empty api_key")
         self.app = app
         self._expected = api_key.encode()
-        self._dialect_of = dialect_of
+        self._error_response = error_response
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or is_open_path(scope["path"]) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(unauthorized_body(self._dialect_of(scope["path"])), separators=(",", ":"))
-        payload = body.encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        await self._error_response(scope["path"], UnauthorizedError())(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
         for name, value in scope.get("headers", ()):

@@ -102,6 +102,13 @@ class ShuttingDownError(engine_errors.UnhealthyError):
     --shutdown-timeout end with this (503 in every dialect)."""
 
 
+class UnauthorizedError(StatusError):
+    """A missing or wrong bearer token (--api-key): 401 with `WWW-Authenticate: Bearer`."""
+
+    def __init__(self, message: str = "Unauthorized: missing or invalid bearer token"):
+        super().__init__(401, message, {"WWW-Authenticate": "Bearer"})
+
+
 class RequestSchemaError(engine_errors.ValidationError):
     """The body breaks the dialect's document (Connexion's validation), for the dialects with their own
     error shape: LightLLM and SenseNova answer it 400 where their handlers' refusals are 422."""
@@ -146,7 +153,7 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
     if isinstance(exc, engine_errors.UnhealthyError):
         return ErrorReply(503, f"unhealthy: {exc.message}", "healthcheck")
     if isinstance(exc, StatusError):
-        error_type = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "validation")
+        error_type = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status, "validation")
         return ErrorReply(exc.status, exc.message, error_type, exc.headers)
     if isinstance(exc, IncompleteGenerationError):
         return ErrorReply(500, "Incomplete generation", "incomplete_generation")

@@ -32,7 +32,7 @@ from opentgi.engine.request import FinishReason, GenerationRequest, SamplingPara
 from opentgi.schemas import sensenova as schema
 
 # gRPC-style codes of SenseNova's error body {"error": {"code", "message", "details"}}.
-INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 3, 8, 13, 14
+INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE, UNAUTHENTICATED = 3, 8, 13, 14, 16
 # A well-formed request the server cannot serve is a 422; one that breaks the document is a 400
 # (`request_error`). Both carry code 3.
 ERRORS = (  # engine error type -> (HTTP status, SenseNova code)
@@ -173,8 +173,8 @@ def error_status_code(exc: BaseException) -> tuple[int, int]:
     """(HTTP status, SenseNova code) of an engine error."""
     if isinstance(exc, RequestSchemaError):  # the body breaks the document
         return 400, INVALID_ARGUMENT
-    if isinstance(exc, StatusError):  # refused at the HTTP level (413, 415, 404, 405)
-        return exc.status, INVALID_ARGUMENT
+    if isinstance(exc, StatusError):  # refused at the HTTP level (401, 413, 415, 404, 405)
+        return exc.status, UNAUTHENTICATED if exc.status == 401 else INVALID_ARGUMENT
     for error_type, status, code in ERRORS:
         if isinstance(exc, error_type):
             return status, code
