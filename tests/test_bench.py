@@ -68,3 +68,36 @@ def test_step_breakdown_splits_decode_steps(tiny_llama):
     assert result.median_ms["model"] > 0 and inner == pytest.approx(result.step_ms, rel=0.5)
     lines = bench_steps.table([result])
     assert lines[0].endswith("| c=3 |") and any(line.startswith("| model |") for line in lines)
+
+
+def test_speculate_comparison_runs_both_servers(tiny_llama):
+    """The --speculate mode: a plain and a speculating server on the code-editing prompts, their
+    throughputs, the acceptance rate from /metrics and the outputs compared (float32: the same)."""
+    import argparse
+    import contextlib
+    import re
+
+    from opentgi import bench_speculate
+
+    loaded = load_model(Settings(model_id=str(tiny_llama)))
+    started = []
+
+    @contextlib.contextmanager
+    def local_server(args):
+        flags = args.server_arg
+        speculate = int(flags[flags.index("--speculate") + 1]) if "--speculate" in flags else None
+        started.append(speculate)
+        settings = Settings(model_id=str(tiny_llama), hostname="127.0.0.1", port=free_port(),
+                            max_batch_total_tokens=4096, speculate=speculate, dtype="float32")
+        with serve(settings, startup_timeout_s=120) as url:
+            yield url
+
+    args = argparse.Namespace(num_threads=None, server_arg=[], speculate=3, speculate_rounds=1,
+                              speculate_new_tokens=24)
+    text = bench_speculate.speculate_comparison(args, loaded, local_server, lambda threads: "test machine")
+    assert started == [None, 3]
+    assert re.search(r"^\| plain \| \d+ \| [\d.]+ \| [\d.]+ \|$", text, re.M)
+    assert re.search(r"^\| `--speculate 3` \| \d+ \| [\d.]+ \| [\d.]+ \|$", text, re.M)
+    accepted, proposed = map(int, re.search(r"drafts accepted / proposed \| (\d+) / (\d+)", text).groups())
+    assert 0 < accepted <= proposed
+    assert "| prompts with the same greedy tokens on both servers | 4 of 4 |" in text

@@ -11,6 +11,9 @@ In one run, on one machine:
 5. with `--peer NAME=URL` (repeatable): the same `/v1/completions` load against opentgi and each
    peer in turn, with tokens/s, resident memory and opentgi's ratios (`bench_peers.py`);
 then prints the numbers and the ratios, and appends markdown tables to docs/benchmarks.md.
+Separate modes: `--lora K,...` (adapters mixed), `--shards K,...` (tensor parallelism) and
+`--speculate N` (speculative decoding on a
+code-editing workload, single stream, side by side with a plain server: `bench_speculate.py`).
 The in-process parts load the model with the server's own flags (`--server-arg`).
 """
 
@@ -514,6 +517,10 @@ def parse_args(argv=None):
     p.add_argument("--shards", help="only the tensor-parallel comparison: comma-separated --num-shard "
                    "values, e.g. 1,2 (at each --concurrency level)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (--shards)")
+    p.add_argument("--speculate", type=int, help="only the speculative-decoding comparison: a code-editing "
+                   "workload, single stream, a plain server beside one with --speculate N (bench_speculate.py)")
+    p.add_argument("--speculate-new-tokens", type=int, default=256, help="new tokens at most (--speculate)")
+    p.add_argument("--speculate-rounds", type=int, default=4, help="interleaved rounds (--speculate)")
     return p.parse_args(argv)
 
 
@@ -565,8 +572,13 @@ def main(argv=None) -> None:
     tokenizer = loaded.tokenizer
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
-    if args.lora or args.shards:
-        text = lora_comparison(args, loaded, prompts) if args.lora else shard_comparison(args, loaded, prompts)
+    if args.lora or args.shards or args.speculate:
+        if args.lora or args.shards:
+            text = lora_comparison(args, loaded, prompts) if args.lora else shard_comparison(args, loaded, prompts)
+        else:
+            from opentgi.bench_speculate import speculate_comparison
+
+            text = speculate_comparison(args, loaded, local_server, machine_line)
         print()
         print(text)
         if args.output:
