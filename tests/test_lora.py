@@ -236,3 +236,17 @@ def test_adapter_sources(tiny_llama, adapter_a, tmp_path, monkeypatch):
         lora.parse_adapter_list("b=/x,b=/y")
     # a bare folder is named by the path as given, as TGI names adapters by their id
     assert load_model(Settings(model_id=str(tiny_llama), lora_adapters=str(adapter_a))).adapters == [str(adapter_a)]
+
+
+def test_cli_flag_env_and_start_up_refusal(tiny_llama, tiny_gpt2):
+    from opentgi import cli
+
+    args = cli.build_parser().parse_args(["serve"])
+    assert cli.settings_from(args, {"LORA_ADAPTERS": "a=/x,b=/y"}).lora_adapters == "a=/x,b=/y"
+    args = cli.build_parser().parse_args(["serve", "--lora-adapters", "c=/z"])
+    assert cli.settings_from(args, {"LORA_ADAPTERS": "a=/x"}).lora_adapters == "c=/z"
+    # a bad adapter stops `serve` with the reason and no traceback
+    with pytest.raises(SystemExit, match=r"^opentgi: adapter 'x': '/nonexistent/x' is not a local folder"):
+        cli.serve(Settings(model_id=str(tiny_llama), lora_adapters="x=/nonexistent/x"))
+    with pytest.raises(ModelLoadError, match="LoRA adapters are served on the paged path only"):
+        load_model(Settings(model_id=str(tiny_gpt2), lora_adapters="x=/nonexistent/x"))
