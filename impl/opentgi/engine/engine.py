@@ -176,7 +176,10 @@ class Engine:
                 return
             reason = self._unhealthy_reason()
             if reason is not None and reason != failed_for:
-                log.error("engine unhealthy: %s; failing %d requests in flight", reason, len(self._live))
+                if reason == getattr(self.runner, "failure", None):  # logged where it arose (one line)
+                    log.error("engine unhealthy; failing %d requests in flight", len(self._live))
+                else:
+                    log.error("engine unhealthy: %s; failing %d requests in flight", reason, len(self._live))
                 self._fail_live(reason)
             failed_for = reason
 
