@@ -250,3 +250,16 @@ def test_cli_flag_env_and_start_up_refusal(tiny_llama, tiny_gpt2):
         cli.serve(Settings(model_id=str(tiny_llama), lora_adapters="x=/nonexistent/x"))
     with pytest.raises(ModelLoadError, match="LoRA adapters are served on the paged path only"):
         load_model(Settings(model_id=str(tiny_gpt2), lora_adapters="x=/nonexistent/x"))
+
+
+def test_bench_adapters_load(loaded, tiny_llama, tmp_path):
+    """The benchmark's random adapters (opentgi.bench, written without peft) are PEFT folders the
+    loader takes; its op timing runs both ways."""
+    from opentgi.bench import lora_op_timings, write_random_adapters
+
+    paths = write_random_adapters(loaded.hf_config, tmp_path, 2, 4)
+    bench_loaded = load_model(Settings(model_id=str(tiny_llama), lora_adapters=",".join(map(str, paths))))
+    assert bench_loaded.adapters == [str(p) for p in paths]
+    assert bench_loaded.model.lora.rank == 4
+    stacked, gather = lora_op_timings(loaded.hf_config, 2, 4, 3, repeats=1)
+    assert stacked > 0 and gather > 0
