@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import re
 import signal
@@ -115,6 +116,15 @@ def test_env_vars_num_shard_and_sharded(monkeypatch):
 
 
 def test_start_up_errors_before_any_rank_starts(tiny_llama, capsys):
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        _start_up_errors(tiny_llama)
+    finally:  # cli_main logs to the captured stderr of this test; later tests must not write there
+        root.handlers[:], root.level = handlers, level
+
+
+def _start_up_errors(tiny_llama):
     with pytest.raises(SystemExit, match=r"--num-shard 3: cannot split the model 3 ways: its 4 attention heads"):
         cli_main(["serve", "--model-id", str(tiny_llama), "--num-shard", "3"])
     with pytest.raises(SystemExit, match="does not exist|no config.json|not a local folder"):
