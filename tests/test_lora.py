@@ -263,3 +263,13 @@ def test_bench_adapters_load(loaded, tiny_llama, tmp_path):
     assert bench_loaded.model.lora.rank == 4
     stacked, gather = lora_op_timings(loaded.hf_config, 2, 4, 3, repeats=1)
     assert stacked > 0 and gather > 0
+
+
+def test_without_adapters_the_model_is_untouched(tiny_llama, loaded):
+    plain = load_model(Settings(model_id=str(tiny_llama)))
+    assert plain.adapters == [] and not hasattr(plain.model, "lora")
+    assert not any(isinstance(m, lora.LoraLinear) for m in plain.model.modules())
+    # with adapters, only the projections some adapter adapts are wrapped (a: q/v/down, b: all seven)
+    wrapped = [n.rsplit(".", 1)[-1] for n, m in loaded.model.named_modules() if isinstance(m, lora.LoraLinear)]
+    assert sorted(set(wrapped)) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert len(wrapped) == 4 * loaded.spec.num_layers
