@@ -12,7 +12,7 @@ from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
 
-NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM = 64, 16, 4, 2, 8
+NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM = 128, 16, 4, 2, 8
 
 
 def naive_attention(q, keys, values, window=None):
@@ -111,12 +111,24 @@ def test_decode_batch_with_different_lengths():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_groups_pad_little_and_stay_few():
+    from opentgi.models.attention.torch_backend import DECODE_GROUP_RATIO, MAX_DECODE_GROUPS, _decode_groups
+
+    lens = [100, 95, 88, 87, 60, 300, 280, 265, 10, 9]
+    groups = _decode_groups(list(range(len(lens))), lens)
+    assert [[lens[i] for i in g] for g in groups] == [[300, 280, 265], [100, 95, 88], [87], [60], [10, 9]]
+    many = [int(1000 * 0.8 ** k) + 1 for k in range(MAX_DECODE_GROUPS + 5)]
+    groups = _decode_groups(list(range(len(many))), many)
+    assert len(groups) == MAX_DECODE_GROUPS and sorted(i for g in groups for i in g) == list(range(len(many)))
+    assert all(min(many[i] for i in g) > DECODE_GROUP_RATIO * max(many[i] for i in g) for g in groups[:-1])
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_groups_by_length_match_naive_attention(window):
-    # lengths halving many times (more groups than the backend makes), equal lengths (no mask), and
-    # a prefill chunk in the same step
+    # lengths shrinking many times (more groups than the backend makes), equal lengths (no mask),
+    # and a prefill chunk in the same step
     paged = PagedSequences(seed=4)
-    lengths = [1, 2, 3, 5, 9, 17, 33, 65, 129, 33, 33]
+    lengths = [1, 2, 3, 5, 9, 17, 33, 65, 129, 33, 33, 40, 45, 52, 60, 70, 80, 92, 106, 148, 170]
     seqs = [paged.add() for _ in lengths]
     paged.step({s: n for s, n in zip(seqs, lengths)}, window)
     for chunk in (None, 7):

@@ -1,7 +1,8 @@
 """The CPU reference attention backend: paged KV through block tables, plain torch ops.
 
-Decode rows (one new token) of a step are attended in a few groups of similar context length
-(sorted, a new group when lengths halve, so padding at most doubles the work): a group's keys are
+Decode rows (one new token) of a step are attended in groups of similar context length (sorted, a
+new group when a length falls to 7/8 of the group's longest, so padding adds at most a seventh to
+the gather and attention work, up to MAX_DECODE_GROUPS groups): a group's keys are
 gathered slot by slot (one `index_select` on the flat cache) into [B, L, kv_heads, head_dim],
 masked by context length, and attended by a single `scaled_dot_product_attention`, with the query
 heads of one kv head laid along the query axis (grouped-query attention without repeating keys).
@@ -20,7 +21,11 @@ import torch.nn.functional as F
 from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
 
-MAX_DECODE_GROUPS = 4
+# Batch of 64 decodes with contexts spread over 80-320 tokens, SmolLM2-135M bf16, side by side, one
+# thread: groups where lengths halve (at most 4) 705 -> 485 ms and 476 -> 400 ms medians in two runs;
+# batch 16 unchanged (171 -> 165 ms).
+DECODE_GROUP_RATIO = 0.875
+MAX_DECODE_GROUPS = 16
 
 
 @dataclass
@@ -64,13 +69,13 @@ def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Ten
 
 
 def _decode_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
-    """Rows sorted by context length (longest first), split where the length halves, at most
-    MAX_DECODE_GROUPS groups."""
+    """Rows sorted by context length (longest first), split where the length falls to
+    DECODE_GROUP_RATIO of the group's longest, at most MAX_DECODE_GROUPS groups."""
     order = sorted(range(len(rows)), key=lambda i: -lens[i])
     groups: list[list[int]] = []
     top = 0
     for i in order:
-        if not groups or (2 * lens[i] <= top and len(groups) < MAX_DECODE_GROUPS):
+        if not groups or (lens[i] <= DECODE_GROUP_RATIO * top and len(groups) < MAX_DECODE_GROUPS):
             groups.append([])
             top = lens[i]
         groups[-1].append(i)
