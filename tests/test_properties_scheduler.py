@@ -7,7 +7,8 @@ at max_new_tokens and aborts random ones. On every step:
 - a sequence is never both running and waiting (and its status says which),
 - reference counts equal the block tables of the running sequences; waiting ones hold no block,
 - with a pool large enough for everyone, a sequence at the head of the queue waits at most
-  max_waiting_tokens steps (chunked prefill off) or one (on),
+  max_waiting_tokens steps (chunked prefill off), or only while running prompts' chunks spend the
+  whole prefill budget (on),
 and at the end, draining the queue: preempted sequences come back, every request ends exactly once,
 and the pool is empty again.
 """
@@ -86,10 +87,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
             assert len(seq.block_table) >= self.bm.blocks_for(seq.num_computed_tokens + n)
         if head is not None and head.status is SequenceStatus.WAITING and self.large_pool:
-            waited = self.head_wait.get(head.seq_id, 0) + 1
-            self.head_wait[head.seq_id] = waited
-            limit = 1 if self.config.chunked_prefill else self.config.max_waiting_tokens
-            assert waited <= limit, (waited, limit)
+            if self.config.chunked_prefill:  # it waits only while running prefills spend the budget
+                k = len(out.seqs) - out.num_admitted
+                spent = sum(n for n in out.num_new_tokens[:k] if n > 1) + sum(out.num_new_tokens[k:])
+                assert spent >= self.config.prefill_budget, (spent, self.config.prefill_budget)
+            else:
+                waited = self.head_wait.get(head.seq_id, 0) + 1
+                self.head_wait[head.seq_id] = waited
+                assert waited <= self.config.max_waiting_tokens, (waited, self.config.max_waiting_tokens)
         tokens = [[7] if n == seq.num_uncomputed_tokens else [] for seq, n in zip(out.seqs, out.num_new_tokens)]
         sched.update_from_output(out, tokens)
         for seq in list(out.seqs):

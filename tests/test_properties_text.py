@@ -66,7 +66,7 @@ def token_chunks(draw) -> list[int]:
     return TOKENIZER(draw(text_pieces), add_special_tokens=False)["input_ids"]
 
 
-generated_ids = st.lists(token_chunks(), min_size=1, max_size=12).map(lambda chunks: sum(chunks, []))
+generated_ids = st.lists(token_chunks(), min_size=1, max_size=12).map(lambda chunks: sum(chunks, [])).filter(bool)
 prompts = st.text(min_size=1, max_size=12).filter(lambda t: t.strip())
 
 
