@@ -318,3 +318,38 @@ async def test_seeded_sampling_reproduces_with_speculation(llama, prompts):
                                        generate(engine, sampled(7)))
     assert accepted > 0
     assert batched[0].sequences[0].token_ids == alone.sequences[0].token_ids
+
+
+def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama):
+    """The logits of a verify row (last token + drafts in one forward) equal, bit for bit, those of
+    decoding the same tokens one per step, in bfloat16 too: the torch backend attends such a row
+    token by token (through the prefill chunk path, this 300-token context rounds differently)."""
+    from opentgi.engine.block_manager import BlockManager
+    from opentgi.engine.model_runner import ModelRunner
+
+    loaded = load_model(Settings(model_id=str(tiny_llama), dtype="bfloat16"))
+    runner = ModelRunner(loaded.model, 64, loaded.block_size)
+    bm = BlockManager(64, loaded.block_size)
+    prompt = list(range(100, 400))
+
+    def prefilled() -> Sequence:
+        seq = make_seq(prompt, max_new=32)
+        bm.admit(seq, use_prefix_cache=False)
+        bm.allocate_slots(seq, len(prompt))
+        out = runner.execute([seq], [len(prompt)], [0])
+        seq.num_computed_tokens = len(prompt)
+        seq.token_ids.append(int(out.sample_logits.argmax(-1)))
+        return seq
+
+    plain, decoded = prefilled(), []
+    for _ in range(6):
+        bm.allocate_slots(plain, 1)
+        logits = runner.execute([plain], [1], [0]).sample_logits[0]
+        plain.num_computed_tokens += 1
+        decoded.append(logits)
+        plain.token_ids.append(int(logits.argmax()))
+    spec = prefilled()
+    spec.draft_token_ids = plain.token_ids[len(prompt) + 1:len(prompt) + 6]
+    bm.allocate_slots(spec, 6)
+    verified = runner.execute([spec], [6], [0]).sample_logits
+    assert all(torch.equal(v, d) for v, d in zip(verified, decoded))
