@@ -203,6 +203,24 @@ def test_seed_reproduces_whichever_path_the_neighbours_choose():
     assert run(SamplingParams(do_sample=True, typical_p=0.5)) == alone
 
 
+def test_seed_reproduces_with_tied_logits_whichever_path():
+    """Found by tests/test_properties_sampling.py (deep profile): with tied logits (common in
+    bfloat16), which tied tokens a top-p nucleus keeps came from the order of an unstable sort on
+    one path and of topk on the other; ties now go in token-id order on both."""
+    V = 5
+    logits = torch.zeros(2, V)
+
+    def run(neighbour: SamplingParams | None, seed: int) -> int:
+        me = make_seq(SamplingParams(do_sample=True, top_p=0.5), seed=seed)
+        rows = [me] if neighbour is None else [me, make_seq(neighbour, seed=5)]
+        return Sampler(V, torch.device("cpu")).sample(rows, logits[:len(rows)]).token_ids[0]
+
+    for seed in range(40):
+        alone = run(None, seed)
+        assert alone in (0, 1, 2)  # the nucleus: the first three of five tied tokens, by id
+        assert run(SamplingParams(do_sample=True), seed) == alone
+
+
 def test_top_n_includes_ties_and_uses_raw_logprobs():
     V = 8
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 1.0]])

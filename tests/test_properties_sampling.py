@@ -21,6 +21,7 @@ from tests.hypothesis_profiles import examples
 
 CPU = torch.device("cpu")
 EPS = 1e-4  # float32 rounding of cumulative probabilities at a set's border
+TIE = 1e-5  # float32 rounding of logits / typicality scores: closer than this counts as a tie
 
 
 def make_seq(params: SamplingParams, seed: int | None = None) -> Sequence:
@@ -69,17 +70,17 @@ def allowed(params: SamplingParams, logits: torch.Tensor) -> torch.Tensor:
     keep = torch.isfinite(s)
     if 0 < params.top_k < s.numel():
         kth = s.topk(params.top_k).values[-1]
-        keep &= s >= kth
+        keep &= s >= kth - TIE
     if 0 < params.top_p < 1:
         p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
-        above = torch.stack([p[s > v].sum() for v in s])  # mass strictly more likely than each token
+        above = torch.stack([p[s > v + TIE].sum() for v in s])  # mass strictly more likely than each token
         keep &= above < params.top_p + EPS
     if 0 < params.typical_p < 1:
         logp = torch.log_softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
         p = logp.exp()
         entropy = -torch.nan_to_num(p * logp).sum()
         shift = (-logp - entropy).abs()
-        closer = torch.stack([p[shift < v].sum() for v in shift])  # mass strictly more typical
+        closer = torch.stack([p[shift < v - TIE].sum() for v in shift])  # mass strictly more typical
         keep &= closer < params.typical_p + EPS
     return keep
 

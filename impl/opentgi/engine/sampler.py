@@ -120,6 +120,11 @@ class Sampler:
         vocab = s.shape[-1]
         k = min(vocab, batch.max_top_k if batch.all_top_k else max(CANDIDATES, batch.max_top_k))
         values, ids = s.topk(k, dim=-1)  # sorted, best first
+        # ties in token-id order, as the full path's stable sort has them (top-k / top-p keep the
+        # same tied tokens on both paths, so a seed draws the same token on either)
+        ids, order = ids.sort(dim=-1)
+        values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
         neg_inf = float("-inf")
         if batch.any_top_k:
             positions = torch.arange(k, device=s.device).unsqueeze(0)
@@ -145,7 +150,7 @@ class Sampler:
             return s
         neg_inf = float("-inf")
         if batch.any_top_k or batch.any_top_p:
-            sorted_s, sorted_idx = s.sort(dim=-1, descending=True)
+            sorted_s, sorted_idx = s.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
             if batch.any_top_k:
                 positions = torch.arange(s.shape[-1], device=s.device).unsqueeze(0)
                 sorted_s = sorted_s.masked_fill(positions >= batch.top_k_t, neg_inf)
