@@ -219,6 +219,9 @@ def test_seed_reproduces_with_tied_logits_whichever_path():
         alone = run(None, seed)
         assert alone in (0, 1, 2)  # the nucleus: the first three of five tied tokens, by id
         assert run(SamplingParams(do_sample=True), seed) == alone
+    # top-k = 1 over ties: the tied token with the lowest id, on either path
+    me = make_seq(SamplingParams(do_sample=True, top_k=1), seed=3)
+    assert Sampler(V, torch.device("cpu")).sample([me], logits[:1]).token_ids == [0]
 
 
 def test_top_n_includes_ties_and_uses_raw_logprobs():

@@ -119,7 +119,15 @@ class Sampler:
             return None
         vocab = s.shape[-1]
         k = min(vocab, batch.max_top_k if batch.all_top_k else max(CANDIDATES, batch.max_top_k))
-        values, ids = s.topk(k, dim=-1)  # sorted, best first
+        if k < vocab:
+            # one more: a tie across the window's edge leaves which tied tokens are inside to topk;
+            # the full path decides it as the other rows' batches would
+            values, ids = s.topk(k + 1, dim=-1)
+            if bool((values[:, k - 1] == values[:, k]).any()):
+                return None
+            values, ids = values[:, :k], ids[:, :k]
+        else:
+            values, ids = s.topk(k, dim=-1)  # sorted, best first
         # ties in token-id order, as the full path's stable sort has them (top-k / top-p keep the
         # same tied tokens on both paths, so a seed draws the same token on either)
         ids, order = ids.sort(dim=-1)
