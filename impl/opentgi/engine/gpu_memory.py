@@ -96,8 +96,9 @@ def profile_step(model, block_size: int, shape: StepShape, memory: DeviceMemory)
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
     cache_bytes = memory.memory_allocated() - before  # the temporary pool is not working memory
     table = list(range(num_blocks))
-    rows = [SimpleNamespace(token_ids=[0] * shape.prefill_tokens, num_computed_tokens=0, block_table=table)]
-    rows += [SimpleNamespace(token_ids=[0], num_computed_tokens=0, block_table=table[:1])
+    rows = [SimpleNamespace(token_ids=[0] * shape.prefill_tokens, num_computed_tokens=0, block_table=table,
+                            draft_token_ids=[])]
+    rows += [SimpleNamespace(token_ids=[0], num_computed_tokens=0, block_table=table[:1], draft_token_ids=[])
              for _ in range(shape.decode_rows)]
     runner.execute(rows, [shape.prefill_tokens] + [1] * shape.decode_rows, sample_rows=list(range(len(rows))))
     memory.synchronize()
