@@ -287,8 +287,8 @@ class LoraState:
         if not used:
             self.step = None
             return
-        per_token = [s for s, n in zip(slots, num_new_tokens) for _ in range(n)]
-        token_slots = torch.tensor(per_token, dtype=torch.int64, device=self.device)
+        token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
+                                              torch.tensor(num_new_tokens, dtype=torch.int64)).to(self.device)
         self.step = LoraStep(token_slots, used, len(self.names), self.rank, self.dtype)
 
     def end_step(self) -> None:
