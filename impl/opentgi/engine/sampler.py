@@ -87,18 +87,7 @@ class Sampler:
         next_tokens = scores.argmax(dim=-1)
         if not batch.any_sample:
             return next_tokens
-        s = scores.index_select(0, batch.sample_index)
-        if batch.any_temperature:
-            s = s / batch.temperature
-        found = self._candidate_probs(batch, s)
-        if found is None:
-            probs, ids = torch.softmax(self._warp(batch, s), dim=-1), None
-        else:
-            # the draw walks the distribution in token-id order on both paths, so a seed picks
-            # the same token whichever path the row's batch neighbours send it down
-            probs, ids = found
-            ids, order = ids.sort(dim=-1)
-            probs = probs.gather(1, order)
+        probs, ids = self.distribution(batch, scores)
         # inverse CDF with one uniform per row from the row's own generator
         u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in batch.generators])
         cdf = probs.cumsum(dim=-1)
@@ -110,6 +99,21 @@ class Sampler:
         sampled = (chosen if ids is None else ids.gather(1, chosen)).squeeze(1)
         next_tokens.index_copy_(0, batch.sample_index, sampled)
         return next_tokens
+
+    def distribution(self, batch: SamplingBatch, scores: torch.Tensor):
+        """(probs [Bs, K], token ids [Bs, K] or None for the whole vocabulary) of the sampled rows
+        after temperature, top-k, top-p and typical-p. Candidates are in token-id order on both
+        paths, so a seed draws the same token whichever path the row's batch neighbours send it
+        down (the sampler's draw and speculative verification alike)."""
+        s = scores.index_select(0, batch.sample_index)
+        if batch.any_temperature:
+            s = s / batch.temperature
+        found = self._candidate_probs(batch, s)
+        if found is None:
+            return torch.softmax(self._warp(batch, s), dim=-1), None
+        probs, ids = found
+        ids, order = ids.sort(dim=-1)
+        return probs.gather(1, order), ids
 
     def _candidate_probs(self, batch: SamplingBatch, s: torch.Tensor):
         """(probs [Bs, K], token ids [Bs, K]) after top-k / top-p over each row's K best tokens, or

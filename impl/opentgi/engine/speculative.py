@@ -120,11 +120,7 @@ def verify(sampler, seqs: list[Sequence], drafts: list[list[int]], logits: torch
     probs = ids = None
     sample_pos: dict[int, int] = {}
     if batch.any_sample:
-        s = scores.index_select(0, batch.sample_index)
-        if batch.any_temperature:
-            s = s / batch.temperature
-        found = sampler._candidate_probs(batch, s)
-        probs, ids = found if found is not None else (torch.softmax(sampler._warp(batch, s), dim=-1), None)
+        probs, ids = sampler.distribution(batch, scores)
         sample_pos = {row: i for i, row in enumerate(batch.sample_rows)}
 
     def draw(row: int, excluded: int | None = None) -> int:
