@@ -34,10 +34,10 @@ from opentgi.schemas.tgi import GenerateParameters
 log = logging.getLogger(__name__)
 
 ROUTER_NAME = "opentgi"
-HEALTH_RECENT_S = 10.0
+HEALTH_RECENT_S = 10.0  # a generation that succeeded this recently vouches for the engine
 # /tokenize takes texts of up to this many characters per token of the KV pool (no request could
 # use more tokens than the pool holds), so a huge text costs a 422, not seconds of tokenizing.
-TOKENIZE_MAX_CHARS_PER_TOKEN = 16  # a generation that succeeded this recently vouches for the engine
+TOKENIZE_MAX_CHARS_PER_TOKEN = 16
 
 
 # --- request preparation -------------------------------------------------------------------------
