@@ -560,25 +560,31 @@ def side_by_side(args, url: str, prompts: list[str]) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import torch
-
     from opentgi import bench_steps
+    from opentgi.engine import torch_threads
     from opentgi.models.loader import load_model
 
+    # As in the server (engine/torch_threads.py): this thread runs torch on one thread; loading and
+    # the in-process baselines run in threads of their own, the step breakdown's engine in its loop.
+    args.num_threads = torch_threads.resolve(args.num_threads)  # the server and the report name it too
+    torch_threads.keep_calling_thread_serial()
+
+    def own_thread(fn):
+        return torch_threads.call_in_own_thread(fn, args.num_threads, name="opentgi-bench")
+
     settings = server_settings(args)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    loaded = load_model(settings)
+    loaded = own_thread(lambda: load_model(settings))
     tokenizer = loaded.tokenizer
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
     if args.lora or args.shards or args.speculate:
         if args.lora or args.shards:
-            text = lora_comparison(args, loaded, prompts) if args.lora else shard_comparison(args, loaded, prompts)
+            text = own_thread(lambda: lora_comparison(args, loaded, prompts) if args.lora
+                              else shard_comparison(args, loaded, prompts))
         else:
             from opentgi.bench_speculate import speculate_comparison
 
-            text = speculate_comparison(args, loaded, local_server, machine_line)
+            text = own_thread(lambda: speculate_comparison(args, loaded, local_server, machine_line))
         print()
         print(text)
         if args.output:
@@ -602,11 +608,12 @@ def main(argv=None) -> None:
             # each baseline runs right after the level it is compared with (the server idle), so
             # that both see the same machine
             if c == 1 and loaded.kind == "paged":  # best of 3: the baseline gets the benefit of doubt
-                bare_tps = max(bare_forward_loop(loaded, tokenizer, prompts[0], args.new_tokens)
+                bare_tps = max(own_thread(lambda: bare_forward_loop(loaded, tokenizer, prompts[0], args.new_tokens))
                                for _ in range(3))
                 print(f"bare paged forward loop: {bare_tps:.1f} tokens/s", flush=True)
             if c == 16:
-                hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, baseline_prompts, args.new_tokens)
+                hf_tps, _ = own_thread(lambda: hf_serial_generate(loaded.folder, tokenizer, baseline_prompts,
+                                                                  args.new_tokens))
                 print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
         cold, warm = asyncio.run(prefix_ttft(url, long_prompt))
         print(f"prefix cache: cold TTFT {cold:.3f}s, warm TTFT {warm:.3f}s", flush=True)
@@ -623,7 +630,8 @@ def main(argv=None) -> None:
         extra += ["", f"Where a decode step's time goes ({loaded.spec.dtype}, engine in the benchmark's "
                   "process, medians):", ""] + bench_steps.table(breakdown)
     if not hf_tps and levels:  # --concurrency '': only the side-by-side and the breakdown
-        hf_tps, _ = hf_serial_generate(loaded.folder, tokenizer, baseline_prompts, args.new_tokens)
+        hf_tps, _ = own_thread(lambda: hf_serial_generate(loaded.folder, tokenizer, baseline_prompts,
+                                                          args.new_tokens))
         print(f"serial transformers generate: {hf_tps:.1f} tokens/s", flush=True)
     text = report(levels, hf_tps, bare_tps, cold, warm, args, f"{loaded.model_id}, {loaded.spec.dtype}", extra)
     print()

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentgi.config import Settings
@@ -250,17 +250,20 @@ def configure_logging(json_output: bool) -> None:
 
 
 def serve(settings: Settings) -> None:
-    import torch
     import uvicorn
 
     from opentgi.api.app import create_app
     from opentgi.api.shutdown import GracefulServer
+    from opentgi.engine import torch_threads
     from opentgi.engine.engine import Engine
     from opentgi.metrics import Metrics
     from opentgi.models.loader import ModelLoadError
 
-    if settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
+    # One OpenMP team in the process (engine/torch_threads.py): the engine's loop thread gets the
+    # torch threads, this thread (the event loop) runs torch on one.
+    if settings.num_shard == 1:  # with shards, each rank's share is set by shards.rank_settings
+        settings = replace(settings, num_threads=torch_threads.resolve(settings.num_threads))
+    torch_threads.keep_calling_thread_serial()
     log.info("loading %s", settings.model_id or "the default model (SmolLM2-135M-Instruct)")
     metrics = Metrics()  # one per app: the engine reports batches/queue/KV, the handlers requests
     shards = None

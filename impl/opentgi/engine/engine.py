@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from opentgi.config import Settings
+from opentgi.engine import torch_threads
 from opentgi.engine.block_manager import BlockManager
 from opentgi.engine.detokenizer import IncrementalDetokenizer
 from opentgi.engine.engine_core import EngineCore
@@ -116,11 +117,12 @@ class Engine:
 
     @classmethod
     def from_settings(cls, settings: Settings, observer: EngineObserver | None = None) -> Engine:
+        """Load the model and build the engine in a thread of their own (engine/torch_threads.py:
+        the caller's thread starts no OpenMP team that would slow the loop thread's)."""
         from opentgi.models.loader import load_model
 
-        if settings.num_threads:
-            torch.set_num_threads(settings.num_threads)
-        return cls(load_model(settings), settings, observer=observer)
+        return torch_threads.call_in_own_thread(lambda: cls(load_model(settings), settings, observer=observer),
+                                                settings.num_threads)
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -146,6 +148,7 @@ class Engine:
 
     def _run(self) -> None:
         core = self.core
+        torch_threads.apply(self.settings.num_threads)
         try:
             while not self._stopping:
                 if not core.has_work():

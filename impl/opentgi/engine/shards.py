@@ -201,6 +201,7 @@ class ShardGroup:
 
     def start(self, observer=None):
         """Spawn (or meet) the other ranks, load rank 0's shard; returns rank 0's Engine."""
+        from opentgi.engine import torch_threads
         from opentgi.engine.engine import Engine
         from opentgi.models.loader import load_model
 
@@ -221,11 +222,11 @@ class ShardGroup:
         self.heartbeat = Heartbeat(rdv, list(range(1, self.world_size)), self._lost, self.processes)
         self.heartbeat.start()
         settings0 = rank_settings(s, 0, s.local_rank)
-        if settings0.num_threads:
-            torch.set_num_threads(settings0.num_threads)
         try:
             tp = _connect(store, rdv, settings0)
-            engine = Engine(load_model(settings0, tp=tp), settings0, observer=observer)
+            # loaded in a thread of its own, as Engine.from_settings does (engine/torch_threads.py)
+            engine = torch_threads.call_in_own_thread(
+                lambda: Engine(load_model(settings0, tp=tp), settings0, observer=observer), settings0.num_threads)
         except Exception:
             self._startup_failed(store)
             raise
