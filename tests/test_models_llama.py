@@ -174,3 +174,28 @@ def test_bfloat16_forward_runs_and_stays_close():
     assert got.dtype == torch.float32
     want = hf_logits(path, PROMPT[:21])
     torch.testing.assert_close(got, want[[19, 20]], atol=0.1, rtol=0.05)
+
+
+def test_rotary_table_grows_and_matches_the_direct_formula():
+    """The cos/sin table (grown past its first 4096 rows when a step needs it) and the 4-op rotation
+    give Hugging Face's numbers: cos/sin of position * inv_freq, x * cos + rotate_half(x) * sin."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from opentgi.models.layers.rotary import RotaryEmbedding, apply_rotary
+
+    config = AutoConfig.from_pretrained(tiny_models.tiny_llama_path())
+    rotary = RotaryEmbedding(config, torch.device("cpu"))
+    positions = torch.tensor([0, 7, 4095, 4096, 9000])
+    freqs = positions.float().unsqueeze(1) * rotary.inv_freq.unsqueeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    x = torch.randn(5, 3, emb.shape[-1]).bfloat16()
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, signed_sin = rotary.cos_sin(positions[:3], dtype, 4096)
+        cos, signed_sin = rotary.cos_sin(positions, dtype, 9001)  # past the first table
+        torch.testing.assert_close(cos[:, 0], emb.cos().to(dtype), atol=0, rtol=0)
+        half = emb.shape[-1] // 2
+        torch.testing.assert_close(signed_sin[:, 0, half:], emb.sin()[:, half:].to(dtype), atol=0, rtol=0)
+        torch.testing.assert_close(signed_sin[:, 0, :half], -emb.sin()[:, :half].to(dtype), atol=0, rtol=0)
+    cos, signed_sin = rotary.cos_sin(positions, torch.bfloat16, 9001)
+    want = x * emb.cos().bfloat16().unsqueeze(1) + rotate_half(x) * emb.sin().bfloat16().unsqueeze(1)
+    assert torch.equal(apply_rotary(x, cos, signed_sin), want)

@@ -56,10 +56,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent columns: rotated together, as one [T, heads + kv_heads, D] view
+        qk = apply_rotary(qkv[:, :q_size + kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
@@ -80,7 +81,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,8 +93,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, cos, sin, meta, kv_cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, *kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, *kv_cache).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class LlamaModel(nn.Module):
@@ -141,7 +142,7 @@ class PagedLlama(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, attn, kv_cache)
         return self.model.norm(h)
