@@ -2,10 +2,12 @@
 
 Decode rows (one new token) of a step are attended in groups of similar context length (sorted, a
 new group when a length falls to 7/8 of the group's longest, so padding adds at most a seventh to
-the gather and attention work, up to MAX_DECODE_GROUPS groups): a group's keys are
-gathered slot by slot (one `index_select` on the flat cache) into [B, L, kv_heads, head_dim],
-masked by context length, and attended by a single `scaled_dot_product_attention`, with the query
-heads of one kv head laid along the query axis (grouped-query attention without repeating keys).
+the gather and attention work, up to MAX_DECODE_GROUPS groups): a group's keys are gathered
+block by block (one `index_select` of whole blocks on the [num_blocks, block_size * kv_heads *
+head_dim] view of the cache) into [B, L, kv_heads, head_dim] (L: the group's longest context
+rounded up to whole blocks), masked by context length, and attended by a single
+`scaled_dot_product_attention` on a transposed view, with the query heads of one kv head laid along
+the query axis (grouped-query attention without repeating keys).
 Rows with several new tokens (prefill, prefill chunks) are attended one sequence at a time with a
 causal mask offset by the cached length; a row of at most `MAX_TOKENWISE_QUERY` new tokens after
 cached ones (speculative decoding's verify rows) is attended token by token like lone decode rows,
@@ -42,15 +44,18 @@ class _PrefillRow:
 
 @dataclass
 class _DecodeGroup:
-    token_index: torch.Tensor  # int64 [Bd]: the row of each decode sequence in the flat batch
-    slots: torch.Tensor  # int64 [Bd * key_len]: cache slot of each key (0 where masked out)
-    key_len: int  # the group's longest context
-    mask: torch.Tensor | None  # additive float [Bd, 1, 1, key_len]; None: every key is visible
+    start: int  # the group's rows are decode rows start:end of the step (in the plan's order)
+    end: int
+    num_blocks: int  # blocks per row: the group's longest context, rounded up to whole blocks
+    mask: torch.Tensor | None  # additive [end - start, 1, 1, num_blocks * block_size]; None: all visible
 
 
 @dataclass
 class _Plan:
     has_skips: bool
+    decode_tokens: torch.Tensor | None  # int64 [Nd]: the flat-batch row of each decode row, grouped
+    decode_blocks: torch.Tensor | None  # int64: each group's rows' block ids, num_blocks per row
+    decode_in_order: bool  # decode_tokens is 0..T-1: the step is all decode rows, already in group order
     decode: list[_DecodeGroup]
     prefill: list[_PrefillRow]
 
@@ -85,33 +90,33 @@ def _decode_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _decode_group(meta: AttentionMetadata, rows: list[int], lens: list[int], tokens: list[int],
-                  block_size: int, window: int | None) -> _DecodeGroup:
+def _decode_group(meta: AttentionMetadata, rows: list[int], lens: list[int], start: int, block_size: int,
+                  window: int | None, dtype: torch.dtype) -> tuple[_DecodeGroup, torch.Tensor]:
+    """A group of decode rows and its rows' block ids ([len(rows) * num_blocks], 0 past a row's end)."""
     device = meta.block_tables.device
-    key_len = max(lens)
-    num_blocks = -(-key_len // block_size)
+    num_blocks = -(-max(lens) // block_size)
+    key_len = num_blocks * block_size
     index = torch.tensor(rows, dtype=torch.long, device=device)
-    slots = _slots(meta.block_tables.index_select(0, index)[:, :num_blocks], key_len, block_size)
+    blocks = meta.block_tables.index_select(0, index)[:, :num_blocks].long().clamp(min=0)
+    ctx = torch.tensor(lens, device=device).unsqueeze(1)
+    k_pos = torch.arange(key_len, device=device).unsqueeze(0)
+    visible = k_pos < ctx
+    if window is not None:
+        visible &= k_pos > ctx - 1 - window
     mask = None
-    if window is not None or min(lens) != key_len:
-        ctx = torch.tensor(lens, device=device).unsqueeze(1)
-        k_pos = torch.arange(key_len, device=device).unsqueeze(0)
-        visible = k_pos < ctx
-        if window is not None:
-            visible &= k_pos > ctx - 1 - window
-        if not bool(visible.all()):  # one additive mask per step, not a bool->float per layer
-            slots = slots.masked_fill(~visible, 0)
-            mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-            mask = mask[:, None, None, :]
-    token_index = torch.tensor(tokens, dtype=torch.long, device=device)
-    return _DecodeGroup(token_index, slots.reshape(-1).contiguous(), key_len, mask)
+    if not bool(visible.all()):  # one additive mask per step in q's dtype, not a conversion per layer
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, None, None, :]
+    return _DecodeGroup(start, start + len(rows), num_blocks, mask), blocks.reshape(-1)
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None) -> _Plan:
+def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtype: torch.dtype) -> _Plan:
     cu_q = meta.cu_seqlens_q.tolist()
     context_lens = meta.context_lens.tolist()
     device = meta.block_tables.device
-    decode_seqs, prefill, decode = [], [], []
+    decode_seqs, prefill = [], []
+    # decode work as (sequence rows, context lengths, flat-batch token rows) per group
+    groups: list[tuple[list[int], list[int], list[int]]] = []
     for b, ctx in enumerate(context_lens):
         q_len = cu_q[b + 1] - cu_q[b]
         if q_len == 0:
@@ -123,7 +128,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None) -> 
             # a few new tokens after cached ones (speculative decoding's last token + drafts): each
             # attended as if decoded alone, so its output is bit for bit that of plain decoding
             for j in range(q_len):
-                decode.append(_decode_group(meta, [b], [ctx - q_len + 1 + j], [cu_q[b] + j], block_size, window))
+                groups.append(([b], [ctx - q_len + 1 + j], [cu_q[b] + j]))
             continue
         limited = window is not None and window < ctx
         if ctx == q_len and not limited:
@@ -136,10 +141,20 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None) -> 
     if decode_seqs:
         lens = [context_lens[b] for b in decode_seqs]
         for group in _decode_groups(decode_seqs, lens):
-            decode.append(_decode_group(meta, [decode_seqs[i] for i in group], [lens[i] for i in group],
-                                        [cu_q[b] for b in (decode_seqs[i] for i in group)], block_size, window))
+            seqs = [decode_seqs[i] for i in group]
+            groups.append((seqs, [lens[i] for i in group], [cu_q[b] for b in seqs]))
+    decode, blocks, tokens, start = [], [], [], 0
+    for seqs, lens, rows in groups:
+        group, group_blocks = _decode_group(meta, seqs, lens, start, block_size, window, dtype)
+        decode.append(group)
+        blocks.append(group_blocks)
+        tokens += rows
+        start = group.end
+    decode_tokens = torch.tensor(tokens, dtype=torch.long, device=device) if tokens else None
+    decode_blocks = torch.cat(blocks) if blocks else None
     has_skips = bool((meta.slot_mapping < 0).any()) if meta.slot_mapping.numel() else False
-    return _Plan(has_skips, decode, prefill)
+    decode_in_order = tokens == list(range(cu_q[-1]))
+    return _Plan(has_skips, decode_tokens, decode_blocks, decode_in_order, decode, prefill)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -154,26 +169,39 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None) -> torch.Tensor:
-        plan_key = ("torch", sliding_window)
+        plan_key = ("torch", sliding_window, q.dtype)
         plan = meta.scratch.get(plan_key)
         if plan is None:
-            plan = meta.scratch[plan_key] = _make_plan(meta, k_cache.shape[1], sliding_window)
+            plan = meta.scratch[plan_key] = _make_plan(meta, k_cache.shape[1], sliding_window, q.dtype)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_skips)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         group = num_heads // num_kv_heads
-        out = torch.empty_like(q)
-        head_dim = q.shape[2]
-        for dec in plan.decode:
-            num_seqs = dec.token_index.shape[0]
-            # [Bd, kv_heads, group, D]: the query heads sharing one kv head act as a query axis.
-            q_dec = q.index_select(0, dec.token_index).view(num_seqs, num_kv_heads, group, head_dim)
-            shape = (num_seqs, dec.key_len, num_kv_heads, head_dim)
-            keys = _gather(k_cache, dec.slots).view(shape).transpose(1, 2)  # [Bd, kv_heads, L, D]
-            values = _gather(v_cache, dec.slots).view(shape).transpose(1, 2)
-            mask = None if dec.mask is None else dec.mask.to(q.dtype)
-            o = F.scaled_dot_product_attention(q_dec, keys.to(q.dtype), values.to(q.dtype),
-                                               attn_mask=mask, scale=scale)
-            out.index_copy_(0, dec.token_index, o.reshape(num_seqs, num_heads, head_dim))
+        num_blocks, block_size, _, head_dim = k_cache.shape
+        out = None
+        if plan.decode:
+            # [Nd, kv_heads, group, D]: the query heads sharing one kv head act as a query axis.
+            q_dec = q if plan.decode_in_order else q.index_select(0, plan.decode_tokens)
+            q_dec = q_dec.view(-1, num_kv_heads, group, head_dim)
+            outs, first = [], 0
+            for dec in plan.decode:
+                rows = dec.end - dec.start
+                blocks = plan.decode_blocks[first:first + rows * dec.num_blocks]
+                first += rows * dec.num_blocks
+                # whole blocks (block_size * kv_heads * D values a row), a group at a time so that
+                # attention reads them while they are still in cache; [rows, kv_heads, L, D] views
+                shape = (rows, dec.num_blocks * block_size, num_kv_heads, head_dim)
+                keys = k_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
+                values = v_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
+                outs.append(F.scaled_dot_product_attention(q_dec[dec.start:dec.end], keys.to(q.dtype),
+                                                           values.to(q.dtype), attn_mask=dec.mask, scale=scale))
+            o_dec = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(-1, num_heads, head_dim)
+            if plan.decode_in_order:
+                out = o_dec
+            else:
+                out = torch.empty_like(q)
+                out.index_copy_(0, plan.decode_tokens, o_dec)
+        if out is None:
+            out = torch.empty_like(q)
         for row in plan.prefill:
             q_row = q[row.q_start:row.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if row.slots is None:
