@@ -168,3 +168,18 @@ def test_selector_uses_torch_on_cpu_with_block_size_16():
     assert select_block_size(backend, 32) == 32
     with pytest.raises(ValueError):
         select_block_size(backend, 0)
+
+
+def test_decode_never_reads_stale_nonfinite_cache_contents():
+    # blocks freed by an earlier request that produced non-finite k/v: decode attends whole blocks
+    # (masked past each context), so those leftovers must never reach a row's keys
+    paged = PagedSequences(seed=6)
+    paged.k_cache.fill_(float("nan"))
+    paged.v_cache.fill_(float("inf"))
+    seqs = [paged.add() for _ in range(4)]
+    paged.step({s: n for s, n in zip(seqs, [3, 17, 40, 16])})
+    for _ in range(3):
+        out, expected = paged.step({s: 1 for s in seqs})
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out, expected = paged.step({seqs[0]: 1, seqs[1]: 5})  # a verify-like row next to a decode
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

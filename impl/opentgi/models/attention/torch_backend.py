@@ -56,6 +56,7 @@ class _Plan:
     decode_tokens: torch.Tensor | None  # int64 [Nd]: the flat-batch row of each decode row, grouped
     decode_blocks: torch.Tensor | None  # int64: each group's rows' block ids, num_blocks per row
     decode_in_order: bool  # decode_tokens is 0..T-1: the step is all decode rows, already in group order
+    tails: torch.Tensor | None  # int64: slots past the context in last blocks this step entered
     decode: list[_DecodeGroup]
     prefill: list[_PrefillRow]
 
@@ -92,12 +93,14 @@ def _decode_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
 
 def _decode_group(meta: AttentionMetadata, rows: list[int], lens: list[int], start: int, block_size: int,
                   window: int | None, dtype: torch.dtype) -> tuple[_DecodeGroup, torch.Tensor]:
-    """A group of decode rows and its rows' block ids ([len(rows) * num_blocks], 0 past a row's end)."""
+    """A group of decode rows and its rows' block ids ([len(rows) * num_blocks])."""
     device = meta.block_tables.device
     num_blocks = -(-max(lens) // block_size)
     key_len = num_blocks * block_size
     index = torch.tensor(rows, dtype=torch.long, device=device)
-    blocks = meta.block_tables.index_select(0, index)[:, :num_blocks].long().clamp(min=0)
+    table = meta.block_tables.index_select(0, index)[:, :num_blocks].long()
+    # past a row's last block: its own first block again (masked), never another request's k/v
+    blocks = torch.where(table >= 0, table, table[:, :1])
     ctx = torch.tensor(lens, device=device).unsqueeze(1)
     k_pos = torch.arange(key_len, device=device).unsqueeze(0)
     visible = k_pos < ctx
@@ -117,10 +120,17 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
     decode_seqs, prefill = [], []
     # decode work as (sequence rows, context lengths, flat-batch token rows) per group
     groups: list[tuple[list[int], list[int], list[int]]] = []
+    tails: list[int] = []
     for b, ctx in enumerate(context_lens):
         q_len = cu_q[b + 1] - cu_q[b]
         if q_len == 0:
             continue
+        last_block_start = (ctx - 1) // block_size * block_size
+        if ctx % block_size and ctx - q_len <= last_block_start:
+            # this step wrote the first token of the sequence's last block: the rest of the block
+            # still holds whatever its previous owner left (decode attends whole blocks, masked)
+            first = int(meta.block_tables[b, ctx // block_size]) * block_size
+            tails += range(first + ctx % block_size, first + block_size)
         if q_len == 1:
             decode_seqs.append(b)
             continue
@@ -154,7 +164,8 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
     decode_blocks = torch.cat(blocks) if blocks else None
     has_skips = bool((meta.slot_mapping < 0).any()) if meta.slot_mapping.numel() else False
     decode_in_order = tokens == list(range(cu_q[-1]))
-    return _Plan(has_skips, decode_tokens, decode_blocks, decode_in_order, decode, prefill)
+    tail_slots = torch.tensor(tails, dtype=torch.long, device=device) if tails else None
+    return _Plan(has_skips, decode_tokens, decode_blocks, decode_in_order, tail_slots, decode, prefill)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -174,6 +185,9 @@ class TorchAttentionBackend:
         if plan is None:
             plan = meta.scratch[plan_key] = _make_plan(meta, k_cache.shape[1], sliding_window, q.dtype)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_skips)
+        if plan.tails is not None:  # zeros, so that masked keys are finite (-inf + nan is nan)
+            k_cache.view(-1, *k_cache.shape[2:]).index_fill_(0, plan.tails, 0)
+            v_cache.view(-1, *v_cache.shape[2:]).index_fill_(0, plan.tails, 0)
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         group = num_heads // num_kv_heads
         num_blocks, block_size, _, head_dim = k_cache.shape
