@@ -56,7 +56,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--dtype", str, "float32 | float16 | bfloat16 (default: bfloat16 on CUDA and on CPUs "
            "with avx512_bf16 or AMX, else float32)"),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
-    Option("--num-threads", int, "torch threads on CPU (default: torch's choice)"),
+    Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
+           "physical core); the HTTP event loop keeps one"),
     Option("--lora-adapters", str, "LoRA adapters to serve beside the base model (PEFT folders): "
            "comma-separated hub ids already in the local Hugging Face cache, folders, or name=path"),
     Option("--trust-remote-code", _bool, "allow model code from the model folder", is_switch=True),
