@@ -111,16 +111,46 @@ def test_decode_batch_with_different_lengths():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_groups_pad_little_and_stay_few():
-    from opentgi.models.attention.torch_backend import DECODE_GROUP_RATIO, MAX_DECODE_GROUPS, _decode_groups
+def _group_cost(groups, lens, block_size):
+    from opentgi.models.attention.torch_backend import GROUP_COST_KEYS
 
-    lens = [100, 95, 88, 87, 60, 300, 280, 265, 10, 9]
-    groups = _decode_groups(list(range(len(lens))), lens)
-    assert [[lens[i] for i in g] for g in groups] == [[300, 280, 265], [100, 95, 88], [87], [60], [10, 9]]
-    many = [int(1000 * 0.8 ** k) + 1 for k in range(MAX_DECODE_GROUPS + 5)]
-    groups = _decode_groups(list(range(len(many))), many)
-    assert len(groups) == MAX_DECODE_GROUPS and sorted(i for g in groups for i in g) == list(range(len(many)))
-    assert all(min(many[i] for i in g) > DECODE_GROUP_RATIO * max(many[i] for i in g) for g in groups[:-1])
+    return sum(GROUP_COST_KEYS + len(g) * -(-max(lens[i] for i in g) // block_size) * block_size for g in groups)
+
+
+def _partitions(items):
+    """Every way to cut the sequence `items` into contiguous non-empty runs."""
+    if not items:
+        yield []
+        return
+    for k in range(1, len(items) + 1):
+        for rest in _partitions(items[k:]):
+            yield [items[:k]] + rest
+
+
+def test_decode_groups_minimise_the_modelled_cost():
+    import random
+
+    from opentgi.models.attention.torch_backend import _decode_groups
+
+    rng = random.Random(0)
+    for _ in range(40):
+        lens = [rng.choice([rng.randint(1, 64), rng.randint(1, 2000)]) for _ in range(rng.randint(1, 9))]
+        groups = _decode_groups(list(range(len(lens))), lens, 16)
+        assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        assert [lens[i] for g in groups for i in g] == [lens[i] for i in order]  # longest first, contiguous
+        best = min(_group_cost(p, lens, 16) for p in _partitions(order))
+        assert _group_cost(groups, lens, 16) == best
+
+
+def test_decode_groups_few_for_short_contexts_several_for_spread_ones():
+    from opentgi.models.attention.torch_backend import _decode_groups
+
+    short = list(range(10, 41))  # 31 rows in 3 block counts: padding is cheaper than more calls
+    assert len(_decode_groups(list(range(len(short))), short, 16)) == 1
+    spread = [3000] * 8 + [1500] * 8 + [100] * 40
+    groups = _decode_groups(list(range(len(spread))), spread, 16)
+    assert [[spread[i] for i in g] for g in groups] == [[3000] * 8, [1500] * 8, [100] * 40]
 
 
 @pytest.mark.parametrize("window", [None, 5])

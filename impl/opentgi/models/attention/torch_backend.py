@@ -1,8 +1,8 @@
 """The CPU reference attention backend: paged KV through block tables, plain torch ops.
 
-Decode rows (one new token) of a step are attended in groups of similar context length (sorted, a
-new group when a length falls to 7/8 of the group's longest, so padding adds at most a seventh to
-the gather and attention work, up to MAX_DECODE_GROUPS groups): a group's keys are gathered
+Decode rows (one new token) of a step are attended in groups of similar context length (sorted,
+cut where the modelled cost, a fixed cost per group plus the padded key rows attended, is least;
+`_decode_groups`): a group's keys are gathered
 block by block (one `index_select` of whole blocks on the [num_blocks, block_size * kv_heads *
 head_dim] view of the cache) into [B, L, kv_heads, head_dim] (L: the group's longest context
 rounded up to whole blocks), masked by context length, and attended by a single
@@ -25,11 +25,10 @@ import torch.nn.functional as F
 from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
 
-# Batch of 64 decodes with contexts spread over 80-320 tokens, SmolLM2-135M bf16, side by side, one
-# thread: groups where lengths halve (at most 4) 705 -> 485 ms and 476 -> 400 ms medians in two runs;
-# batch 16 unchanged (171 -> 165 ms).
-DECODE_GROUP_RATIO = 0.875
-MAX_DECODE_GROUPS = 16
+# A decode group's fixed cost (one scaled_dot_product_attention call and two block gathers per
+# layer) in key rows (one row's one key): SmolLM2-135M's shapes (9 heads, 3 kv heads, head_dim 64),
+# bf16, 2 threads: ~25-30 us a call against ~0.03 us a key row.
+GROUP_COST_KEYS = 1000
 MAX_TOKENWISE_QUERY = 16
 
 
@@ -77,18 +76,29 @@ def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Ten
     return slots.flatten(-2)[..., :length]
 
 
-def _decode_groups(rows: list[int], lens: list[int]) -> list[list[int]]:
-    """Rows sorted by context length (longest first), split where the length falls to
-    DECODE_GROUP_RATIO of the group's longest, at most MAX_DECODE_GROUPS groups."""
+def _decode_groups(rows: list[int], lens: list[int], block_size: int) -> list[list[int]]:
+    """Rows sorted by context length (longest first), cut into groups that minimise the modelled
+    attention cost of the step: GROUP_COST_KEYS per group (one attention call, two gathers) plus one
+    per key row attended, each row padded to its group's longest context in whole blocks. Cuts fall
+    only where the block count changes; dynamic programming over those runs."""
     order = sorted(range(len(rows)), key=lambda i: -lens[i])
+    blocks = [-(-lens[i] // block_size) for i in order]
+    starts = [0] + [p for p in range(1, len(order)) if blocks[p] != blocks[p - 1]]
+    runs = len(starts)
+    starts.append(len(order))
+    best = [0] + [None] * runs  # best[j]: the cost of rows order[:starts[j]] in groups
+    cut = [0] * (runs + 1)
+    for j in range(1, runs + 1):
+        for i in range(j):
+            cost = best[i] + GROUP_COST_KEYS + (starts[j] - starts[i]) * blocks[starts[i]] * block_size
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
     groups: list[list[int]] = []
-    top = 0
-    for i in order:
-        if not groups or (lens[i] <= DECODE_GROUP_RATIO * top and len(groups) < MAX_DECODE_GROUPS):
-            groups.append([])
-            top = lens[i]
-        groups[-1].append(i)
-    return groups
+    j = runs
+    while j > 0:
+        groups.append(order[starts[cut[j]]:starts[j]])
+        j = cut[j]
+    return groups[::-1]
 
 
 def _decode_group(meta: AttentionMetadata, rows: list[int], lens: list[int], start: int, block_size: int,
@@ -150,7 +160,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
                                    _causal_mask(q_len, ctx, window).to(device)))
     if decode_seqs:
         lens = [context_lens[b] for b in decode_seqs]
-        for group in _decode_groups(decode_seqs, lens):
+        for group in _decode_groups(decode_seqs, lens, block_size):
             seqs = [decode_seqs[i] for i in group]
             groups.append((seqs, [lens[i] for i in group], [cu_q[b] for b in seqs]))
     decode, blocks, tokens, start = [], [], [], 0
