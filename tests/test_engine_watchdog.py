@@ -152,3 +152,33 @@ async def test_the_kv_gauge_follows_an_abort_at_once(llama):
     handle.cancel()
     engine.core.step()  # nothing left to run: no batch, yet the gauge drops
     assert gauges.kv_used[-1] == 0
+
+
+async def test_result_is_woken_once_at_the_end_not_at_every_step():
+    """A non-streamed request's waiter sleeps through the steps (their events stay queued, unread)
+    and wakes for the result; a failure or a cancel wakes it too."""
+    request = long_request()
+    handle = RequestHandle(request, lambda _request_id: None)
+    waiter = asyncio.create_task(handle.result())
+    for step in range(3):
+        handle._deliver([object()], None, None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not waiter.done() and len(handle._events) == step + 1  # not woken to read them
+    result = object()
+    handle._deliver([object()], result, None)
+    assert await asyncio.wait_for(waiter, 5) is result
+
+    failing = RequestHandle(long_request(), lambda _request_id: None)
+    waiter = asyncio.create_task(failing.result())
+    await asyncio.sleep(0)
+    failing._deliver([], None, UnhealthyError("gone"))
+    with pytest.raises(UnhealthyError):
+        await asyncio.wait_for(waiter, 5)
+
+    cancelled = RequestHandle(long_request(), lambda _request_id: None)
+    waiter = asyncio.create_task(cancelled.result())
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(Exception, match="cancelled"):
+        await asyncio.wait_for(waiter, 5)
