@@ -138,7 +138,9 @@ def test_decode_groups_minimise_the_modelled_cost():
         groups = _decode_groups(list(range(len(lens))), lens, 16)
         assert sorted(i for g in groups for i in g) == list(range(len(lens)))
         order = sorted(range(len(lens)), key=lambda i: -lens[i])
-        assert [lens[i] for g in groups for i in g] == [lens[i] for i in order]  # longest first, contiguous
+        assert all(g == sorted(g) for g in groups)  # batch order within a group
+        assert [lens[i] for g in groups for i in sorted(g, key=lambda i: -lens[i])] == [lens[i] for i in order]
+        assert all(min(lens[i] for i in g) >= max(lens[i] for i in h) for g, h in zip(groups, groups[1:]))
         best = min(_group_cost(p, lens, 16) for p in _partitions(order))
         assert _group_cost(groups, lens, 16) == best
 
@@ -147,7 +149,7 @@ def test_decode_groups_few_for_short_contexts_several_for_spread_ones():
     from opentgi.models.attention.torch_backend import _decode_groups
 
     short = list(range(10, 41))  # 31 rows in 3 block counts: padding is cheaper than more calls
-    assert len(_decode_groups(list(range(len(short))), short, 16)) == 1
+    assert _decode_groups(list(range(len(short))), short, 16) == [list(range(len(short)))]  # in batch order
     spread = [3000] * 8 + [1500] * 8 + [100] * 40
     groups = _decode_groups(list(range(len(spread))), spread, 16)
     assert [[spread[i] for i in g] for g in groups] == [[3000] * 8, [1500] * 8, [100] * 40]

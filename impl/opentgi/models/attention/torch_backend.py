@@ -80,7 +80,8 @@ def _decode_groups(rows: list[int], lens: list[int], block_size: int) -> list[li
     """Rows sorted by context length (longest first), cut into groups that minimise the modelled
     attention cost of the step: GROUP_COST_KEYS per group (one attention call, two gathers) plus one
     per key row attended, each row padded to its group's longest context in whole blocks. Cuts fall
-    only where the block count changes; dynamic programming over those runs."""
+    only where the block count changes; dynamic programming over those runs. Each group lists its
+    rows in their order in `rows`."""
     order = sorted(range(len(rows)), key=lambda i: -lens[i])
     blocks = [-(-lens[i] // block_size) for i in order]
     starts = [0] + [p for p in range(1, len(order)) if blocks[p] != blocks[p - 1]]
@@ -96,7 +97,9 @@ def _decode_groups(rows: list[int], lens: list[int], block_size: int) -> list[li
     groups: list[list[int]] = []
     j = runs
     while j > 0:
-        groups.append(order[starts[cut[j]]:starts[j]])
+        # rows in their batch order within a group (the mask is per row): a step that is one group
+        # of decode rows then needs no gather of its queries nor scatter of its outputs
+        groups.append(sorted(order[starts[cut[j]]:starts[j]]))
         j = cut[j]
     return groups[::-1]
 
