@@ -43,6 +43,15 @@ def tiny_llama() -> Path:
     return tiny_models.tiny_llama_path()
 
 
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    """The tiny Llama loaded for the paged engine (one per test module)."""
+    from opentgi.config import Settings
+    from opentgi.models.loader import load_model
+
+    return load_model(Settings(model_id=str(tiny_llama)))
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2() -> Path:
     return tiny_models.tiny_qwen2_path()

@@ -17,6 +17,7 @@ from opentgi.engine.errors import InputTooLongError, OverloadedError, Validation
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models.loader import load_model
+from tests.engine_helpers import generate, running
 
 torch.set_num_threads(1)
 
@@ -30,11 +31,6 @@ PROMPT_TEXTS = [
     "Once upon a time",
 ]
 MAX_NEW = 24
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_llama):
-    return load_model(Settings(model_id=str(tiny_llama)))
 
 
 @pytest.fixture(scope="module")
@@ -59,24 +55,8 @@ def references(hf_llama, prompts):
     return [hf_greedy(hf_llama, p) for p in prompts]
 
 
-@contextlib.asynccontextmanager
-async def running(loaded, observer=None, **settings):
-    settings.setdefault("max_batch_total_tokens", 4096)  # the CPU default (2 GiB) is slow to zero
-    engine = Engine(loaded, Settings(**settings), observer=observer)
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
-
-
 def greedy(ids, max_new=MAX_NEW, **stopping) -> GenerationRequest:
     return GenerationRequest(list(ids), SamplingParams(), StoppingParams(max_new_tokens=max_new, **stopping))
-
-
-async def generate(engine, request):
-    handle = await engine.submit(request)
-    return await handle.result()
 
 
 async def test_greedy_each_prompt_alone(llama, prompts, references):

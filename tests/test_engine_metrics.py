@@ -14,16 +14,10 @@ from opentgi.config import Settings
 from opentgi.engine.engine import Engine
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.metrics import Metrics, MetricsObserver
-from opentgi.models.loader import load_model
 
 torch.set_num_threads(1)
 
 LONG_PROMPT = [1] + [504 + (i * 37) % 4000 for i in range(70)]
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_llama):
-    return load_model(Settings(model_id=str(tiny_llama)))
 
 
 class RecordingMetricsObserver(MetricsObserver):

@@ -5,7 +5,6 @@ rejected drafts, rejection sampling keeping the distribution, and rows that must
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from opentgi.engine.speculative import NgramProposer, can_speculate, verify
 from opentgi.engine.stop_checker import StopChecker
 from opentgi.metrics import Metrics
 from opentgi.models.loader import load_model
+from tests.engine_helpers import generate, running
 
 torch.set_num_threads(1)
 
@@ -39,32 +39,12 @@ MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_llama):
-    return load_model(Settings(model_id=str(tiny_llama)))
-
-
-@pytest.fixture(scope="module")
 def prompts(llama):
     return [llama.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
 
 
-@contextlib.asynccontextmanager
-async def running(loaded, metrics=None, **settings):
-    settings.setdefault("max_batch_total_tokens", 4096)
-    engine = Engine(loaded, Settings(**settings), observer=metrics.observer if metrics else None)
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
-
-
 def greedy(ids, max_new=MAX_NEW, **stopping) -> GenerationRequest:
     return GenerationRequest(list(ids), SamplingParams(), StoppingParams(max_new_tokens=max_new, **stopping))
-
-
-async def generate(engine, request):
-    return await (await engine.submit(request)).result()
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +105,7 @@ def test_rows_that_cannot_speculate():
 async def test_greedy_equals_plain_alone_and_batched(llama, prompts, plain):
     metrics = Metrics()
     metrics.set_speculate(4)
-    async with running(llama, metrics=metrics, speculate=4) as engine:
+    async with running(llama, observer=metrics.observer, speculate=4) as engine:
         steps = record_step_tokens(engine)
         alone = [await generate(engine, greedy(p)) for p in prompts]
         batched = await asyncio.gather(*[generate(engine, greedy(p)) for p in prompts])

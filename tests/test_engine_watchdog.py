@@ -16,12 +16,6 @@ from opentgi.engine.handle import RequestHandle
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.engine.request_state import RequestState
-from opentgi.models.loader import load_model
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_llama):
-    return load_model(Settings(model_id=str(tiny_llama)))
 
 
 def long_request(max_new: int = 200) -> GenerationRequest:

@@ -5,7 +5,6 @@ cache never shared across adapters; bad adapters refused at load with a clear me
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
 
@@ -15,12 +14,12 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from opentgi.config import Settings
-from opentgi.engine.engine import Engine
 from opentgi.engine.errors import UnknownAdapterError
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models import lora
 from opentgi.models.loader import ModelLoadError, load_model
 from tests import tiny_models
+from tests.engine_helpers import running
 
 torch.set_num_threads(1)
 
@@ -72,17 +71,6 @@ def references(tiny_llama, adapter_a, adapter_b, prompts):
         refs[name] = [hf_greedy(peft_model, p) for p in prompts]
     assert refs["a"] != refs[None] and refs["b"] != refs[None] and refs["a"] != refs["b"]
     return refs
-
-
-@contextlib.asynccontextmanager
-async def running(loaded, **settings):
-    settings.setdefault("max_batch_total_tokens", 4096)
-    engine = Engine(loaded, Settings(**settings))
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
 
 
 def greedy(ids, adapter_id=None) -> GenerationRequest:

@@ -51,8 +51,8 @@ def test_engine_loads_the_model_off_the_calling_thread(monkeypatch, tiny_llama):
     assert len(seen) == 1 and seen[0] is not threading.current_thread()
 
 
-async def test_the_loop_thread_runs_the_model_with_the_configured_threads(tiny_llama):
-    engine = Engine(load_model(Settings(model_id=str(tiny_llama))), Settings(max_batch_total_tokens=1024, num_threads=2))
+async def test_the_loop_thread_runs_the_model_with_the_configured_threads(llama):
+    engine = Engine(llama, Settings(max_batch_total_tokens=1024, num_threads=2))
     counts = []
     step = engine.core.step
 

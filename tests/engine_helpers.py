@@ -1,0 +1,24 @@
+"""Helpers shared by the engine tests: an engine running over a loaded model, and one request's
+result."""
+
+from __future__ import annotations
+
+import contextlib
+
+from opentgi.config import Settings
+from opentgi.engine.engine import Engine
+
+
+@contextlib.asynccontextmanager
+async def running(loaded, observer=None, **settings):
+    settings.setdefault("max_batch_total_tokens", 4096)  # the CPU default (2 GiB) is slow to zero
+    engine = Engine(loaded, Settings(**settings), observer=observer)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+async def generate(engine, request):
+    return await (await engine.submit(request)).result()
