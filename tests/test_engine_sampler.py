@@ -24,9 +24,9 @@ torch.set_num_threads(1)
 
 
 def make_seq(sampling: SamplingParams, prompt=(1, 2, 3), top_n: int = 0, seed: int | None = 0,
-             min_new_tokens: int = 0, processors=()) -> Sequence:
+             min_new_tokens: int = 0, processors=(), needs_logprobs: bool = True) -> Sequence:
     req = GenerationRequest(list(prompt), sampling, StoppingParams(max_new_tokens=8, min_new_tokens=min_new_tokens),
-                            top_n_tokens=top_n)
+                            top_n_tokens=top_n, needs_logprobs=needs_logprobs)
     return Sequence(req, 0, seed=seed, detokenizer=None, stop_checker=StopChecker(req.stopping, [0], 1 << 20),
                     processors=list(processors))
 
@@ -279,3 +279,62 @@ def test_plain_greedy_rows_take_the_first_best_token_with_its_logprob():
     assert out.token_ids == expected and out.token_ids[0] == 7
     want = torch.log_softmax(logits[:, :40], -1)[torch.arange(3), torch.tensor(expected)]
     assert out.logprobs == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def _counting_logsumexp(monkeypatch) -> list:
+    calls = []
+    real = torch.logsumexp
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "logsumexp", counted)
+    return calls
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),  # plain greedy
+    SamplingParams(repetition_penalty=1.3, logit_bias={5: 2.0}),  # greedy with processors
+    SamplingParams(do_sample=True, temperature=0.8, seed=1),  # sampled over the whole vocabulary
+])
+def test_no_log_softmax_when_no_row_needs_logprobs(monkeypatch, params):
+    """Rows whose logprobs reach no client: the same tokens, no logsumexp over the vocabulary, and
+    None (never a number that could pass for one) as their logprob."""
+    V = 40
+    logits = torch.randn(4, 48, generator=torch.Generator().manual_seed(5))
+    logits[0, [7, 21]] = 9.0  # a tie: the lower id, as argmax
+    logits[2, 45] = 99.0  # past vocab_size: never chosen
+    with_lp = Sampler(V, torch.device("cpu")).sample([make_seq(params, seed=i) for i in range(4)], logits)
+    calls = _counting_logsumexp(monkeypatch)
+    without = Sampler(V, torch.device("cpu")).sample(
+        [make_seq(params, seed=i, needs_logprobs=False) for i in range(4)], logits)
+    assert calls == []
+    assert without.token_ids == with_lp.token_ids
+    assert without.logprobs == [None] * 4
+    assert all(math.isfinite(lp) for lp in with_lp.logprobs)
+
+
+def test_mixed_batch_reports_exact_logprobs_for_the_rows_that_asked():
+    V = 40
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(6))
+    needs = [False, True, False, True]
+    seqs = [make_seq(SamplingParams(), needs_logprobs=n) for n in needs]
+    out = Sampler(V, torch.device("cpu")).sample(seqs, logits)
+    raw = torch.log_softmax(logits, -1)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    for row, need in enumerate(needs):
+        if need:
+            assert out.logprobs[row] == pytest.approx(raw[row, out.token_ids[row]].item(), abs=1e-6)
+        else:
+            assert out.logprobs[row] is None
+
+
+def test_top_n_alone_computes_logprobs(monkeypatch):
+    """top_n_tokens needs the log-softmax even where the flag says otherwise."""
+    V = 8
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, 0.0, 0.0, -1.0, 1.0]])
+    calls = _counting_logsumexp(monkeypatch)
+    out = Sampler(V, torch.device("cpu")).sample([make_seq(SamplingParams(), top_n=1, needs_logprobs=False)], logits)
+    assert calls
+    assert out.top[0] == [(0, pytest.approx(torch.log_softmax(logits[0], -1)[0].item()))]

@@ -1,7 +1,8 @@
 """Where a decode step's time goes (part of the benchmark, `python -m opentgi.bench`).
 
 An engine runs in this process on the benchmark's model and settings; `concurrency` greedy
-requests are submitted at once and decoded to the end. Timers wrap the engine's parts on this one
+requests, as `/v1/completions` builds them without `logprobs` (so `needs_logprobs` False), are
+submitted at once and decoded to the end. Timers wrap the engine's parts on this one
 engine instance (nothing in the engine itself is changed or slowed when not benchmarking), and
 each decode-only step (every scheduled row has one new token) is split into:
 
@@ -53,13 +54,14 @@ def _timed(record: dict, part: str, fn):
     return wrapper
 
 
-def measure(loaded, settings, prompts: list[list[int]], concurrency: int, new_tokens: int) -> StepBreakdown:
+def measure(loaded, settings, prompts: list[list[int]], concurrency: int, new_tokens: int,
+            needs_logprobs: bool = False) -> StepBreakdown:
     """Run `concurrency` greedy requests (prompt token ids cycled from `prompts`) to the end on an
     engine in this process; return the median split of its decode-only steps."""
-    return asyncio.run(_measure(loaded, settings, prompts, concurrency, new_tokens))
+    return asyncio.run(_measure(loaded, settings, prompts, concurrency, new_tokens, needs_logprobs))
 
 
-async def _measure(loaded, settings, prompts, concurrency, new_tokens) -> StepBreakdown:
+async def _measure(loaded, settings, prompts, concurrency, new_tokens, needs_logprobs) -> StepBreakdown:
     from opentgi.engine.engine import Engine
     from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 
@@ -100,7 +102,8 @@ async def _measure(loaded, settings, prompts, concurrency, new_tokens) -> StepBr
     await engine.start()
     try:
         requests = [GenerationRequest(list(prompts[i % len(prompts)]), SamplingParams(),
-                                      StoppingParams(max_new_tokens=new_tokens, ignore_eos=True))
+                                      StoppingParams(max_new_tokens=new_tokens, ignore_eos=True),
+                                      needs_logprobs=needs_logprobs)
                     for i in range(concurrency)]
         handles = [await engine.submit(r) for r in requests]
         await asyncio.gather(*(h.result() for h in handles))

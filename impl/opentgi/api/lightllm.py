@@ -134,12 +134,14 @@ def parse_generate(body: dict) -> tuple[schema.GenerateRequest, schema.GenerateP
 
 
 def generation_request(prompt_token_ids: list[int], params: schema.GenerateParameters,
-                       tokenizer=None) -> GenerationRequest:
+                       tokenizer=None, *, stream: bool = True) -> GenerationRequest:
+    """Every stream event shows its token's logprob; a /generate answer only with return_details."""
     return GenerationRequest(
         prompt_token_ids=prompt_token_ids,
         sampling=sampling_params(params),
         stopping=stopping_params(params, tokenizer),
         n=num_sequences(params),
+        needs_logprobs=stream or bool(params.return_details),
     )
 
 
@@ -303,7 +305,7 @@ def _prepare_generate(body: dict, *, stream: bool) -> Prepare:
         prompt_token_ids = await engine.encode(request.inputs, max_tokens=engine.info.max_input_tokens)
         check_lengths(len(prompt_token_ids), params.max_new_tokens, engine.info.max_input_tokens,
                       engine.info.max_total_tokens)
-        generation = generation_request(prompt_token_ids, params, _Vocabulary(engine))
+        generation = generation_request(prompt_token_ids, params, _Vocabulary(engine), stream=stream)
         return [generation], (params, len(prompt_token_ids))
 
     return prepare

@@ -86,6 +86,7 @@ async def _prepare_completion(body: dict) -> tuple[list[GenerationRequest], Prep
             prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
             top_n_tokens=logprobs or 0,
             prompt_logprobs=echo and logprobs is not None,  # the echoed prompt's logprobs
+            needs_logprobs=logprobs is not None,  # `logprobs: 0` still shows token_logprobs
             adapter_id=adapter))
         lengths.append(len(ids))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -90,6 +90,7 @@ def generation_request(
             sensitive_words=list(sensitive_words),
         ),
         n=request.n,
+        needs_logprobs=False,  # no SenseNova response shows a logprob
     )
 
 

@@ -72,6 +72,15 @@ class TGIParameters:
     decoder_input_details: bool = False
     return_full_text: bool = False
     grammar: GrammarSpec | None = None
+    stream: bool = True  # every /generate_stream event shows `token.logprob`
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether the answer shows the generated tokens' logprobs or ranks by them: a stream's
+        `token`, `details` (tokens, best_of_sequences), decoder_input_details (it shows `details`
+        too), top_n_tokens, and best_of's choice of the highest mean logprob."""
+        return (self.stream or self.details or self.decoder_input_details or self.top_n_tokens > 0
+                or self.best_of > 1)
 
 
 def f32(value: float) -> float:
@@ -181,7 +190,7 @@ def check_parameters(inputs: str, parameters: GenerateParameters | None, limits:
         inputs=inputs, best_of=best_of, sampling=sampling, max_new_tokens=max_new_tokens, stop=stop,
         truncate=truncate, top_n_tokens=top_n_tokens, details=bool(p.details),
         decoder_input_details=bool(p.decoder_input_details),
-        return_full_text=bool(p.return_full_text), grammar=None)
+        return_full_text=bool(p.return_full_text), grammar=None, stream=stream)
 
 
 # TGI's generation operations (as Connexion resolves them): whether they stream (compat_generate:
@@ -273,6 +282,7 @@ def build_request(params: TGIParameters, prompt_token_ids: list[int], limits: Li
         n=params.best_of,
         top_n_tokens=params.top_n_tokens,
         prompt_logprobs=params.decoder_input_details,
+        needs_logprobs=params.needs_logprobs,
         grammar=params.grammar,
         adapter_id=parameters.adapter_id if parameters is not None else None,
     )

@@ -49,6 +49,8 @@ def prefill_token(prefill: PrefillToken) -> dict:
 
 def best_sequence_index(result: GenerationResult) -> int:
     """TGI's best_of winner: the highest mean token logprob; the first one on a tie."""
+    if len(result.sequences) == 1:  # nothing to rank (and no logprobs without best_of or details)
+        return 0
     best, best_score = 0, -math.inf
     for i, sequence in enumerate(result.sequences):
         if sequence.mean_logprob > best_score:

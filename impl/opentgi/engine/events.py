@@ -27,7 +27,9 @@ class TokenEvent:
     index: int  # which sequence of the request (0 .. n-1)
     token_id: int
     token_text: str  # this token's text, decoded incrementally ("" while a UTF-8 char is incomplete)
-    logprob: float  # log-softmax of the raw logits (before warpers) at the chosen token
+    # log-softmax of the raw logits (before warpers) at the chosen token; None when the request's
+    # needs_logprobs is False (never computed, never shown)
+    logprob: float | None
     special: bool
     # Text safe to show now: token_text after stop-string hold-back and trimming. Concatenating the
     # text_delta of all events of a sequence gives SequenceResult.text.

@@ -22,13 +22,14 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
-    def process(self, seq: Sequence, end: int, logprob: float,
+    def process(self, seq: Sequence, end: int, logprob: float | None,
                 top: list[tuple[int, float]] | None) -> TokenEvent:
         """The token at seq.token_ids[end - 1] (tokens after it, if any, were accepted in the same
-        step and come next)."""
+        step and come next). `logprob` is None when the request does not need it."""
         all_ids = seq.token_ids if end == len(seq.token_ids) else seq.token_ids[:end]
         token_id = all_ids[-1]
-        seq.cumulative_logprob += logprob
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
         num_generated = end - seq.num_prompt_tokens
         special = token_id in self.special_ids
         token_text = seq.detokenizer.step(all_ids)

@@ -65,6 +65,10 @@ class GenerationRequest:
     n: int = 1  # sequences sampled from this prompt; they share the prompt's KV blocks
     top_n_tokens: int = 0  # per generated token, the n most likely alternatives (ties included)
     prompt_logprobs: bool = False  # logprobs of every prompt token (TGI decoder_input_details)
+    # Whether the generated tokens' logprobs, or anything derived from them (best_of ranking,
+    # mean logprob), reach the client. False: the sampler may skip the log-softmax, and the
+    # events' `logprob` is None. A handler sets it False only where its response shows none.
+    needs_logprobs: bool = True
     grammar: GrammarSpec | None = None
     score: bool = False  # reward model: one prefill pass, result.score, no tokens generated
     adapter_id: str | None = None  # a LoRA adapter loaded at start-up (--lora-adapters); None = base

@@ -4,7 +4,8 @@ Order (TGI's): penalties (repetition, frequency/presence), logit bias, min-new-t
 per-row processors (grammar, watermark), then for sampled rows temperature, top-k, top-p,
 typical-p and a draw from the row's own seeded generator (so a seed reproduces its output whatever
 the batch around it); greedy rows take the argmax. The reported logprob of the chosen token and
-the top-n alternatives come from the raw logits' log-softmax.
+the top-n alternatives come from the raw logits' log-softmax, computed only when some row of the
+batch reports them (`GenerationRequest.needs_logprobs`, or top-n): a row that does not gets None.
 
 Cost: a draw is one uniform number per row from its generator, looked up in the cumulative
 distribution (not a noise tensor over the vocabulary). When every sampled row keeps only its top
@@ -27,7 +28,7 @@ CANDIDATES = 1024  # tokens examined for a top-p nucleus before falling back to 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]  # None for rows that do not need it (needs_logprobs False)
     top: list[list[tuple[int, float]] | None]  # per row: (token id, logprob), best first
 
 
@@ -46,14 +47,16 @@ class Sampler:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         batch = self.batch_for(seqs)
         logits = logits[:, :self.vocab_size].float()
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        # the log-softmax's normalizer, over the whole vocabulary: only when some row reports logprobs
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True) if batch.any_logprobs else None
         if batch.plain_greedy:  # every row greedy, nothing to apply: one pass finds token and logit
             best, next_tokens = logits.max(dim=-1)
-            chosen_logprobs = best - lse.squeeze(1)
+            chosen_logprobs = None if lse is None else best - lse.squeeze(1)
         else:
             scores = self._process(batch, logits.clone())
             next_tokens = self._choose(batch, scores)
-            chosen_logprobs = (logits.gather(1, next_tokens.unsqueeze(1)) - lse).squeeze(1)
+            chosen_logprobs = None if lse is None else \
+                (logits.gather(1, next_tokens.unsqueeze(1)) - lse).squeeze(1)
         top = self._top_n(batch, logits, lse) if batch.any_top_n else [None] * batch.size
         batch.update(next_tokens)
         token_list = next_tokens.tolist()
@@ -61,7 +64,13 @@ class Sampler:
             for procs, tok in zip(batch.processors, token_list):
                 for proc in procs:
                     proc.accept(tok)
-        return SamplerOutput(token_list, chosen_logprobs.tolist(), top)
+        if chosen_logprobs is None:
+            logprobs: list[float | None] = [None] * batch.size
+        else:
+            logprobs = chosen_logprobs.tolist()
+            if not batch.all_logprobs:  # a row that did not ask gets None whatever its neighbours
+                logprobs = [lp if need else None for lp, need in zip(logprobs, batch.needs_logprobs)]
+        return SamplerOutput(token_list, logprobs, top)
 
     # --- logits processors -----------------------------------------------------------------------
     def _process(self, batch: SamplingBatch, scores: torch.Tensor) -> torch.Tensor:

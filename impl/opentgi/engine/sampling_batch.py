@@ -83,6 +83,10 @@ class SamplingBatch:
         self.any_processors = any(self.processors)
         self.top_n = [s.request.top_n_tokens for s in seqs]
         self.any_top_n = any(self.top_n)
+        # rows whose chosen token's logprob reaches the client (the top-n alternatives need it too)
+        self.needs_logprobs = [s.request.needs_logprobs or bool(s.request.top_n_tokens) for s in seqs]
+        self.any_logprobs = any(self.needs_logprobs)
+        self.all_logprobs = all(self.needs_logprobs)
         self.plain_greedy = not (self.any_sample or self.any_repetition or self.any_output_penalty
                                  or self.any_bias or self.any_min_tokens or self.any_processors)
 

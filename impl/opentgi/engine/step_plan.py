@@ -65,7 +65,7 @@ class RowTokens:
     none for a prompt chunk that does not complete), their logprobs and top-n alternatives."""
 
     token_ids: list[list[int]]
-    logprobs: list[list[float]]
+    logprobs: list[list[float | None]]
     top: list[list]
 
     @classmethod
