@@ -58,6 +58,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
            "physical core); the HTTP event loop keeps one"),
+    Option("--fixed-threads", _bool, "run every engine step on --num-threads threads (default: fewer "
+           "while other work holds some of the cores, as OpenMP teams slow down sharply then)",
+           is_switch=True),
     Option("--lora-adapters", str, "LoRA adapters to serve beside the base model (PEFT folders): "
            "comma-separated hub ids already in the local Hugging Face cache, folders, or name=path"),
     Option("--trust-remote-code", _bool, "allow model code from the model folder", is_switch=True),

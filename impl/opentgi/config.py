@@ -19,6 +19,8 @@ class Settings:
     # CPUs with avx512_bf16/AMX, else float32 (models/loader.py resolve_dtype)
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda when available
     num_threads: int | None = None  # torch.set_num_threads on CPU; None = torch's default
+    fixed_threads: bool = False  # every step on num_threads, even while other work holds cores
+    # (default: fewer while it does, engine/thread_governor.py)
     trust_remote_code: bool = False
     lora_adapters: str | None = None  # comma-separated adapter ids / folders / name=path (PEFT LoRA)
 

@@ -46,6 +46,7 @@ from opentgi.engine.scheduler import Scheduler, SchedulerConfig
 from opentgi.engine.sequence import Sequence
 from opentgi.engine.setup import build_info, build_runner
 from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +150,13 @@ class Engine:
     def _run(self) -> None:
         core = self.core
         torch_threads.apply(self.settings.num_threads)
+        governor = ThreadGovernor.for_settings(self.settings.num_threads, self.settings.fixed_threads,
+                                               self.sampler.device)
         try:
             while not self._stopping:
                 if not core.has_work():
+                    if governor is not None:
+                        governor.reset()
                     core.wakeup.wait(0.5)
                     core.wakeup.clear()
                     continue
@@ -162,6 +167,8 @@ class Engine:
                     log.exception("engine loop error")
                     deliveries = self._fail_all(exc)
                 self._step_started_at = None
+                if governor is not None:
+                    governor.after_step()
                 if deliveries:
                     self._loop.call_soon_threadsafe(self._deliver, deliveries)
         except BaseException as exc:

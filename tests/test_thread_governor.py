@@ -1,0 +1,89 @@
+"""The engine loop's torch thread count follows the cores other work leaves free."""
+
+from __future__ import annotations
+
+import torch
+
+from opentgi.engine.thread_governor import ThreadGovernor, busy_core_seconds
+
+
+class Machine:
+    """A fake clock, engine-thread CPU clock and machine busy counter, advanced by `run`."""
+
+    def __init__(self):
+        self.now = self.engine_cpu = self.busy = 0.0
+        self.counts: list[int] = []
+
+    def governor(self, max_threads=2, cpus=(0, 1)):
+        return ThreadGovernor(max_threads, set(cpus), busy=lambda: self.busy, clock=lambda: self.now,
+                              thread_clock=lambda: self.engine_cpu, set_threads=self.counts.append)
+
+    def run(self, gov: ThreadGovernor, seconds: float, others: float, steps: int = 4) -> None:
+        """`steps` engine steps over `seconds`: the team busy throughout, other work on `others`
+        cores."""
+        for _ in range(steps):
+            dt = seconds / steps
+            self.now += dt
+            self.engine_cpu += dt
+            self.busy += dt * (gov.threads + others)
+            gov.after_step()
+
+
+def test_gives_up_a_thread_while_other_work_holds_a_core_and_takes_it_back():
+    m = Machine()
+    gov = m.governor()
+    m.run(gov, 0.5, others=0.1)
+    assert gov.threads == 2 and m.counts == []
+    m.run(gov, 0.5, others=0.9)
+    assert gov.threads == 1 and m.counts == [1]
+    assert abs(gov.others - 0.9) < 1e-6
+    m.run(gov, 0.5, others=0.8)  # still held: stays at one
+    assert m.counts == [1]
+    m.run(gov, 0.5, others=0.05)
+    assert gov.threads == 2 and m.counts == [1, 2]
+
+
+def test_never_below_one_nor_above_the_configured_count():
+    m = Machine()
+    gov = m.governor(max_threads=3, cpus=(0, 1, 2, 3))
+    m.run(gov, 0.5, others=0.0)
+    assert gov.threads == 3 and m.counts == []  # 4 cores free, 3 configured
+    m.run(gov, 0.5, others=5.0)
+    assert gov.threads == 1
+    m.run(gov, 0.5, others=1.6)  # 2.4 cores left
+    assert gov.threads == 2
+
+
+def test_windows_shorter_than_a_tenth_of_a_second_and_idle_time_are_not_judged():
+    m = Machine()
+    gov = m.governor()
+    m.run(gov, 0.08, others=2.0, steps=2)  # one 0.04 s window after the first mark: too short
+    assert gov.threads == 2
+    gov.reset()  # the loop went idle: others worked meanwhile, the next window starts afresh
+    m.now += 5.0
+    m.busy += 5.0 * 2
+    m.run(gov, 0.5, others=0.0)
+    assert gov.threads == 2 and m.counts == []
+
+
+def test_off_when_fixed_on_other_devices_or_with_one_thread():
+    cpu = torch.device("cpu")
+    assert ThreadGovernor.for_settings(2, True, cpu) is None
+    assert ThreadGovernor.for_settings(2, False, torch.device("meta")) is None
+    assert ThreadGovernor.for_settings(1, False, cpu) is None
+    assert ThreadGovernor.for_settings(None, False, cpu) is None
+    assert isinstance(ThreadGovernor.for_settings(2, False, cpu), ThreadGovernor)
+
+
+def test_reads_busy_time_of_the_given_cores_from_proc_stat(tmp_path):
+    import os
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  900 0 900 900 0 0 0 0 0 0\n"
+                    "cpu0 100 10 20 500 7 1 2 3 0 0\n"
+                    "cpu1 400 0 0 400 0 0 0 0 0 0\n"
+                    "intr 12345\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    assert busy_core_seconds({0}, str(stat)) == (100 + 10 + 20 + 1 + 2 + 3) / hz
+    assert busy_core_seconds({0, 1}, str(stat)) == (136 + 400) / hz
+    assert busy_core_seconds({0}, str(tmp_path / "missing")) is None
