@@ -215,3 +215,66 @@ def test_decode_never_reads_stale_nonfinite_cache_contents():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     out, expected = paged.step({seqs[0]: 1, seqs[1]: 5})  # a verify-like row next to a decode
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_batches_pad_at_most_to_twice_a_prompt():
+    from opentgi.models.attention.torch_backend import _prompt_batches
+
+    spans, start = [], 0
+    for n in [7, 40, 21, 20, 3, 128, 64, 65, 2, 1]:
+        spans.append((start, start + n))
+        start += n
+    batches = _prompt_batches(spans)
+    assert sorted(s for b in batches for s in b) == sorted(spans)
+    lens = [[e - s for s, e in b] for b in batches]
+    assert lens == [[128, 65], [64, 40], [21, 20], [7], [3, 2], [1]]
+    assert all(2 * min(b) > max(b) for b in lens if len(b) > 1)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_fresh_prompts_attended_in_batches_match_naive_attention(window):
+    # fresh prompts of many lengths (several batches, a lone one, one over MAX_BATCHED_PROMPT, some
+    # longer than the window) next to decode rows and a chunk after a cached prefix
+    from opentgi.models.attention.torch_backend import MAX_BATCHED_PROMPT
+
+    paged = PagedSequences(seed=7)
+    old = [paged.add() for _ in range(2)]
+    paged.step({old[0]: 9, old[1]: 30}, window)
+    lengths = [2, 3, 5, 8, 11, 11, 12, 30, 31, 50, 64, MAX_BATCHED_PROMPT + 3]
+    new = [paged.add() for _ in lengths]
+    step = {old[0]: 1, old[1]: 6} | {s: n for s, n in zip(new, lengths)}
+    out, expected = paged.step(step, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out, expected = paged.step({s: 1 for s in old + new}, window)  # their caches were written
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fresh_prompts_in_a_batch_get_the_numbers_they_get_alone(monkeypatch):
+    # padding keys are masked (exp(-inf) = 0): in bfloat16 the batched call gives each prompt
+    # bit for bit what attending it alone gives
+    import opentgi.models.attention.torch_backend as tb
+
+    gen = torch.Generator().manual_seed(8)
+    lengths = [6, 9, 11, 7, 10, 8]
+    total = sum(lengths)
+    q = torch.randn(total, 9, 64, generator=gen).bfloat16()
+    k = torch.randn(total, 3, 64, generator=gen).bfloat16()
+    v = torch.randn(total, 3, 64, generator=gen).bfloat16()
+    tables = torch.arange(len(lengths), dtype=torch.int32).unsqueeze(1)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    slots = torch.cat([torch.arange(n) + b * BLOCK_SIZE for b, n in enumerate(lengths)])
+
+    def run():
+        meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                                 max_seqlen_k=max(lengths), context_lens=torch.tensor(lengths, dtype=torch.int32),
+                                 block_tables=tables, decode_only=False)
+        k_cache = torch.zeros(len(lengths), BLOCK_SIZE, 3, 64, dtype=torch.bfloat16)
+        v_cache = torch.zeros_like(k_cache)
+        return TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.125), meta
+
+    batched, meta = run()
+    assert len(meta.scratch[("torch", None, torch.bfloat16, 3)].prompts) == 1
+    monkeypatch.setattr(tb, "MAX_BATCHED_PROMPT", 0)
+    alone, meta = run()
+    assert not meta.scratch[("torch", None, torch.bfloat16, 3)].prompts
+    assert torch.equal(batched, alone)
