@@ -103,6 +103,29 @@ async def test_events_stream_matches_result(llama, prompts):
     assert result.timings.first_token_at >= result.timings.scheduled_at >= result.timings.queued_at
 
 
+async def test_awaited_results_get_one_delivery_streams_one_a_step(llama, prompts, references):
+    # a request only awaited to its end costs the event loop nothing while it decodes; a stream
+    # beside it still gets its events step by step
+    async with running(llama) as engine:
+        seen: list[list[str]] = []
+        deliver = engine._deliver
+
+        def counting(deliveries):
+            seen.append([d.state.request_id for d in deliveries])
+            deliver(deliveries)
+
+        engine._deliver = counting
+        awaited = await engine.submit(greedy(prompts[0]))
+        streamed = await engine.submit(greedy(prompts[1]))
+        result_task = asyncio.ensure_future(awaited.result())
+        events = [e async for e in streamed]
+        result = await result_task
+    assert result.sequences[0].token_ids == references[0]
+    assert [e.token_id for e in events] == references[1]
+    assert sum(awaited.request_id in ids for ids in seen) <= 3  # its end (+ steps before result() ran)
+    assert sum(streamed.request_id in ids for ids in seen) >= len(references[1]) - 1
+
+
 async def test_prefix_cache_warm_equals_cold(llama, prompts, references):
     long_prompt, ref = prompts[2], references[2]
     async with running(llama, chunked_prefill_tokens=16) as engine:

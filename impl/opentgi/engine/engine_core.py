@@ -179,13 +179,15 @@ class EngineCore:
             state = self.requests[seq.request.request_id]
             if state.timings.first_token_at is None:
                 state.timings.first_token_at = now
-            delivery = self._delivery(state, deliveries)
+            # a request only awaited to its end gets no delivery a step (no event-loop work)
+            delivery = self._delivery(state, deliveries) if state.handle.streams else None
             ids = tokens.token_ids[row]
             base = len(seq.token_ids) - len(ids)  # the row's tokens were appended by the scheduler
             for j in range(len(ids)):
                 event = self.output.process(seq, base + j + 1, tokens.logprobs[row][j], tokens.top[row][j])
                 state.events[seq.index].append(event)
-                delivery.events.append(event)
+                if delivery is not None:
+                    delivery.events.append(event)
                 if event.finish_reason is not None:
                     del seq.token_ids[base + j + 1:]  # accepted tokens past the end are dropped
                     finished.append((seq, state))

@@ -25,6 +25,9 @@ class RequestHandle:
         self._result: GenerationResult | None = None
         self._error: Exception | None = None
         self._cancelled = False
+        # Whether the consumer reads the events (streams). `result` clears it: from then on the
+        # engine hands this handle only its end, not every step's tokens (read by the engine thread).
+        self.streams = True
 
     @property
     def request_id(self) -> str:
@@ -65,7 +68,8 @@ class RequestHandle:
     async def result(self) -> GenerationResult:
         """Waits for the end of generation (dropping any events not yet read). Woken once, at the
         end, not at every step: a non-streamed batch of 64 requests cost the event loop 64 wake-ups
-        a step, time taken from the engine's torch threads."""
+        a step, time taken from the engine's torch threads. Nor is it handed every step's events."""
+        self.streams = False
         await self._ended.wait()
         self._events.clear()
         if self._error is not None:
