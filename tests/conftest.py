@@ -52,6 +52,29 @@ def llama(tiny_llama):
     return load_model(Settings(model_id=str(tiny_llama)))
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    """(settings, engine) behind `client`: the tiny Llama, prompts of at most APP_MAX_INPUT tokens
+    (tests/engine_helpers.py), APP_MAX_TOTAL in all."""
+    from opentgi.config import Settings
+    from opentgi.engine.engine import Engine
+    from tests.engine_helpers import APP_MAX_INPUT, APP_MAX_TOTAL
+
+    settings = Settings(model_id=str(tiny_llama), device="cpu", max_input_tokens=APP_MAX_INPUT,
+                        max_total_tokens=APP_MAX_TOTAL, max_batch_total_tokens=1024)
+    return settings, Engine.from_settings(settings)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    """A test client of the whole app (every dialect) over `engine`, started by its lifespan."""
+    from opentgi.api.app import create_app
+
+    settings, eng = engine
+    with create_app(settings, eng).test_client() as test_client:
+        yield test_client
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2() -> Path:
     return tiny_models.tiny_qwen2_path()

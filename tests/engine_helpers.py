@@ -20,5 +20,8 @@ async def running(loaded, observer=None, **settings):
         await engine.stop()
 
 
+APP_MAX_INPUT, APP_MAX_TOTAL = 40, 64  # the limits of the engine under conftest's `client`
+
+
 async def generate(engine, request):
     return await (await engine.submit(request)).result()

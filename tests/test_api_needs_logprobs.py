@@ -9,10 +9,6 @@ import json
 
 import pytest
 
-from opentgi.api.app import create_app
-from opentgi.config import Settings
-from opentgi.engine.engine import Engine
-
 CHAT = [{"role": "user", "content": "Hello"}]
 SAMPLED = {"do_sample": True, "temperature": 0.9}
 HIDDEN = "hidden"  # needs_logprobs True, though the answer shows no logprob
@@ -57,20 +53,6 @@ CASES = [
     ("/sensenova/v1/llm/completions", {"model": "m", "prompt": "Hello", "max_new_tokens": 3, "n": 2,
                                        "stream": True}, False),
 ]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    settings = Settings(model_id=str(tiny_llama), device="cpu", max_input_tokens=40, max_total_tokens=64,
-                        max_batch_total_tokens=1024)
-    return settings, Engine.from_settings(settings)
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    settings, eng = engine
-    with create_app(settings, eng).test_client() as test_client:
-        yield test_client
 
 
 def payloads(response) -> list:

@@ -8,13 +8,11 @@ import time
 import pytest
 from openapi_schema_validator import OAS30Validator, oas30_format_checker
 
-from opentgi.api.app import create_app
-from opentgi.config import Settings
-from opentgi.engine.engine import Engine
 from opentgi.schemas import spec_path
+from tests.engine_helpers import APP_MAX_INPUT as MAX_INPUT
+from tests.engine_helpers import APP_MAX_TOTAL as MAX_TOTAL
 
 DOCUMENT = json.loads(spec_path("tgi.json").read_text())
-MAX_INPUT, MAX_TOTAL = 40, 64
 
 
 def validate(instance, schema_name: str) -> None:
@@ -28,20 +26,6 @@ def events(response) -> list[dict]:
     frames = raw.decode().split("\n\n")[:-1]
     assert all(frame.startswith("data:{") for frame in frames), frames
     return [json.loads(frame[len("data:"):]) for frame in frames]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    settings = Settings(model_id=str(tiny_llama), device="cpu", max_input_tokens=MAX_INPUT,
-                        max_total_tokens=MAX_TOTAL, max_batch_total_tokens=1024)
-    return settings, Engine.from_settings(settings)
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    settings, eng = engine
-    with create_app(settings, eng).test_client() as test_client:
-        yield test_client
 
 
 def test_generate_details_and_headers(client):
