@@ -66,6 +66,15 @@ def test_windows_shorter_than_a_tenth_of_a_second_and_idle_time_are_not_judged()
     assert gov.threads == 2 and m.counts == []
 
 
+def test_reads_proc_stat_once_a_window_not_every_step():
+    m = Machine()
+    reads = []
+    gov = ThreadGovernor(2, {0, 1}, busy=lambda: reads.append(1) or m.busy, clock=lambda: m.now,
+                         thread_clock=lambda: m.engine_cpu, set_threads=m.counts.append)
+    m.run(gov, 1.0, others=0.0, steps=40)  # 25 ms steps: ten windows of 0.1 s
+    assert 10 <= len(reads) <= 12
+
+
 def test_off_when_fixed_on_other_devices_or_with_one_thread():
     cpu = torch.device("cpu")
     assert ThreadGovernor.for_settings(2, True, cpu) is None

@@ -76,16 +76,17 @@ class ThreadGovernor:
         self._mark = None
 
     def after_step(self) -> None:
+        now = self._clock()
+        if self._mark is not None and now - self._mark[0] < WINDOW_S:
+            return  # /proc/stat is read once a window, not at every step
         busy = self._busy()
         if busy is None:
             return
-        now, engine = self._clock(), self._thread_clock()
+        engine = self._thread_clock()
         if self._mark is None:
             self._mark = (now, busy, engine)
             return
         wall = now - self._mark[0]
-        if wall < WINDOW_S:
-            return
         ours = (engine - self._mark[2]) * self.threads  # the team's other threads run as long as this one
         self.others = max(0.0, busy - self._mark[1] - ours) / wall
         self._mark = (now, busy, engine)
