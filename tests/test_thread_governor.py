@@ -96,3 +96,38 @@ def test_reads_busy_time_of_the_given_cores_from_proc_stat(tmp_path):
     assert busy_core_seconds({0}, str(stat)) == (100 + 10 + 20 + 1 + 2 + 3) / hz
     assert busy_core_seconds({0, 1}, str(stat)) == (136 + 400) / hz
     assert busy_core_seconds({0}, str(tmp_path / "missing")) is None
+
+
+async def test_the_engine_loop_consults_its_governor_after_steps_and_resets_it_when_idle(llama, monkeypatch):
+    import asyncio
+
+    from opentgi.config import Settings
+    from opentgi.engine import engine as engine_module
+    from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+
+    calls: list[str] = []
+
+    class Recording:
+        def after_step(self):
+            calls.append("step")
+
+        def reset(self):
+            calls.append("reset")
+
+    asked = []
+    monkeypatch.setattr(engine_module.ThreadGovernor, "for_settings",
+                        classmethod(lambda cls, n, fixed, device: asked.append((n, fixed, device.type)) or Recording()))
+    engine = engine_module.Engine(llama, Settings(max_batch_total_tokens=1024, num_threads=2))
+    await engine.start()
+    try:
+        handle = await engine.submit(GenerationRequest([1, 15, 27], SamplingParams(),
+                                                       StoppingParams(max_new_tokens=4, ignore_eos=True)))
+        await handle.result()
+        for _ in range(100):  # the loop goes idle after the last step
+            if calls and calls[-1] == "reset":
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await engine.stop()
+    assert asked == [(2, False, "cpu")]
+    assert calls.count("step") >= 4 and calls[-1] == "reset"

@@ -158,25 +158,19 @@ def _prompt_batches(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]
 
 def _prompt_batch(spans: list[tuple[int, int]], group: int, dtype: torch.dtype,
                   device: torch.device) -> _PromptBatch:
-    length = max(end - start for start, end in spans)
-    gather, valid, dest = [], [], []
-    for r, (start, end) in enumerate(spans):
-        n = end - start
-        gather += range(start, end)
-        gather += [start] * (length - n)  # padding: a real token of the row, masked as a key
-        valid += range(r * length, r * length + n)
-        dest += range(start, end)
+    starts = torch.tensor([start for start, _ in spans], device=device)
     lens = torch.tensor([end - start for start, end in spans], device=device)
+    length = int(lens.max())
     pos = torch.arange(length, device=device)
-    visible = (pos.unsqueeze(0) <= pos.unsqueeze(1)).unsqueeze(0) & (pos.view(1, 1, -1) < lens.view(-1, 1, 1))
+    real = pos.unsqueeze(0) < lens.unsqueeze(1)  # [rows, length]: a real token, not padding
+    # padding repeats the row's first token (a real one, hidden from every query as a key)
+    gather = (starts.unsqueeze(1) + torch.where(real, pos, 0)).reshape(-1)
+    valid = real.reshape(-1).nonzero().squeeze(1)
+    visible = (pos.unsqueeze(0) <= pos.unsqueeze(1)).unsqueeze(0) & real.unsqueeze(1)
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     # query rows ordered (query head within the kv head, position), as the queries are laid out
     mask = mask.unsqueeze(1).expand(-1, group, -1, -1).reshape(len(spans), 1, group * length, length)
-
-    def t(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return _PromptBatch(len(spans), length, t(gather), t(valid), t(dest), mask)
+    return _PromptBatch(len(spans), length, gather, valid, gather.index_select(0, valid), mask)
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtype: torch.dtype,
