@@ -9,6 +9,7 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.engine.gpu_memory import CudaMemory, DeviceMemory, MemoryProfile, StepShape, profile_step
+from opentgi.engine.host_memory import keep_freed_memory
 from opentgi.engine.info import EngineInfo
 from opentgi.engine.kv_cache import num_kv_blocks
 from opentgi.models.base import ModelSpec
@@ -101,6 +102,7 @@ def _device_memory(spec: ModelSpec, memory: DeviceMemory | None) -> DeviceMemory
 def build_runner(loaded, settings: Settings, memory: DeviceMemory | None = None):
     """(runner, spec, num_blocks, block_size) for a LoadedModel. On CUDA (or with `memory` given)
     the KV pool is sized from device memory after profiling the largest step (gpu_memory.py)."""
+    keep_freed_memory()
     kind = getattr(loaded, "kind", "paged")
     spec = getattr(loaded, "spec", None)
     if kind == "generic":
