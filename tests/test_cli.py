@@ -65,3 +65,40 @@ def test_bad_values_exit_with_a_message(argv, env):
 def test_fim_template_is_kept_when_valid():
     template = "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
     assert parse(["--fim-template", template]).fim_template == template
+
+
+def test_serve_freezes_what_start_up_built_before_serving(monkeypatch):
+    """Objects built before serving go to the collector's permanent generation (a full collection
+    would otherwise walk the model and the app while holding the GIL)."""
+    import gc
+    from types import SimpleNamespace
+
+    import opentgi.api.app
+    import opentgi.api.shutdown
+    from opentgi import cli
+    from opentgi.config import Settings
+    from opentgi.engine.engine import Engine
+
+    seen = {}
+
+    class FakeEngine:
+        info = SimpleNamespace(model_id="fake")
+
+    class FakeApp:
+        server_state = SimpleNamespace(drain=None)
+
+    class FakeServer:
+        def __init__(self, config, drain, shutdown_timeout):
+            pass
+
+        def run(self):
+            seen["frozen"] = gc.get_freeze_count()
+
+    monkeypatch.setattr(Engine, "from_settings", staticmethod(lambda settings, observer=None: FakeEngine()))
+    monkeypatch.setattr(opentgi.api.app, "create_app", lambda settings, engine, metrics=None: FakeApp())
+    monkeypatch.setattr(opentgi.api.shutdown, "GracefulServer", FakeServer)
+    try:
+        cli.serve(Settings(model_id="unused"))
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > 1000
