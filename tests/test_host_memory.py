@@ -11,8 +11,7 @@ import pytest
 
 # In a fresh interpreter: malloc 16 MiB, write it, free it; print the resident memory it left behind.
 PROBE = """
-import ctypes, sys
-sys.path.insert(0, {impl!r})
+import ctypes
 if {keep}:
     from opentgi.engine.host_memory import keep_freed_memory
     assert keep_freed_memory()
@@ -28,15 +27,12 @@ libc.free(p)
 print(rss() - before)
 """
 
-IMPL = os.path.join(os.path.dirname(__file__), "..", "impl")
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 
 
-def _left_resident(keep: bool, env: dict | None = None) -> int:
-    out = subprocess.run([sys.executable, "-c", PROBE.format(impl=os.path.abspath(IMPL), keep=keep)],
-                         capture_output=True, text=True, check=True,
-                         env={**{k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))},
-                              **(env or {})})
+def _left_resident(keep: bool) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(keep=keep)], capture_output=True, text=True,
+                         check=True, env={k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_"))})
     return int(out.stdout)
 
 

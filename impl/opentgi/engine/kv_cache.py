@@ -54,7 +54,7 @@ def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int) -> lis
     used, but then the first write into fresh memory stalls a step: on the 2-core virtual machine,
     a decode step of 64 rows of the default model took ~20 ms longer (52 against 72 ms) whenever a
     third of its rows entered a new block, one step in five, until the pool had been written once
-    through. CPU and GPU alike, as vLLM and TGI allocate theirs."""
+    through. CPU and GPU alike."""
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     return [(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
              torch.zeros(shape, dtype=spec.dtype, device=spec.device)) for _ in range(spec.num_layers)]
