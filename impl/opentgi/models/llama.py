@@ -8,6 +8,8 @@ through the backend chosen by `attention.selector` (torch on CPU, flash-attn on 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,9 +17,12 @@ from torch import nn
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.base import ModelSpec
+from opentgi.models.layers.int4 import Int4Grid, Int4Weight, int4_rows_worth_it
 from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
 from opentgi.models.layers.norm import RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding, apply_rotary
+
+log = logging.getLogger(__name__)
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -106,6 +111,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+# packed linear -> the checkpoint projections it holds, stacked in this order
+_INT4_SOURCES = {
+    ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn", "o_proj"): ("self_attn.o_proj",),
+    ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp", "down_proj"): ("mlp.down_proj",),
+}
+
+
 class PagedLlama(nn.Module):
     """A `PagedCausalLM` (models/base.py). `head` is "lm" (causal LM) or "score" (reward model)."""
 
@@ -122,21 +136,46 @@ class PagedLlama(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by `materialize` (needs the real device)
         self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
+        self.int4_max_rows = 0  # steps of at most this many rows use 4-bit layer weights (`_attach_int4`)
 
-    def materialize(self) -> None:
+    def materialize(self, int4_grids: dict[str, Int4Grid] | None = None) -> None:
         """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
-        CPU in float32 or bfloat16 run the linear layers through oneDNN (models/layers/linear.py)."""
+        CPU in float32 or bfloat16 run the linear layers through oneDNN (models/layers/linear.py).
+        `int4_grids` (checkpoint name -> grid) holds the layer weights found on a 4-bit grid at
+        loading: with bfloat16 they also get a 4-bit copy for small steps (models/layers/int4.py)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         self.rotary = RotaryEmbedding(self.config, self.spec.device)
         if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
             pack_linears(self.model.layers)
+            if int4_grids:
+                self._attach_int4(int4_grids)
             if not self.is_reward_model:
                 tied = self.tie_word_embeddings
                 self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
                 if not tied:
                     del self.lm_head
+
+    def _attach_int4(self, grids: dict[str, Int4Grid]) -> None:
+        """Give each packed layer linear whose checkpoint weights all lie on a 4-bit grid its 4-bit
+        copy, then keep them only if the kernel is measured faster here, and for which steps."""
+        linears = []
+        for i, layer in enumerate(self.model.layers):
+            for (block, attr), sources in _INT4_SOURCES.items():
+                linear = getattr(getattr(layer, block), attr)
+                parts = [grids.get(f"model.layers.{i}.{source}.weight") for source in sources]
+                if isinstance(linear, OneDNNLinear) and all(part is not None for part in parts):
+                    linear.int4 = Int4Weight(Int4Grid.cat(parts), self.spec.dtype)
+                    linears.append(linear)
+        max_rows = int4_rows_worth_it(linears)
+        for linear in linears:
+            linear.int4_max_rows = max_rows
+            if max_rows == 0:
+                linear.int4 = None
+        self.int4_max_rows = max_rows
+        log.info("%d of %d layer weights are 4-bit in the checkpoint; their 4-bit copies serve "
+                 "steps of at most %d rows", len(linears), 4 * len(self.model.layers), max_rows)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

@@ -9,6 +9,8 @@ import torch
 
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.base import ModelSpec
+from opentgi.models.layers.int4 import Int4Grid, find_int4_grid, int4_kernel_usable
+from opentgi.models.layers.linear import onednn_linear_usable
 from opentgi.models.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
 from opentgi.models.llama import PagedLlama
 from opentgi.models.weights import load_weights
@@ -87,10 +89,20 @@ def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: to
         model = PagedLlama(config if plan is None else plan.local_config(config), spec, backend, qkv_bias, head)
     model = model.to_empty(device=device).to(dtype)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
-    load_weights(model, folder, ignore_unexpected=ignore, shard=None if plan is None else plan.slice)
+    grids: dict[str, Int4Grid] = {}
+    observe = None
+    if plan is None and int4_kernel_usable(dtype, device) and onednn_linear_usable(device, dtype):
+        def observe(name: str, tensor: torch.Tensor) -> None:
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                grid = find_int4_grid(tensor)
+                if grid is not None:
+                    grids[name] = grid
+
+    load_weights(model, folder, ignore_unexpected=ignore, shard=None if plan is None else plan.slice,
+                 observe=observe)
     if plan is not None:
         from opentgi.models.parallel import parallelize
 
         parallelize(model, plan, tp)
-    model.materialize()
+    model.materialize(int4_grids=grids)
     return model.eval()

@@ -4,7 +4,7 @@ else PyTorch .bin files (loaded with weights_only)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,11 +53,13 @@ def iter_checkpoint_sliced(folder: Path, shard) -> Iterator[tuple[str, torch.Ten
 
 
 def load_weights(module: nn.Module, folder: Path, ignore_unexpected: tuple[str, ...] = (),
-                 shard=None) -> None:
+                 shard=None, observe: Callable[[str, torch.Tensor], None] | None = None) -> None:
     """Copy every tensor of the checkpoint into the parameter of the same name (converting dtype
     and device). Fails on a missing parameter or a shape mismatch; checkpoint entries with no
     parameter are fine only when they end with one of `ignore_unexpected`. `shard` (tensor
-    parallelism, models/parallel.py ShardPlan.slice) picks the part of each tensor to load."""
+    parallelism, models/parallel.py ShardPlan.slice) picks the part of each tensor to load;
+    `observe(name, tensor)` sees each loaded tensor as the checkpoint holds it, before the copy
+    converts its dtype."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     tensors = iter_checkpoint(folder) if shard is None else iter_checkpoint_sliced(folder, shard)
@@ -71,6 +73,8 @@ def load_weights(module: nn.Module, folder: Path, ignore_unexpected: tuple[str, 
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model "
                                  f"shape {tuple(param.shape)}")
+            if observe is not None:
+                observe(name, tensor)
             param.copy_(tensor)
             loaded.add(name)
     missing = sorted(set(params) - loaded)

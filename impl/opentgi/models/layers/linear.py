@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentgi.models.layers.int4 import Int4Weight
+
 log = logging.getLogger(__name__)
 
 _PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
@@ -41,12 +43,23 @@ class OneDNNLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
+        # a 4-bit copy of the same weight (models/layers/int4.py), used for steps of at most
+        # `int4_max_rows` rows
+        self.int4: Int4Weight | None = None
+        self.int4_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.int4_max_rows * self.in_features:
+            out = self.int4.matmul(x)
+            return out if self.bias is None else out.add_(self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int4_max_rows={self.int4_max_rows}")
 
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2}  # of the start-up probe, per dtype
