@@ -300,14 +300,24 @@ async def test_seeded_sampling_reproduces_with_speculation(llama, prompts):
     assert batched[0].sequences[0].token_ids == alone.sequences[0].token_ids
 
 
-def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama):
+@pytest.mark.parametrize("four_bit", [False, True], ids=["dense", "4-bit checkpoint"])
+def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama, monkeypatch, four_bit):
     """The logits of a verify row (last token + drafts in one forward) equal, bit for bit, those of
     decoding the same tokens one per step, in bfloat16 too: the torch backend attends such a row
-    token by token (through the prefill chunk path, this 300-token context rounds differently)."""
+    token by token (through the prefill chunk path, this 300-token context rounds differently).
+    With a 4-bit checkpoint whose 4-bit copies serve small steps (models/layers/int4.py), --speculate
+    N makes them serve the N + 1 rows of a lone sequence's verify step as well."""
     from opentgi.engine.block_manager import BlockManager
     from opentgi.engine.model_runner import ModelRunner
+    from opentgi.models.layers import int4
+    from tests import tiny_models
 
-    loaded = load_model(Settings(model_id=str(tiny_llama), dtype="bfloat16"))
+    path = tiny_llama
+    if four_bit:  # the 4-bit kernel "measured" faster for steps of up to 2 rows only
+        monkeypatch.setattr(int4, "_measure", lambda linears, rows, repeats: (1.0, 0.3 if rows <= 2 else 1.0))
+        path = tiny_models.tiny_q4_llama_path()
+    loaded = load_model(Settings(model_id=str(path), dtype="bfloat16", speculate=5))
+    assert loaded.model.int4_max_rows == (6 if four_bit else 0)
     runner = ModelRunner(loaded.model, 64, loaded.block_size)
     bm = BlockManager(64, loaded.block_size)
     prompt = list(range(100, 400))

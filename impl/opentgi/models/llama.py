@@ -137,6 +137,7 @@ class PagedLlama(nn.Module):
         self.rotary: RotaryEmbedding | None = None  # set by `materialize` (needs the real device)
         self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
         self.int4_max_rows = 0  # steps of at most this many rows use 4-bit layer weights (`_attach_int4`)
+        self._int4_linears: list[OneDNNLinear] = []
 
     def materialize(self, int4_grids: dict[str, Int4Grid] | None = None) -> None:
         """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
@@ -169,6 +170,7 @@ class PagedLlama(nn.Module):
                     linear.int4 = Int4Weight(Int4Grid.cat(parts), self.spec.dtype)
                     linears.append(linear)
         max_rows = int4_rows_worth_it(linears)
+        self._int4_linears = linears if max_rows else []
         for linear in linears:
             linear.int4_max_rows = max_rows
             if max_rows == 0:
@@ -176,6 +178,16 @@ class PagedLlama(nn.Module):
         self.int4_max_rows = max_rows
         log.info("%d of %d layer weights are 4-bit in the checkpoint; their 4-bit copies serve "
                  "steps of at most %d rows", len(linears), 4 * len(self.model.layers), max_rows)
+
+    def cover_int4_rows(self, rows: int) -> None:
+        """Where 4-bit copies serve small steps, let them serve steps of up to `rows` rows too.
+        With `--speculate N`, rows = N + 1: a lone sequence's verify step (its last token and N
+        drafts) then computes with the same weights, and so the same numbers (the kernel's rows are
+        independent of each other), as decoding those tokens one per step."""
+        if self.int4_max_rows and rows > self.int4_max_rows:
+            self.int4_max_rows = rows
+            for linear in self._int4_linears:
+                linear.int4_max_rows = rows
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

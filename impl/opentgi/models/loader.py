@@ -209,6 +209,8 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     if reason is None:
         backend = select_backend(device, dtype)
         model = build_paged_model(folder, config, backend, dtype, device, tp=tp)
+        if settings.speculate:
+            model.cover_int4_rows(1 + settings.speculate)
         kind, spec, backend_name = "paged", model.spec, backend.name
         block_size = select_block_size(backend, settings.block_size)
     elif tp is not None and tp.world_size > 1:
