@@ -10,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from opentgi.config import Settings
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models import loader
 from opentgi.models.layers import int4
-from opentgi.models.layers.int4 import Int4Grid, Int4Weight, find_int4_grid, int4_rows_worth_it
+from opentgi.models.layers.int4 import Int4Grid, Int4Switch, Int4Weight, find_int4_grid, int4_rows_worth_it
 from opentgi.models.layers.linear import OneDNNLinear
 from tests import tiny_models
+from tests.engine_helpers import generate, running
 from tests.test_models_llama import PagedRunner
 
 torch.set_num_threads(1)
@@ -67,21 +69,23 @@ def test_int4_matmul_is_the_dense_product_up_to_bfloat16_rounding(rows):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_linear_uses_its_4bit_copy_only_up_to_int4_max_rows(monkeypatch, bias):
+def test_onednn_linear_uses_its_4bit_copy_only_while_the_switch_is_on(monkeypatch, bias):
     weight = q4_weight()
     b = torch.randn(weight.shape[0]).bfloat16() if bias else None
     linear = OneDNNLinear(weight.bfloat16(), b)
-    linear.int4 = Int4Weight(find_int4_grid(weight))
-    linear.int4_max_rows = 2
+    linear.int4, linear.int4_switch = Int4Weight(find_int4_grid(weight)), Int4Switch()
     used = []
     real = Int4Weight.matmul
     monkeypatch.setattr(Int4Weight, "matmul", lambda self, x: used.append(x.shape[0]) or real(self, x))
+    x = torch.ones(3, weight.shape[1], dtype=torch.bfloat16)
+    want = F.linear(x.float(), weight, None if b is None else b.float())
     with torch.inference_mode():
-        outputs = {rows: linear(torch.ones(rows, weight.shape[1], dtype=torch.bfloat16)) for rows in (1, 2, 3)}
-    assert used == [1, 2]
-    want = F.linear(torch.ones(1, weight.shape[1]), weight, None if b is None else b.float())
-    for out in outputs.values():
-        torch.testing.assert_close(out[:1].float(), want, atol=3e-2, rtol=2e-2)
+        dense = linear(x)
+        linear.int4_switch.on = True
+        packed = linear(x)
+    assert used == [3]
+    for out in (dense, packed):
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=2e-2)
 
 
 def fake_timings(monkeypatch, ratio_by_rows: dict[int, float]):
@@ -120,36 +124,66 @@ def load_bfloat16(path, monkeypatch, ratio: float):
     return loader.load_model(Settings(model_id=str(path), dtype="bfloat16")).model
 
 
+def layer_linears(model) -> list[OneDNNLinear]:
+    return [lin for layer in model.model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                        layer.mlp.down_proj)]
+
+
 def test_a_q4_checkpoint_in_bfloat16_gets_4bit_copies_that_agree_with_its_dense_weights(monkeypatch):
     model = load_bfloat16(tiny_models.tiny_q4_llama_path(), monkeypatch, ratio=0.3)
     assert model.int4_max_rows == 4
-    linears = [lin for layer in model.model.layers
-               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj)]
-    assert all(lin.int4 is not None and lin.int4_max_rows == 4 for lin in linears)
+    assert all(lin.int4 is not None and lin.int4_switch is model.int4_switch for lin in layer_linears(model))
     prompts = {0: [5, 17, 300, 42, 7], 1: [9, 11]}
 
-    def greedy_logits():
+    def greedy_logits(use_int4: bool):
         runner, steps = PagedRunner(model), []
-        hidden = runner.step(prompts)  # prefill: 7 rows, the dense weights
+        model.use_int4_for(7, generated_only=False)
+        assert not model.int4_switch.on  # prompt tokens: the dense weights
+        hidden = runner.step(prompts)
         for _ in range(6):
             logits = model.compute_logits(hidden)
             steps.append(logits)
+            model.use_int4_for(2, generated_only=use_int4)
+            assert model.int4_switch.on is use_int4
             hidden = runner.step({seq: [int(logits[i].argmax())] for i, seq in enumerate(prompts)})
         return steps
 
-    with_int4 = greedy_logits()
-    for lin in linears:
-        lin.int4_max_rows = 0
-    dense = greedy_logits()
-    for a, b in zip(with_int4, dense, strict=True):
+    for a, b in zip(greedy_logits(True), greedy_logits(False), strict=True):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    model.use_int4_for(5, generated_only=True)
+    assert not model.int4_switch.on  # more rows than the probe found worth it
+    model.cover_int4_rows(5)
+    model.use_int4_for(5, generated_only=True)
+    assert model.int4_switch.on
+
+
+async def test_a_request_computes_the_same_with_and_without_a_prefix_cache_hit(monkeypatch):
+    """Prompt tokens always take the dense weights: a prompt whose uncached tail is a few tokens
+    long (a prefix-cache hit) rounds as the whole prompt did, so greedy tokens and their logprobs
+    repeat exactly; the decode steps took the 4-bit copies both times."""
+    fake_timings(monkeypatch, {1: 0.3, 2: 0.3, 4: 0.3, 8: 1.0})
+    loaded = loader.load_model(Settings(model_id=str(tiny_models.tiny_q4_llama_path()), dtype="bfloat16"))
+    model = loaded.model
+    switched = []
+    use = model.use_int4_for
+    monkeypatch.setattr(model, "use_int4_for", lambda n, g: switched.append((n, g)) or use(n, g))
+    prompt = list(range(200, 218))  # one cached block of 16, then a tail of 2
+    request = GenerationRequest(prompt, SamplingParams(), StoppingParams(max_new_tokens=12))
+    async with running(loaded) as engine:
+        first = (await generate(engine, request)).sequences[0]
+        second = (await generate(engine, request)).sequences[0]
+    assert (2, False) in switched  # the cached run's prompt tail, dense
+    assert (1, True) in switched  # decode steps, 4-bit
+    assert second.token_ids == first.token_ids
+    assert [t.logprob for t in second.tokens] == [t.logprob for t in first.tokens]
 
 
 def test_no_4bit_copies_where_the_kernel_is_not_faster_or_the_weights_are_dense(monkeypatch):
     slow = load_bfloat16(tiny_models.tiny_q4_llama_path(), monkeypatch, ratio=0.95)
-    assert slow.int4_max_rows == 0 and slow.model.layers[0].mlp.down_proj.int4 is None
+    assert slow.int4_max_rows == 0
+    assert all(lin.int4 is None and lin.int4_switch is None for lin in layer_linears(slow))
     dense = load_bfloat16(tiny_models.tiny_llama_path(), monkeypatch, ratio=0.3)
     assert dense.int4_max_rows == 0 and dense.model.layers[0].mlp.down_proj.int4 is None
 

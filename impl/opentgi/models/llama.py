@@ -17,7 +17,7 @@ from torch import nn
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.base import ModelSpec
-from opentgi.models.layers.int4 import Int4Grid, Int4Weight, int4_rows_worth_it
+from opentgi.models.layers.int4 import Int4Grid, Int4Switch, Int4Weight, int4_rows_worth_it
 from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
 from opentgi.models.layers.norm import RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -136,8 +136,9 @@ class PagedLlama(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by `materialize` (needs the real device)
         self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
-        self.int4_max_rows = 0  # steps of at most this many rows use 4-bit layer weights (`_attach_int4`)
-        self._int4_linears: list[OneDNNLinear] = []
+        # generation steps of at most this many rows use the 4-bit layer weights (`_attach_int4`)
+        self.int4_max_rows = 0
+        self.int4_switch = Int4Switch()
 
     def materialize(self, int4_grids: dict[str, Int4Grid] | None = None) -> None:
         """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
@@ -169,25 +170,30 @@ class PagedLlama(nn.Module):
                 if isinstance(linear, OneDNNLinear) and all(part is not None for part in parts):
                     linear.int4 = Int4Weight(Int4Grid.cat(parts), self.spec.dtype)
                     linears.append(linear)
-        max_rows = int4_rows_worth_it(linears)
-        self._int4_linears = linears if max_rows else []
+        self.int4_max_rows = int4_rows_worth_it(linears)
         for linear in linears:
-            linear.int4_max_rows = max_rows
-            if max_rows == 0:
+            if self.int4_max_rows:
+                linear.int4_switch = self.int4_switch
+            else:
                 linear.int4 = None
-        self.int4_max_rows = max_rows
         log.info("%d of %d layer weights are 4-bit in the checkpoint; their 4-bit copies serve "
-                 "steps of at most %d rows", len(linears), 4 * len(self.model.layers), max_rows)
+                 "generation steps of at most %d rows", len(linears), 4 * len(self.model.layers),
+                 self.int4_max_rows)
 
     def cover_int4_rows(self, rows: int) -> None:
         """Where 4-bit copies serve small steps, let them serve steps of up to `rows` rows too.
         With `--speculate N`, rows = N + 1: a lone sequence's verify step (its last token and N
         drafts) then computes with the same weights, and so the same numbers (the kernel's rows are
         independent of each other), as decoding those tokens one per step."""
-        if self.int4_max_rows and rows > self.int4_max_rows:
-            self.int4_max_rows = rows
-            for linear in self._int4_linears:
-                linear.int4_max_rows = rows
+        if self.int4_max_rows:
+            self.int4_max_rows = max(self.int4_max_rows, rows)
+
+    def use_int4_for(self, num_tokens: int, generated_only: bool) -> None:
+        """Before each forward: the 4-bit copies serve this step if it is small enough and feeds
+        only generated tokens (decode rows, verify rows). Prompt tokens always take the dense
+        weights, so a prompt computes the same with or without a prefix-cache hit, and a request
+        decoded alone computes the same with or without --speculate."""
+        self.int4_switch.on = generated_only and 0 < num_tokens <= self.int4_max_rows
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

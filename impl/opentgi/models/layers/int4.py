@@ -13,8 +13,9 @@ Intel Xeon (AMX) with 2 threads, the 120 layer matmuls of SmolLM2-135M took:
 - 6.4 ms with 4 rows, against 12.1 ms;
 - 22.6 ms with 16 rows, against 13.0 ms.
 On an AMD EPYC the same kernel ran at 0.6 GB/s, far slower than bfloat16. So
-`int4_rows_worth_it` measures both at start-up, and a layer uses its 4-bit copy only for steps of
-at most that many rows. Larger steps (batches, prefill) keep the bfloat16 weights.
+`int4_rows_worth_it` measures both at start-up, and the model (`PagedLlama.use_int4_for`) turns
+the 4-bit copies on (`Int4Switch`) only for steps of at most that many rows that feed generated
+tokens alone. Prompts and larger steps keep the bfloat16 weights.
 
 The kernel computes `(k - 8) * scale + zero` with bfloat16 scales and zeros, so a row's result
 differs from the bfloat16 path by rounding, about as much as the bfloat16 path differs from
@@ -81,6 +82,16 @@ def int4_kernel_usable(dtype: torch.dtype, device: torch.device) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16
             and hasattr(torch, "_weight_int4pack_mm_for_cpu")
             and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"))
+
+
+class Int4Switch:
+    """Whether this step multiplies through the 4-bit copies; one per model, shared by its linears,
+    set before each forward by `PagedLlama.use_int4_for` (the model runner calls it)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
 
 
 class Int4Weight:

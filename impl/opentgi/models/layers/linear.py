@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.layers.int4 import Int4Weight
+from opentgi.models.layers.int4 import Int4Switch, Int4Weight
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +43,12 @@ class OneDNNLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
-        # a 4-bit copy of the same weight (models/layers/int4.py), used for steps of at most
-        # `int4_max_rows` rows
+        # a 4-bit copy of the same weight (models/layers/int4.py), used while `int4_switch` is on
         self.int4: Int4Weight | None = None
-        self.int4_max_rows = 0
+        self.int4_switch: Int4Switch | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.int4_max_rows * self.in_features:
+        if self.int4_switch is not None and self.int4_switch.on:
             out = self.int4.matmul(x)
             return out if self.bias is None else out.add_(self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -59,7 +58,7 @@ class OneDNNLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int4_max_rows={self.int4_max_rows}")
+                f"bias={self.bias is not None}, int4={self.int4 is not None}")
 
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2}  # of the start-up probe, per dtype
