@@ -42,6 +42,10 @@ def test_weights_off_the_grid_have_none():
     assert find_int4_grid(nudged) is None
     assert find_int4_grid(q4_weight(k=128)[:, :48]) is None  # 48 inputs: not whole groups of 32
     assert find_int4_grid(torch.zeros(4, 32, dtype=torch.int64)) is None
+    assert find_int4_grid(q4_weight().bfloat16()) is None  # only float32 holds the grid exactly
+    off_after_the_sample = q4_weight()
+    off_after_the_sample[50, 3] += 1e-4
+    assert find_int4_grid(off_after_the_sample) is None
 
 
 def test_a_constant_group_lies_on_the_grid():

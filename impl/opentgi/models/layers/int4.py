@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 GROUP_SIZE = 32  # ggml's Q4_0 / Q4_1 block
 _LEVELS = 15
 _PROBE_ROWS = (1, 2, 4, 8)
+_SAMPLE_ROWS = 8  # rows checked before the whole tensor
 _MIN_GAIN = 0.8  # the 4-bit copy is used only for row counts where it takes < 80% of the time
 
 
@@ -62,11 +63,19 @@ def find_int4_grid(weight: torch.Tensor) -> Int4Grid | None:
     """The 4-bit grid `weight` ([out, in]) lies on, or None if any group is off it.
 
     Off the grid means a weight differs from `lo + d * k` by more than float32 rounding of that
-    sum (2**-20 of the group's range): such a tensor keeps only its dense form."""
-    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE or not weight.is_floating_point():
+    sum (2**-20 of the group's range): such a tensor keeps only its dense form. Only float32
+    checkpoints hold such grids exactly (a GGUF's dequantized weights); the first rows are checked
+    first, so a dense checkpoint's tensors cost little at loading."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE or weight.dtype != torch.float32:
         return None
+    if weight.shape[0] > _SAMPLE_ROWS and _grid_of(weight[:_SAMPLE_ROWS]) is None:
+        return None
+    return _grid_of(weight)
+
+
+def _grid_of(weight: torch.Tensor) -> Int4Grid | None:
     n, k_dim = weight.shape
-    groups = weight.detach().float().reshape(n, k_dim // GROUP_SIZE, GROUP_SIZE)
+    groups = weight.detach().reshape(n, k_dim // GROUP_SIZE, GROUP_SIZE)
     lo = groups.amin(-1)
     span = groups.amax(-1) - lo
     d = span / _LEVELS
