@@ -106,8 +106,9 @@ class ModelRunner:
                 logit_rows: list[int] = (), score_rows: list[int] = ()) -> StepOutput:
         input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)
         if self.int4_max_rows:  # models/layers/int4.py: 4-bit weights for small generation steps
-            self.model.use_int4_for(len(input_ids), all(s.num_computed_tokens >= s.num_prompt_tokens
-                                                        for s in seqs))
+            num_tokens = len(input_ids)
+            self.model.use_int4_for(num_tokens, num_tokens <= self.int4_max_rows and all(
+                s.num_computed_tokens >= s.num_prompt_tokens for s in seqs))
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:
