@@ -53,11 +53,6 @@ class Int4Grid:
         return Int4Grid(torch.cat([g.k for g in grids]), torch.cat([g.d for g in grids]),
                         torch.cat([g.lo for g in grids]))
 
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.k.shape
-        groups = self.k.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
-        return (self.lo[..., None] + self.d[..., None] * groups).view(n, k)
-
 
 def find_int4_grid(weight: torch.Tensor) -> Int4Grid | None:
     """The 4-bit grid `weight` ([out, in]) lies on, or None if any group is off it.

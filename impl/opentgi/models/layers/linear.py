@@ -51,7 +51,7 @@ class OneDNNLinear(nn.Module):
         if self.int4_switch is not None and self.int4_switch.on:
             out = self.int4.matmul(x)
             return out if self.bias is None else out.add_(self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.dense_forward(x)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
