@@ -20,7 +20,7 @@ from text_generation import AsyncClient, Client
 from text_generation import errors as tg_errors
 from text_generation.types import FinishReason, Grammar, GrammarType
 
-from opentgi.engine.watermark import detect_watermark
+from opentgi.engine.sampling.watermark import detect_watermark
 
 torch.set_num_threads(1)
 

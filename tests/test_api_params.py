@@ -1,10 +1,10 @@
-"""TGI's parameter semantics (opentgi.api.tgi_params): defaults, every message, and their order."""
+"""TGI's parameter semantics (opentgi.api.tgi.params): defaults, every message, and their order."""
 
 from __future__ import annotations
 
 import pytest
 
-from opentgi.api.tgi_params import (
+from opentgi.api.tgi.params import (
     DEFAULT_MAX_NEW_TOKENS,
     Limits,
     build_request,

@@ -8,7 +8,12 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from opentgi.api.auth import BearerAuthMiddleware, dialect_error_response, dialect_resolver, is_open_path
+from opentgi.api.server.auth import (
+    BearerAuthMiddleware,
+    dialect_error_response,
+    dialect_resolver,
+    is_open_path,
+)
 
 MOUNTS = [
     ("", "tgi", ["/generate", "/generate_stream", "/health", "/info"]),
@@ -86,8 +91,9 @@ async def test_health_checks_need_no_key(path):
 
 
 def test_bodies_come_from_each_dialects_one_error_shape():
-    from opentgi.api import lightllm, sensenova
     from opentgi.api.errors import UnauthorizedError, tgi_error
+    from opentgi.api.lightllm import handlers as lightllm
+    from opentgi.api.sensenova import handlers as sensenova
 
     exc = UnauthorizedError("x")
     assert tgi_error(exc).body == {"error": "x", "error_type": "unauthorized"}

@@ -1,4 +1,4 @@
-"""The benchmark's side-by-side load (bench_peers.py) and decode-step breakdown (bench_steps.py) on
+"""The benchmark's side-by-side load (bench/peers.py) and decode-step breakdown (bench/steps.py) on
 the tiny Llama: they measure what they say (no speed is asserted here)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import socket
 import pytest
 
 from conformance.live import free_port, serve
-from opentgi import bench_peers, bench_steps
+from opentgi.bench import peers as bench_peers
+from opentgi.bench import steps as bench_steps
 from opentgi.config import Settings
 from opentgi.models.loader import load_model
 
@@ -78,8 +79,7 @@ def test_speculate_comparison_runs_both_servers(tiny_llama):
     import contextlib
     import re
 
-    from opentgi import bench_speculate
-
+    from opentgi.bench import speculate as bench_speculate
     loaded = load_model(Settings(model_id=str(tiny_llama)))
     started = []
 

@@ -74,7 +74,7 @@ def test_serve_freezes_what_start_up_built_before_serving(monkeypatch):
     from types import SimpleNamespace
 
     import opentgi.api.app
-    import opentgi.api.shutdown
+    import opentgi.api.server.shutdown
     from opentgi import cli
     from opentgi.config import Settings
     from opentgi.engine.engine import Engine
@@ -96,7 +96,7 @@ def test_serve_freezes_what_start_up_built_before_serving(monkeypatch):
 
     monkeypatch.setattr(Engine, "from_settings", staticmethod(lambda settings, observer=None: FakeEngine()))
     monkeypatch.setattr(opentgi.api.app, "create_app", lambda settings, engine, metrics=None: FakeApp())
-    monkeypatch.setattr(opentgi.api.shutdown, "GracefulServer", FakeServer)
+    monkeypatch.setattr(opentgi.api.server.shutdown, "GracefulServer", FakeServer)
     try:
         cli.serve(Settings(model_id="unused"))
     finally:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from opentgi.engine import block_manager as bm_module
-from opentgi.engine.block_manager import BlockManager
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.scheduling import block_manager as bm_module
+from opentgi.engine.scheduling.block_manager import BlockManager
+from opentgi.engine.scheduling.sequence import Sequence
 
 
 def make_seq(tokens: list[int]) -> Sequence:

@@ -373,7 +373,7 @@ async def test_grammar_constrains_output(llama):
 
 
 async def test_watermark_biases_green_tokens(llama, prompts):
-    from opentgi.engine.watermark import detect_watermark
+    from opentgi.engine.sampling.watermark import detect_watermark
 
     def request(watermark: bool) -> GenerationRequest:
         return GenerationRequest(list(prompts[1]), SamplingParams(do_sample=True, seed=11, watermark=watermark),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine.kv_cache import bytes_per_block, num_kv_blocks
-from opentgi.engine.model_runner import ModelRunner
+from opentgi.engine.execution.kv_cache import bytes_per_block, num_kv_blocks
+from opentgi.engine.execution.model_runner import ModelRunner
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.scheduling.sequence import Sequence
 from opentgi.models.base import ModelSpec
 
 SPEC = ModelSpec(architecture="Fake", num_layers=2, num_kv_heads=2, head_dim=4, vocab_size=50,
@@ -82,7 +82,7 @@ def _resident_fraction(t: torch.Tensor) -> float:
 
 
 def test_cpu_kv_pool_is_resident_and_zero_from_the_start():
-    from opentgi.engine.kv_cache import allocate_kv_caches
+    from opentgi.engine.execution.kv_cache import allocate_kv_caches
 
     spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=4, num_kv_heads=2, head_dim=64, vocab_size=32,
                      max_position_embeddings=128, dtype=torch.bfloat16, device=torch.device("cpu"))

@@ -15,10 +15,10 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sampler import Sampler
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.sampling.sampler import Sampler
+from opentgi.engine.scheduling.sequence import Sequence
 
 torch.set_num_threads(1)
 

@@ -3,11 +3,11 @@ admission knobs, preemption newest-first, and progress under a tiny KV pool."""
 
 from __future__ import annotations
 
-from opentgi.engine.block_manager import BlockManager
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.scheduler import Scheduler, SchedulerConfig
-from opentgi.engine.sequence import Sequence, SequenceStatus
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.scheduling.block_manager import BlockManager
+from opentgi.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from opentgi.engine.scheduling.sequence import Sequence, SequenceStatus
 
 
 def make_seq(prompt_len: int, max_new: int = 8, first_token: int = 0) -> Sequence:

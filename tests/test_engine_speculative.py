@@ -11,16 +11,16 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.engine.engine import Engine
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import (
     GenerationRequest,
     GrammarSpec,
     SamplingParams,
     StoppingParams,
 )
-from opentgi.engine.sampler import Sampler
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.speculative import NgramProposer, can_speculate, verify
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.sampling.sampler import Sampler
+from opentgi.engine.sampling.speculative import NgramProposer, can_speculate, verify
+from opentgi.engine.scheduling.sequence import Sequence
 from opentgi.metrics import Metrics
 from opentgi.models.loader import load_model
 from tests.engine_helpers import generate, running
@@ -145,7 +145,7 @@ class RuleRunner:
         pass
 
     def execute(self, seqs, num_new_tokens, sample_rows, logit_rows=(), score_rows=()):
-        from opentgi.engine.model_runner import StepOutput
+        from opentgi.engine.execution.model_runner import StepOutput
 
         chosen = []
         for r in sample_rows:
@@ -305,11 +305,11 @@ def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama, monkey
     """The logits of a verify row (last token + drafts in one forward) equal, bit for bit, those of
     decoding the same tokens one per step, in bfloat16 too: the torch backend attends such a row
     token by token (through the prefill chunk path, this 300-token context rounds differently).
-    With a 4-bit checkpoint whose 4-bit copies serve small steps (models/layers/int4.py), --speculate
+    With a 4-bit checkpoint whose 4-bit copies serve small steps (models/quantization/int4.py), --speculate
     N makes them serve the N + 1 rows of a lone sequence's verify step as well."""
-    from opentgi.engine.block_manager import BlockManager
-    from opentgi.engine.model_runner import ModelRunner
-    from opentgi.models.layers import int4
+    from opentgi.engine.execution.model_runner import ModelRunner
+    from opentgi.engine.scheduling.block_manager import BlockManager
+    from opentgi.models.quantization import int4
     from tests import tiny_models
 
     path = tiny_llama

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from opentgi.engine.detokenizer import IncrementalDetokenizer
+from opentgi.engine.output.detokenizer import IncrementalDetokenizer
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import FinishReason, StoppingParams
-from opentgi.engine.stop_checker import StopChecker
 
 TEXTS = [
     "Hello 👋 world 🌍🚀, 你好世界！ 日本語のテキスト and café naïve — “quotes” ✓",

@@ -15,7 +15,7 @@ from opentgi.engine.errors import UnhealthyError
 from opentgi.engine.handle import RequestHandle
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.request_state import RequestState
+from opentgi.engine.scheduling.request_state import RequestState
 
 
 def long_request(max_new: int = 200) -> GenerationRequest:

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from opentgi.engine.model_runner import ModelRunner
+from opentgi.engine.execution.model_runner import ModelRunner
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
 from tests import flash_attn_reference as ref

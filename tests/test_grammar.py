@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding (engine/grammar.py) with SmolLM2's real tokenizer.
+"""Grammar-constrained decoding (engine/sampling/grammar.py) with SmolLM2's real tokenizer.
 
 Outputs are produced by driving a processor with random logits (many seeds): the sampled text must
 always parse and validate against the schema, or fully match the regex.
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from opentgi.engine.errors import GrammarError
-from opentgi.engine.grammar import GrammarCompiler
 from opentgi.engine.request import GrammarSpec
+from opentgi.engine.sampling.grammar import GrammarCompiler
 
 torch.set_num_threads(1)
 

@@ -12,11 +12,11 @@ import time
 import pytest
 
 from opentgi.config import Settings
-from opentgi.engine import grammar
 from opentgi.engine.errors import GrammarError, OverloadedError
-from opentgi.engine.grammar import GrammarCompiler
-from opentgi.engine.grammar_bounds import MAX_SCHEMA_DEPTH, check_bounds
 from opentgi.engine.request import GenerationRequest, GrammarSpec, SamplingParams, StoppingParams
+from opentgi.engine.sampling import grammar
+from opentgi.engine.sampling.grammar import GrammarCompiler
+from opentgi.engine.sampling.grammar_bounds import MAX_SCHEMA_DEPTH, check_bounds
 
 HUGE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}
 

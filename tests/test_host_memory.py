@@ -1,4 +1,4 @@
-"""glibc malloc keeps what a step frees once an engine is built (engine/host_memory.py)."""
+"""glibc malloc keeps what a step frees once an engine is built (engine/execution/host_memory.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 PROBE = """
 import ctypes
 if {keep}:
-    from opentgi.engine.host_memory import keep_freed_memory
+    from opentgi.engine.execution.host_memory import keep_freed_memory
     assert keep_freed_memory()
 def rss():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
@@ -43,8 +43,7 @@ def test_freed_step_memory_stays_in_the_process():
 
 
 def test_user_malloc_settings_are_left_alone(monkeypatch):
-    from opentgi.engine import host_memory
-
+    from opentgi.engine.execution import host_memory
     monkeypatch.setattr(host_memory, "_done", False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     assert host_memory.keep_freed_memory() is False

@@ -13,7 +13,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from opentgi.api import lightllm, runtime
+from opentgi.api import runtime
+from opentgi.api.lightllm import handlers as lightllm
 from opentgi.config import Settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from opentgi.api import lightllm
 from opentgi.api.errors import RequestSchemaError
+from opentgi.api.lightllm import handlers as lightllm
 from opentgi.engine.errors import (
     GenerationError,
     InputTooLongError,

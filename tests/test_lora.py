@@ -124,10 +124,10 @@ async def test_unknown_adapter_is_refused_naming_the_loaded_ones(loaded, prompts
 
 
 def test_prefix_blocks_are_keyed_by_adapter():
-    from opentgi.engine.block_manager import BlockManager
-    from opentgi.engine.detokenizer import IncrementalDetokenizer
-    from opentgi.engine.sequence import Sequence
-    from opentgi.engine.stop_checker import StopChecker
+    from opentgi.engine.output.detokenizer import IncrementalDetokenizer
+    from opentgi.engine.output.stop_checker import StopChecker
+    from opentgi.engine.scheduling.block_manager import BlockManager
+    from opentgi.engine.scheduling.sequence import Sequence
 
     def seq(adapter):
         request = greedy(list(range(40)), adapter)
@@ -241,9 +241,9 @@ def test_cli_flag_env_and_start_up_refusal(tiny_llama, tiny_gpt2):
 
 
 def test_bench_adapters_load(loaded, tiny_llama, tmp_path):
-    """The benchmark's random adapters (opentgi.bench, written without peft) are PEFT folders the
+    """The benchmark's random adapters (opentgi.bench.runner, written without peft) are PEFT folders the
     loader takes; its op timing runs both ways."""
-    from opentgi.bench import lora_op_timings, write_random_adapters
+    from opentgi.bench.runner import lora_op_timings, write_random_adapters
 
     paths = write_random_adapters(loaded.hf_config, tmp_path, 2, 4)
     bench_loaded = load_model(Settings(model_id=str(tiny_llama), lora_adapters=",".join(map(str, paths))))

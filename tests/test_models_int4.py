@@ -1,5 +1,5 @@
 """Weights already on a 4-bit grid (a GGUF Q4_1 checkpoint) served from their 4-bit form for small
-steps (models/layers/int4.py): found exactly and only where they are, multiplied like the dense
+steps (models/quantization/int4.py): found exactly and only where they are, multiplied like the dense
 weights, used only for steps of at most the measured row count, and not at all where the kernel is
 not faster."""
 
@@ -12,9 +12,15 @@ import torch.nn.functional as F
 from opentgi.config import Settings
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models import loader
-from opentgi.models.layers import int4
-from opentgi.models.layers.int4 import Int4Grid, Int4Switch, Int4Weight, find_int4_grid, int4_rows_worth_it
 from opentgi.models.layers.linear import OneDNNLinear
+from opentgi.models.quantization import int4
+from opentgi.models.quantization.int4 import (
+    Int4Grid,
+    Int4Switch,
+    Int4Weight,
+    find_int4_grid,
+    int4_rows_worth_it,
+)
 from tests import tiny_models
 from tests.engine_helpers import generate, running
 from tests.test_models_llama import PagedRunner

@@ -64,7 +64,7 @@ def test_default_model_conversion_is_exact(tmp_path):
     own GGUF load, on the paged path and through transformers reading the converted folder."""
     from transformers import AutoModelForCausalLM
 
-    from opentgi.models.default_model import default_gguf_path
+    from opentgi.models.checkpoints.default_model import default_gguf_path
     from tests.test_models_llama import PagedRunner
 
     loaded = load_model(Settings(cache_dir=str(tmp_path)))

@@ -1,4 +1,4 @@
-"""OpenAI request fields -> engine parameters (opentgi.api.openai_params)."""
+"""OpenAI request fields -> engine parameters (opentgi.api.openai.params)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from opentgi.api.openai_params import (
+from opentgi.api.openai.params import (
     OpenAILimits,
     check_n,
     check_seed,

@@ -1,4 +1,4 @@
-"""Engine results -> OpenAI response objects (opentgi.api.openai_shapes), checked against the
+"""Engine results -> OpenAI response objects (opentgi.api.openai.shapes), checked against the
 response schemas of openapi/tgi.json."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from opentgi.api import openai_shapes as shape
+from opentgi.api.openai import shapes as shape
 from opentgi.engine.events import PrefillToken, SequenceResult, TokenEvent, TopToken
 from opentgi.engine.request import FinishReason
 from tests.openapi_helpers import documents, oas30_validator

@@ -1,4 +1,4 @@
-"""The streaming logic of the OpenAI routes (opentgi.api.openai_chat / openai_completions), driven by fake engine handles:
+"""The streaming logic of the OpenAI routes (opentgi.api.openai.chat / openai_completions), driven by fake engine handles:
 chunk order, n interleaved choices, tool-call deltas, include_usage, an error mid-stream."""
 
 from __future__ import annotations
@@ -9,10 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from opentgi.api import generation, runtime
-from opentgi.api import openai_chat as chat
-from opentgi.api import openai_common as common
-from opentgi.api import openai_completions as completions
-from opentgi.api import openai_shapes as shape
+from opentgi.api.openai import chat, common, completions
+from opentgi.api.openai import shapes as shape
 from opentgi.config import Settings
 from opentgi.engine.errors import GenerationError
 from opentgi.engine.events import PrefillToken, TokenEvent

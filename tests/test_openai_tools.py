@@ -1,4 +1,4 @@
-"""Tool choice, tool grammar and parsing the constrained answer (opentgi.api.tools)."""
+"""Tool choice, tool grammar and parsing the constrained answer (opentgi.api.openai.tools)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from opentgi.api.tools import (
+from opentgi.api.openai.tools import (
     ToolAnswerStream,
     ToolError,
     parse_tool_answer,

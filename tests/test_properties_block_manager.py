@@ -20,10 +20,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from opentgi.engine.block_manager import BlockManager, block_hash
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.scheduling.block_manager import BlockManager, block_hash
+from opentgi.engine.scheduling.sequence import Sequence
 from tests.hypothesis_profiles import examples
 
 VOCAB = 3  # few token ids: identical prefixes are common

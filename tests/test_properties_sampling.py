@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sampler import Sampler
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.sampling.sampler import Sampler
+from opentgi.engine.scheduling.sequence import Sequence
 from tests.hypothesis_profiles import examples
 
 CPU = torch.device("cpu")

@@ -21,11 +21,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from opentgi.engine.block_manager import BlockManager
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.scheduler import Scheduler, SchedulerConfig
-from opentgi.engine.sequence import Sequence, SequenceStatus
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.scheduling.block_manager import BlockManager
+from opentgi.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from opentgi.engine.scheduling.sequence import Sequence, SequenceStatus
 from tests.hypothesis_profiles import examples
 
 MAX_PROMPT = 12

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opentgi.engine.detokenizer import IncrementalDetokenizer
-from opentgi.engine.output_processor import OutputProcessor
+from opentgi.engine.output.detokenizer import IncrementalDetokenizer
+from opentgi.engine.output.output_processor import OutputProcessor
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.stop_checker import StopChecker
+from opentgi.engine.scheduling.sequence import Sequence
 from tests.hypothesis_profiles import examples
 
 TOKENIZER = None

@@ -1,4 +1,4 @@
-"""Property test of TGI's parameter validation (opentgi.api.tgi_params) against a reference written
+"""Property test of TGI's parameter validation (opentgi.api.tgi.params) against a reference written
 separately from TGI 2.1's router: `router/src/validation.rs` (`Validation::validate`,
 `validate_input`, `validate_best_of`, the `ValidationError` messages) and `router/src/server.rs`
 (the streaming checks before validation, `validate_best_of` only when best_of > 1).
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from opentgi.api.app import create_app
-from opentgi.api.tgi_params import Limits, build_request, check_parameters
+from opentgi.api.tgi.params import Limits, build_request, check_parameters
 from opentgi.config import Settings
 from opentgi.engine.errors import OverloadedError, ValidationError
 from opentgi.schemas.tgi import GenerateParameters

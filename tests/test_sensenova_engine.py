@@ -12,7 +12,8 @@ import json
 import pytest
 import pytest_asyncio
 
-from opentgi.api import runtime, sensenova
+from opentgi.api import runtime
+from opentgi.api.sensenova import handlers as sensenova
 from opentgi.config import Settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from opentgi.api import sensenova
 from opentgi.api.errors import RequestSchemaError
+from opentgi.api.sensenova import handlers as sensenova
 from opentgi.engine.errors import GenerationError, InputTooLongError, OverloadedError, UnhealthyError
 from opentgi.engine.events import GenerationResult, SequenceResult, Timings, TokenEvent
 from opentgi.engine.request import FinishReason

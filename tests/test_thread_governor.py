@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from opentgi.engine.thread_governor import ThreadGovernor, busy_core_seconds
+from opentgi.engine.execution.thread_governor import ThreadGovernor, busy_core_seconds
 
 
 class Machine:

@@ -1,4 +1,4 @@
-"""One OpenMP team per server process (engine/torch_threads.py): the event-loop thread runs torch on
+"""One OpenMP team per server process (engine/execution/torch_threads.py): the event-loop thread runs torch on
 one thread, the model loads in a thread of its own, the engine's loop thread gets the torch threads."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from opentgi import cli
 from opentgi.config import Settings
-from opentgi.engine import torch_threads
 from opentgi.engine.engine import Engine
+from opentgi.engine.execution import torch_threads
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models import loader
 from opentgi.models.loader import ModelLoadError, load_model

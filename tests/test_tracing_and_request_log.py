@@ -16,8 +16,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from conformance.live import free_port, serve
-from opentgi.api.request_context import request_id_from
-from opentgi.api.tracing import traces_url
+from opentgi.api.server.request_context import request_id_from
+from opentgi.api.server.tracing import traces_url
 from opentgi.cli import _JsonFormatter, build_parser, settings_from
 from opentgi.config import Settings
 

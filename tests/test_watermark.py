@@ -1,4 +1,4 @@
-"""The Kirchenbauer soft watermark (engine/watermark.py): TGI's permutation, per-row seeding, detection
+"""The Kirchenbauer soft watermark (engine/sampling/watermark.py): TGI's permutation, per-row seeding, detection
 of text sampled from a tiny random-weight model with and without the processor."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opentgi.engine.watermark import (
+from opentgi.engine.sampling.watermark import (
     HASH_KEY,
     detect_watermark,
     greenlist_ids,

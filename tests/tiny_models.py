@@ -60,7 +60,7 @@ def _cached_folder(name: str, params: dict, build: Callable[[Path], None]) -> Pa
 
 
 def _gguf_fingerprint() -> dict:
-    from opentgi.models.default_model import default_gguf_path
+    from opentgi.models.checkpoints.default_model import default_gguf_path
 
     path = default_gguf_path()
     return {"gguf": path.name, "size": path.stat().st_size}
@@ -70,8 +70,8 @@ def smollm2_tokenizer_path() -> Path:
     """SmolLM2-135M-Instruct's tokenizer (from the default model's GGUF), saved as a plain folder."""
 
     def build(out: Path) -> None:
-        from opentgi.models.default_model import default_gguf_path
-        from opentgi.models.gguf_tokenizer import load_gguf_tokenizer
+        from opentgi.models.checkpoints.default_model import default_gguf_path
+        from opentgi.models.checkpoints.gguf_tokenizer import load_gguf_tokenizer
 
         load_gguf_tokenizer(default_gguf_path()).save_pretrained(out)
 

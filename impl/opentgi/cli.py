@@ -267,13 +267,13 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from opentgi.api.app import create_app
-    from opentgi.api.shutdown import GracefulServer
-    from opentgi.engine import torch_threads
+    from opentgi.api.server.shutdown import GracefulServer
     from opentgi.engine.engine import Engine
+    from opentgi.engine.execution import torch_threads
     from opentgi.metrics import Metrics
     from opentgi.models.loader import ModelLoadError
 
-    # One OpenMP team in the process (engine/torch_threads.py): the engine's loop thread gets the
+    # One OpenMP team in the process (engine/execution/torch_threads.py): the engine's loop thread gets the
     # torch threads, this thread (the event loop) runs torch on one.
     if settings.num_shard == 1:  # with shards, each rank's share is set by shards.rank_settings
         settings = replace(settings, num_threads=torch_threads.resolve(settings.num_threads))
@@ -283,8 +283,7 @@ def serve(settings: Settings) -> None:
     shards = None
     try:
         if settings.num_shard > 1:
-            from opentgi.engine import shards as sharding
-
+            from opentgi.engine.execution import shards as sharding
             if settings.shard_rank:  # a rank > 0 started externally: no HTTP, only its shard
                 raise SystemExit(sharding.run_external_worker(settings))
             shards = sharding.start_group(settings)

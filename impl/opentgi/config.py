@@ -20,11 +20,11 @@ class Settings:
     device: str | None = None  # "cpu" | "cuda" | "cuda:N"; None = cuda when available
     num_threads: int | None = None  # torch.set_num_threads on CPU; None = torch's default
     fixed_threads: bool = False  # every step on num_threads, even while other work holds cores
-    # (default: fewer while it does, engine/thread_governor.py)
+    # (default: fewer while it does, engine/execution/thread_governor.py)
     trust_remote_code: bool = False
     lora_adapters: str | None = None  # comma-separated adapter ids / folders / name=path (PEFT LoRA)
 
-    # --- sharding (tensor parallelism, engine/shards.py) -----------------------------------------
+    # --- sharding (tensor parallelism, engine/execution/shards.py) -----------------------------------------
     num_shard: int = 1  # ranks in the tensor-parallel group
     shard_rank: int | None = None  # set (RANK) when the ranks are started externally (env://)
     local_rank: int = 0  # this rank's device index on its machine (cuda:<local_rank>)

@@ -1,7 +1,7 @@
 """The Connexion app: every OpenAPI document of the server, routed to its dialect's handler module.
 
 There is no route table: each document's operationIds resolve to functions of its dialect module
-(Connexion's `RelativeResolver`), e.g. `generate_stream` in tgi.json -> `opentgi.api.tgi.generate_stream`.
+(Connexion's `RelativeResolver`), e.g. `generate_stream` in tgi.json -> `opentgi.api.tgi.handlers.generate_stream`.
 
 `DIALECTS` lists the documents. `Settings.api` names the dialect that owns the root paths; every
 other dialect that would collide with it is mounted under its own prefix (`/tgi`, `/lightllm`).
@@ -37,10 +37,10 @@ from opentgi.api.errors import (
     UnsupportedMediaTypeError,
     tgi_error,
 )
-from opentgi.api.limits import InputLimitsMiddleware
-from opentgi.api.request_context import RequestContextMiddleware
-from opentgi.api.tgi_params import refusal_in_tgi_order
-from opentgi.api.tracing import request_tracer
+from opentgi.api.server.limits import InputLimitsMiddleware
+from opentgi.api.server.request_context import RequestContextMiddleware
+from opentgi.api.server.tracing import request_tracer
+from opentgi.api.tgi.params import refusal_in_tgi_order
 from opentgi.config import Settings
 from opentgi.engine.errors import OpenTGIError
 from opentgi.schemas import spec_path
@@ -59,11 +59,11 @@ class Dialect:
 
 
 DIALECTS: tuple[Dialect, ...] = (
-    Dialect("tgi", "tgi.json", "opentgi.api.tgi", prefix="/tgi"),
-    Dialect("lightllm", "lightllm.yaml", "opentgi.api.lightllm", prefix="/lightllm",
-            error_response="opentgi.api.lightllm:request_error"),
-    Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova", prefix="/sensenova",
-            error_response="opentgi.api.sensenova:request_error"),
+    Dialect("tgi", "tgi.json", "opentgi.api.tgi.handlers", prefix="/tgi"),
+    Dialect("lightllm", "lightllm.yaml", "opentgi.api.lightllm.handlers", prefix="/lightllm",
+            error_response="opentgi.api.lightllm.handlers:request_error"),
+    Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova.handlers", prefix="/sensenova",
+            error_response="opentgi.api.sensenova.handlers:request_error"),
 )
 
 
@@ -94,7 +94,7 @@ def mounts_for(settings: Settings, dialects: tuple[Dialect, ...] = DIALECTS) -> 
 
 class DialectResolver(RelativeResolver):
     """operationIds resolve in the dialect's module; one already written in full
-    ("opentgi.api.lightllm.health") is taken as it is."""
+    ("opentgi.api.lightllm.handlers.health") is taken as it is."""
 
     def resolve_operation_id(self, operation) -> str:
         operation_id = operation.operation_id
@@ -133,7 +133,7 @@ class ErrorMapper:
     """Maps any exception raised while serving a request to the response of the path's dialect."""
 
     def __init__(self, mounts: list[Mount], server_state: runtime.ServerState):
-        from opentgi.api.auth import dialect_resolver
+        from opentgi.api.server.auth import dialect_resolver
 
         self.state = server_state
         self.by_name = {m.dialect.name: m.dialect for m in mounts}
@@ -269,11 +269,11 @@ def create_app(settings: Settings, engine, *, metrics=None,
     app.add_middleware(runtime.StateMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        server_state=server_state)
     if not settings.disable_ui:  # ahead of the API key: the page itself holds nothing secret
-        from opentgi.api.chat_page import ChatPageMiddleware
+        from opentgi.api.server.chat_page import ChatPageMiddleware
 
         app.add_middleware(ChatPageMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION)
     if settings.api_key:
-        from opentgi.api.auth import BearerAuthMiddleware
+        from opentgi.api.server.auth import BearerAuthMiddleware
 
         app.add_middleware(BearerAuthMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                            api_key=settings.api_key, error_response=mapper.response)

@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import time
 
-from opentgi.api import request_context, runtime
+from opentgi.api import runtime
 from opentgi.api.body_validation import BodySchemaError
 from opentgi.api.errors import VALIDATION_PREFIX, ErrorReply, tgi_error
+from opentgi.api.server import request_context
 from opentgi.engine.errors import GenerationError
 from opentgi.engine.events import Timings
 from opentgi.engine.request import GenerationRequest
 
 # TGI's generation operations: TGI runs its parameter checks inside them, so it counts their refusals.
-TGI_GENERATION_OPERATIONS = frozenset({"opentgi.api.tgi.generate", "opentgi.api.tgi.generate_stream",
-                                       "opentgi.api.tgi.compat_generate"})
+TGI_GENERATION_OPERATIONS = frozenset({"opentgi.api.tgi.handlers.generate", "opentgi.api.tgi.handlers.generate_stream",
+                                       "opentgi.api.tgi.handlers.compat_generate"})
 
 
 def record_start() -> float:

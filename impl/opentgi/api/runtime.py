@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentgi.api.engine_client import EngineClient
-from opentgi.api.shutdown import Drain
+from opentgi.api.server.shutdown import Drain
 from opentgi.config import Settings
 
 _current: ContextVar[ServerState] = ContextVar("opentgi_server_state")
@@ -30,7 +30,7 @@ class ServerState:
     metrics: Any = None  # opentgi.metrics.Metrics of this app
     started_at: float = field(default_factory=time.monotonic)
     last_success_at: float | None = None  # monotonic time of the last generation that succeeded
-    drain: Drain = field(default_factory=Drain)  # graceful shutdown (api/shutdown.py)
+    drain: Drain = field(default_factory=Drain)  # graceful shutdown (api/server/shutdown.py)
 
     def record_success(self) -> None:
         self.last_success_at = time.monotonic()

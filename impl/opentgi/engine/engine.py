@@ -23,9 +23,6 @@ import weakref
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine import torch_threads
-from opentgi.engine.block_manager import BlockManager
-from opentgi.engine.detokenizer import IncrementalDetokenizer
 from opentgi.engine.engine_core import EngineCore
 from opentgi.engine.errors import (
     GenerationError,
@@ -36,17 +33,20 @@ from opentgi.engine.errors import (
     UnknownAdapterError,
     ValidationError,
 )
+from opentgi.engine.execution import torch_threads
+from opentgi.engine.execution.setup import build_info, build_runner
+from opentgi.engine.execution.thread_governor import ThreadGovernor
 from opentgi.engine.handle import RequestHandle
 from opentgi.engine.info import ChatTemplate, EngineInfo, EngineStats, TokenizedText
 from opentgi.engine.observer import EngineObserver
+from opentgi.engine.output.detokenizer import IncrementalDetokenizer
+from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.request_state import Delivery, RequestState
-from opentgi.engine.sampler import Sampler
-from opentgi.engine.scheduler import Scheduler, SchedulerConfig
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.setup import build_info, build_runner
-from opentgi.engine.stop_checker import StopChecker
-from opentgi.engine.thread_governor import ThreadGovernor
+from opentgi.engine.sampling.sampler import Sampler
+from opentgi.engine.scheduling.block_manager import BlockManager
+from opentgi.engine.scheduling.request_state import Delivery, RequestState
+from opentgi.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from opentgi.engine.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Engine:
 
     @classmethod
     def from_settings(cls, settings: Settings, observer: EngineObserver | None = None) -> Engine:
-        """Load the model and build the engine in a thread of their own (engine/torch_threads.py:
+        """Load the model and build the engine in a thread of their own (engine/execution/torch_threads.py:
         the caller's thread starts no OpenMP team that would slow the loop thread's)."""
         from opentgi.models.loader import load_model
 
@@ -363,7 +363,7 @@ class Engine:
         if self.settings.disable_grammar_support:
             raise NotSupportedError("Grammar and tools are not supported with this model")
         if self._grammar_compiler is None:
-            from opentgi.engine.grammar import GrammarCompiler
+            from opentgi.engine.sampling.grammar import GrammarCompiler
 
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
                                                      eos_token_ids=self.info.eos_token_ids)
@@ -380,7 +380,7 @@ class Engine:
             if grammar_factory is not None:
                 processors.append(grammar_factory())
             if sampling.watermark:
-                from opentgi.engine.watermark import make_watermark_processor
+                from opentgi.engine.sampling.watermark import make_watermark_processor
 
                 processors.append(make_watermark_processor(
                     self.spec.vocab_size, self.settings.watermark_gamma, self.settings.watermark_delta,

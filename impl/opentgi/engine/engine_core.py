@@ -18,14 +18,14 @@ import torch
 from opentgi.engine.errors import GenerationError
 from opentgi.engine.events import PrefillToken
 from opentgi.engine.observer import EngineObserver
-from opentgi.engine.output_processor import OutputProcessor
+from opentgi.engine.output.output_processor import OutputProcessor
 from opentgi.engine.request import FinishReason
-from opentgi.engine.request_state import Delivery, RequestState
-from opentgi.engine.sampler import Sampler
-from opentgi.engine.scheduler import Scheduler, SchedulerOutput
-from opentgi.engine.sequence import Sequence
-from opentgi.engine.speculative import verify
-from opentgi.engine.step_plan import RowTokens, StepPlan
+from opentgi.engine.sampling.sampler import Sampler
+from opentgi.engine.sampling.speculative import verify
+from opentgi.engine.scheduling.request_state import Delivery, RequestState
+from opentgi.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from opentgi.engine.scheduling.sequence import Sequence
+from opentgi.engine.scheduling.step_plan import RowTokens, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ class StoppingParams:
 
 @dataclass
 class GrammarSpec:
-    """A constraint on the output, compiled by `opentgi.engine.grammar` off the engine loop."""
+    """A constraint on the output, compiled by `opentgi.engine.sampling.grammar` off the engine loop."""
 
     type: str  # "json" (value: a JSON schema as text) | "regex" (value: a regular expression)
     value: str

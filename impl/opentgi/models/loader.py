@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from opentgi.config import Settings
-from opentgi.models import default_model
 from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.base import ModelSpec
+from opentgi.models.checkpoints import default_model
 from opentgi.models.registry import architecture_of, build_paged_model, paged_unsupported_reason
 
 

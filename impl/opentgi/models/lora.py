@@ -18,7 +18,7 @@ largest R. A step whose rows use adapters computes, for every token,
 where `mask` keeps, for each token, only the columns of its row's adapter (built once per step and
 shared by every layer). Only the adapters the step uses are stacked in (`index_select` when it uses
 fewer than are loaded). This is punica's BGMV (a gathered A/B per row) done as dense matmuls:
-`bench.py --lora` measures it against the per-token gather (`bgmv_delta`, kept as the reference
+`bench/runner.py --lora` measures it against the per-token gather (`bgmv_delta`, kept as the reference
 the tests compare against). A step where no row uses an adapter, or a server without adapters,
 does no LoRA work at all.
 """

@@ -9,11 +9,11 @@ import torch
 
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.base import ModelSpec
-from opentgi.models.layers.int4 import Int4Grid, find_int4_grid, int4_kernel_usable
+from opentgi.models.checkpoints.weights import load_weights
+from opentgi.models.families.llama import PagedLlama
 from opentgi.models.layers.linear import onednn_linear_usable
 from opentgi.models.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
-from opentgi.models.llama import PagedLlama
-from opentgi.models.weights import load_weights
+from opentgi.models.quantization.int4 import Int4Grid, find_int4_grid, int4_kernel_usable
 
 # architecture -> (q/k/v projections carry a bias, head)
 PAGED_ARCHITECTURES: dict[str, tuple[bool, str]] = {

@@ -1,4 +1,4 @@
-# GENERATED from openapi/lightllm.yaml (sha256 aea81bf9a8c0a1b0) by codegen with
+# GENERATED from openapi/lightllm.yaml (sha256 792186aa75f6e74d) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 

@@ -1,4 +1,4 @@
-# GENERATED from openapi/sensenova.yaml (sha256 f3cc9a949511ca81) by codegen with
+# GENERATED from openapi/sensenova.yaml (sha256 4c4ec9c8826ce073) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.layers.int4 import Int4Switch, Int4Weight
+from opentgi.models.quantization.int4 import Int4Switch, Int4Weight
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class OneDNNLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
-        # a 4-bit copy of the same weight (models/layers/int4.py), used while `int4_switch` is on
+        # a 4-bit copy of the same weight (models/quantization/int4.py), used while `int4_switch` is on
         self.int4: Int4Weight | None = None
         self.int4_switch: Int4Switch | None = None
 

@@ -1,0 +1,1 @@
+"""LightLLM's HTTP API (openapi/lightllm.yaml)."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible routes of TGI's document: chat completions, completions, tool calls."""

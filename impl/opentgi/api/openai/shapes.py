@@ -1,0 +1,180 @@
+"""Engine results -> the OpenAI response objects of `/v1/chat/completions` and `/v1/completions`.
+
+Shapes are OpenAI's (which TGI's document describes, with the fields TGI 2.1 leaves out added to
+openapi/tgi.json): `object`, `finish_reason` in stop/length/tool_calls/content_filter, tool call
+`arguments` as a JSON string, chat `logprobs.content[]`, completion `logprobs` with `tokens`,
+`token_logprobs`, `top_logprobs` and `text_offset`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import opentgi
+from opentgi.api.openai.tools import ParsedToolAnswer, ToolAnswerStream, new_tool_call_id, parse_tool_answer
+from opentgi.engine.events import PrefillToken, SequenceResult, TokenEvent, TopToken
+from opentgi.engine.request import FinishReason
+
+SYSTEM_FINGERPRINT = f"{opentgi.__version__}-native"  # TGI: "{version}-{docker_label or native}"
+
+_FINISH = {
+    FinishReason.LENGTH: "length",
+    FinishReason.CONTEXT: "length",
+    FinishReason.EOS_TOKEN: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.GRAMMAR: "stop",
+    FinishReason.SENSITIVE: "content_filter",
+}
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else _FINISH[reason]
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every object (or chunk) of one response shares."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.system_fingerprint}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --- chat ----------------------------------------------------------------------------------------
+
+def chat_logprob(event: TokenEvent) -> dict:
+    return {"token": event.token_text, "logprob": event.logprob,
+            "top_logprobs": [{"token": t.text, "logprob": t.logprob} for t in event.top_tokens or []]}
+
+
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    return {"id": call_id or new_tool_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def chat_message(seq: SequenceResult, using_tools: bool) -> tuple[dict, str]:
+    """The assistant message of one choice and its finish_reason."""
+    reason = finish_reason(seq.finish_reason)
+    if not using_tools:
+        return {"role": "assistant", "content": seq.text}, reason
+    answer: ParsedToolAnswer | None = parse_tool_answer(seq.text)
+    if answer is None:  # cut short (max_tokens): what the streaming parser would have shown
+        return _cut_short_tool_answer(seq.text), reason
+    if answer.is_call:
+        message = {"role": "assistant", "content": None,
+                   "tool_calls": [tool_call(answer.name, answer.arguments)]}
+        return message, "tool_calls"
+    return {"role": "assistant", "content": answer.content}, reason
+
+
+def _cut_short_tool_answer(text: str) -> dict:
+    """A tool answer that ended before it parsed: a call with its partial arguments, the text
+    decoded so far, or (before either began) the raw text."""
+    stream = ToolAnswerStream()
+    pieces = stream.feed(text) + stream.finish()
+    calls = [p.text for p in pieces if p.kind == "call"]
+    if calls:
+        arguments = "".join(p.text for p in pieces if p.kind == "arguments")
+        return {"role": "assistant", "content": None, "tool_calls": [tool_call(calls[0], arguments)]}
+    return {"role": "assistant", "content": "".join(p.text for p in pieces if p.kind == "content")}
+
+
+def chat_completion(meta: ResponseMeta, sequences: list[SequenceResult], prompt_tokens: int, *,
+                    using_tools: bool, logprobs: bool) -> dict:
+    choices = []
+    for seq in sorted(sequences, key=lambda s: s.index):
+        message, reason = chat_message(seq, using_tools)
+        choices.append({
+            "index": seq.index, "message": message,
+            "logprobs": {"content": [chat_logprob(t) for t in seq.tokens]} if logprobs else None,
+            "finish_reason": reason,
+        })
+    completion_tokens = sum(s.generated_tokens for s in sequences)
+    return {**meta.head("chat.completion"), "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunk(meta: ResponseMeta, choices: list[dict], *, include_usage: bool, usage_value=None) -> dict:
+    chunk = {**meta.head("chat.completion.chunk"), "choices": choices}
+    if include_usage:  # OpenAI: null on every chunk but the last one
+        chunk["usage"] = usage_value
+    return chunk
+
+
+def chat_choice_delta(index: int, delta: dict, *, finish: str | None = None,
+                      logprob_events: list[TokenEvent] | None = None) -> dict:
+    return {"index": index, "delta": delta,
+            "logprobs": None if logprob_events is None else {"content": [chat_logprob(e) for e in logprob_events]},
+            "finish_reason": finish}
+
+
+# --- completions ---------------------------------------------------------------------------------
+
+def _top_map(top: list[TopToken] | None) -> dict[str, float] | None:
+    if top is None:
+        return None
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t.text, t.logprob)  # several ids may decode to one text: keep the likeliest
+    return out
+
+
+class CompletionLogprobs:
+    """OpenAI's legacy completion logprobs, built token by token (text_offset counts characters of
+    the choice's text, echoed prompt included)."""
+
+    def __init__(self, text_offset: int = 0, with_top: bool = True):
+        self.offset = text_offset
+        self.with_top = with_top
+
+    def _entry(self, text: str, logprob: float | None, top: list[TopToken] | None) -> dict:
+        entry = {"tokens": [text], "token_logprobs": [logprob],
+                 "top_logprobs": [_top_map(top) if self.with_top else None], "text_offset": [self.offset]}
+        self.offset += len(text)
+        return entry
+
+    def prompt(self, prefill: list[PrefillToken]) -> dict:
+        return merge_logprobs([self._entry(t.text, t.logprob, None) for t in prefill])
+
+    def tokens(self, events: list[TokenEvent]) -> dict:
+        return merge_logprobs([self._entry(e.token_text, e.logprob, e.top_tokens) for e in events])
+
+
+def merge_logprobs(parts: list[dict]) -> dict:
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for part in parts:
+        for key, values in out.items():
+            values.extend(part[key])
+    return out
+
+
+def completion_choice(index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def completion(meta: ResponseMeta, choices: list[dict], usage_value: dict) -> dict:
+    return {**meta.head("text_completion"), "choices": sorted(choices, key=lambda c: c["index"]),
+            "usage": usage_value}
+
+
+def completion_chunk(meta: ResponseMeta, choices: list[dict], *, include_usage: bool, usage_value=None) -> dict:
+    chunk = {**meta.head("text_completion"), "choices": choices}
+    if include_usage:
+        chunk["usage"] = usage_value
+    return chunk

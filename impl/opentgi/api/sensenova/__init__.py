@@ -1,0 +1,1 @@
+"""SenseNova's text completion API (openapi/sensenova.yaml)."""

@@ -1,0 +1,91 @@
+"""Optional bearer-token authentication (`--api-key` / `API_KEY`), as one ASGI middleware.
+
+When the server has an API key, every HTTP route of every dialect needs `Authorization: Bearer <key>`
+except the health checks (`/health`, `/healthz` under any mount) and the API documents with their
+Swagger UI (`/openapi.json`, `/docs`, `/ui/...`), which hold nothing secret. A missing or wrong key
+gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authenticate: Bearer`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Iterable
+
+from starlette.responses import Response
+
+from opentgi.api.errors import UnauthorizedError
+
+OPEN_PATH_NAMES = frozenset({"health", "healthz"})
+DOC_PATH_NAMES = frozenset({"openapi.json", "openapi.yaml", "docs", "swagger.json"})
+
+
+def dialect_error_response(dialect_of: Callable[[str], str]) -> Callable[[str, Exception], Response]:
+    """(path, error) -> the response of the dialect owning the path, from its one error-shape function
+    (the app passes its error mapper's `response` instead, which does the same)."""
+    from opentgi.api.errors import tgi_error
+    from opentgi.api.lightllm import handlers as lightllm
+    from opentgi.api.sensenova import handlers as sensenova
+
+    shapes = {"tgi": tgi_error, "lightllm": lightllm.error_shape, "sensenova": sensenova.error_shape}
+    return lambda path, exc: shapes[dialect_of(path)](exc).response()
+
+
+def is_open_path(path: str) -> bool:
+    """Health checks and the API documents never need the key."""
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        return False
+    if parts[-1] in OPEN_PATH_NAMES or parts[-1] in DOC_PATH_NAMES:
+        return True
+    return "ui" in parts[:-1] or parts[-1] == "ui"
+
+
+def dialect_resolver(
+    mounts: Iterable[tuple[str, str, Iterable[str]]], default: str = "tgi"
+) -> Callable[[str], str]:
+    """Map a request path to its dialect from the app's mounts: (base path, dialect, document paths).
+
+    The longest base path whose document has the rest of the path wins; a path no document has
+    (a 404 to be) gets `default`'s shape.
+    """
+    table = sorted(
+        ((base.rstrip("/"), dialect, frozenset(paths)) for base, dialect, paths in mounts),
+        key=lambda m: len(m[0]),
+        reverse=True,
+    )
+
+    def dialect_of(path: str) -> str:
+        for base, dialect, paths in table:
+            if path.startswith(base) and (path[len(base):] or "/") in paths:
+                return dialect
+        for base, dialect, _ in table:  # under a dialect's prefix, but no such path
+            if base and (path == base or path.startswith(base + "/")):
+                return dialect
+        return default
+
+    return dialect_of
+
+
+class BearerAuthMiddleware:
+    """ASGI middleware: a 401 (UnauthorizedError) in the path's dialect shape unless the bearer token
+    matches."""
+
+    def __init__(self, app, *, api_key: str, error_response: Callable[[str, Exception], Response]):
+        if not api_key:
+            raise ValueError("BearerAuthMiddleware needs a non-empty api_key")
+        self.app = app
+        self._expected = api_key.encode()
+        self._error_response = error_response
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or is_open_path(scope["path"]) or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        await self._error_response(scope["path"], UnauthorizedError())(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.strip().partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
+        return False

@@ -1,0 +1,3 @@
+from opentgi.bench.runner.runner import main
+
+main()

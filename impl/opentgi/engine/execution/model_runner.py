@@ -1,0 +1,127 @@
+"""Runs one step of the paged model: builds the step's tensors from the scheduled sequences, runs
+the forward over the packed ("varlen") batch and returns the logits the engine needs.
+
+Sequence b feeds tokens token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens[b]]
+(with speculative decoding: its last token, then its draft_token_ids); their k/v go to the slots of
+its block_table; its attention reads its first context_lens[b] tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from opentgi.engine.execution.kv_cache import allocate_kv_caches
+from opentgi.engine.scheduling.sequence import Sequence
+from opentgi.models.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class StepOutput:
+    # [sum of k, vocab]: the last k new positions of each sample row in order, k = 1 + its drafts
+    sample_logits: torch.Tensor | None
+    position_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [n_new, vocab]
+    scores: dict[int, float] = field(default_factory=dict)  # row -> reward model score
+
+
+def _score_value(score: torch.Tensor) -> float:
+    return float(score.float().reshape(-1)[0].item())
+
+
+def sample_positions(seqs: list[Sequence], sample_rows: list[int], cu_q: list[int]) -> list[int]:
+    """Where in the flat batch the sampled logits come from: each sample row's last 1 + (its
+    drafts) new positions."""
+    return [p for r in sample_rows for p in range(cu_q[r + 1] - 1 - len(seqs[r].draft_token_ids), cu_q[r + 1])]
+
+
+class ModelRunner:
+    kind = "paged"
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        self.model = model
+        self.spec = model.spec
+        self.device = torch.device(self.spec.device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(self.spec, num_blocks, block_size)
+        self._pad_block = -1 if self.device.type == "cpu" else 0
+        self.lora = getattr(model, "lora", None)  # models/lora.py LoraState when adapters are loaded
+        self.int4_max_rows = getattr(model, "int4_max_rows", 0)
+
+    def free(self, seq: Sequence) -> None:
+        """Nothing to drop: the paged cache belongs to the block manager."""
+
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q = [0]
+        cu_k = [0]
+        context_lens: list[int] = []
+        max_blocks = 0
+        for seq, n in zip(seqs, num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            elif seq.draft_token_ids:
+                input_ids.extend(seq.token_ids[start:])
+                input_ids.extend(seq.draft_token_ids)
+                positions.extend(range(start, end))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            context_lens.append(end)
+            max_blocks = max(max_blocks, len(table))
+        pad = self._pad_block
+        block_tables = [s.block_table + [pad] * (max_blocks - len(s.block_table)) for s in seqs]
+        dev = self.device
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        attn = AttentionMetadata(
+            slot_mapping=t(slots, torch.int64),
+            cu_seqlens_q=t(cu_q, torch.int32),
+            cu_seqlens_k=t(cu_k, torch.int32),
+            max_seqlen_q=max(num_new_tokens),
+            max_seqlen_k=max(context_lens),
+            context_lens=t(context_lens, torch.int32),
+            block_tables=t(block_tables, torch.int32),
+            decode_only=all(n == 1 for n in num_new_tokens),
+        )
+        return t(input_ids, torch.int64), t(positions, torch.int64), attn, cu_q
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
+                logit_rows: list[int] = (), score_rows: list[int] = ()) -> StepOutput:
+        input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)
+        if self.int4_max_rows:  # models/quantization/int4.py: 4-bit weights for small generation steps
+            num_tokens = len(input_ids)
+            self.model.use_int4_for(num_tokens, num_tokens <= self.int4_max_rows and all(
+                s.num_computed_tokens >= s.num_prompt_tokens for s in seqs))
+        if self.lora is not None:
+            self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
+        try:
+            hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+        out = StepOutput(sample_logits=None)
+        if sample_rows:
+            last = torch.tensor(sample_positions(seqs, sample_rows, cu_q), device=self.device)
+            out.sample_logits = self.model.compute_logits(hidden.index_select(0, last))
+        for r in logit_rows:
+            out.position_logits[r] = self.model.compute_logits(hidden[cu_q[r]:cu_q[r + 1]])
+        for r in score_rows:
+            out.scores[r] = _score_value(self.model.compute_score(hidden[cu_q[r + 1] - 1:cu_q[r + 1]]))
+        return out

@@ -1,0 +1,1 @@
+"""Output: incremental detokenization, stop conditions, and what a step's tokens become for the client."""

@@ -1,0 +1,1 @@
+"""Sampling and logits processing: the sampler, per-row parameters as tensors, grammars, watermark, speculation."""

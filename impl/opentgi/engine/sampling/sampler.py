@@ -1,0 +1,213 @@
+"""Chooses every row's next token at once.
+
+Order (TGI's): penalties (repetition, frequency/presence), logit bias, min-new-tokens EOS mask,
+per-row processors (grammar, watermark), then for sampled rows temperature, top-k, top-p,
+typical-p and a draw from the row's own seeded generator (so a seed reproduces its output whatever
+the batch around it); greedy rows take the argmax. The reported logprob of the chosen token and
+the top-n alternatives come from the raw logits' log-softmax, computed only when some row of the
+batch reports them (`GenerationRequest.needs_logprobs`, or top-n): a row that does not gets None.
+
+Cost: a draw is one uniform number per row from its generator, looked up in the cumulative
+distribution (not a noise tensor over the vocabulary). When every sampled row keeps only its top
+tokens (top-k, or a top-p nucleus that `CANDIDATES` tokens cover), the warpers run on a `topk` of
+the logits instead of a sort of the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from opentgi.engine.sampling.sampling_batch import SamplingBatch
+from opentgi.engine.scheduling.sequence import Sequence
+
+CANDIDATES = 1024  # tokens examined for a top-p nucleus before falling back to a full sort
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # None for rows that do not need it (needs_logprobs False)
+    top: list[list[tuple[int, float]] | None]  # per row: (token id, logprob), best first
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self._batch: SamplingBatch | None = None
+
+    def batch_for(self, seqs: list[Sequence]) -> SamplingBatch:
+        key = tuple(s.seq_id for s in seqs)
+        if self._batch is None or self._batch.key != key:
+            self._batch = SamplingBatch(seqs, self.vocab_size, self.device)
+        return self._batch
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        batch = self.batch_for(seqs)
+        logits = logits[:, :self.vocab_size].float()
+        # the log-softmax's normalizer, over the whole vocabulary: only when some row reports logprobs
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True) if batch.any_logprobs else None
+        if batch.plain_greedy:  # every row greedy, nothing to apply: one pass finds token and logit
+            best, next_tokens = logits.max(dim=-1)
+            chosen_logprobs = None if lse is None else best - lse.squeeze(1)
+        else:
+            scores = self._process(batch, logits.clone())
+            next_tokens = self._choose(batch, scores)
+            chosen_logprobs = None if lse is None else \
+                (logits.gather(1, next_tokens.unsqueeze(1)) - lse).squeeze(1)
+        top = self._top_n(batch, logits, lse) if batch.any_top_n else [None] * batch.size
+        batch.update(next_tokens)
+        token_list = next_tokens.tolist()
+        if batch.any_processors:
+            for procs, tok in zip(batch.processors, token_list):
+                for proc in procs:
+                    proc.accept(tok)
+        if chosen_logprobs is None:
+            logprobs: list[float | None] = [None] * batch.size
+        else:
+            logprobs = chosen_logprobs.tolist()
+            if not batch.all_logprobs:  # a row that did not ask gets None whatever its neighbours
+                logprobs = [lp if need else None for lp, need in zip(logprobs, batch.needs_logprobs)]
+        return SamplerOutput(token_list, logprobs, top)
+
+    # --- logits processors -----------------------------------------------------------------------
+    def _process(self, batch: SamplingBatch, scores: torch.Tensor) -> torch.Tensor:
+        if batch.any_repetition:
+            penalty = torch.where(batch.seen, batch.repetition_penalty, 1.0)
+            scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+        if batch.any_output_penalty:
+            scores -= batch.frequency_penalty * batch.counts + batch.presence_penalty * (batch.counts > 0)
+        if batch.any_bias:
+            scores.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
+        if batch.any_min_tokens:
+            for i, seq in enumerate(batch.seqs):
+                if seq.num_generated_tokens < batch.min_new_tokens[i] and batch.eos_ids[i]:
+                    scores[i, [t for t in batch.eos_ids[i] if t < self.vocab_size]] = float("-inf")
+        if batch.any_processors:
+            for i, procs in enumerate(batch.processors):
+                for proc in procs:
+                    proc(scores[i])
+        return scores
+
+    # --- choice --------------------------------------------------------------------------------
+    def _choose(self, batch: SamplingBatch, scores: torch.Tensor) -> torch.Tensor:
+        next_tokens = scores.argmax(dim=-1)
+        if not batch.any_sample:
+            return next_tokens
+        probs, ids = self.distribution(batch, scores)
+        # inverse CDF with one uniform per row from the row's own generator
+        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in batch.generators])
+        cdf = probs.cumsum(dim=-1)
+        target = (u * cdf[:, -1]).unsqueeze(1)
+        chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+        zero = probs.gather(1, chosen) == 0  # rounding at the very end of the CDF
+        if bool(zero.any()):
+            chosen = torch.where(zero, probs.argmax(dim=-1, keepdim=True), chosen)
+        sampled = (chosen if ids is None else ids.gather(1, chosen)).squeeze(1)
+        next_tokens.index_copy_(0, batch.sample_index, sampled)
+        return next_tokens
+
+    def distribution(self, batch: SamplingBatch, scores: torch.Tensor):
+        """(probs [Bs, K], token ids [Bs, K] or None for the whole vocabulary) of the sampled rows
+        after temperature, top-k, top-p and typical-p. Candidates are in token-id order on both
+        paths, so a seed draws the same token whichever path the row's batch neighbours send it
+        down (the sampler's draw and speculative verification alike)."""
+        s = scores.index_select(0, batch.sample_index)
+        if batch.any_temperature:
+            s = s / batch.temperature
+        found = self._candidate_probs(batch, s)
+        if found is None:
+            return torch.softmax(self._warp(batch, s), dim=-1), None
+        probs, ids = found
+        ids, order = ids.sort(dim=-1)
+        return probs.gather(1, order), ids
+
+    def _candidate_probs(self, batch: SamplingBatch, s: torch.Tensor):
+        """(probs [Bs, K], token ids [Bs, K]) after top-k / top-p over each row's K best tokens, or
+        None when some row needs the whole vocabulary (no top-k or top-p, typical-p, or a nucleus
+        wider than CANDIDATES). Same result as softmax(_warp(s)) restricted to the candidates."""
+        if batch.any_typical or not batch.candidates_only:
+            return None
+        vocab = s.shape[-1]
+        k = min(vocab, batch.max_top_k if batch.all_top_k else max(CANDIDATES, batch.max_top_k))
+        if k < vocab:
+            # one more: a tie across the window's edge leaves which tied tokens are inside to topk;
+            # the full path decides it as the other rows' batches would
+            values, ids = s.topk(k + 1, dim=-1)
+            if bool((values[:, k - 1] == values[:, k]).any()):
+                return None
+            values, ids = values[:, :k], ids[:, :k]
+        else:
+            values, ids = s.topk(k, dim=-1)  # sorted, best first
+        # ties in token-id order, as the full path's stable sort has them (top-k / top-p keep the
+        # same tied tokens on both paths, so a seed draws the same token on either)
+        ids, order = ids.sort(dim=-1)
+        values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+        neg_inf = float("-inf")
+        if batch.any_top_k:
+            positions = torch.arange(k, device=s.device).unsqueeze(0)
+            values = values.masked_fill(positions >= batch.top_k_t, neg_inf)
+        if batch.any_top_p:
+            # probabilities over what top-k left: the candidates, or the whole vocabulary for rows
+            # without top-k
+            lse = torch.where(batch.top_k_on, torch.logsumexp(values, dim=-1, keepdim=True),
+                              torch.logsumexp(s, dim=-1, keepdim=True))
+            probs = (values - lse).exp()
+            if not batch.all_top_k and k < vocab:
+                covered = probs.sum(dim=-1, keepdim=True) >= batch.top_p
+                if not bool((covered | batch.top_k_on).all()):
+                    return None
+            mass_before = probs.cumsum(dim=-1) - probs
+            remove = (mass_before >= batch.top_p) & batch.top_p_on
+            remove[:, 0] = False
+            values = values.masked_fill(remove, neg_inf)
+        return torch.softmax(values, dim=-1), ids
+
+    def _warp(self, batch: SamplingBatch, s: torch.Tensor) -> torch.Tensor:
+        if not (batch.any_top_k or batch.any_top_p or batch.any_typical):
+            return s
+        neg_inf = float("-inf")
+        if batch.any_top_k or batch.any_top_p:
+            sorted_s, sorted_idx = s.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+            if batch.any_top_k:
+                positions = torch.arange(s.shape[-1], device=s.device).unsqueeze(0)
+                sorted_s = sorted_s.masked_fill(positions >= batch.top_k_t, neg_inf)
+            if batch.any_top_p:
+                probs = torch.softmax(sorted_s, dim=-1)
+                mass_before = probs.cumsum(dim=-1) - probs
+                remove = (mass_before >= batch.top_p) & batch.top_p_on
+                remove[:, 0] = False
+                sorted_s = sorted_s.masked_fill(remove, neg_inf)
+            s = torch.full_like(s, neg_inf).scatter_(1, sorted_idx, sorted_s)
+        if batch.any_typical:
+            log_p = torch.log_softmax(s, dim=-1)
+            p = log_p.exp()
+            entropy = -(torch.nan_to_num(p * log_p)).sum(dim=-1, keepdim=True)
+            shifted = (-log_p - entropy).abs()
+            sorted_shift, order = shifted.sort(dim=-1)
+            sorted_p = p.gather(1, order)
+            cum = sorted_p.cumsum(dim=-1)
+            last_ind = (cum < batch.typical_p).sum(dim=-1, keepdim=True).clamp_(max=s.shape[-1] - 1)
+            cutoff = sorted_shift.gather(1, last_ind)
+            remove = (shifted > cutoff) & batch.typical_on
+            s = s.masked_fill(remove, neg_inf)
+        return s
+
+    # --- reporting -------------------------------------------------------------------------------
+    def _top_n(self, batch: SamplingBatch, logits: torch.Tensor, lse: torch.Tensor):
+        n_max = max(batch.top_n)
+        k = min(self.vocab_size, n_max + 16)  # room for ties at the n-th value
+        values, ids = torch.topk(logits, k, dim=-1)
+        values = (values - lse).tolist()
+        ids = ids.tolist()
+        out: list[list[tuple[int, float]] | None] = []
+        for row, n in enumerate(batch.top_n):
+            if not n:
+                out.append(None)
+                continue
+            nth = values[row][min(n, k) - 1]
+            out.append([(t, v) for t, v in zip(ids[row], values[row]) if v >= nth])
+        return out

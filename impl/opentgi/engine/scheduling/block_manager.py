@@ -1,0 +1,212 @@
+"""Paged KV cache bookkeeping: which block holds which tokens, who references it, what can be reused.
+
+Blocks are reference counted. A full block whose tokens are all computed is registered in the
+prefix cache under hash(parent block's hash, its token ids); the ids are stored too, so a hash
+collision never hands out the wrong k/v. A block nobody references any more keeps its content and
+its hash (when prefix caching is on) and waits in an LRU list: a later prompt with the same prefix
+takes it back, and allocation evicts the least recently freed one first. Sequences never write into
+a shared block: only full blocks are shared, and a prefix match always leaves the prompt's last
+token to compute.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from opentgi.engine.scheduling.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+def root_hash(seq: Sequence) -> int | None:
+    """The parent hash of a sequence's first block: its LoRA adapter's, so that two adapters (or an
+    adapter and the base model), whose k/v differ for the same tokens, never share a block."""
+    adapter = seq.request.adapter_id
+    return None if adapter is None else hash(("lora-adapter", adapter))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token (got {num_blocks}x{block_size})")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # empty, no reusable content
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; LRU first
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # --- accounting ----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now (empty ones and evictable cached ones)."""
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.evictable)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    # --- prefix cache ----------------------------------------------------------------------------
+    def _lookup(self, h: int, token_ids: tuple[int, ...]) -> int | None:
+        block_id = self.hash_to_block.get(h)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != token_ids:  # hash collision: different tokens, never reuse
+            return None
+        return block_id
+
+    def match_prefix(self, token_ids: list[int], max_tokens: int,
+                     root: int | None = None) -> tuple[list[int], list[int]]:
+        """Cached blocks holding the longest prefix of token_ids of at most max_tokens tokens, under
+        the given root hash (`root_hash`): (block ids, their hashes). Takes no reference."""
+        bs = self.block_size
+        block_ids: list[int] = []
+        hashes: list[int] = []
+        parent: int | None = root
+        for i in range(max_tokens // bs):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, chunk)
+            block_id = self._lookup(h, chunk)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+            hashes.append(h)
+            parent = h
+        return block_ids, hashes
+
+    def admit(self, seq: Sequence, *, use_prefix_cache: bool = True) -> int:
+        """Give a waiting sequence (no blocks yet) the cached blocks of its longest cached prefix.
+        Always leaves at least the last token to compute (its logits are needed). Returns the
+        number of tokens found cached."""
+        assert not seq.block_table, "admit() of a sequence that holds blocks"
+        n = len(seq.token_ids)
+        block_ids, hashes = self.match_prefix(seq.token_ids, n - 1, root_hash(seq)) if use_prefix_cache else ([], [])
+        for block_id in block_ids:
+            self._ref(block_id)
+        seq.block_table = block_ids
+        seq.block_hashes = hashes
+        seq.num_hashed_blocks = len(block_ids)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(block_ids) * self.block_size
+        self.prefix_query_tokens += n
+        self.prefix_hit_tokens += seq.num_cached_tokens
+        return seq.num_cached_tokens
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the sequence's newly full, computed blocks in the prefix cache. A block whose
+        prefix another block already holds (identical prompts computed side by side) is swapped
+        for that one and freed: one block per prefix, so the prefix stays findable as long as any
+        sequence holds it."""
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
+        for i in range(seq.num_hashed_blocks, num_full):
+            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, chunk)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block:
+                block.hash = h
+                block.token_ids = chunk
+                self.hash_to_block[h] = block.block_id
+            else:
+                same = self._lookup(h, chunk)
+                if same is not None and same != block.block_id:
+                    self._ref(same)
+                    seq.block_table[i] = same
+                    self._unref(block)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
+
+    # --- allocation ----------------------------------------------------------------------------
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.evictable.pop(block_id, None)
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)  # least recently freed
+            self._forget(self.blocks[block_id])
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        block.ref_count = 1
+        return block_id
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash = None
+        block.token_ids = None
+
+    def _unref(self, block: Block) -> None:
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block.block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if self.enable_prefix_caching and block.hash is not None \
+                    and self.hash_to_block.get(block.hash) == block.block_id:
+                self.evictable[block.block_id] = None
+            else:
+                self._forget(block)
+                self.free_block_ids.append(block.block_id)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more computed tokens. False (nothing taken) when the pool
+        has too few blocks."""
+        needed = self.num_new_blocks_needed(seq, num_new_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (they held only rejected speculative
+        drafts: never full of computed tokens, so never hashed)."""
+        keep = self.blocks_for(len(seq.token_ids))
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, "trim of a shared or cached block"
+            block.ref_count = 0
+            self.free_block_ids.append(block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; its blocks go to the LRU list (hashed) or the free list.
+        Freed in reverse, so a prompt's tail is evicted before its head."""
+        for block_id in reversed(seq.block_table):
+            self._unref(self.blocks[block_id])
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0

@@ -1,0 +1,1 @@
+"""Reading checkpoints: safetensors folders, the default model's GGUF and GGUF tokenizers."""
