@@ -85,7 +85,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     install(session, "test")
-    session.run("python", "-m", "opentgi.bench.runner", *session.posargs, env=OFFLINE)
+    session.run("python", "-m", "opentgi.bench", *session.posargs, env=OFFLINE)
 
 
 @nox.session

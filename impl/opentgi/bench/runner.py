@@ -10,7 +10,7 @@ In one run, on one machine:
 4. where a decode step's time goes, on an engine in this process (`bench/steps.py`);
 5. with `--peer NAME=URL` (repeatable): the same `/v1/completions` load against opentgi and each
    peer in turn, with tokens/s, resident memory and opentgi's ratios (`bench/peers.py`);
-then prints the numbers and the ratios, and appends markdown tables to docs/benchmarks.md.
+then prints the numbers and the ratios as markdown tables (`--output FILE` also appends them to FILE).
 Separate modes: `--lora K,...` (adapters mixed), `--shards K,...` (tensor parallelism) and
 `--speculate N` (speculative decoding on a
 code-editing workload, single stream, side by side with a plain server: `bench/speculate.py`).
@@ -509,7 +509,7 @@ def parse_args(argv=None):
     p.add_argument("--baseline-prompts", type=int, default=6, help="prompts for the serial generate baseline")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra `opentgi serve` argument")
-    p.add_argument("--output", default="docs/benchmarks.md", help="markdown file to append to ('' = none)")
+    p.add_argument("--output", default="", help="a markdown file to append the tables to ('' = print only)")
     p.add_argument("--lora", help="only the LoRA comparison: comma-separated adapter counts mixed, e.g. 0,1,4")
     p.add_argument("--lora-concurrency", type=int, default=16, help="concurrency of the LoRA comparison")
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the random adapters (--lora)")
