@@ -17,6 +17,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_until_healthy(process, url: str, timeout_s: float = 120) -> None:
+    """Wait for a server process started by a test (subprocess.Popen) to answer /health with 200;
+    fail with its output if it exits first or takes longer than `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, f"the server exited: {process.communicate()}"
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def serve(settings: Settings, *, startup_timeout_s: float = 300) -> Iterator[str]:
     """Engine + app (with its metrics) for `settings`, served by uvicorn on settings.hostname:port;

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from conformance.live import free_port
+from conformance.live import free_port, wait_until_healthy
 
 SHUTDOWN_TIMEOUT_S = 3.0
 
@@ -31,16 +31,7 @@ def server(tiny_llama):
          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
+    wait_until_healthy(process, url)
     yield url, process
     if process.poll() is None:
         process.kill()

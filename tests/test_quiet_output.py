@@ -9,12 +9,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from conformance.live import free_port
+from conformance.live import free_port, wait_until_healthy
 
 # configure_logging's format: "2026-11-24 03:01:23,934 INFO opentgi.request: ..."
 OUR_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR) (opentgi|uvicorn)[\w.]*: ")
@@ -30,16 +29,7 @@ def test_start_and_stop_print_only_our_own_lines(tiny_llama, stop_signal):
         env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.communicate()
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(process, url)
         response = httpx.post(url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}},
                               timeout=60)
         assert response.status_code == 200

@@ -6,12 +6,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from conformance.live import free_port
+from conformance.live import free_port, wait_until_healthy
 from tests import tiny_models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,16 +24,7 @@ def _run_until_healthy(argv, port, timeout_s=180):
     process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert process.poll() is None, f"the server exited: {process.communicate()[1][-3000:]}"
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        wait_until_healthy(process, f"http://127.0.0.1:{port}", timeout_s)
         info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=10)
     finally:
         process.terminate()
