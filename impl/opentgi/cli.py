@@ -110,6 +110,9 @@ OPTIONS: tuple[Option, ...] = (
            "cache gets what the weights and the largest step leave of it (default 1.0)"),
     Option("--speculate", int, "speculative decoding: up to N n-gram (prompt lookup) draft tokens "
            "verified per decode step (default: off)"),
+    Option("--nondeterministic", _bool, "give up batch invariance (a greedy request's tokens and "
+           "logprobs then depend on what else the batch holds and on how its prompt was split) for "
+           "the few kernels that are faster without it: docs/determinism.md", is_switch=True),
     Option("--block-size", int, "KV cache block size in tokens (default: 16 on CPU, 256 with flash-attn)"),
     Option("--disable-grammar-support", _bool, "reject grammar / response_format", is_switch=True),
     Option("--watermark-gamma", float, "watermark green-list fraction (default 0.5)"),

@@ -229,6 +229,7 @@ async def get_model_info() -> Response:
         "sha": source_sha(),
         "docker_label": None,
         "adapters": list(info.adapters),
+        "deterministic": bool(getattr(info, "deterministic", True)),
     })
 
 

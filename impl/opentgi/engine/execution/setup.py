@@ -191,4 +191,5 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
         vocab_size=spec.vocab_size,
         adapters=list(getattr(loaded, "adapters", None) or []),
         speculate=speculate_tokens(settings, runner_kind),
+        deterministic=not settings.nondeterministic,
     )

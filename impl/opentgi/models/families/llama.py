@@ -139,23 +139,32 @@ class PagedLlama(nn.Module):
         # generation steps of at most this many rows use the 4-bit layer weights (`_attach_int4`)
         self.int4_max_rows = 0
         self.int4_switch = Int4Switch()
+        self.batch_invariant = False  # set by `materialize`
 
-    def materialize(self, int4_grids: dict[str, Int4Grid] | None = None) -> None:
+    def materialize(self, int4_grids: dict[str, Int4Grid] | None = None, batch_invariant: bool = False) -> None:
         """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
         CPU in float32 or bfloat16 run the linear layers through oneDNN (models/layers/linear.py).
         `int4_grids` (checkpoint name -> grid) holds the layer weights found on a 4-bit grid at
-        loading: with bfloat16 they also get a 4-bit copy for small steps (models/quantization/int4.py)."""
+        loading: with bfloat16 they also get a 4-bit copy for small steps (models/quantization/int4.py).
+        `batch_invariant`: linears and attention in the forms whose rows do not depend on the
+        step's other rows (docs/determinism.md)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         self.rotary = RotaryEmbedding(self.config, self.spec.device)
+        self.batch_invariant = batch_invariant
+        if self.model.layers:
+            self.model.layers[0].self_attn.backend.batch_invariant = batch_invariant
         if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
-            pack_linears(self.model.layers)
+            pack_linears(self.model.layers, row_invariant=batch_invariant)
             if int4_grids:
                 self._attach_int4(int4_grids)
             if not self.is_reward_model:
                 tied = self.tie_word_embeddings
-                self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
+                weight = self.model.embed_tokens.weight if tied else self.lm_head.weight
+                self.logits_proj = OneDNNLinear(weight)
+                if batch_invariant:
+                    self.logits_proj.make_row_invariant(weight)
                 if not tied:
                     del self.lm_head
 
