@@ -299,6 +299,7 @@ def serve(settings: Settings) -> None:
         raise SystemExit(f"opentgi: {exc}") from None
     app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
+    log.info("%s", inference_mode_line(engine.info))
     for line in startup_links(settings):
         log.info("%s", line)
     server = GracefulServer(uvicorn.Config(app, host=settings.hostname, port=settings.port, log_config=None,
@@ -315,6 +316,14 @@ def serve(settings: Settings) -> None:
         shards.close()
     if shards.failure:
         raise SystemExit(1)
+
+
+def inference_mode_line(info) -> str:
+    """Start-up's word on batch invariance (also /info's `deterministic`)."""
+    if getattr(info, "deterministic", False):
+        return ("deterministic: a greedy request gets the same tokens and logprobs whatever else the "
+                "server runs (--nondeterministic turns this off)")
+    return "nondeterministic: a request's logprobs may depend on what else its batch holds"
 
 
 def startup_links(settings: Settings) -> list[str]:

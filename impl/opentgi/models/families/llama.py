@@ -17,7 +17,13 @@ from torch import nn
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.base import ModelSpec
-from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
+from opentgi.models.layers.linear import (
+    OneDNNLinear,
+    RowTiledLinear,
+    onednn_linear_usable,
+    pack_linears,
+    tile_linears,
+)
 from opentgi.models.layers.norm import RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding, apply_rotary
 from opentgi.models.quantization.int4 import Int4Grid, Int4Switch, Int4Weight, int4_rows_worth_it
@@ -135,7 +141,8 @@ class PagedLlama(nn.Module):
         elif not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by `materialize` (needs the real device)
-        self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
+        # the LM head in oneDNN's layout (CPU float32/bfloat16), or row-tiled (batch invariance)
+        self.logits_proj: OneDNNLinear | RowTiledLinear | None = None
         # generation steps of at most this many rows use the 4-bit layer weights (`_attach_int4`)
         self.int4_max_rows = 0
         self.int4_switch = Int4Switch()
@@ -152,21 +159,34 @@ class PagedLlama(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         self.rotary = RotaryEmbedding(self.config, self.spec.device)
-        self.batch_invariant = batch_invariant
-        if self.model.layers:
-            self.model.layers[0].self_attn.backend.batch_invariant = batch_invariant
-        if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
-            pack_linears(self.model.layers, row_invariant=batch_invariant)
+        device = torch.device(self.spec.device)
+        onednn = onednn_linear_usable(device, self.spec.dtype)
+        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        # built and measured on the CPU path only: the torch attention backend, oneDNN's linears or
+        # row-tiled F.linear where oneDNN has no kernel for the dtype
+        self.batch_invariant = batch_invariant and device.type == "cpu" and getattr(backend, "name", None) == "torch"
+        if batch_invariant and not self.batch_invariant:
+            log.warning("batch invariance is built for the CPU path; this model runs without it "
+                        "(docs/determinism.md)")
+        if backend is not None:
+            backend.batch_invariant = self.batch_invariant
+        head_weight = None
+        if not self.is_reward_model:
+            head_weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        if onednn:
+            pack_linears(self.model.layers, row_invariant=self.batch_invariant)
             if int4_grids:
                 self._attach_int4(int4_grids)
-            if not self.is_reward_model:
-                tied = self.tie_word_embeddings
-                weight = self.model.embed_tokens.weight if tied else self.lm_head.weight
-                self.logits_proj = OneDNNLinear(weight)
-                if batch_invariant:
-                    self.logits_proj.make_row_invariant(weight)
-                if not tied:
-                    del self.lm_head
+            if head_weight is not None:
+                self.logits_proj = OneDNNLinear(head_weight)
+                if self.batch_invariant:
+                    self.logits_proj.make_row_invariant(head_weight)
+        elif self.batch_invariant:
+            tile_linears(self.model.layers)
+            if head_weight is not None:
+                self.logits_proj = RowTiledLinear(head_weight)
+        if self.logits_proj is not None and not self.tie_word_embeddings:
+            del self.lm_head
 
     def _attach_int4(self, grids: dict[str, Int4Grid]) -> None:
         """Give each packed layer linear whose checkpoint weights all lie on a 4-bit grid its 4-bit

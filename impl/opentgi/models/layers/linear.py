@@ -163,6 +163,60 @@ def onednn_linear_usable(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+_TILES = (64, 16, 4, 1)
+
+
+class RowTiledLinear(nn.Module):
+    """Row invariance where oneDNN's packed linear is not usable (a CPU without a oneDNN kernel
+    for the dtype): `F.linear` on at most `tile` rows a call, `tile` the largest of 64, 16, 4 and 1
+    measured at start-up to give every row the same bits for every row count up to it (torch's
+    own CPU kernels switch to a blocked gemm past a size)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        key = (*weight.shape, weight.dtype, weight.device.type)
+        if key not in _formulation_cache:
+            _formulation_cache[key] = _invariant_tile(*key)
+        self.tile = _formulation_cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.tile:
+            return F.linear(x, self.weight, self.bias)
+        return torch.cat([F.linear(part, self.weight, self.bias) for part in x.split(self.tile)])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tile={self.tile}"
+
+
+def _invariant_tile(out_features: int, in_features: int, dtype: torch.dtype, device: str) -> int:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
+    x = torch.randn(max(_TILES), in_features, generator=gen).to(dtype)
+    with torch.inference_mode():
+        single = torch.cat([F.linear(x[i:i + 1], weight) for i in range(x.shape[0])])
+        for tile in _TILES:
+            if all(torch.equal(F.linear(x[s:s + count], weight), single[s:s + count])
+                   for count in _PROBE_ROW_COUNTS if count <= tile
+                   for s in range(0, x.shape[0] - count + 1, count)):
+                return tile
+    return 1
+
+
+def tile_linears(module: nn.Module) -> int:
+    """Replace every nn.Linear inside `module` by a RowTiledLinear; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, RowTiledLinear(child.weight, child.bias))
+            count += 1
+        else:
+            count += tile_linears(child)
+    return count
+
+
 def pack_linears(module: nn.Module, row_invariant: bool = False) -> int:
     """Replace every nn.Linear inside `module` by a OneDNNLinear (in its row-invariant form with
     `row_invariant`); returns how many."""
