@@ -187,3 +187,21 @@ def test_the_mode_is_the_default_and_nondeterministic_opts_out(model_path):
     Info.deterministic = False
     assert inference_mode_line(Info()).startswith("nondeterministic:")
 
+
+
+def test_log_probabilities_of_a_row_do_not_depend_on_the_row_count():
+    """On 2 threads torch's logsumexp cut one row's sum differently for 64 rows of 49,152 than for
+    one; the sampler's row_log_softmax gives each row the same bits for every row count."""
+    from opentgi.engine.sampling.sampler import row_log_softmax, row_logsumexp
+
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone_rows = torch.cat([row_log_softmax(logits[i:i + 1]) for i in range(64)])
+        lse_rows = torch.cat([row_logsumexp(logits[i:i + 1]) for i in range(64)])
+        for count in (2, 16, 64):
+            assert torch.equal(row_log_softmax(logits[:count]), alone_rows[:count])
+            assert torch.equal(row_logsumexp(logits[:count]), lse_rows[:count])
+    finally:
+        torch.set_num_threads(threads)
