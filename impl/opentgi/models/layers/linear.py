@@ -20,11 +20,11 @@ rows the step multiplies. Measured with oneDNN 3.12 on an AMD EPYC (avx512_bf16)
 every row count from 2 to 512 computes each row bit for bit alike, but a lone row takes another
 kernel once the reduction is longer than 1024 (SmolLM2's down projection, K = 1536: about one
 output row in ten differs in bfloat16); in float32 those weights also give rows of an even and an
-odd position in the batch different sums. So a lone row is multiplied as two (the row twice: the
-same time, measured 47 us either way for the down projection), and in float32 a weight with
-K > 1024 is held as slices of 1024 inputs whose products are added in order.
-`row_invariant_formulation` checks on random rows at start-up that the chosen form gives every
-row the same bits for row counts 1 to 64, per weight shape.
+odd position in the batch different sums. So where a weight shape needs it, a lone row is
+multiplied as two (the row twice: the same time, measured 47 us either way for the down
+projection), and in float32 a weight with K > 1024 is held as slices of 1024 inputs whose products
+are added in order. `row_invariant_formulation` picks, per weight shape at start-up, the first
+form (as is, padded, sliced) that gives random rows the same bits for row counts 1 to 64.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
 _MIN_ROWS = 2  # a lone row takes another kernel than 2..512 rows (module docstring)
 _K_SLICE = 1024  # float32: reductions longer than this are cut into slices added in order
-_PROBE_ROW_COUNTS = (1, 2, 3, 5, 7, 16, 17, 64)
+_PROBE_ROW_COUNTS = (1, 2, 3, 5, 7, 16, 17, 64)  # row counts a probe compares
 _formulation_cache: dict[tuple, str | None] = {}
 
 
@@ -94,7 +94,7 @@ class OneDNNLinear(nn.Module):
         if key not in _formulation_cache:
             _formulation_cache[key] = row_invariant_formulation(*key[:3])
         form = _formulation_cache[key]
-        if form is not None:
+        if form in ("padded", "k-slices"):
             self.min_rows = _MIN_ROWS
         if form == "k-slices":
             self.k_slices = _k_slices(weight)
@@ -121,15 +121,20 @@ def _rows_alike(linear: OneDNNLinear, x: torch.Tensor) -> bool:
 
 
 def row_invariant_formulation(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
-    """"padded" (a lone row multiplied as two) or "k-slices" (float32, also the reduction cut into
-    slices of 1024 added in order): the first measured to give every row the same bits for row
-    counts 1 to 64 on random data of this shape; None if neither does."""
+    """"plain" (as is), "padded" (a lone row multiplied as two) or "k-slices" (float32, also the
+    reduction cut into slices of 1024 added in order): the first measured to give every row the
+    same bits for row counts 1 to 64 on random data of this shape; None if none does."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
-    x = torch.randn(max(_PROBE_ROW_COUNTS), in_features, generator=gen).to(dtype)
+    # bfloat16 outputs round most differences away: enough rows that some 2**16 outputs are compared
+    rows = min(256, max(max(_PROBE_ROW_COUNTS), (1 << 16) // out_features))
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     probe = OneDNNLinear(weight)
-    probe.min_rows = _MIN_ROWS
     with torch.inference_mode():
+        # a lone row's other kernel was seen only past K = 1024: shorter reductions may stay as they are
+        if in_features <= _K_SLICE and _rows_alike(probe, x):
+            return "plain"
+        probe.min_rows = _MIN_ROWS
         if _rows_alike(probe, x):
             return "padded"
         if dtype == torch.float32 and in_features > _K_SLICE:
@@ -194,7 +199,7 @@ class RowTiledLinear(nn.Module):
 def _invariant_tile(out_features: int, in_features: int, dtype: torch.dtype, device: str) -> int:
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
-    x = torch.randn(max(_TILES), in_features, generator=gen).to(dtype)
+    x = torch.randn(min(256, max(max(_TILES), (1 << 16) // out_features)), in_features, generator=gen).to(dtype)
     with torch.inference_mode():
         single = torch.cat([F.linear(x[i:i + 1], weight) for i in range(x.shape[0])])
         for tile in _TILES:
