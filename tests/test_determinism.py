@@ -4,7 +4,8 @@ with --speculate 4, in float32 (what a CPU without native bfloat16 serves) and i
 one with it serves; where oneDNN has no bfloat16 kernel, torch's own, row-tiled).
 
 The tiny model here has an MLP of 1536: its down projection's reduction is longer than 1024, where
-oneDNN multiplies a lone row with another kernel than 2 or more rows (models/layers/linear.py)."""
+oneDNN multiplies a lone row with another kernel than 2 or more rows (models/layers/linear.py);
+and 3 query heads per kv head, where float32 attention on 2 threads differed with the batch."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def model_path():
-    return tiny_models.tiny_llama_path(intermediate_size=1536)
+    # 3 query heads per kv head, as SmolLM2-135M: float32 attention on 2 threads differed there
+    return tiny_models.tiny_llama_path(intermediate_size=1536, num_attention_heads=6, num_key_value_heads=2,
+                                       head_dim=16)
 
 
 _LOADED: dict = {}
@@ -205,3 +208,14 @@ def test_log_probabilities_of_a_row_do_not_depend_on_the_row_count():
             assert torch.equal(row_logsumexp(logits[:count]), lse_rows[:count])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_two_threads(model_path, dtype):
+    """On more than one thread float32 attention gave a batch entry other bits with the number of
+    entries: the torch backend attends on one thread there."""
+    loaded = loaded_model(model_path, dtype)
+    two = {"num_threads": 2, "fixed_threads": True}
+    reference = asyncio.run(run_target(loaded, TARGET, **two))
+    assert asyncio.run(run_target(loaded, TARGET, OTHERS, position=9, **two)) == reference
+    assert asyncio.run(run_target(loaded, TARGET, warmup=TARGET, chunked_prefill_tokens=9, **two)) == reference

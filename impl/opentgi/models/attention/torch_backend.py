@@ -37,6 +37,7 @@ does the work of a decode row per token, and no causal skipping inside a segment
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -299,6 +300,20 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots)
 
 
+@contextlib.contextmanager
+def _one_thread(on: bool):
+    """Batch invariance in float32: the attention calls on one thread (module docstring)."""
+    threads = torch.get_num_threads() if on else 1
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class TorchAttentionBackend:
     name = "torch"
     batch_invariant = False  # set by the model (PagedLlama.materialize); module docstring
@@ -316,6 +331,10 @@ class TorchAttentionBackend:
         if plan.tails is not None:  # zeros, so that masked keys are finite (-inf + nan is nan)
             k_cache.view(-1, *k_cache.shape[2:]).index_fill_(0, plan.tails, 0)
             v_cache.view(-1, *v_cache.shape[2:]).index_fill_(0, plan.tails, 0)
+        with _one_thread(self.batch_invariant and q.dtype == torch.float32):
+            return self._attend(q, k, v, k_cache, v_cache, plan, scale, group)
+
+    def _attend(self, q, k, v, k_cache, v_cache, plan: _Plan, scale: float, group: int) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         num_blocks, block_size, _, head_dim = k_cache.shape
         out = None
