@@ -173,38 +173,46 @@ _TILES = (64, 16, 4, 1)
 
 class RowTiledLinear(nn.Module):
     """Row invariance where oneDNN's packed linear is not usable (a CPU without a oneDNN kernel
-    for the dtype): `F.linear` on at most `tile` rows a call, `tile` the largest of 64, 16, 4 and 1
-    measured at start-up to give every row the same bits for every row count up to it (torch's
-    own CPU kernels switch to a blocked gemm past a size)."""
+    for the dtype): `F.linear` on at most `tile` rows a call, a lone row multiplied as two (as
+    OneDNNLinear), `tile` the largest of 64, 16, 4 and 1 measured at start-up to give every row
+    the same bits for every row count (torch's own CPU kernels change blocking with the size)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
-        key = (*weight.shape, weight.dtype, weight.device.type)
+        key = ("tiled", *weight.shape, weight.dtype, weight.device.type)
         if key not in _formulation_cache:
-            _formulation_cache[key] = _invariant_tile(*key)
+            _formulation_cache[key] = _invariant_tile(weight.shape[0], weight.shape[1], weight.dtype)
         self.tile = _formulation_cache[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.tile:
-            return F.linear(x, self.weight, self.bias)
-        return torch.cat([F.linear(part, self.weight, self.bias) for part in x.split(self.tile)])
+        return _tiled_linear(x, self.weight, self.bias, self.tile)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tile={self.tile}"
 
 
-def _invariant_tile(out_features: int, in_features: int, dtype: torch.dtype, device: str) -> int:
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    rows = x.shape[0]
+    if rows == 1 and tile > 1:
+        return F.linear(x.repeat(2, 1), weight, bias)[:1]
+    if rows <= tile:
+        return F.linear(x, weight, bias)
+    return torch.cat([_tiled_linear(part, weight, bias, tile) for part in x.split(tile)])
+
+
+def _invariant_tile(out_features: int, in_features: int, dtype: torch.dtype) -> int:
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
-    x = torch.randn(min(256, max(max(_TILES), (1 << 16) // out_features)), in_features, generator=gen).to(dtype)
+    # bfloat16 outputs round most differences away: enough rows that some 2**16 outputs are compared
+    x = torch.randn(min(1024, max(max(_TILES), (1 << 16) // out_features)), in_features, generator=gen).to(dtype)
     with torch.inference_mode():
-        single = torch.cat([F.linear(x[i:i + 1], weight) for i in range(x.shape[0])])
         for tile in _TILES:
-            if all(torch.equal(F.linear(x[s:s + count], weight), single[s:s + count])
-                   for count in _PROBE_ROW_COUNTS if count <= tile
+            reference = _tiled_linear(x, weight, None, tile)
+            if all(torch.equal(_tiled_linear(x[s:s + count], weight, None, tile), reference[s:s + count])
+                   for count in _PROBE_ROW_COUNTS
                    for s in range(0, x.shape[0] - count + 1, count)):
                 return tile
     return 1
