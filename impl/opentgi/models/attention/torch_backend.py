@@ -22,7 +22,7 @@ depends only on the step (slot indices, masks) is computed once and kept in `met
 **Batch invariance** (`batch_invariant`, the default; docs/determinism.md): the paths above give a
 token different bits depending on its neighbours. Measured on an AMD EPYC (bfloat16, SmolLM2's
 shapes): one `scaled_dot_product_attention` over many query rows computes some rows differently
-from the same rows one by one (8 of 100 query tokens of one prompt, more for longer prompts), and
+from the same rows one by one (12 of 96 query tokens of one prompt, more for longer prompts), and
 a causal call over a whole prompt differs from the same prompt in chunks, after a cached prefix, or
 from a call over a longer prompt. What was measured invariant is the decode row's form: one query
 token per batch entry (its query heads along the query axis), its keys in whole blocks padded with
