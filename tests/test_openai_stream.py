@@ -4,11 +4,14 @@ chunk order, n interleaved choices, tool-call deltas, include_usage, an error mi
 from __future__ import annotations
 
 import json
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 
 from opentgi.api import generation, runtime
+from opentgi.api.chat import ChatOutputParser, PreparedTurn
+from opentgi.api.chat.markers import ChatMarkers
 from opentgi.api.openai import chat, common, completions
 from opentgi.api.openai import shapes as shape
 from opentgi.config import Settings
@@ -68,7 +71,10 @@ def _stream(encode, prepared, handles):
 
 
 def _chat(handle, n=1, using_tools=False, include_usage=False, logprobs=False):
-    prepared = chat.PreparedChat(meta=META, num_prompt_tokens=7, n=n, using_tools=using_tools, logprobs=logprobs,
+    parser = partial(ChatOutputParser, forced_json=using_tools)
+    turn = PreparedTurn([1] * 7, None, None, "forced_json" if using_tools else "none", ChatMarkers(None, None),
+                        parser)
+    prepared = chat.PreparedChat(meta=META, turn=turn, num_prompt_tokens=7, n=n, logprobs=logprobs,
                                  include_usage=include_usage)
     return chat._chat_stream, prepared, [handle]
 

@@ -74,3 +74,8 @@ class Settings:
     sensitive_words: list[str] = field(default_factory=list)
     responses_store_size: int = 1000  # OpenAI Responses: stored responses at most (LRU); 0 stores none
     cache_dir: str | None = None  # where converted weights are kept; None = ~/.cache/opentgi
+
+    # --- chat turns (api/chat/) --------------------------------------------------------------
+    chat_template_kwargs: dict | None = None  # default template variables, e.g. {"enable_thinking": false}
+    reasoning_budget: int | None = None  # thinking tokens at most before `</think>` is forced; None = no limit
+    tool_call_parser: str | None = None  # hermes | mistral | llama3_json | none; None = from the template

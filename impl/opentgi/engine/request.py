@@ -55,6 +55,26 @@ class GrammarSpec:
 
     type: str  # "json" (value: a JSON schema as text) | "regex" (value: a regular expression)
     value: str
+    # Lazy grammar (native tool calls): the output is free until one of these token sequences has
+    # been generated; the grammar then constrains what follows. Empty: constrained from the start
+    # (after the reasoning, when the request has a ReasoningSpec).
+    trigger_token_ids: list[list[int]] = field(default_factory=list)
+    force_trigger: bool = False  # write the first trigger at once (a call is required)
+    end_token_ids: list[int] = field(default_factory=list)  # forced once the grammar is complete
+    # After the grammar (and end_token_ids) completed: False ends the sequence, True waits for the
+    # next trigger (several tool calls).
+    repeat: bool = False
+
+
+@dataclass
+class ReasoningSpec:
+    """The model's thinking span (`<think>` ... `</think>` as token ids). A grammar waits until the
+    span is closed; a budget closes it by forcing `end_token_ids` after that many thinking tokens."""
+
+    start_token_ids: list[int]
+    end_token_ids: list[int]
+    starts_open: bool = False  # the prompt already opened the span (the template wrote `<think>`)
+    budget: int | None = None  # thinking tokens allowed before the end marker is forced
 
 
 @dataclass
@@ -70,6 +90,7 @@ class GenerationRequest:
     # events' `logprob` is None. A handler sets it False only where its response shows none.
     needs_logprobs: bool = True
     grammar: GrammarSpec | None = None
+    reasoning: ReasoningSpec | None = None  # the thinking span a grammar waits for / a budget closes
     score: bool = False  # reward model: one prefill pass, result.score, no tokens generated
     adapter_id: str | None = None  # a LoRA adapter loaded at start-up (--lora-adapters); None = base
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
