@@ -64,6 +64,10 @@ DIALECTS: tuple[Dialect, ...] = (
             error_response="opentgi.api.lightllm.handlers:request_error"),
     Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova.handlers", prefix="/sensenova",
             error_response="opentgi.api.sensenova.handlers:request_error"),
+    Dialect("anthropic", "anthropic.yaml", "opentgi.api.anthropic.handlers", prefix="/anthropic",
+            error_response="opentgi.api.anthropic.handlers:request_error"),
+    Dialect("openai-responses", "openai-responses.yaml", "opentgi.api.responses.handlers",
+            prefix="/openai-responses", error_response="opentgi.api.responses.handlers:request_error"),
 )
 
 

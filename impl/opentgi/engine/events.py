@@ -77,6 +77,7 @@ class GenerationResult:
     timings: Timings
     prefill: list[PrefillToken] | None = None  # when request.prompt_logprobs
     score: float | None = None  # when request.score
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (the first sequence's last admission)
 
     @property
     def generated_tokens(self) -> int:

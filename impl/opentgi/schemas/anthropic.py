@@ -1,4 +1,4 @@
-# GENERATED from openapi/anthropic.yaml (sha256 48f77e398066fd83) by codegen with
+# GENERATED from openapi/anthropic.yaml (sha256 f2ec248a10c1abfd) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -308,6 +308,7 @@ class Delta(BaseModel):
 class MessageDeltaUsage(BaseModel):
     output_tokens: int = Field(..., ge=0)
     input_tokens: int | None = Field(None, ge=0)
+    cache_read_input_tokens: int | None = Field(None, ge=0)
 
 
 class Type29(Enum):

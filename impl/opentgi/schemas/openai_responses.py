@@ -1,4 +1,4 @@
-# GENERATED from openapi/openai-responses.yaml (sha256 4915cf3de0f93acb) by codegen with
+# GENERATED from openapi/openai-responses.yaml (sha256 19ddf7ed04b1070f) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -439,10 +439,6 @@ class Response(BaseModel):
             Field(discriminator='type'),
         ]
     ]
-    output_text: str | None = Field(
-        None,
-        description='All output_text parts joined (a convenience, as the SDKs compute it).',
-    )
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from opentgi.engine.errors import NotSupportedError, ValidationError
+from opentgi.engine.errors import InputTooLongError, NotSupportedError, ValidationError
 from opentgi.engine.request import SamplingParams
 from opentgi.schemas import anthropic as schema
 
@@ -196,3 +196,15 @@ def matched_stop_sequence(stops: list[str], full_text: str) -> str | None:
     """Which stop sequence ended the output: the one found first in the text generated in full."""
     found = [(full_text.find(s), -len(s), s) for s in stops if s in full_text]
     return min(found)[2] if found else None
+
+
+def check_lengths(num_prompt_tokens: int, max_tokens: int, max_input_tokens: int, max_total_tokens: int) -> None:
+    """The prompt within --max-input-tokens, and prompt + max_tokens within --max-total-tokens."""
+    if num_prompt_tokens > max_input_tokens:
+        raise InputTooLongError(f"prompt is too long: {num_prompt_tokens} tokens > {max_input_tokens} maximum",
+                                input_tokens=num_prompt_tokens, max_new_tokens=max_tokens, limit=max_input_tokens)
+    if num_prompt_tokens + max_tokens > max_total_tokens:
+        raise InputTooLongError(
+            f"prompt tokens + max_tokens must be <= {max_total_tokens}. Given: {num_prompt_tokens} prompt tokens "
+            f"and {max_tokens} max_tokens", input_tokens=num_prompt_tokens, max_new_tokens=max_tokens,
+            limit=max_total_tokens)

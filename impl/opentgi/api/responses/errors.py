@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 class ResponseNotFoundError(StatusError):
     """No stored response has this id (never stored, deleted, or evicted)."""
 
-    def __init__(self, response_id: str):
+    def __init__(self, response_id: str, param: str | None = None):
         super().__init__(404, f"Response with id '{response_id}' not found.")
-        self.param = "previous_response_id"
+        self.param = param
 
 
 def status_type_code(exc: BaseException) -> tuple[int, str, str | None]:
