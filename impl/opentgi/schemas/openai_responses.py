@@ -1,4 +1,4 @@
-# GENERATED from openapi/openai-responses.yaml (sha256 19ddf7ed04b1070f) by codegen with
+# GENERATED from openapi/openai-responses.yaml (sha256 11b70a96ffbdab7c) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -172,6 +172,11 @@ class ResponseError(BaseModel):
 class InputTokensDetails(BaseModel):
     cached_tokens: int = Field(
         ..., description='Prompt tokens served from the prefix cache.', ge=0
+    )
+    cache_write_tokens: int = Field(
+        ...,
+        description='Prompt tokens the prefix cache keeps for later requests (the others).',
+        ge=0,
     )
 
 

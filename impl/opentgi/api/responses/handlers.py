@@ -156,7 +156,8 @@ def _remember(p: PreparedResponse, response: dict, message: ChatMessage) -> None
 
 
 def _usage(p: PreparedResponse, result: GenerationResult, output_tokens: int, reasoning_tokens: int) -> dict:
-    return shapes.usage(p.num_prompt_tokens, result.num_cached_tokens, output_tokens, reasoning_tokens)
+    return shapes.usage(p.num_prompt_tokens, result.num_cached_tokens, output_tokens, reasoning_tokens,
+                        prefix_caching=runtime.settings().enable_prefix_caching)
 
 
 def _parse_counting(seq: SequenceResult, parser) -> tuple[ChatMessage, int]:

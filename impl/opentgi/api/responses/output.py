@@ -47,8 +47,13 @@ def is_incomplete(reason: FinishReason | None) -> bool:
     return reason in (FinishReason.LENGTH, FinishReason.CONTEXT)
 
 
-def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int,
+          prefix_caching: bool = True) -> dict:
+    """`cached_tokens`: prompt tokens the prefix cache served; `cache_write_tokens`: the others, which
+    the prefix cache keeps for later requests (none with --disable-prefix-caching)."""
+    written = prompt_tokens - cached_tokens if prefix_caching else 0
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": written},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 

@@ -208,5 +208,4 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0  # num_cached_tokens stays: the result reports it (admit() sets it anew)
