@@ -50,6 +50,7 @@ def post(client, **body):
 def test_message_shape_and_usage(client, tiny_llama):
     response = post(client, temperature=0)
     assert response.status_code == 200
+    assert response.json()["stop_sequence"] is None  # present, as Anthropic always sends it
     message = Message.model_validate(response.json())
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert message.content[0].type == "text"

@@ -154,3 +154,15 @@ def test_bad_requests_get_openai_errors(client, body, status, message):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and message in error["message"]
+
+
+def test_a_wrong_method_names_every_method_of_the_path(client):
+    """Connexion adds a route per operation and Starlette's 405 named only the first one's methods."""
+    response = client.request("PUT", "/v1/responses/resp_1")
+    assert response.status_code == 405 and response.headers["allow"] == "DELETE, GET, HEAD"
+    assert response.json()["error"]["message"] == "Method Not Allowed"
+
+
+def test_reasoning_effort_none_and_low_are_accepted(client):
+    for effort in ("none", "low", "xhigh"):
+        assert create(client, input="Hi", reasoning={"effort": effort})["reasoning"]["effort"] == effort

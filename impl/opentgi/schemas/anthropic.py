@@ -1,4 +1,4 @@
-# GENERATED from openapi/anthropic.yaml (sha256 f2ec248a10c1abfd) by codegen with
+# GENERATED from openapi/anthropic.yaml (sha256 098a560535466021) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -146,9 +146,13 @@ class Type13(Enum):
     enabled = 'enabled'
 
 
-class Display(Enum):
+class DisplayEnum(Enum):
     summarized = 'summarized'
     omitted = 'omitted'
+
+
+class Display(RootModel[DisplayEnum | None]):
+    root: DisplayEnum | None = None
 
 
 class ThinkingEnabled(BaseModel):
@@ -173,9 +177,18 @@ class Type15(Enum):
     adaptive = 'adaptive'
 
 
+class Display1Enum(Enum):
+    summarized = 'summarized'
+    omitted = 'omitted'
+
+
+class Display1(RootModel[Display1Enum | None]):
+    root: Display1Enum | None = None
+
+
 class ThinkingAdaptive(BaseModel):
     type: Literal['adaptive']
-    display: Display | None = None
+    display: Display1 | None = None
 
 
 class Type16(Enum):
@@ -186,11 +199,15 @@ class Role1(Enum):
     assistant = 'assistant'
 
 
-class StopReason(Enum):
+class StopReasonEnum(Enum):
     end_turn = 'end_turn'
     max_tokens = 'max_tokens'
     stop_sequence = 'stop_sequence'
     tool_use = 'tool_use'
+
+
+class StopReason(RootModel[StopReasonEnum | None]):
+    root: StopReasonEnum | None = None
 
 
 class Type17(Enum):

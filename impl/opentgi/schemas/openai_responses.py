@@ -1,4 +1,4 @@
-# GENERATED from openapi/openai-responses.yaml (sha256 11b70a96ffbdab7c) by codegen with
+# GENERATED from openapi/openai-responses.yaml (sha256 e6369abdcf31f287) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -58,16 +58,36 @@ class Type3(Enum):
     function_call_output = 'function_call_output'
 
 
+class Status2Enum(Enum):
+    in_progress = 'in_progress'
+    completed = 'completed'
+    incomplete = 'incomplete'
+
+
+class Status2(RootModel[Status2Enum | None]):
+    root: Status2Enum | None = None
+
+
 class FunctionCallOutputItem(BaseModel):
     type: Type3
     call_id: str
     output: str | list[InputContent]
     id: str | None = None
-    status: Status | None = None
+    status: Status2 | None = None
 
 
 class Type4(Enum):
     reasoning = 'reasoning'
+
+
+class Status3Enum(Enum):
+    in_progress = 'in_progress'
+    completed = 'completed'
+    incomplete = 'incomplete'
+
+
+class Status3(RootModel[Status3Enum | None]):
+    root: Status3Enum | None = None
 
 
 class Type5(Enum):
@@ -111,7 +131,7 @@ class ToolChoiceFunction(BaseModel):
     name: str
 
 
-class Effort(Enum):
+class EffortEnum(Enum):
     none = 'none'
     minimal = 'minimal'
     low = 'low'
@@ -120,10 +140,18 @@ class Effort(Enum):
     xhigh = 'xhigh'
 
 
-class Summary(Enum):
+class Effort(RootModel[EffortEnum | None]):
+    root: EffortEnum | None = None
+
+
+class SummaryEnum(Enum):
     auto = 'auto'
     concise = 'concise'
     detailed = 'detailed'
+
+
+class Summary(RootModel[SummaryEnum | None]):
+    root: SummaryEnum | None = None
 
 
 class ReasoningConfig(BaseModel):
@@ -380,7 +408,7 @@ class ReasoningItem(BaseModel):
     summary: list[SummaryText] | None = None
     content: list[ReasoningText] | None = None
     encrypted_content: str | None = None
-    status: Status | None = None
+    status: Status3 | None = None
 
 
 class TextConfig(BaseModel):

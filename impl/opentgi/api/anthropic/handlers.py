@@ -107,7 +107,7 @@ def _message_answer(gen: Generation, results: list[GenerationResult]) -> Respons
         stop_sequence=_matched_stop(p, seq.finish_reason, seq.token_ids) if reason == "stop_sequence" else None,
         usage=schema.Usage(input_tokens=p.num_prompt_tokens, output_tokens=len(seq.token_ids),
                            cache_read_input_tokens=results[0].num_cached_tokens))
-    return JSONResponse(body.model_dump(mode="json", exclude_none=True))
+    return JSONResponse(body.model_dump(mode="json"))
 
 
 async def _message_events(gen: Generation) -> AsyncIterator[NamedEvent]:

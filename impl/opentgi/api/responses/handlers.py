@@ -69,7 +69,7 @@ def _parse(body: dict) -> schema.CreateResponseRequest:
 
 def reasoning_options(reasoning: schema.ReasoningConfig | None) -> tuple[dict | None, int | None]:
     """(chat_template_kwargs, reasoning budget) for `reasoning.effort`."""
-    effort = reasoning.effort.value if reasoning is not None and reasoning.effort is not None else None
+    effort = reasoning.model_dump(mode="json").get("effort") if reasoning is not None else None
     if effort == "none":
         return {"enable_thinking": False}, None
     return None, reasoning_budget_for_effort(EFFORT_ALIASES.get(effort, effort))

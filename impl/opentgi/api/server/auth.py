@@ -54,7 +54,7 @@ def dialect_resolver(
     be) gets `default`'s shape.
     """
     table = sorted(
-        ((base.rstrip("/"), dialect, _path_matcher(paths)) for base, dialect, paths in mounts),
+        ((base.rstrip("/"), dialect, path_matcher(paths)) for base, dialect, paths in mounts),
         key=lambda m: len(m[0]),
         reverse=True,
     )
@@ -71,7 +71,7 @@ def dialect_resolver(
     return dialect_of
 
 
-def _path_matcher(paths: Iterable[str]) -> Callable[[str], bool]:
+def path_matcher(paths: Iterable[str]) -> Callable[[str], bool]:
     """Whether a path is one of a document's paths, `{name}` matching one segment."""
     exact = frozenset(p for p in paths if "{" not in p)
     templated = [re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(p)) + "$") for p in paths if "{" in p]
