@@ -8,6 +8,8 @@ asks the real default model (SmolLM2-135M-Instruct) a question.
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import pytest
 import torch
@@ -73,6 +75,14 @@ def test_streamed_tool_use_has_its_input(client):
         final = stream.get_final_message()
     (call,) = [block for block in final.content if block.type == "tool_use"]
     assert call.input["city"] in ("Paris", "Lyon") and final.stop_reason == "tool_use"
+
+
+def test_structured_output(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    message = client.messages.create(model="claude-test", max_tokens=30, messages=HI, extra_body=GREEDY,
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert isinstance(json.loads(message.content[0].text)["ok"], bool)
 
 
 def test_count_tokens(client):

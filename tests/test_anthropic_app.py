@@ -142,3 +142,11 @@ def test_bad_requests_get_anthropic_400s(client, body, message):
 def test_a_body_that_is_not_json_is_an_anthropic_400(client):
     response = client.post("/v1/messages", content=b"{nope", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_output_config_format_constrains_the_answer(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    message = Message.model_validate(post(client, max_tokens=30, temperature=0, output_config={
+        "effort": "low", "format": {"type": "json_schema", "schema": schema}}).json())
+    assert isinstance(json.loads(message.content[0].text)["ok"], bool)

@@ -168,3 +168,12 @@ def test_error_shape(exc, status, error_type):
     assert "bug" not in shape.body["error"]["message"]  # no internals leak from unexpected errors
     event = error_event(exc)
     assert event.name == "error" and event.data == shape.body
+
+
+def test_output_config():
+    config = request(messages=[], output_config={"effort": "medium", "format": {
+        "type": "json_schema", "schema": {"type": "object"}}}).output_config
+    assert convert.output_options(config) == (
+        {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}, 4096)
+    assert convert.output_options(None) == (None, None)
+    assert convert.output_options(request(messages=[], output_config={"effort": "max"}).output_config) == (None, None)

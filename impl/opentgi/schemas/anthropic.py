@@ -1,4 +1,4 @@
-# GENERATED from openapi/anthropic.yaml (sha256 098a560535466021) by codegen with
+# GENERATED from openapi/anthropic.yaml (sha256 64054ba725e60fb6) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -10,6 +10,30 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 
+class EffortEnum(Enum):
+    low = 'low'
+    medium = 'medium'
+    high = 'high'
+    xhigh = 'xhigh'
+    max = 'max'
+
+
+class Effort(RootModel[EffortEnum | None]):
+    root: EffortEnum | None = Field(
+        None,
+        description='How much the model may think (a thinking budget; see docs/differences-from-tgi.md).',
+    )
+
+
+class Type(Enum):
+    json_schema = 'json_schema'
+
+
+class JsonOutputFormat(BaseModel):
+    type: Type
+    schema_: dict[str, Any] = Field(..., alias='schema')
+
+
 class Metadata(BaseModel):
     user_id: str | None = Field(None, max_length=256)
 
@@ -19,7 +43,7 @@ class Role(Enum):
     assistant = 'assistant'
 
 
-class Type(Enum):
+class Type1(Enum):
     text = 'text'
 
 
@@ -28,7 +52,7 @@ class TextBlockParam(BaseModel):
     text: str
 
 
-class Type1(Enum):
+class Type2(Enum):
     image = 'image'
 
 
@@ -37,7 +61,7 @@ class ImageBlockParam(BaseModel):
     source: dict[str, Any]
 
 
-class Type2(Enum):
+class Type3(Enum):
     document = 'document'
 
 
@@ -46,7 +70,7 @@ class DocumentBlockParam(BaseModel):
     source: dict[str, Any]
 
 
-class Type3(Enum):
+class Type4(Enum):
     tool_use = 'tool_use'
 
 
@@ -57,11 +81,11 @@ class ToolUseBlockParam(BaseModel):
     input: dict[str, Any]
 
 
-class Type4(Enum):
+class Type5(Enum):
     tool_result = 'tool_result'
 
 
-class Type5(Enum):
+class Type6(Enum):
     thinking = 'thinking'
 
 
@@ -71,7 +95,7 @@ class ThinkingBlockParam(BaseModel):
     signature: str | None = None
 
 
-class Type6(Enum):
+class Type7(Enum):
     redacted_thinking = 'redacted_thinking'
 
 
@@ -80,11 +104,11 @@ class RedactedThinkingBlockParam(BaseModel):
     data: str
 
 
-class Type7(Enum):
+class Type8(Enum):
     custom = 'custom'
 
 
-class Type8(Enum):
+class Type9(Enum):
     object = 'object'
 
 
@@ -92,11 +116,11 @@ class InputSchema(BaseModel):
     model_config = ConfigDict(
         extra='allow',
     )
-    type: Type8
+    type: Type9
 
 
 class Tool(BaseModel):
-    type: Type7 | None = None
+    type: Type8 | None = None
     name: str = Field(
         ..., max_length=128, min_length=1, pattern='^[a-zA-Z0-9_-]{1,128}$'
     )
@@ -106,7 +130,7 @@ class Tool(BaseModel):
     )
 
 
-class Type9(Enum):
+class Type10(Enum):
     auto = 'auto'
 
 
@@ -115,7 +139,7 @@ class ToolChoiceAuto(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
-class Type10(Enum):
+class Type11(Enum):
     any = 'any'
 
 
@@ -124,7 +148,7 @@ class ToolChoiceAny(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
-class Type11(Enum):
+class Type12(Enum):
     tool = 'tool'
 
 
@@ -134,7 +158,7 @@ class ToolChoiceTool(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
-class Type12(Enum):
+class Type13(Enum):
     none = 'none'
 
 
@@ -142,7 +166,7 @@ class ToolChoiceNone(BaseModel):
     type: Literal['none']
 
 
-class Type13(Enum):
+class Type14(Enum):
     enabled = 'enabled'
 
 
@@ -165,7 +189,7 @@ class ThinkingEnabled(BaseModel):
     display: Display | None = None
 
 
-class Type14(Enum):
+class Type15(Enum):
     disabled = 'disabled'
 
 
@@ -173,7 +197,7 @@ class ThinkingDisabled(BaseModel):
     type: Literal['disabled']
 
 
-class Type15(Enum):
+class Type16(Enum):
     adaptive = 'adaptive'
 
 
@@ -191,7 +215,7 @@ class ThinkingAdaptive(BaseModel):
     display: Display1 | None = None
 
 
-class Type16(Enum):
+class Type17(Enum):
     message = 'message'
 
 
@@ -210,7 +234,7 @@ class StopReason(RootModel[StopReasonEnum | None]):
     root: StopReasonEnum | None = None
 
 
-class Type17(Enum):
+class Type18(Enum):
     text = 'text'
 
 
@@ -219,7 +243,7 @@ class TextBlock(BaseModel):
     text: str
 
 
-class Type18(Enum):
+class Type19(Enum):
     thinking = 'thinking'
 
 
@@ -232,7 +256,7 @@ class ThinkingBlock(BaseModel):
     )
 
 
-class Type19(Enum):
+class Type20(Enum):
     tool_use = 'tool_use'
 
 
@@ -256,19 +280,19 @@ class MessageTokensCount(BaseModel):
     input_tokens: int = Field(..., ge=0)
 
 
-class Type20(Enum):
+class Type21(Enum):
     message_start = 'message_start'
 
 
-class Type21(Enum):
+class Type22(Enum):
     content_block_start = 'content_block_start'
 
 
-class Type22(Enum):
+class Type23(Enum):
     content_block_delta = 'content_block_delta'
 
 
-class Type23(Enum):
+class Type24(Enum):
     text_delta = 'text_delta'
 
 
@@ -277,7 +301,7 @@ class TextDelta(BaseModel):
     text: str
 
 
-class Type24(Enum):
+class Type25(Enum):
     input_json_delta = 'input_json_delta'
 
 
@@ -286,7 +310,7 @@ class InputJsonDelta(BaseModel):
     partial_json: str
 
 
-class Type25(Enum):
+class Type26(Enum):
     thinking_delta = 'thinking_delta'
 
 
@@ -295,7 +319,7 @@ class ThinkingDelta(BaseModel):
     thinking: str
 
 
-class Type26(Enum):
+class Type27(Enum):
     signature_delta = 'signature_delta'
 
 
@@ -304,7 +328,7 @@ class SignatureDelta(BaseModel):
     signature: str
 
 
-class Type27(Enum):
+class Type28(Enum):
     content_block_stop = 'content_block_stop'
 
 
@@ -313,7 +337,7 @@ class ContentBlockStopEvent(BaseModel):
     index: int = Field(..., ge=0)
 
 
-class Type28(Enum):
+class Type29(Enum):
     message_delta = 'message_delta'
 
 
@@ -328,7 +352,7 @@ class MessageDeltaUsage(BaseModel):
     cache_read_input_tokens: int | None = Field(None, ge=0)
 
 
-class Type29(Enum):
+class Type30(Enum):
     message_stop = 'message_stop'
 
 
@@ -336,7 +360,7 @@ class MessageStopEvent(BaseModel):
     type: Literal['message_stop']
 
 
-class Type30(Enum):
+class Type31(Enum):
     ping = 'ping'
 
 
@@ -344,11 +368,11 @@ class PingEvent(BaseModel):
     type: Literal['ping']
 
 
-class Type31(Enum):
+class Type32(Enum):
     error = 'error'
 
 
-class Type32(Enum):
+class Type33(Enum):
     invalid_request_error = 'invalid_request_error'
     authentication_error = 'authentication_error'
     permission_error = 'permission_error'
@@ -360,13 +384,21 @@ class Type32(Enum):
 
 
 class Error(BaseModel):
-    type: Type32
+    type: Type33
     message: str
 
 
 class ErrorResponse(BaseModel):
     type: Literal['error']
     error: Error
+
+
+class OutputConfig(BaseModel):
+    effort: Effort | None = Field(
+        None,
+        description='How much the model may think (a thinking budget; see docs/differences-from-tgi.md).',
+    )
+    format: JsonOutputFormat | None = None
 
 
 class ToolResultBlockParam(BaseModel):
@@ -398,7 +430,7 @@ class MessageDeltaEvent(BaseModel):
 
 class Message(BaseModel):
     id: str = Field(..., examples=['msg_013Zva2CMHLNnXjNJJKqJ2EF'])
-    type: Type16
+    type: Type17
     role: Role1
     content: list[
         Annotated[TextBlock | ThinkingBlock | ToolUseBlock, Field(discriminator='type')]
@@ -478,6 +510,7 @@ class MessagesRequest(BaseModel):
     thinking: ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | None = Field(
         None, discriminator='type'
     )
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(BaseModel):

@@ -24,6 +24,8 @@ from opentgi.api.anthropic.errors import anthropic_error, error_event
 from opentgi.api.chat import ChatTurn, PreparedTurn, parse_sequence, prepare_chat_turn
 from opentgi.api.errors import IncompleteGenerationError
 from opentgi.api.generation import Generation, Shape
+from opentgi.api.openai.common import limits_of
+from opentgi.api.openai.params import response_format_grammar
 from opentgi.api.sse import NamedEvent
 from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult
@@ -50,15 +52,20 @@ def chat_turn(request: schema.MessagesRequest | schema.CountTokensRequest) -> Ch
     tools = convert.chat_tools(request.tools)
     tool_choice, parallel = convert.chat_tool_choice(request.tool_choice, tools)
     kwargs, budget = convert.thinking_options(request.thinking, getattr(request, "max_tokens", None))
+    response_format, effort_budget = convert.output_options(getattr(request, "output_config", None))
     return ChatTurn(messages=convert.chat_messages(request.system, request.messages), tools=tools,
                     tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs,
-                    reasoning_budget=budget)
+                    reasoning_budget=budget if budget is not None else effort_budget,
+                    response_format=response_format)
 
 
 async def _prepared_turn(request) -> PreparedTurn:
     state = runtime.state()
-    return await prepare_chat_turn(state.engine, chat_turn(request), settings=state.settings,
-                                   max_input_tokens=state.engine.info.max_input_tokens)
+    turn = chat_turn(request)
+    limits = limits_of(state)
+    return await prepare_chat_turn(state.engine, turn, settings=state.settings,
+                                   max_input_tokens=state.engine.info.max_input_tokens,
+                                   format_grammar=response_format_grammar(turn.response_format, limits))
 
 
 @dataclass

@@ -168,6 +168,21 @@ def thinking_options(thinking, max_tokens: int | None) -> tuple[dict | None, int
     return {"enable_thinking": True}, None  # adaptive: the model decides how long to think
 
 
+# output_config.effort -> thinking tokens at most (None: no limit)
+EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": None, "xhigh": None, "max": None}
+
+
+def output_options(output_config) -> tuple[dict | None, int | None]:
+    """(OpenAI response_format, thinking budget) for `output_config`."""
+    if output_config is None:
+        return None, None
+    dump = output_config.model_dump(mode="json", by_alias=True, exclude_none=True)
+    fmt = dump.get("format")
+    response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}} \
+        if fmt else None
+    return response_format, EFFORT_BUDGETS.get(dump.get("effort"))
+
+
 def sampling_params(request: schema.MessagesRequest) -> SamplingParams:
     """Anthropic's defaults: temperature 1.0, no top_p / top_k. Temperature 0 (or top_p 0, which keeps
     only the likeliest token) is greedy."""
