@@ -30,6 +30,9 @@ def client(tiny_llama):
     settings = Settings(model_id=str(tiny_llama), device="cpu", max_input_tokens=MAX_INPUT,
                         max_total_tokens=MAX_TOTAL, max_batch_total_tokens=2048)
     with create_app(settings, Engine.from_settings(settings)).test_client() as test_client:
+        # Greedy answers are compared between requests: the prompt's prefix goes into the prefix cache
+        # first, so every compared request continues from the same cached blocks.
+        test_client.post("/v1/messages", json={"model": "m", "max_tokens": 1, "messages": HI})
         yield test_client
 
 

@@ -29,6 +29,9 @@ def client(tiny_llama):
                         max_total_tokens=MAX_TOTAL, max_batch_total_tokens=2048, block_size=BLOCK,
                         responses_store_size=8)
     with create_app(settings, Engine.from_settings(settings)).test_client() as test_client:
+        # Greedy answers are compared between requests: the prompt's prefix goes into the prefix cache
+        # first, so every compared request continues from the same cached blocks.
+        test_client.post("/v1/responses", json={"input": "Hello there", "max_output_tokens": 1})
         yield test_client
 
 

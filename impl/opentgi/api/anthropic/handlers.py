@@ -13,7 +13,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import pydantic
 from starlette.responses import JSONResponse, Response
 
 from opentgi.api import generation, runtime
@@ -24,10 +23,10 @@ from opentgi.api.anthropic.errors import anthropic_error, error_event
 from opentgi.api.chat import ChatTurn, PreparedTurn, parse_sequence, prepare_chat_turn
 from opentgi.api.errors import IncompleteGenerationError
 from opentgi.api.generation import Generation, Shape
-from opentgi.api.openai.common import limits_of
+from opentgi.api.openai.common import limits_of, parse_model
 from opentgi.api.openai.params import response_format_grammar
 from opentgi.api.sse import NamedEvent
-from opentgi.engine.errors import OpenTGIError, ValidationError
+from opentgi.engine.errors import OpenTGIError
 from opentgi.engine.events import GenerationResult
 from opentgi.engine.request import FinishReason, GenerationRequest, StoppingParams
 from opentgi.schemas import anthropic as schema
@@ -38,14 +37,6 @@ SHAPE = Shape(error=anthropic_error, stream_error=error_event)
 def request_error(exc: OpenTGIError) -> Response:
     """An error raised before the handler ran (the app's error mapper calls this)."""
     return anthropic_error(exc).response()
-
-
-def _parse(model, body: dict):
-    try:
-        return model.model_validate(body)
-    except pydantic.ValidationError as exc:  # the document and the generated model disagree
-        first = exc.errors()[0]
-        raise ValidationError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc
 
 
 def chat_turn(request: schema.MessagesRequest | schema.CountTokensRequest) -> ChatTurn:
@@ -80,7 +71,7 @@ class PreparedMessage:
 async def _prepare_message(body: dict) -> tuple[list[GenerationRequest], PreparedMessage]:
     state = runtime.state()
     info = state.engine.info
-    request = _parse(schema.MessagesRequest, body)
+    request = parse_model(schema.MessagesRequest, body)
     stops = convert.stop_sequences(request.stop_sequences, state.settings.max_stop_sequences)
     sampling = convert.sampling_params(request)
     turn = await _prepared_turn(request)
@@ -160,7 +151,7 @@ async def create_message(body: dict) -> Response:
 
 async def count_tokens(body: dict) -> Response:
     try:
-        request = _parse(schema.CountTokensRequest, body)
+        request = parse_model(schema.CountTokensRequest, body)
         turn = await generation.unless_client_gone(_prepared_turn(request))
     except generation.ClientGone:
         return Response(status_code=generation.CLIENT_CLOSED_REQUEST)

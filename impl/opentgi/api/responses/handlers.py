@@ -14,7 +14,6 @@ import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import pydantic
 from starlette.responses import JSONResponse, Response
 
 from opentgi.api import generation, runtime
@@ -57,14 +56,6 @@ def response_store() -> ResponseStore:
     if state.responses is None:
         state.responses = ResponseStore(state.settings.responses_store_size)
     return state.responses
-
-
-def _parse(body: dict) -> schema.CreateResponseRequest:
-    try:
-        return schema.CreateResponseRequest.model_validate(body)
-    except pydantic.ValidationError as exc:  # the document and the generated model disagree
-        first = exc.errors()[0]
-        raise ValidationError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc
 
 
 def reasoning_options(reasoning: schema.ReasoningConfig | None) -> tuple[dict | None, int | None]:
@@ -115,7 +106,7 @@ class PreparedResponse:
 async def _prepare_response(body: dict) -> tuple[list[GenerationRequest], PreparedResponse]:
     state = runtime.state()
     engine, info = state.engine, state.engine.info
-    request = _parse(body)
+    request = common.parse_model(schema.CreateResponseRequest, body)
     conversation = []
     if request.previous_response_id is not None:
         previous = response_store().get(request.previous_response_id)
