@@ -158,3 +158,28 @@ async def test_lightllm_mode_mounts(engine_and_settings):
         assert (await client.get("/tgi/openapi.json")).json()["info"]["title"] == "Text Generation Inference"
         completed = await client.post("/v1/llm/completions", json={"prompt": "hi", "model": "m", "max_new_tokens": 1})
         assert completed.status_code == 200
+
+
+async def test_several_keys_each_accepted(engine_and_settings):
+    async with client_for(engine_and_settings, api_key="k1, k2", api_keys=("k3",)) as client:
+        for key in ("k1", "k2", "k3"):
+            response = await client.get("/info", headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, key
+        assert (await client.get("/info", headers={"Authorization": "Bearer k1, k2"})).status_code == 401
+
+
+async def test_cors_allows_the_listed_origins_before_the_key(engine_and_settings):
+    async with client_for(engine_and_settings, api_key=KEY, cors_allow_origin="https://app.example") as client:
+        preflight = await client.options("/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        answer = await client.get("/info", headers={"Origin": "https://app.example",
+                                                    "Authorization": f"Bearer {KEY}"})
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        other = await client.get("/info", headers={"Origin": "https://evil.example", "Authorization": f"Bearer {KEY}"})
+        assert "access-control-allow-origin" not in other.headers
+    async with client_for(engine_and_settings) as client:  # TGI's default: no CORS headers
+        response = await client.get("/info", headers={"Origin": "https://app.example"})
+        assert "access-control-allow-origin" not in response.headers

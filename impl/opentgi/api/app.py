@@ -37,6 +37,7 @@ from opentgi.api.errors import (
     UnsupportedMediaTypeError,
     tgi_error,
 )
+from opentgi.api.server.auth import accepted_keys
 from opentgi.api.server.limits import InputLimitsMiddleware
 from opentgi.api.server.request_context import RequestContextMiddleware
 from opentgi.api.server.tracing import request_tracer
@@ -290,15 +291,22 @@ def create_app(settings: Settings, engine, *, metrics=None,
     app.add_middleware(RequestContextMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, tracer=tracer)
     app.add_middleware(runtime.StateMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        server_state=server_state)
+    if settings.cors_allow_origin:  # ahead of the API key: a browser's preflight carries no key
+        from starlette.middleware.cors import CORSMiddleware
+
+        origins = [o.strip() for o in settings.cors_allow_origin.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, allow_origins=origins,
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])
     if not settings.disable_ui:  # ahead of the API key: the page itself holds nothing secret
         from opentgi.api.server.chat_page import ChatPageMiddleware
 
         app.add_middleware(ChatPageMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION)
-    if settings.api_key:
+    api_keys = accepted_keys(settings.api_key, settings.api_keys)
+    if api_keys:
         from opentgi.api.server.auth import BearerAuthMiddleware
 
         app.add_middleware(BearerAuthMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
-                           api_key=settings.api_key, error_response=mapper.response)
+                           api_key=api_keys, error_response=mapper.response)
     # after the key check: a body is read only for a client that may send one
     app.add_middleware(InputLimitsMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        payload_limit=settings.payload_limit, error_response=mapper.response)

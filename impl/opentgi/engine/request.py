@@ -26,6 +26,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off; tokens below min_p x the likeliest token's probability are left out
     typical_p: float = 1.0  # 1.0 = off
     repetition_penalty: float = 1.0  # HF/TGI style: divides positive logits of seen tokens
     frequency_penalty: float = 0.0  # OpenAI style: logit -= penalty * count(token in output)

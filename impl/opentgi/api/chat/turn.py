@@ -56,6 +56,7 @@ class PreparedTurn:
     tools_mode: str  # "native" | "forced_json" | "none"
     markers: ChatMarkers
     _parser: partial
+    prompt_text: str = ""  # the rendered template (/chat_tokenize shows it)
 
     @property
     def using_tools(self) -> bool:
@@ -145,4 +146,4 @@ async def prepare_chat_turn(engine, turn: ChatTurn, *, settings, max_input_token
                                   budget=budget)
     parser = partial(ChatOutputParser, think=markers.think, starts_in_reasoning=starts_open,
                      tool_calls=markers.tool_calls if mode == NATIVE else None, forced_json=mode == FORCED_JSON)
-    return PreparedTurn(prompt_ids, grammar, reasoning, mode, markers, parser)
+    return PreparedTurn(prompt_ids, grammar, reasoning, mode, markers, parser, prompt_text=text)

@@ -75,7 +75,7 @@ async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedCh
     sampling = sampling_params(temperature=req.temperature, top_p=req.top_p,
                                frequency_penalty=req.frequency_penalty,
                                presence_penalty=req.presence_penalty, seed=req.seed,
-                               logit_bias=body.get("logit_bias"), limits=limits)
+                               logit_bias=body.get("logit_bias"), limits=limits, min_p=req.min_p)
     prepared = await prepare_chat_turn(engine, turn, settings=state.settings,
                                        max_input_tokens=limits.max_input_tokens, format_grammar=format_grammar)
     prompt_ids = prepared.prompt_token_ids

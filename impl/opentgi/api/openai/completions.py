@@ -70,7 +70,7 @@ async def _prepare_completion(body: dict) -> tuple[list[GenerationRequest], Prep
                                frequency_penalty=req.frequency_penalty,
                                presence_penalty=req.presence_penalty, seed=req.seed,
                                logit_bias=body.get("logit_bias"), limits=limits,
-                               repetition_penalty=req.repetition_penalty)
+                               repetition_penalty=req.repetition_penalty, min_p=req.min_p)
     # Absent or null: TGI's default (100, capped to what fits); the model's 32 is the document's.
     requested = body.get("max_tokens")
     echo = bool(req.echo)

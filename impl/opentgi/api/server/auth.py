@@ -1,16 +1,18 @@
-"""Optional bearer-token authentication (`--api-key` / `API_KEY`), as one ASGI middleware.
+"""Optional bearer-token authentication (`--api-key` / `API_KEY`, several keys comma-separated, and
+`--api-key-file`, one a line), as one ASGI middleware. A token is compared with every key in
+constant time (`hmac.compare_digest`), all of them whichever matches.
 
 When the server has an API key, every HTTP route of every dialect needs `Authorization: Bearer <key>`
-(or Anthropic's `x-api-key: <key>`) except the health checks (`/health`, `/healthz` under any mount) and the API documents with their
-Swagger UI (`/openapi.json`, `/docs`, `/ui/...`), which hold nothing secret. A missing or wrong key
-gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authenticate: Bearer`.
+(or Anthropic's `x-api-key: <key>`) except the health checks (`/health`, `/healthz` under any mount)
+and the API documents with their Swagger UI (`/openapi.json`, `/docs`, `/ui/...`), which hold nothing
+secret. A missing or wrong key gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authenticate: Bearer`.
 """
 
 from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from starlette.responses import Response
 
@@ -18,6 +20,12 @@ from opentgi.api.errors import UnauthorizedError
 
 OPEN_PATH_NAMES = frozenset({"health", "healthz"})
 DOC_PATH_NAMES = frozenset({"openapi.json", "openapi.yaml", "docs", "swagger.json"})
+
+
+def accepted_keys(api_key: str | None, more: Iterable[str] = ()) -> list[str]:
+    """The keys a server accepts: `--api-key`'s comma-separated keys and those of `--api-key-file`."""
+    keys = [k.strip() for k in (api_key or "").split(",")] + [k.strip() for k in more]
+    return [k for k in keys if k]
 
 
 def dialect_error_response(dialect_of: Callable[[str], str]) -> Callable[[str, Exception], Response]:
@@ -82,11 +90,12 @@ class BearerAuthMiddleware:
     """ASGI middleware: a 401 (UnauthorizedError) in the path's dialect shape unless the bearer token
     (or the `x-api-key` header, as Anthropic's clients send it) matches."""
 
-    def __init__(self, app, *, api_key: str, error_response: Callable[[str, Exception], Response]):
-        if not api_key:
-            raise ValueError("BearerAuthMiddleware needs a non-empty api_key")
+    def __init__(self, app, *, api_key: str | Sequence[str], error_response: Callable[[str, Exception], Response]):
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        if not keys or not all(keys):
+            raise ValueError("BearerAuthMiddleware needs non-empty api keys")
         self.app = app
-        self._expected = api_key.encode()
+        self._expected = [key.encode() for key in keys]
         self._error_response = error_response
 
     async def __call__(self, scope, receive, send):
@@ -99,8 +108,11 @@ class BearerAuthMiddleware:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.strip().partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected):
+                if scheme.lower() == b"bearer" and self._matches(token.strip()):
                     return True
-            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self._expected):
+            elif name == b"x-api-key" and self._matches(value.strip()):
                 return True
         return False
+
+    def _matches(self, token: bytes) -> bool:
+        return sum(hmac.compare_digest(token, key) for key in self._expected) > 0
