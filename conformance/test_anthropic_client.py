@@ -117,5 +117,17 @@ def test_default_model_knows_the_capital_of_france():
             streamed = "".join(stream.text_stream)
         # asked again, the prompt comes from the prefix cache: in bfloat16 the greedy answer may differ
         message = client.messages.create(model="claude-test", max_tokens=30, extra_body=GREEDY, messages=question)
+        counted = client.messages.count_tokens(model="claude-test", messages=question)
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        called = client.messages.create(model="claude-test", max_tokens=60, messages=ask, tools=[WEATHER],
+                                        tool_choice={"type": "any"}, extra_body=GREEDY)
+        (call,) = [block for block in called.content if block.type == "tool_use"]
+        ask += [{"role": "assistant", "content": called.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18C, sunny"}]}]
+        with client.messages.stream(model="claude-test", max_tokens=30, messages=ask, tools=[WEATHER],
+                                    extra_body=GREEDY) as stream:
+            answered = stream.get_final_message()
     assert "Paris" in streamed
-    assert message.content[0].type == "text" and message.usage.input_tokens > 0
+    assert message.content[0].type == "text" and counted.input_tokens == message.usage.input_tokens
+    assert called.stop_reason == "tool_use" and call.input["city"] in ("Paris", "Lyon")
+    assert answered.stop_reason in ("end_turn", "max_tokens", "tool_use") and answered.content

@@ -102,4 +102,12 @@ def test_default_model_knows_the_capital_of_france():
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
         out = client.responses.create(model="tgi", input="What is the capital of France?", max_output_tokens=30,
                                       temperature=0)
+        follow_up = client.responses.create(model="tgi", input="And of Italy?", previous_response_id=out.id,
+                                            max_output_tokens=30, temperature=0)
+        with client.responses.stream(model="tgi", input="What is the weather in Paris?", tools=[WEATHER],
+                                     tool_choice="required", max_output_tokens=60, temperature=0) as stream:
+            called = stream.get_final_response()
     assert "Paris" in out.output_text
+    assert follow_up.usage.input_tokens_details.cached_tokens > 0 and follow_up.output_text
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Lyon")
