@@ -131,3 +131,9 @@ def test_format_detected_from_the_template():
     assert detect_format("[AVAILABLE_TOOLS]...[TOOL_CALLS]").name == "mistral"
     assert detect_format("<|python_tag|>").name == "llama3_json"
     assert detect_format("{{ messages }}") is None
+
+
+def test_prompt_state_from_the_last_think_marker():
+    assert THINK.prompt_state([5, 900]) == "open"  # Qwen3-Thinking / DeepSeek-R1: `<think>\n` ends the prompt
+    assert THINK.prompt_state([5, 900, 6, 901, 7]) == "closed"  # enable_thinking=false: an empty span
+    assert THINK.prompt_state([5, 6]) == "none"  # the model may open one itself
