@@ -256,3 +256,19 @@ def test_tool_call_parser_none_gives_tgi_forced_json(app_client, think_engine, p
     finally:
         settings.tool_call_parser = None
     assert out["choices"][0]["logprobs"]["content"][0]["token"].startswith("{")
+
+
+def test_llama3_bare_json_call_opens_the_answer(app_client, think_engine, plan):
+    """Llama 3.1's format (`--tool-call-parser llama3_json`): a call written as bare JSON from the
+    answer's first token is constrained from there and parsed, `parameters` as the arguments."""
+    settings, engine = think_engine
+    plan.tokens = [ids(engine, '{"')[0]]
+    settings.tool_call_parser = "llama3_json"
+    try:
+        out = chat(app_client, tools=[WEATHER, TIME], max_tokens=150, chat_template_kwargs={"enable_thinking": False})
+    finally:
+        settings.tool_call_parser = None
+    choice = out.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None

@@ -94,3 +94,17 @@ def test_single_call_ends_the_sequence_and_required_forces_the_opener(compiler, 
     assert allowed(proc, vocab) == {OPEN, THINK}  # the call, or thinking first
     write(proc, [OPEN, *ids('{"ok": true}'), CLOSE])
     assert proc.is_terminated() and allowed(proc, vocab) == set(EOS)
+
+
+def test_grammar_may_open_the_answer_when_triggered_at_start(compiler, ids, smollm2_tokenizer):
+    vocab = len(smollm2_tokenizer)
+    spec = GrammarSpec("json", SCHEMA, trigger_token_ids=[[OPEN]], trigger_at_start=True)
+    proc = TriggeredGrammar(compiler.compile_sync(spec), spec, None, EOS)
+    assert len(allowed(proc, vocab)) == vocab  # free: the model chooses
+    write(proc, ids('{"ok": true}'))
+    assert proc.is_terminated()
+    proc = TriggeredGrammar(compiler.compile_sync(spec), spec, None, EOS)
+    write(proc, ids("Text first, then {"))
+    assert proc.state == "waiting"  # past the first token only the opener starts the grammar
+    write(proc, [OPEN, *ids('{"ok": true}')])
+    assert proc.is_terminated()

@@ -91,7 +91,7 @@ def _native_grammar(selection: ToolSelection, markers: ChatMarkers, parallel: bo
         schema = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1}),
                   **defs}
     return GrammarSpec("json", json.dumps(schema), trigger_token_ids=[[tokens.opener_id]],
-                       force_trigger=selection.mode in ("required", "named"),
+                       force_trigger=selection.mode in ("required", "named"), trigger_at_start=fmt.at_start,
                        end_token_ids=[tokens.closer_id] if tokens.closer_id is not None else [],
                        repeat=parallel and fmt.several_sections)
 
