@@ -109,3 +109,40 @@ def test_greedy_tokens_equal_transformers(family):
         tokens.append(token)
         feed = [token]
     assert tokens == want
+
+
+def test_qwen2_per_layer_windows_match_transformers():
+    """Qwen2 with use_sliding_window: layers from max_window_layers on attend through the window."""
+    path = tiny_models.tiny_qwen2_path(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    model = load_paged(path)
+    assert model.layout.windows == (None, 8)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0]
+    runner = PagedRunner(model)
+    got = [model.compute_logits(runner.step({0: PROMPT[:20]}))[0]]
+    for t in range(20, len(PROMPT)):
+        got.append(model.compute_logits(runner.step({0: [PROMPT[t]]}))[0])
+    torch.testing.assert_close(torch.stack(got), expected[19:], **TOL)
+
+
+def test_longrope_takes_the_long_factors_from_the_original_length_on():
+    """Phi-3's LongRoPE: positions below original_max_position_embeddings rotate as transformers
+    does for a short sequence, positions from there on as it does for a long one."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from opentgi.models.layers.rotary import RotaryEmbedding
+
+    config = AutoConfig.from_pretrained(tiny_models.tiny_family_path("phi3", original_max_position_embeddings=64,
+                                                                     max_position_embeddings=512))
+    ours = RotaryEmbedding(config, torch.device("cpu"))
+    hf = Phi3RotaryEmbedding(config)
+    x = torch.zeros(1, 1, 16)
+    short, long = torch.arange(0, 64), torch.arange(64, 200)
+    cos, _ = ours.cos_sin(torch.cat([short, long]), torch.float32, 512)
+    want_short, _ = hf(x, short.unsqueeze(0))
+    want_long, _ = hf(x, long.unsqueeze(0))
+    torch.testing.assert_close(cos[:64, 0], want_short[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cos[64:, 0], want_long[0], atol=1e-6, rtol=1e-6)
+    freqs = long.float().unsqueeze(1) * hf.original_inv_freq.unsqueeze(0)  # the short factors there
+    assert not torch.allclose(cos[64:, 0], torch.cat([freqs, freqs], -1).cos() * hf.attention_scaling)

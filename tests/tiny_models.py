@@ -229,6 +229,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "norm_topk_prob": True, "mlp_only_layers": [1]}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
         **_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         **_SMALL, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": 24, "sliding_window": _WINDOW, "attn_logit_softcapping": 2.0,
