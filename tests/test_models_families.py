@@ -146,3 +146,33 @@ def test_longrope_takes_the_long_factors_from_the_original_length_on():
     torch.testing.assert_close(cos[64:, 0], want_long[0], atol=1e-6, rtol=1e-6)
     freqs = long.float().unsqueeze(1) * hf.original_inv_freq.unsqueeze(0)  # the short factors there
     assert not torch.allclose(cos[64:, 0], torch.cat([freqs, freqs], -1).cos() * hf.attention_scaling)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"])
+def test_lora_adapter_matches_peft(family):
+    """A PEFT adapter on a family beside Llama (Gemma 2: every projection; Mixtral: attention, its
+    MLP being experts): a row with the adapter and a base row in one step, then decodes, give
+    PEFT's logits and the base model's."""
+    from peft import PeftModel
+
+    from opentgi.models.lora import attach_lora, load_adapters
+
+    path = tiny_models.tiny_family_path(family)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"]
+                                                           if family == "gemma2" else [])
+    adapter = tiny_models.tiny_lora_path(path, seed=3, r=4, alpha=8, targets=targets)
+    model = load_paged(path)
+    attach_lora(model, load_adapters(f"a={adapter}", model.config, str(path)))
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want_base = base(torch.tensor([PROMPT])).logits[0]
+        want_lora = PeftModel.from_pretrained(base, str(adapter)).eval()(torch.tensor([PROMPT])).logits[0]
+    assert not torch.allclose(want_base, want_lora, atol=1e-2)
+    runner, got = PagedRunner(model), []
+    for start, end in ((0, 20), (20, 21), (21, 22)):
+        model.lora.begin_step(["a", None], [end - start] * 2)
+        got.append(model.compute_logits(runner.step({0: PROMPT[start:end], 1: PROMPT[start:end]})))
+        model.lora.end_step()
+    got = torch.stack(got)  # [steps, rows, vocab]
+    torch.testing.assert_close(got[:, 0], want_lora[[19, 20, 21]], **TOL)
+    torch.testing.assert_close(got[:, 1], want_base[[19, 20, 21]], **TOL)
