@@ -22,7 +22,6 @@ from opentgi.models.base import ModelSpec
 from opentgi.models.checkpoints import default_model
 from opentgi.models.registry import architecture_of, build_paged_model, paged_unsupported_reason
 
-
 log = logging.getLogger(__name__)
 
 GENERIC_PATH_LACKS = "no prefix cache, no --num-shard, no LoRA adapters, no --speculate"
