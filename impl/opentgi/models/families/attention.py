@@ -16,7 +16,7 @@ from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.families.layout import DecoderLayout
 from opentgi.models.layers.mlp import fused_linear
-from opentgi.models.layers.norm import make_norm
+from opentgi.models.layers.norm import HeadsNorm, make_norm
 from opentgi.models.layers.rotary import apply_rotary
 
 
@@ -47,19 +47,22 @@ class DecoderAttention(nn.Module):
         if "qkv_proj" not in self._modules:
             self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
             del self.q_proj, self.k_proj, self.v_proj
+        if self.qk_norm:
+            self.heads_norm = HeadsNorm(self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
+            del self.q_norm, self.k_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = self.qkv_proj(x)
+        # q and k are adjacent columns: normed (Qwen3, Gemma 3) and rotated together, as one
+        # [T, heads + kv_heads, D] view
+        qk = qkv[:, :q_size + kv_size].view(num_tokens, -1, d)
         if self.qk_norm:
-            q = apply_rotary(self.q_norm(qkv[:, :q_size].view(num_tokens, -1, d)), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, -1, d)), cos, sin)
-        else:
-            # q and k are adjacent columns: rotated together, as one [T, heads + kv_heads, D] view
-            qk = apply_rotary(qkv[:, :q_size + kv_size].view(num_tokens, -1, d), cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            qk = self.heads_norm(qk)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, d)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window,
                                    **self.extra)
