@@ -91,20 +91,24 @@ def architecture_comparison(args, prompts: list[str], local_server, run_level, m
              "", f"Machine: {machine_line(args.num_threads)}.",
              (f"Random weights (bfloat16 checkpoints), each architecture served in turn with default flags"
               f"{' + ' + ' '.join(args.server_arg) if args.server_arg else ''}, greedy `/generate_stream`, "
-              f"{args.new_tokens} new tokens, {args.rounds} interleaved rounds summed."), "",
-             "| architecture | " + " | ".join(f"c={c} tok/s | vs Llama" for c in levels) + " |",
-             "|---|" + "---:|---:|" * len(levels)]
+              f"{args.new_tokens} new tokens, {args.rounds} interleaved rounds summed."), ""]
+    return "\n".join(lines + table(names, levels, totals)) + "\n"
 
+
+def table(names: list[str], levels: list[int], totals: dict[tuple[str, int], list]) -> list[str]:
+    """The markdown table: tokens/s per architecture and level (totals: (name, c) -> [tokens,
+    seconds, errors]) and its ratio to Llama's."""
     def tps(name: str, c: int) -> float:
         tokens, wall, _ = totals[(name, c)]
         return tokens / wall if wall else 0.0
 
+    lines = ["| architecture | " + " | ".join(f"c={c} tokens/s | vs Llama" for c in levels) + " |",
+             "|---|" + "---:|---:|" * len(levels)]
     for name in names:
         cells = []
         for c in levels:
-            base = tps("llama", c)
-            errors = totals[(name, c)][2]
+            base, errors = tps("llama", c), totals[(name, c)][2]
             cells.append(f"{tps(name, c):.1f}{f' ({errors} errors)' if errors else ''} | "
                          f"{tps(name, c) / base if base else 0:.2f}x")
         lines.append(f"| {ARCHITECTURES[name][1]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines

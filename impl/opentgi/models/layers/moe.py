@@ -46,6 +46,8 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
         weights, experts = self.route(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
