@@ -58,7 +58,7 @@ class TriggeredGrammar:
         self.state = state
         self._recent = []
 
-    def _after_reasoning(self) -> None:
+    def _after_reasoning(self, grammar=None) -> None:
         spec = self._spec
         if spec is None or self._make is None:
             self._enter("free")
@@ -68,11 +68,11 @@ class TriggeredGrammar:
         elif spec.trigger_token_ids:
             self._enter("waiting")
         else:
-            self._start_grammar()
+            self._start_grammar(grammar)
 
-    def _start_grammar(self) -> None:
+    def _start_grammar(self, grammar=None) -> None:
         self._enter("grammar")
-        self._grammar = self._make()
+        self._grammar = grammar if grammar is not None else self._make()
 
     def _after_grammar(self) -> None:
         self._grammar = None
@@ -134,10 +134,7 @@ class TriggeredGrammar:
             if _ends_with(self._recent, self._reasoning.start_token_ids):
                 self._enter("reasoning")
                 return
-            pending = self._grammar
-            self._after_reasoning()
-            if pending is not None and self.state == "grammar":
-                self._grammar = pending
+            self._after_reasoning(self._grammar)  # the grammar that masked this first token, if any
             if self.state != "free":
                 self.accept(token_id)
         elif state == "reasoning":
