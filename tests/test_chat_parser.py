@@ -22,7 +22,8 @@ from opentgi.engine.request import FinishReason
 THINK = ThinkTokens(start_id=900, end_id=901)
 HERMES = ToolCallTokens(FORMATS["hermes"], opener_id=910, closer_id=911)
 MISTRAL = ToolCallTokens(FORMATS["mistral"], opener_id=920, closer_id=None)
-SPECIAL_TEXT = {900: "<think>", 901: "</think>", 910: "<tool_call>", 911: "</tool_call>", 920: "[TOOL_CALLS]"}
+SPECIAL_TEXT = {900: "<think>", 901: "</think>", 910: "<tool_call>", 911: "</tool_call>", 920: "[TOOL_CALLS]",
+                930: "<|python_tag|>"}
 
 
 def events(*tokens, held=0) -> list[TokenEvent]:
@@ -131,3 +132,20 @@ def test_format_detected_from_the_template():
     assert detect_format("[AVAILABLE_TOOLS]...[TOOL_CALLS]").name == "mistral"
     assert detect_format("<|python_tag|>").name == "llama3_json"
     assert detect_format("{{ messages }}") is None
+
+
+def test_prompt_state_from_the_last_think_marker():
+    assert THINK.prompt_state([5, 900]) == "open"  # Qwen3-Thinking / DeepSeek-R1: `<think>\n` ends the prompt
+    assert THINK.prompt_state([5, 900, 6, 901, 7]) == "closed"  # enable_thinking=false: an empty span
+    assert THINK.prompt_state([5, 6]) == "none"  # the model may open one itself
+
+
+def test_llama3_bare_json_call_and_python_tag():
+    llama3 = ToolCallTokens(FORMATS["llama3_json"], opener_id=930, closer_id=None)
+    pieces = run(ChatOutputParser(tool_calls=llama3), events('{"name": "f", ', '"parameters": {"x": 1}}'))
+    assert [p.name for p in pieces if isinstance(p, ToolCallStart)] == ["f"]
+    assert json.loads(joined(pieces, ToolCallArguments)) == {"x": 1} and joined(pieces, TextDelta) == ""
+    pieces = run(ChatOutputParser(tool_calls=llama3), events("Sure {not a call}"))
+    assert joined(pieces, TextDelta) == "Sure {not a call}"
+    pieces = run(ChatOutputParser(tool_calls=llama3), events("Sure.", 930, '{"name": "g", "parameters": {}}'))
+    assert [p.name for p in pieces if isinstance(p, ToolCallStart)] == ["g"] and joined(pieces, TextDelta) == "Sure."

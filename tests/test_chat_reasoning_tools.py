@@ -95,7 +95,7 @@ def ids(engine, text: str) -> list[int]:
 
 def chat(client, **body):
     body = {"model": "tgi", "messages": [{"role": "user", "content": "Weather and time in Paris?"}],
-            "max_tokens": 60, **body}
+            "max_tokens": 60, "seed": 0, **body}
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     return response
@@ -216,8 +216,8 @@ def test_auto_answer_without_a_call_is_plain_text(app_client, think_engine, plan
 
 
 def test_tgi_tool_prompt_keeps_the_forced_json_contract(app_client):
-    out = chat(app_client, tools=[WEATHER], tool_choice="required", tool_prompt="Use a tool:",
-               chat_template_kwargs={"enable_thinking": False}).json()
+    out = chat(app_client, tools=[WEATHER], tool_choice="required", tool_prompt="Use a tool:", max_tokens=200,
+               seed=1, chat_template_kwargs={"enable_thinking": False}).json()
     (call,) = out["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS["get_weather"])
@@ -242,3 +242,33 @@ def test_bad_chat_template_kwargs_are_422(app_client):
     response = app_client.post("/v1/chat/completions", json={
         "model": "tgi", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"})
     assert response.status_code == 422 and "reasoning_effort" in response.json()["error"]
+
+
+def test_tool_call_parser_none_gives_tgi_forced_json(app_client, think_engine, plan):
+    """`--tool-call-parser none` overrides the template's Hermes format: the answer is TGI's one
+    JSON object from the first token."""
+    settings, _ = think_engine
+    plan.tokens = []
+    settings.tool_call_parser = "none"
+    try:
+        out = chat(app_client, tools=[WEATHER], logprobs=True, max_tokens=4, seed=1,
+                   chat_template_kwargs={"enable_thinking": False}).json()
+    finally:
+        settings.tool_call_parser = None
+    assert out["choices"][0]["logprobs"]["content"][0]["token"].startswith("{")
+
+
+def test_llama3_bare_json_call_opens_the_answer(app_client, think_engine, plan):
+    """Llama 3.1's format (`--tool-call-parser llama3_json`): a call written as bare JSON from the
+    answer's first token is constrained from there and parsed, `parameters` as the arguments."""
+    settings, engine = think_engine
+    plan.tokens = [ids(engine, '{"')[0]]
+    settings.tool_call_parser = "llama3_json"
+    try:
+        out = chat(app_client, tools=[WEATHER, TIME], max_tokens=150, chat_template_kwargs={"enable_thinking": False})
+    finally:
+        settings.tool_call_parser = None
+    choice = out.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None

@@ -30,7 +30,7 @@ class FakeHandle:
         self.prefill = prefill
 
     async def result(self):
-        return SimpleNamespace(prefill=self.prefill)
+        return SimpleNamespace(prefill=self.prefill, num_cached_tokens=3)
 
     def __aiter__(self):
         return self._iterate()
@@ -90,7 +90,8 @@ async def test_chat_stream_n_choices_roles_first_then_interleaved_with_usage_and
             for c in chunks[2:-1]]
     assert body == [(0, {"content": "a"}, None), (1, {"content": "b"}, None), (1, {}, "stop"),
                     (0, {"content": "c"}, "length")]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == shape.usage(7, 4)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == shape.usage(7, 4, 3)
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
@@ -137,5 +138,5 @@ async def test_completion_stream_several_prompts_echo_and_logprobs():
     assert by_index[0][0]["logprobs"]["token_logprobs"] == [None]
     offsets = {i: c[1]["logprobs"]["text_offset"] for i, c in by_index.items()}
     assert offsets == {0: [1], 1: [2]}
-    assert out[-2]["usage"] == shape.usage(3, 2)
+    assert out[-2]["usage"] == shape.usage(3, 2, 6)
     assert all(h.cancelled for h in handles)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from tests.openapi_helpers import documents, oas30_validator
 
 TGI = documents()["tgi.json"]
@@ -47,3 +49,20 @@ def test_detokenize_refuses_ids_outside_the_vocabulary(client):
     assert response.status_code == 422
     assert response.json() == {"error": "Input validation error: token id 1000000 is outside the vocabulary (0..49151)",
                                "error_type": "validation"}
+
+
+def test_cached_tokens_in_openai_usage(client):
+    """The same long prompt twice: the second finds its full KV blocks in the prefix cache."""
+    body = {"model": "tgi", "messages": [{"role": "user", "content": "cached words " * 3}], "max_tokens": 1}
+    client.post("/v1/chat/completions", json=body)
+    answer = client.post("/v1/chat/completions", json=body).json()
+    assert "usage" in answer, answer
+    usage = answer["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert 16 <= cached < usage["prompt_tokens"] and cached % 16 == 0
+    prompt = {"model": "tgi", "prompt": "cached words " * 10, "max_tokens": 1}
+    client.post("/v1/completions", json=prompt)
+    stream = client.post("/v1/completions", json={**prompt, "stream": True, "stream_options": {"include_usage": True}})
+    lines = [line for line in stream.text.splitlines() if line.startswith("data:")]
+    final = json.loads(lines[-2][len("data:"):])
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16

@@ -140,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--tool-call-parser", str, "the tool-call format the model writes: hermes | mistral | "
            "llama3_json | none (TGI's forced JSON) (default: found from the chat template)"),
     Option("--cors-allow-origin", str, "origins allowed to call the API from a browser, comma-separated "
-           "(`*` for any; default: none)"),
+           "(default: any, as TGI)"),
     Option("--api-key-file", str, "a file of API keys, one a line (with or instead of --api-key)"),
 )
 

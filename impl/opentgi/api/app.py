@@ -25,6 +25,7 @@ from connexion.middleware.routing import RoutingMiddleware
 from connexion.options import SwaggerUIOptions
 from connexion.resolver import RelativeResolver
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.routing import Mount as StarletteMount
 
@@ -291,12 +292,11 @@ def create_app(settings: Settings, engine, *, metrics=None,
     app.add_middleware(RequestContextMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, tracer=tracer)
     app.add_middleware(runtime.StateMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        server_state=server_state)
-    if settings.cors_allow_origin:  # ahead of the API key: a browser's preflight carries no key
-        from starlette.middleware.cors import CORSMiddleware
-
-        origins = [o.strip() for o in settings.cors_allow_origin.split(",") if o.strip()]
-        app.add_middleware(CORSMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, allow_origins=origins,
-                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])
+    # CORS ahead of the API key (a browser's preflight carries no key): TGI's --cors-allow-origin,
+    # any origin without it (as TGI 3.x), the headers a client sends its key in allowed too
+    origins = [o.strip() for o in (settings.cors_allow_origin or "*").split(",") if o.strip()]
+    app.add_middleware(CORSMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, allow_origins=origins,
+                       allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])
     if not settings.disable_ui:  # ahead of the API key: the page itself holds nothing secret
         from opentgi.api.server.chat_page import ChatPageMiddleware
 

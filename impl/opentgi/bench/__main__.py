@@ -1,3 +1,3 @@
-from opentgi.bench.runner.runner import main
+from opentgi.bench.runner import main
 
 main()

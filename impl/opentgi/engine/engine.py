@@ -79,7 +79,8 @@ def _needs_trigger(request: GenerationRequest) -> bool:
     grammar, reasoning = request.grammar, request.reasoning
     if reasoning is not None and (grammar is not None or reasoning.budget is not None):
         return True
-    return grammar is not None and bool(grammar.trigger_token_ids or grammar.end_token_ids or grammar.repeat)
+    return grammar is not None and bool(grammar.trigger_token_ids or grammar.end_token_ids or grammar.repeat
+                                        or grammar.trigger_at_start)
 
 
 class Engine:

@@ -61,6 +61,9 @@ class GrammarSpec:
     # (after the reasoning, when the request has a ReasoningSpec).
     trigger_token_ids: list[list[int]] = field(default_factory=list)
     force_trigger: bool = False  # write the first trigger at once (a call is required)
+    # The output may also open with the grammar itself (Llama 3.1 writes a call as bare JSON): a
+    # first token the grammar accepts starts it.
+    trigger_at_start: bool = False
     end_token_ids: list[int] = field(default_factory=list)  # forced once the grammar is complete
     # After the grammar (and end_token_ids) completed: False ends the sequence, True waits for the
     # next trigger (several tool calls).

@@ -4,7 +4,8 @@ tokenizer: the think markers (`<think>` / `</think>`) and the tool-call format's
 Think markers count only when the template writes one of them (a template that never thinks has
 none, whatever the vocabulary holds) and each is one token. Whether the prompt already opened the
 thinking (Qwen3-Thinking and DeepSeek-R1 templates end the generation prompt with `<think>\\n`) is
-read from the prompt's token ids: its last `<think>` comes after its last `</think>`.
+read from the prompt's token ids: its last marker is `<think>` (or `</think>`, when the template
+wrote this turn's thinking itself, an empty one to turn thinking off).
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ class ThinkTokens:
     start_id: int
     end_id: int
 
-    def opened_by(self, prompt_ids: list[int]) -> bool:
-        """The prompt ends inside a thinking span (the model continues the thinking)."""
+    def prompt_state(self, prompt_ids: list[int]) -> str:
+        """"open": the prompt ends inside a thinking span (the model continues it); "closed": the
+        template already wrote the span of this turn (Qwen3 with `enable_thinking=false` writes an
+        empty one), the model answers; "none": the model may open one with its first token."""
         for token in reversed(prompt_ids):
             if token == self.start_id:
-                return True
+                return "open"
             if token == self.end_id:
-                return False
-        return False
+                return "closed"
+        return "none"
 
 
 @dataclass(frozen=True)

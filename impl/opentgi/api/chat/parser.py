@@ -52,6 +52,7 @@ class ChatOutputParser:
         self._num_calls = 0
         self._json = ToolAnswerStream() if forced_json else None
         self._held = ""  # whitespace held back between tool calls
+        self._answered = False  # answer text was shown (a bare JSON call can no longer open it)
         self.saw_calls = False
 
     # --- token ids -> switches -----------------------------------------------------------------
@@ -104,6 +105,8 @@ class ChatOutputParser:
         return out
 
     def _enter(self, state: str, out: list[ChatPiece]) -> None:
+        if state == CALLS and self._shown_state == CALLS:  # an opener after a bare JSON call
+            self._num_calls = self._scanner.next_index if self._scanner is not None else self._num_calls
         if self._shown_state == REASONING and state == TEXT:
             self._after_reasoning = True
         if state == CALLS:
@@ -132,6 +135,12 @@ class ChatOutputParser:
             self._after_reasoning = False
         if self._json is not None:
             return self._json_pieces(self._json.feed(text))
+        if self.tools is not None and self.tools.format.at_start and not self._answered:
+            if text.lstrip().startswith("{"):  # the answer opens with a bare JSON call
+                self._shown_state = CALLS
+                self._scanner = CallScanner(array=False, first_index=self._num_calls)
+                return self._emit(text.lstrip())
+            self._answered = bool(text.strip())
         if self.tools is not None:  # blank text between calls is no answer: hold it back
             text = self._held + text
             if not text.strip():

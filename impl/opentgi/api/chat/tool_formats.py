@@ -4,7 +4,8 @@
   {...}}</tool_call>`, one section per call, several calls one after the other;
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, all calls in one JSON array,
   the turn ends after it;
-- `llama3_json` (Llama 3.1/3.2): `<|python_tag|>{"name": ..., "parameters": {...}}`, one call.
+- `llama3_json` (Llama 3.1/3.2): `{"name": ..., "parameters": {...}}` as the whole answer, or
+  after `<|python_tag|>`; one call.
 
 A format is usable only when its markers are single tokens of the model's vocabulary: the engine
 recognises them by token id (a lazy grammar starts at the opener; the output parser splits on
@@ -24,6 +25,7 @@ class ToolCallFormat:
     closer: str | None  # the token that ends one call (None: the calls end the turn)
     array: bool  # the calls are one JSON array after the opener
     arguments_key: str  # "arguments" | "parameters"
+    at_start: bool = False  # a call may also be written as bare JSON opening the answer
 
     @property
     def several_sections(self) -> bool:
@@ -35,7 +37,7 @@ FORMATS = {
     "hermes": ToolCallFormat("hermes", "<tool_call>", "</tool_call>", array=False, arguments_key="arguments"),
     "mistral": ToolCallFormat("mistral", "[TOOL_CALLS]", None, array=True, arguments_key="arguments"),
     "llama3_json": ToolCallFormat("llama3_json", "<|python_tag|>", None, array=False,
-                                  arguments_key="parameters"),
+                                  arguments_key="parameters", at_start=True),
 }
 NO_PARSER = "none"
 PARSER_NAMES = (*FORMATS, NO_PARSER)

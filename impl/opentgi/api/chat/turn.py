@@ -91,7 +91,7 @@ def _native_grammar(selection: ToolSelection, markers: ChatMarkers, parallel: bo
         schema = {"type": "array", "items": schema, "minItems": 1, **({} if parallel else {"maxItems": 1}),
                   **defs}
     return GrammarSpec("json", json.dumps(schema), trigger_token_ids=[[tokens.opener_id]],
-                       force_trigger=selection.mode in ("required", "named"),
+                       force_trigger=selection.mode in ("required", "named"), trigger_at_start=fmt.at_start,
                        end_token_ids=[tokens.closer_id] if tokens.closer_id is not None else [],
                        repeat=parallel and fmt.several_sections)
 
@@ -139,11 +139,12 @@ async def prepare_chat_turn(engine, turn: ChatTurn, *, settings, max_input_token
         tool_prompt=turn.tool_prompt, template_kwargs=_template_kwargs(turn, settings))
     prompt_ids = await engine.encode(text, add_special_tokens=False, max_tokens=max_input_tokens)
     reasoning = None
-    starts_open = False
-    if markers.think is not None:
-        starts_open = markers.think.opened_by(prompt_ids)
-        reasoning = ReasoningSpec([markers.think.start_id], [markers.think.end_id], starts_open=starts_open,
-                                  budget=budget)
-    parser = partial(ChatOutputParser, think=markers.think, starts_in_reasoning=starts_open,
+    think = markers.think
+    state = think.prompt_state(prompt_ids) if think is not None else "closed"
+    if state == "closed":  # no thinking in this turn (none in the template, or the prompt closed it)
+        think = None
+    else:
+        reasoning = ReasoningSpec([think.start_id], [think.end_id], starts_open=state == "open", budget=budget)
+    parser = partial(ChatOutputParser, think=think, starts_in_reasoning=state == "open",
                      tool_calls=markers.tool_calls if mode == NATIVE else None, forced_json=mode == FORCED_JSON)
     return PreparedTurn(prompt_ids, grammar, reasoning, mode, markers, parser, prompt_text=text)

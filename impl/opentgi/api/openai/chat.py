@@ -136,15 +136,17 @@ async def _chat_stream(gen: Generation) -> AsyncIterator[dict | str]:
         raise IncompleteGenerationError()
     gen.success(completion_tokens)
     if p.include_usage:
+        cached = await common.cached_tokens(gen.handles)
         yield shape.chat_chunk(p.meta, [], include_usage=True,
-                               usage_value=shape.usage(p.num_prompt_tokens, completion_tokens))
+                               usage_value=shape.usage(p.num_prompt_tokens, completion_tokens, cached))
     yield common.DONE
 
 
 def _chat_answer(gen: Generation, results: list) -> Response:
     p: PreparedChat = gen.context
     return JSONResponse(shape.chat_completion(p.meta, results[0].sequences, p.num_prompt_tokens,
-                                              make_parser=p.turn.make_parser, logprobs=p.logprobs))
+                                              make_parser=p.turn.make_parser, logprobs=p.logprobs,
+                                              cached_tokens=results[0].num_cached_tokens))
 
 
 async def chat_completions(body: dict) -> Response:

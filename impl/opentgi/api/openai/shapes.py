@@ -58,9 +58,12 @@ class ResponseMeta:
                 "system_fingerprint": self.system_fingerprint}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # OpenAI's prompt_tokens_details, where the route knows it
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 # --- chat ----------------------------------------------------------------------------------------
@@ -107,7 +110,7 @@ def chat_message(seq: SequenceResult, parser) -> tuple[dict, str]:
 
 
 def chat_completion(meta: ResponseMeta, sequences: list[SequenceResult], prompt_tokens: int, *,
-                    make_parser, logprobs: bool) -> dict:
+                    make_parser, logprobs: bool, cached_tokens: int | None = None) -> dict:
     choices = []
     for seq in sorted(sequences, key=lambda s: s.index):
         message, reason = chat_message(seq, make_parser())
@@ -118,7 +121,7 @@ def chat_completion(meta: ResponseMeta, sequences: list[SequenceResult], prompt_
         })
     completion_tokens = sum(s.generated_tokens for s in sequences)
     return {**meta.head("chat.completion"), "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chat_chunk(meta: ResponseMeta, choices: list[dict], *, include_usage: bool, usage_value=None) -> dict:

@@ -9,7 +9,8 @@ the sequence through these states:
   thinking tokens were written the end marker is forced, token by token;
 - `waiting` (a lazy grammar, `GrammarSpec.trigger_token_ids`): free text until a trigger was
   written (a tool call's opener), then `grammar`; with `force_trigger` the first trigger is forced
-  at once (a call is required);
+  at once (a call is required); with `trigger_at_start`, a first token the grammar accepts starts
+  it too (a call written as bare JSON);
 - `grammar`: the compiled grammar masks the logits; once it is complete, `end_token_ids` are forced
   (a call's closer), then `waiting` again when `repeat` (another call may follow) or `done`;
 - `done`: the sequence ends (the engine finishes it with FinishReason.GRAMMAR);
@@ -46,6 +47,7 @@ class TriggeredGrammar:
         self._then: Callable[[], None] | None = None  # what follows the forced ids
         self._recent: list[int] = []  # tokens since the last state change (markers, triggers)
         self._thinking_tokens = 0
+        self._wrote = False  # a token was written after the thinking (trigger_at_start no longer applies)
         if reasoning is None:
             self._after_reasoning()
         else:
@@ -56,7 +58,7 @@ class TriggeredGrammar:
         self.state = state
         self._recent = []
 
-    def _after_reasoning(self) -> None:
+    def _after_reasoning(self, grammar=None) -> None:
         spec = self._spec
         if spec is None or self._make is None:
             self._enter("free")
@@ -66,11 +68,11 @@ class TriggeredGrammar:
         elif spec.trigger_token_ids:
             self._enter("waiting")
         else:
-            self._start_grammar()
+            self._start_grammar(grammar)
 
-    def _start_grammar(self) -> None:
+    def _start_grammar(self, grammar=None) -> None:
         self._enter("grammar")
-        self._grammar = self._make()
+        self._grammar = grammar if grammar is not None else self._make()
 
     def _after_grammar(self) -> None:
         self._grammar = None
@@ -132,10 +134,7 @@ class TriggeredGrammar:
             if _ends_with(self._recent, self._reasoning.start_token_ids):
                 self._enter("reasoning")
                 return
-            pending = self._grammar
-            self._after_reasoning()
-            if pending is not None and self.state == "grammar":
-                self._grammar = pending
+            self._after_reasoning(self._grammar)  # the grammar that masked this first token, if any
             if self.state != "free":
                 self.accept(token_id)
         elif state == "reasoning":
@@ -145,6 +144,14 @@ class TriggeredGrammar:
         elif state == "waiting":
             if any(_ends_with(self._recent, t) for t in self._spec.trigger_token_ids):
                 self._start_grammar()
+            elif self._spec.trigger_at_start and not self._wrote:
+                grammar = self._make()
+                if grammar.try_accept(token_id):
+                    self._enter("grammar")
+                    self._grammar = grammar
+                    if grammar.is_terminated():
+                        self._after_grammar()
+            self._wrote = True
         elif state == "grammar":
             self._grammar.accept(token_id)
             if self._grammar.is_terminated():

@@ -115,6 +115,8 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens = len(block_ids) * self.block_size
         self.prefix_query_tokens += n
         self.prefix_hit_tokens += seq.num_cached_tokens
+        if seq.num_prompt_cached_tokens is None:
+            seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
         return seq.num_cached_tokens
 
     def commit(self, seq: Sequence) -> None:
@@ -208,4 +210,5 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
-        seq.num_computed_tokens = 0  # num_cached_tokens stays: the result reports it (admit() sets it anew)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
