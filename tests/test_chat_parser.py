@@ -80,6 +80,11 @@ def test_marker_that_is_no_special_token_has_its_text_dropped():
     assert joined(pieces, TextDelta) == "a<think>b</think>c"
     pieces = run(ChatOutputParser(think=THINK), evs[1:])
     assert (joined(pieces, ReasoningDelta), joined(pieces, TextDelta)) == ("b", "c")
+    for held in (1, 2):  # the markers' text shown later than their tokens (stop-string hold-back)
+        evs = events("<think>", "b", "</think>", "c", "d", held=held)
+        evs[0].token_id, evs[2].token_id = 900, 901
+        pieces = run(ChatOutputParser(think=THINK), evs)
+        assert (joined(pieces, ReasoningDelta), joined(pieces, TextDelta)) == ("b", "cd"), held
 
 
 def test_hermes_parallel_calls_streamed_with_reasoning_first():

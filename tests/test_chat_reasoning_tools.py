@@ -272,3 +272,24 @@ def test_llama3_bare_json_call_opens_the_answer(app_client, think_engine, plan):
     (call,) = choice["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_mistral_calls_are_one_json_array(app_client, think_engine, plan, parallel):
+    """Mistral's format (`--tool-call-parser mistral`): `[TOOL_CALLS]` then every call in one JSON
+    array; `parallel_tool_calls: false` allows one."""
+    settings, engine = think_engine
+    plan.tokens = [ids(engine, "[TOOL_CALLS]")[0]]
+    settings.tool_call_parser = "mistral"
+    try:
+        # the array's end made likely wherever the grammar allows it (else a random model may go on)
+        ends = {str(i): 20 for i in ids(engine, "]") + ids(engine, "}]") + ids(engine, "}}]")}
+        out = chat(app_client, tools=[WEATHER, TIME], max_tokens=200, parallel_tool_calls=parallel,
+                   logit_bias=ends, chat_template_kwargs={"enable_thinking": False})
+    finally:
+        settings.tool_call_parser = None
+    choice = out.json()["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and (len(calls) >= 1 if parallel else len(calls) == 1)
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])

@@ -16,8 +16,8 @@ Plain functions (no pytest) so any conftest or script can call them:
   `<fim_prefix>`, `<fim_middle>`, `<fim_suffix>`, `<fim_pad>` (ids 49152..49155) and grows the
   vocabulary to match.
 - `tiny_think_llama_path()`: a Llama whose tokenizer adds `<think>`, `</think>`, `<tool_call>`,
-  `</tool_call>`, `<|python_tag|>` (ids 49152..49156) and whose chat template is Qwen3-like
-  (thinking, Hermes tools).
+  `</tool_call>`, `<|python_tag|>`, `[TOOL_CALLS]` (ids 49152..49157) and whose chat template is
+  Qwen3-like (thinking, Hermes tools; the other formats by `--tool-call-parser`).
 
 Every model folder holds safetensors weights, config.json, generation_config.json
 (eos_token_id [2, 0]: `<|im_end|>` ends a chat turn, `<|endoftext|>` a document), the tokenizer
@@ -40,7 +40,7 @@ CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "test-models"
 _BUILDER_VERSION = 1  # bump when a builder changes what it writes
 FIM_TOKENS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
 EOS_TOKEN_IDS = [2, 0]
-THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|python_tag|>"]
+THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]
 # Qwen3's template, shortened: tools in the system turn, Hermes `<tool_call>` sections, tool results
 # as `<tool_response>`, and the generation prompt of a thinking model.
 THINK_TEMPLATE = (
@@ -232,8 +232,8 @@ def tiny_fim_llama_path(seed: int = 0) -> Path:
 
 
 def tiny_think_llama_path(seed: int = 0) -> Path:
-    """A tiny Llama whose tokenizer adds `<think>`, `</think>`, `<tool_call>`, `</tool_call>` and
-    Llama 3.1's `<|python_tag|>` (ids 49152..49156) and whose chat template is Qwen3-like (`THINK_TEMPLATE`): Hermes tool calls,
+    """A tiny Llama whose tokenizer adds `<think>`, `</think>`, `<tool_call>`, `</tool_call>`,
+    Llama 3.1's `<|python_tag|>` and Mistral's `[TOOL_CALLS]` (ids 49152..49157) and whose chat template is Qwen3-like (`THINK_TEMPLATE`): Hermes tool calls,
     assistant `reasoning_content` as a think block, and a generation prompt that opens `<think>`
     (or writes an empty, closed one with `enable_thinking=false`)."""
     cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": True}

@@ -46,6 +46,7 @@ class ChatOutputParser:
         self._raw = 0  # characters of the sequence's text so far (special tokens show none)
         self._shown = 0  # characters of it shown (text_delta) so far
         self._switches: deque[tuple[int, int, str]] = deque()  # (offset, marker chars, new state)
+        self._dropping = 0  # characters of a marker's text still to leave out of the shown text
         self._started = False  # some token other than a think marker was generated
         self._after_reasoning = False  # strip the blank lines a model writes after `</think>`
         self._scanner: CallScanner | None = None
@@ -81,23 +82,25 @@ class ChatOutputParser:
         return self._route(event.text_delta)
 
     def finish(self) -> list[ChatPiece]:
-        out: list[ChatPiece] = []
-        if self._scanner is not None and not self._scanner.done:
-            out += self._scanner.feed("")
+        """The sequence ended: what was held back (a tool call's arguments are out as they come)."""
         if self._json is not None:
-            out += self._json_pieces(self._json.finish())
-        return out
+            return self._json_pieces(self._json.finish())
+        return []
 
     # --- shown text -> pieces -------------------------------------------------------------------
     def _route(self, text: str) -> list[ChatPiece]:
         out: list[ChatPiece] = []
         while text or (self._switches and self._switches[0][0] <= self._shown):
-            if self._switches and self._switches[0][0] <= self._shown:
-                _, drop, state = self._switches.popleft()
-                text = text[drop:]
-                self._shown += drop
+            if self._dropping and text:  # a marker's own text (it may arrive later than its token)
+                n = min(self._dropping, len(text))
+                text, self._shown, self._dropping = text[n:], self._shown + n, self._dropping - n
+                continue
+            if self._switches and self._switches[0][0] <= self._shown and not self._dropping:
+                _, self._dropping, state = self._switches.popleft()
                 self._enter(state, out)
                 continue
+            if self._dropping:
+                break
             limit = self._switches[0][0] - self._shown if self._switches else len(text)
             part, text = text[:limit], text[limit:]
             self._shown += len(part)
