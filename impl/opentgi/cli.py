@@ -128,6 +128,8 @@ OPTIONS: tuple[Option, ...] = (
            "'<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>'"),
     Option("--sensitive-words", str, "SenseNova: file of sensitive terms, one a line",
            env=("SENSITIVE_WORDS",)),
+    Option("--responses-store-size", int, "OpenAI Responses: responses kept for GET/DELETE and "
+           "previous_response_id, least recently used out first (default 1000; 0 keeps none)"),
     Option("--cache-dir", str, "where converted weights are kept (default ~/.cache/opentgi)",
            env=("OPENTGI_CACHE_DIR",)),
     # chat turns and the server around them (reasoning, native tool calls, CORS, several API keys)
@@ -193,6 +195,8 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
         raise SystemExit(f"opentgi: --cuda-memory-fraction must be in (0, 1], got {settings.cuda_memory_fraction}")
     if settings.speculate is not None and settings.speculate < 0:
         raise SystemExit(f"opentgi: --speculate must be 0 or more, got {settings.speculate}")
+    if settings.responses_store_size < 0:
+        raise SystemExit(f"opentgi: --responses-store-size must be 0 or more, got {settings.responses_store_size}")
     if settings.api not in ("tgi", "lightllm"):
         raise SystemExit(f"opentgi: --api must be tgi or lightllm, got {settings.api!r}")
     if settings.fim_template:

@@ -72,6 +72,7 @@ class Settings:
     fim_template: str | None = None  # e.g. "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
     sensitive_words_file: str | None = None  # SenseNova: one term a line
     sensitive_words: list[str] = field(default_factory=list)
+    responses_store_size: int = 1000  # OpenAI Responses: stored responses at most (LRU); 0 stores none
     cache_dir: str | None = None  # where converted weights are kept; None = ~/.cache/opentgi
 
     # --- chat turns (api/chat/) --------------------------------------------------------------

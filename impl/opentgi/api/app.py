@@ -49,6 +49,8 @@ from opentgi.schemas import spec_path
 
 log = logging.getLogger(__name__)
 
+HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -66,6 +68,10 @@ DIALECTS: tuple[Dialect, ...] = (
             error_response="opentgi.api.lightllm.handlers:request_error"),
     Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova.handlers", prefix="/sensenova",
             error_response="opentgi.api.sensenova.handlers:request_error"),
+    Dialect("anthropic", "anthropic.yaml", "opentgi.api.anthropic.handlers", prefix="/anthropic",
+            error_response="opentgi.api.anthropic.handlers:request_error"),
+    Dialect("openai-responses", "openai-responses.yaml", "opentgi.api.responses.handlers",
+            prefix="/openai-responses", error_response="opentgi.api.responses.handlers:request_error"),
 )
 
 
@@ -135,13 +141,27 @@ class ErrorMapper:
     """Maps any exception raised while serving a request to the response of the path's dialect."""
 
     def __init__(self, mounts: list[Mount], server_state: runtime.ServerState):
-        from opentgi.api.server.auth import dialect_resolver
+        from opentgi.api.server.auth import dialect_resolver, path_matcher
 
         self.state = server_state
         self.by_name = {m.dialect.name: m.dialect for m in mounts}
         self.dialect_of = dialect_resolver(
             [(m.base_path, m.dialect.name, m.paths or _document_paths(m.dialect)) for m in mounts],
             default=next((m.dialect.name for m in mounts if m.base_path == ""), "tgi"))
+        self.operations = [(m.base_path.rstrip("/"), path_matcher([path]), {m.upper() for m in item if m in HTTP_METHODS})
+                           for m in mounts for path, item in _load_document(m.dialect)["paths"].items()
+                           if m.paths is None or path in m.paths]
+
+    def allowed_methods(self, path: str) -> str:
+        """The `Allow` header of a 405: every method the documents give the path (Starlette's router
+        names only those of the first route it matched, and Connexion adds one route per operation)."""
+        methods = set()
+        for base, has_path, operations in self.operations:
+            if path.startswith(base) and has_path(path[len(base):] or "/"):
+                methods |= operations
+        if "GET" in methods:
+            methods.add("HEAD")
+        return ", ".join(sorted(methods))
 
     def limits(self) -> FieldLimits:
         settings, engine = self.state.settings, self.state.engine
@@ -151,6 +171,8 @@ class ErrorMapper:
                            max_input_tokens=getattr(info, "max_input_tokens", 0))
 
     def response(self, path: str, exc: Exception, operation_id: str | None = None) -> Response:
+        if isinstance(exc, HTTPException) and exc.status_code == 405 and self.allowed_methods(path):
+            exc = HTTPException(405, headers={**(exc.headers or {}), "Allow": self.allowed_methods(path)})
         dialect = self.by_name.get(self.dialect_of(path))
         if dialect is not None and dialect.error_response is not None:
             own = _as_dialect_error(exc)
