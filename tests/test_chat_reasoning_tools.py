@@ -293,3 +293,19 @@ def test_mistral_calls_are_one_json_array(app_client, think_engine, plan, parall
     assert choice["finish_reason"] == "tool_calls" and (len(calls) >= 1 if parallel else len(calls) == 1)
     for call in calls:
         jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+def test_without_grammar_support_native_calls_are_unconstrained_and_required_is_refused(app_client, think_engine,
+                                                                                         plan):
+    settings, engine = think_engine
+    plan.tokens = [*ids(engine, "Fine."), EOS]
+    settings.disable_grammar_support = True
+    try:
+        free = chat(app_client, tools=[WEATHER], chat_template_kwargs={"enable_thinking": False}).json()
+        refused = app_client.post("/v1/chat/completions", json={
+            "model": "tgi", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+            "tool_choice": "required"})
+    finally:
+        settings.disable_grammar_support = False
+    assert free["choices"][0]["message"] == {"role": "assistant", "content": "Fine."}
+    assert refused.status_code == 422 and refused.json()["error_type"] == "tool_error"

@@ -155,3 +155,26 @@ def test_error_shape(exc, status, error_type, code):
     assert shape.status == status
     assert shape.body["error"]["type"] == error_type and shape.body["error"]["code"] == code
     assert set(shape.body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_store_size_flag():
+    from opentgi.cli import build_parser, settings_from
+
+    assert settings_from(build_parser().parse_args(["serve", "--responses-store-size", "5"]), {}) \
+        .responses_store_size == 5
+    assert settings_from(build_parser().parse_args(["serve"]), {"RESPONSES_STORE_SIZE": "7"}).responses_store_size == 7
+    with pytest.raises(SystemExit, match="--responses-store-size must be 0 or more"):
+        settings_from(build_parser().parse_args(["serve", "--responses-store-size", "-1"]), {})
+
+
+def test_a_stream_error_event_takes_the_next_number():
+    from types import SimpleNamespace
+
+    from opentgi.api.responses.errors import error_event
+    from opentgi.engine.errors import GenerationError
+
+    events = ResponseEvents(meta())
+    sent = events.start()
+    error = error_event(GenerationError("boom"), SimpleNamespace(context=SimpleNamespace(sequence=events.sequence)))
+    assert error.name == "error" and error.data["sequence_number"] == len(sent)
+    assert SDK_EVENTS.validate_python(error.data).message == "boom"

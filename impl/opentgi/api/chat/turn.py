@@ -26,7 +26,7 @@ from opentgi.api.chat.markers import ChatMarkers, find_markers
 from opentgi.api.chat.parser import ChatOutputParser
 from opentgi.api.chat.tools import ToolError, ToolSelection, call_schema, select_tools
 from opentgi.api.chat_template import render_chat, select_template
-from opentgi.engine.errors import NotSupportedError, ValidationError
+from opentgi.engine.errors import ValidationError
 from opentgi.engine.request import GrammarSpec, ReasoningSpec
 
 NATIVE, FORCED_JSON, NO_TOOLS = "native", "forced_json", "none"
@@ -130,8 +130,6 @@ async def prepare_chat_turn(engine, turn: ChatTurn, *, settings, max_input_token
     mode = NO_TOOLS
     if selection.constrained:
         mode = NATIVE if markers.tool_calls is not None and turn.tool_prompt is None else FORCED_JSON
-    if format_grammar is not None and settings.disable_grammar_support:
-        raise NotSupportedError("grammar is not supported")
     grammar = _grammar(turn, selection, mode, markers, settings, format_grammar)
     text = await asyncio.to_thread(
         render_chat, template.template, turn.messages, bos_token=template.bos_token,
