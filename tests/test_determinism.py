@@ -20,7 +20,7 @@ from opentgi.cli import build_parser, inference_mode_line, settings_from
 from opentgi.config import Settings
 from opentgi.engine.execution.setup import batch_invariant
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.models.families import llama as llama_family
+from opentgi.models.families import decoder as decoder_family
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
 from opentgi.models.loader import load_model
 from tests import tiny_models
@@ -148,10 +148,10 @@ def test_a_request_computes_the_same_bits_whatever_the_batch(model_path, dtype, 
 def test_bfloat16_without_onednn_through_row_tiled_linears(model_path, monkeypatch):
     """Where oneDNN has no kernel for the dtype, F.linear multiplies at most a measured number of
     rows a call, so that rows stay invariant there too."""
-    monkeypatch.setattr(llama_family, "onednn_linear_usable", lambda device, dtype: False)
+    monkeypatch.setattr(decoder_family, "onednn_linear_usable", lambda device, dtype: False)
     loaded = load_model(Settings(model_id=str(model_path), dtype="bfloat16"))
     assert loaded.model.batch_invariant
-    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, RowTiledLinear)
+    assert isinstance(loaded.model.model.layers[0].feed_forward.down_proj, RowTiledLinear)
     assert isinstance(loaded.model.logits_proj, RowTiledLinear)
     reference = asyncio.run(run_target(loaded, TARGET))
     assert asyncio.run(run_target(loaded, TARGET, OTHERS, position=4, stagger=True)) == reference

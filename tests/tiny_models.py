@@ -7,12 +7,17 @@ Plain functions (no pytest) so any conftest or script can call them:
 - `tiny_llama_path()`: LlamaForCausalLM (SmolLM2's layout: tied embeddings, GQA), float32.
 - `tiny_qwen2_path()`: Qwen2ForCausalLM (q/k/v bias, untied head).
 - `tiny_mistral_path(sliding_window=...)`: MistralForCausalLM.
+- `tiny_family_path(family)`: one tiny model per further family of the paged path (Qwen3,
+  Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3, StarCoder2; `FAMILY_CONFIGS`).
 - `tiny_gpt2_path()`: GPT2LMHeadModel, an architecture only the generic path serves.
 - `tiny_reward_path()`: LlamaForSequenceClassification, num_labels=1, pad_token_id set.
 - `tiny_fim_llama_path()`: a Llama whose tokenizer has FIM tokens. SmolLM2's tokenizer has NO
   `<fim_prefix>`/`<fim_suffix>`/`<fim_middle>` tokens (they map to unk), so this one adds
   `<fim_prefix>`, `<fim_middle>`, `<fim_suffix>`, `<fim_pad>` (ids 49152..49155) and grows the
   vocabulary to match.
+- `tiny_think_llama_path()`: a Llama whose tokenizer adds `<think>`, `</think>`, `<tool_call>`,
+  `</tool_call>`, `<|python_tag|>`, `[TOOL_CALLS]` (ids 49152..49157) and whose chat template is
+  Qwen3-like (thinking, Hermes tools; the other formats by `--tool-call-parser`).
 
 Every model folder holds safetensors weights, config.json, generation_config.json
 (eos_token_id [2, 0]: `<|im_end|>` ends a chat turn, `<|endoftext|>` a document), the tokenizer
@@ -35,6 +40,33 @@ CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "test-models"
 _BUILDER_VERSION = 1  # bump when a builder changes what it writes
 FIM_TOKENS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
 EOS_TOKEN_IDS = [2, 0]
+THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]
+# Qwen3's template, shortened: tools in the system turn, Hermes `<tool_call>` sections, tool results
+# as `<tool_response>`, and the generation prompt of a thinking model.
+THINK_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\nFor each function "
+    "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{{ '\\n' }}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>{{ '\\n' }}"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>{{ '\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>{{ '\\n' }}{% endif %}{% endif %}"
+)
 
 
 def _cached_folder(name: str, params: dict, build: Callable[[Path], None]) -> Path:
@@ -84,21 +116,25 @@ def load_smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(smollm2_tokenizer_path())
 
 
-def _save_tokenizer(out: Path, extra_special_tokens: list[str] | None = None) -> int:
+def _save_tokenizer(out: Path, extra_special_tokens: list[str] | None = None,
+                    chat_template: str | None = None) -> int:
     tok = load_smollm2_tokenizer()
     if extra_special_tokens:
         tok.add_special_tokens({"additional_special_tokens": extra_special_tokens})
+    if chat_template is not None:
+        tok.chat_template = chat_template
     tok.save_pretrained(out)
     return len(tok)
 
 
-def _build_causal_lm(kind: str, params: dict, extra_special_tokens: list[str] | None = None):
+def _build_causal_lm(kind: str, params: dict, extra_special_tokens: list[str] | None = None,
+                     chat_template: str | None = None):
     def build(out: Path) -> None:
         import torch
         import transformers
         from transformers import GenerationConfig
 
-        vocab_size = _save_tokenizer(out, extra_special_tokens)
+        vocab_size = _save_tokenizer(out, extra_special_tokens, chat_template)
         config_cls = getattr(transformers, params["config_class"])
         model_cls = getattr(transformers, params["model_class"])
         config = config_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
@@ -195,6 +231,18 @@ def tiny_fim_llama_path(seed: int = 0) -> Path:
                             extra_special_tokens=FIM_TOKENS)
 
 
+def tiny_think_llama_path(seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer adds `<think>`, `</think>`, `<tool_call>`, `</tool_call>`,
+    Llama 3.1's `<|python_tag|>` and Mistral's `[TOOL_CALLS]` (ids 49152..49157) and whose chat template is Qwen3-like (`THINK_TEMPLATE`): Hermes tool calls,
+    assistant `reasoning_content` as a think block, and a generation prompt that opens `<think>`
+    (or writes an empty, closed one with `enable_thinking=false`)."""
+    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": True}
+    return _build_causal_lm("tiny-think-llama", {"config_class": "LlamaConfig", "model_class": "LlamaForCausalLM",
+                                                 "config": cfg, "seed": seed, "tokens": THINK_TOKENS,
+                                                 "template": THINK_TEMPLATE},
+                            extra_special_tokens=THINK_TOKENS, chat_template=THINK_TEMPLATE)
+
+
 def tiny_lora_path(base: Path, *, seed: int, r: int, alpha: float, targets: list[str],
                    use_rslora: bool = False) -> Path:
     """A PEFT LoRA adapter for the tiny model at `base`, saved by `peft` itself (adapter_config.json
@@ -216,11 +264,52 @@ def tiny_lora_path(base: Path, *, seed: int, r: int, alpha: float, targets: list
     return _cached_folder("tiny-lora", params, build)
 
 
+_SMALL = {**_LLAMA_SHAPE, "head_dim": 16, "tie_word_embeddings": False}
+_WINDOW = 8  # shorter than the test prompts, so that windows cut something
+# family -> (config class, model class, config): one tiny config per family of the paged path, with
+# what sets it apart switched on (windows, soft-capping, experts, biases, per-layer RoPE)
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_SMALL, "attention_bias": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        **_SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        **_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 24, "sliding_window": _WINDOW, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "query_pre_attn_scalar": 24, "sliding_window": _WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 1000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "final_logit_softcapping": 5.0}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        **_SMALL, "sliding_window": 12, "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                         "long_factor": [2.0 + i for i in range(8)]}, "pad_token_id": 2}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "use_bias": True, "norm_epsilon": 1e-5,
+        "sliding_window": _WINDOW, "hidden_act": "gelu_pytorch_tanh"}),
+}
+
+
+def tiny_family_path(family: str, seed: int = 0, **overrides) -> Path:
+    """A random model of one family of `FAMILY_CONFIGS` (2 layers, hidden 64, 4 heads of 16, 2 kv
+    heads, SmolLM2's tokenizer); `overrides` go into its config."""
+    config_class, model_class, cfg = FAMILY_CONFIGS[family]
+    return _build_causal_lm(f"tiny-{family}", {"config_class": config_class, "model_class": model_class,
+                                               "config": {**cfg, **overrides}, "seed": seed})
+
+
 def build_all() -> dict[str, Path]:
     """Build (or find) every test model; handy to warm the cache: `python -m tests.tiny_models`."""
     return {"tokenizer": smollm2_tokenizer_path(), "llama": tiny_llama_path(),
             "qwen2": tiny_qwen2_path(), "mistral": tiny_mistral_path(), "gpt2": tiny_gpt2_path(),
-            "reward": tiny_reward_path(), "fim_llama": tiny_fim_llama_path()}
+            "reward": tiny_reward_path(), "fim_llama": tiny_fim_llama_path(),
+            "think_llama": tiny_think_llama_path(),
+            **{family: tiny_family_path(family) for family in FAMILY_CONFIGS}}
 
 
 if __name__ == "__main__":

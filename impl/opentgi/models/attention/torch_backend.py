@@ -294,6 +294,27 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
                  prompts, segments)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """`scaled_dot_product_attention`; with `softcap`, the logits become tanh(s * scale / cap) * cap
+    before the mask and the softmax (Gemma 2), which sdpa cannot do: then in plain ops, in float32
+    (bfloat16 matmuls of a decode row's few keys measured twice as slow here)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale / softcap).tanh_().mul_(softcap)
+    if is_causal:  # top-left aligned, as sdpa's is_causal
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    if mask is not None:
+        scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [num_blocks, block_size, H, D], slots int64 [N] -> [N, H, D] (one row copy per slot)."""
     flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
@@ -316,11 +337,11 @@ def _one_thread(on: bool):
 
 class TorchAttentionBackend:
     name = "torch"
-    batch_invariant = False  # set by the model (PagedLlama.materialize); module docstring
+    batch_invariant = False  # set by the model (PagedDecoder.materialize); module docstring
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         plan_key = ("torch", sliding_window, q.dtype, group)
         plan = meta.scratch.get(plan_key)
@@ -332,9 +353,10 @@ class TorchAttentionBackend:
             k_cache.view(-1, *k_cache.shape[2:]).index_fill_(0, plan.tails, 0)
             v_cache.view(-1, *v_cache.shape[2:]).index_fill_(0, plan.tails, 0)
         with _one_thread(self.batch_invariant and q.dtype == torch.float32):
-            return self._attend(q, k, v, k_cache, v_cache, plan, scale, group)
+            return self._attend_plan(q, k, v, k_cache, v_cache, plan, scale, group, softcap)
 
-    def _attend(self, q, k, v, k_cache, v_cache, plan: _Plan, scale: float, group: int) -> torch.Tensor:
+    def _attend_plan(self, q, k, v, k_cache, v_cache, plan: _Plan, scale: float, group: int,
+                     softcap: float | None) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         num_blocks, block_size, _, head_dim = k_cache.shape
         out = None
@@ -352,8 +374,8 @@ class TorchAttentionBackend:
                 shape = (rows, dec.num_blocks * block_size, num_kv_heads, head_dim)
                 keys = k_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
                 values = v_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
-                outs.append(F.scaled_dot_product_attention(q_dec[dec.start:dec.end], keys.to(q.dtype),
-                                                           values.to(q.dtype), attn_mask=dec.mask, scale=scale))
+                outs.append(_attend(q_dec[dec.start:dec.end], keys.to(q.dtype), values.to(q.dtype), dec.mask,
+                                    scale, softcap))
             o_dec = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(-1, num_heads, head_dim)
             if plan.decode_in_order:
                 out = o_dec
@@ -363,14 +385,14 @@ class TorchAttentionBackend:
         if out is None:
             out = torch.empty_like(q)
         for seg in plan.segments:
-            out[seg.start:seg.end] = self._segment(q, k_cache, v_cache, seg, scale)
+            out[seg.start:seg.end] = self._segment(q, k_cache, v_cache, seg, scale, softcap)
         for batch in plan.prompts:
             rows, length = batch.rows, batch.length
             q_b = q.index_select(0, batch.gather).view(rows, length, num_kv_heads, group, head_dim)
             q_b = q_b.permute(0, 2, 3, 1, 4).reshape(rows, num_kv_heads, group * length, head_dim)
             keys = k.index_select(0, batch.gather).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
             values = v.index_select(0, batch.gather).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q_b, keys, values, attn_mask=batch.mask, scale=scale)
+            o = _attend(q_b, keys, values, batch.mask, scale, softcap)
             o = o.view(rows, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
             out.index_copy_(0, batch.dest, o.reshape(rows * length, num_heads, head_dim).index_select(0, batch.valid))
         for row in plan.prefill:
@@ -382,15 +404,14 @@ class TorchAttentionBackend:
                 values = _gather(v_cache, row.slots).to(q.dtype)
             keys = keys.transpose(0, 1).unsqueeze(0)
             values = values.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q_row, keys, values, attn_mask=row.mask,
-                                               is_causal=row.mask is None, scale=scale,
-                                               enable_gqa=group > 1)
+            o = _attend(q_row, keys, values, row.mask, scale, softcap, is_causal=row.mask is None,
+                        enable_gqa=group > 1)
             out[row.q_start:row.q_end] = o.squeeze(0).transpose(0, 1)
         return out
 
     @staticmethod
     def _segment(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: _Segment,
-                 scale: float) -> torch.Tensor:
+                 scale: float, softcap: float | None) -> torch.Tensor:
         """A segment's tokens, each attended as a decode row: one query token per batch entry, the
         sequence's keys gathered once and shared (stride 0) by the entries."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -401,5 +422,4 @@ class TorchAttentionBackend:
         keys = keys.to(q.dtype).expand(n, -1, -1, -1)
         values = values.to(q.dtype).expand(n, -1, -1, -1)
         q_seg = q[seg.start:seg.end].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(q_seg, keys, values, attn_mask=seg.mask, scale=scale)
-        return o.reshape(n, num_heads, head_dim)
+        return _attend(q_seg, keys, values, seg.mask, scale, softcap).reshape(n, num_heads, head_dim)
