@@ -306,7 +306,8 @@ def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama, monkey
     decoding the same tokens one per step, in bfloat16 too: the torch backend attends such a row
     token by token (through the prefill chunk path, this 300-token context rounds differently).
     With a 4-bit checkpoint whose 4-bit copies serve small steps (models/quantization/int4.py), --speculate
-    N makes them serve the N + 1 rows of a lone sequence's verify step as well."""
+    N makes them serve the N + 1 rows of a lone sequence's verify step as well (the 4-bit copies
+    serve only with --nondeterministic)."""
     from opentgi.engine.execution.model_runner import ModelRunner
     from opentgi.engine.scheduling.block_manager import BlockManager
     from opentgi.models.quantization import int4
@@ -316,7 +317,7 @@ def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama, monkey
     if four_bit:  # the 4-bit kernel "measured" faster for steps of up to 2 rows only
         monkeypatch.setattr(int4, "_measure", lambda linears, rows, repeats: (1.0, 0.3 if rows <= 2 else 1.0))
         path = tiny_models.tiny_q4_llama_path()
-    loaded = load_model(Settings(model_id=str(path), dtype="bfloat16", speculate=5))
+    loaded = load_model(Settings(model_id=str(path), dtype="bfloat16", speculate=5, nondeterministic=four_bit))
     assert loaded.model.int4_max_rows == (6 if four_bit else 0)
     runner = ModelRunner(loaded.model, 64, loaded.block_size)
     bm = BlockManager(64, loaded.block_size)

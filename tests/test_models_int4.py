@@ -136,9 +136,11 @@ def test_the_probe_times_the_real_kernels():
     assert int4_rows_worth_it([linear], repeats=1) in (0, 1, 2, 4, 8)
 
 
-def load_bfloat16(path, monkeypatch, ratio: float):
+def load_bfloat16(path, monkeypatch, ratio: float, nondeterministic: bool = True):
+    """The 4-bit copies serve steps of a few rows only with --nondeterministic (docs/determinism.md)."""
     fake_timings(monkeypatch, {1: ratio, 2: ratio, 4: ratio, 8: 1.0})
-    return loader.load_model(Settings(model_id=str(path), dtype="bfloat16")).model
+    settings = Settings(model_id=str(path), dtype="bfloat16", nondeterministic=nondeterministic)
+    return loader.load_model(settings).model
 
 
 def layer_linears(model) -> list[OneDNNLinear]:
@@ -181,7 +183,8 @@ async def test_a_request_computes_the_same_with_and_without_a_prefix_cache_hit(m
     long (a prefix-cache hit) rounds as the whole prompt did, so greedy tokens and their logprobs
     repeat exactly; the decode steps took the 4-bit copies both times."""
     fake_timings(monkeypatch, {1: 0.3, 2: 0.3, 4: 0.3, 8: 1.0})
-    loaded = loader.load_model(Settings(model_id=str(tiny_models.tiny_q4_llama_path()), dtype="bfloat16"))
+    loaded = loader.load_model(Settings(model_id=str(tiny_models.tiny_q4_llama_path()), dtype="bfloat16",
+                                        nondeterministic=True))
     model = loaded.model
     switched = []
     use = model.use_int4_for
@@ -195,6 +198,16 @@ async def test_a_request_computes_the_same_with_and_without_a_prefix_cache_hit(m
     assert (1, True) in switched  # decode steps, 4-bit
     assert second.token_ids == first.token_ids
     assert [t.logprob for t in second.tokens] == [t.logprob for t in first.tokens]
+
+
+def test_batch_invariant_serving_makes_no_4bit_copies(monkeypatch):
+    """By default a generated row must not change kernel with the step's row count, and the 4-bit
+    kernel is the faster one only for a few rows: the dense weights serve every row."""
+    model = load_bfloat16(tiny_models.tiny_q4_llama_path(), monkeypatch, ratio=0.3, nondeterministic=False)
+    assert model.int4_max_rows == 0
+    assert all(lin.int4 is None and lin.int4_switch is None for lin in layer_linears(model))
+    model.cover_int4_rows(5)
+    assert model.int4_max_rows == 0
 
 
 def test_no_4bit_copies_where_the_kernel_is_not_faster_or_the_weights_are_dense(monkeypatch):

@@ -120,6 +120,9 @@ OPTIONS: tuple[Option, ...] = (
            "cache gets what the weights and the largest step leave of it (default 1.0)"),
     Option("--speculate", int, "speculative decoding: up to N n-gram (prompt lookup) draft tokens "
            "verified per decode step (default: off)"),
+    Option("--nondeterministic", _bool, "give up batch invariance (a greedy request's tokens and "
+           "logprobs then depend on what else the batch holds and on how its prompt was split) for "
+           "the few kernels that are faster without it: docs/determinism.md", is_switch=True),
     Option("--block-size", int, "KV cache block size in tokens (default: 16 on CPU, 256 with flash-attn)"),
     Option("--disable-grammar-support", _bool, "reject grammar / response_format", is_switch=True),
     Option("--watermark-gamma", float, "watermark green-list fraction (default 0.5)"),
@@ -335,6 +338,7 @@ def serve(settings: Settings) -> None:
         raise SystemExit(f"opentgi: {exc}") from None
     app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
+    log.info("%s", inference_mode_line(engine.info))
     for line in startup_links(settings):
         log.info("%s", line)
     server = GracefulServer(uvicorn.Config(app, host=settings.hostname, port=settings.port, log_config=None,
@@ -351,6 +355,14 @@ def serve(settings: Settings) -> None:
         shards.close()
     if shards.failure:
         raise SystemExit(1)
+
+
+def inference_mode_line(info) -> str:
+    """Start-up's word on batch invariance (also /info's `deterministic`)."""
+    if getattr(info, "deterministic", False):
+        return ("deterministic: a greedy request gets the same tokens and logprobs whatever else the "
+                "server runs (--nondeterministic turns this off)")
+    return "nondeterministic: a request's logprobs may depend on what else its batch holds"
 
 
 def startup_links(settings: Settings) -> list[str]:

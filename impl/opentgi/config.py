@@ -67,6 +67,9 @@ class Settings:
     cuda_memory_fraction: float = 1.0  # CUDA: fraction of the device's memory the server may use
     kv_cache_cpu_bytes: int = 2 << 30  # CPU: KV pool budget when max_batch_total_tokens is unset
     speculate: int | None = None  # n-gram drafts verified per decode step (TGI's --speculate); None/0 = off
+    # False (default): batch-invariant numerics, a request's tokens and logprobs do not depend on
+    # the rest of the batch nor on how its prompt was split (docs/determinism.md)
+    nondeterministic: bool = False
 
     # --- dialect extras ------------------------------------------------------------------------
     fim_template: str | None = None  # e.g. "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"

@@ -213,7 +213,8 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     reason = paged_unsupported_reason(config)
     if reason is None:
         backend = select_backend(device, dtype)
-        model = build_paged_model(folder, config, backend, dtype, device, tp=tp)
+        model = build_paged_model(folder, config, backend, dtype, device, tp=tp,
+                                  batch_invariant=not settings.nondeterministic)
         if settings.speculate:
             model.cover_int4_rows(1 + settings.speculate)
         kind, spec, backend_name = "paged", model.spec, backend.name

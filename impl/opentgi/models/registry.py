@@ -65,9 +65,11 @@ def paged_unsupported_reason(config) -> str | None:
 
 
 def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: torch.dtype,
-                      device: torch.device, tp=None) -> PagedDecoder:
+                      device: torch.device, tp=None, batch_invariant: bool = True) -> PagedDecoder:
     """The model on `device`; with `tp` (a models.parallel.TPGroup of more than one rank) this
-    rank's shard of it, loaded from its slices of the checkpoint."""
+    rank's shard of it, loaded from its slices of the checkpoint. `batch_invariant` (the default;
+    False with --nondeterministic): a row's numbers do not depend on the rest of the step
+    (docs/determinism.md); the 4-bit copies of small decode steps are then not made."""
     reason = paged_unsupported_reason(config)
     if reason is not None:
         raise ValueError(f"cannot serve {folder} on the paged path: {reason}")
@@ -99,7 +101,8 @@ def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: to
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
     grids: dict[str, Int4Grid] = {}
     observe = None
-    if plan is None and int4_kernel_usable(dtype, device) and onednn_linear_usable(device, dtype):
+    if (plan is None and not batch_invariant and int4_kernel_usable(dtype, device)
+            and onednn_linear_usable(device, dtype)):
         def observe(name: str, tensor: torch.Tensor) -> None:
             if name.startswith("model.layers.") and name.endswith("_proj.weight"):
                 grid = find_int4_grid(tensor)
@@ -112,5 +115,5 @@ def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: to
         from opentgi.models.parallel import parallelize
 
         parallelize(model, plan, tp)
-    model.materialize(int4_grids=grids)
+    model.materialize(int4_grids=grids, batch_invariant=batch_invariant)
     return model.eval()

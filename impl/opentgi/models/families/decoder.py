@@ -23,7 +23,13 @@ from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.base import ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
-from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
+from opentgi.models.layers.linear import (
+    OneDNNLinear,
+    RowTiledLinear,
+    onednn_linear_usable,
+    pack_linears,
+    tile_linears,
+)
 from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.layers.norm import make_norm
@@ -106,31 +112,57 @@ class PagedDecoder(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = config.hidden_size ** 0.5 if layout.parts.embed_scale else None
         self.rotary: list[RotaryEmbedding] = []  # set by `materialize` (needs the real device)
-        self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
+        # the LM head in oneDNN's layout (CPU float32/bfloat16), or row-tiled (batch invariance)
+        self.logits_proj: OneDNNLinear | RowTiledLinear | None = None
         # generation steps of at most this many rows use the 4-bit layer weights (`_attach_int4`)
         self.int4_max_rows = 0
         self.int4_switch = Int4Switch()
+        self.batch_invariant = False  # set by `materialize`
 
-    def materialize(self, int4_grids: dict[str, Int4Grid] | None = None) -> None:
+    def materialize(self, int4_grids: dict[str, Int4Grid] | None = None, batch_invariant: bool = False) -> None:
         """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
         CPU in float32 or bfloat16 run the linear layers through oneDNN (models/layers/linear.py).
         `int4_grids` (checkpoint name -> grid) holds the layer weights found on a 4-bit grid at
-        loading: with bfloat16 they also get a 4-bit copy for small steps (models/quantization/int4.py)."""
+        loading: with bfloat16 they also get a 4-bit copy for small steps (models/quantization/int4.py).
+        `batch_invariant`: linears and attention in the forms whose rows do not depend on the
+        step's other rows (docs/determinism.md)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.feed_forward.fuse_projections()
         self.rotary = [RotaryEmbedding(self.config, self.spec.device)]
         if any(self.layout.local_rope):
             self.rotary.append(RotaryEmbedding(local_rope_config(self.config), self.spec.device))
-        if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
-            pack_linears(self.model.layers)
+        self._set_batch_invariant(batch_invariant)
+        device = torch.device(self.spec.device)
+        head_weight = None
+        if not self.is_reward_model:
+            head_weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        if onednn_linear_usable(device, self.spec.dtype):
+            pack_linears(self.model.layers, row_invariant=self.batch_invariant)
             if int4_grids:
                 self._attach_int4(int4_grids)
-            if not self.is_reward_model:
-                tied = self.tie_word_embeddings
-                self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
-                if not tied:
-                    del self.lm_head
+            if head_weight is not None:
+                self.logits_proj = OneDNNLinear(head_weight)
+                if self.batch_invariant:
+                    self.logits_proj.make_row_invariant(head_weight)
+        elif self.batch_invariant:
+            tile_linears(self.model.layers)
+            if head_weight is not None:
+                self.logits_proj = RowTiledLinear(head_weight)
+        if self.logits_proj is not None and not self.tie_word_embeddings:
+            del self.lm_head
+
+    def _set_batch_invariant(self, wanted: bool) -> None:
+        """Batch invariance is built and measured on the CPU path only (the torch attention
+        backend; oneDNN linears, or row-tiled F.linear where oneDNN has no kernel)."""
+        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        self.batch_invariant = (wanted and torch.device(self.spec.device).type == "cpu"
+                                and getattr(backend, "name", None) == "torch")
+        if wanted and not self.batch_invariant:
+            log.warning("batch invariance is built for the CPU path; this model runs without it "
+                        "(docs/determinism.md)")
+        if backend is not None:
+            backend.batch_invariant = self.batch_invariant
 
     def _attach_int4(self, grids: dict[str, Int4Grid]) -> None:
         """Give each packed layer linear whose checkpoint weights all lie on a 4-bit grid its 4-bit
