@@ -219,3 +219,11 @@ def test_on_two_threads(model_path, dtype):
     reference = asyncio.run(run_target(loaded, TARGET, **two))
     assert asyncio.run(run_target(loaded, TARGET, OTHERS, position=9, **two)) == reference
     assert asyncio.run(run_target(loaded, TARGET, warmup=TARGET, chunked_prefill_tokens=9, **two)) == reference
+
+
+def test_a_mixture_of_experts_model_says_it_is_not_batch_invariant():
+    """Routed experts multiply each expert's rows together: not made row-invariant, so /info must
+    not claim it (`deterministic` false), while a dense family of the same loader does."""
+    moe = load_model(Settings(model_id=str(tiny_models.tiny_family_path("mixtral"))))
+    assert not moe.model.batch_invariant and not batch_invariant(moe)
+    assert not moe.model.model.layers[0].self_attn.backend.batch_invariant
