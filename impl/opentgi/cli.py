@@ -56,6 +56,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--revision", str, "model revision (hub ids only)"),
     Option("--dtype", str, "float32 | float16 | bfloat16 (default: bfloat16 on CUDA and on CPUs "
            "with avx512_bf16 or AMX, else float32)"),
+    Option("--quantize", str, "weight formats for a float checkpoint: int8 (per channel; TGI's eetq), "
+           "int4 (groups of 32; int4-g64, int4-g128), fp8 (GPUs with FP8); awq / gptq checkpoints are "
+           "read as they are (default: the checkpoint's own; GGUF files are always read as they are)"),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
            "physical core); the HTTP event loop keeps one"),

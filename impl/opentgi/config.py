@@ -23,6 +23,7 @@ class Settings:
     # (default: fewer while it does, engine/execution/thread_governor.py)
     trust_remote_code: bool = False
     lora_adapters: str | None = None  # comma-separated adapter ids / folders / name=path (PEFT LoRA)
+    quantize: str | None = None  # int8 | int4[-g64|-g128] | fp8 | awq | gptq | eetq (models/quantization/methods.py)
 
     # --- sharding (tensor parallelism, engine/execution/shards.py) -----------------------------------------
     num_shard: int = 1  # ranks in the tensor-parallel group

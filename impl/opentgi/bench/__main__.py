@@ -1,3 +1,14 @@
-from opentgi.bench.runner.runner import main
+"""`python -m opentgi.bench [flags]` runs the benchmark (runner.py); `python -m opentgi.bench
+write-gguf OUT.gguf` writes the random Llama-1B-shaped GGUF of the llama.cpp comparison
+(gguf_fixture.py)."""
 
-main()
+import sys
+
+if sys.argv[1:2] == ["write-gguf"]:
+    from opentgi.bench.gguf_fixture import main
+
+    main(sys.argv[2:])
+else:
+    from opentgi.bench.runner import main
+
+    main()

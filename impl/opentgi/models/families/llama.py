@@ -20,21 +20,9 @@ from opentgi.models.base import ModelSpec
 from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
 from opentgi.models.layers.norm import RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding, apply_rotary
-from opentgi.models.quantization.int4 import Int4Grid, Int4Switch, Int4Weight, int4_rows_worth_it
+from opentgi.models.quantization.linear import fuse_linears, pack_quantized
 
 log = logging.getLogger(__name__)
-
-
-def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    first = parts[0]
-    has_bias = first.bias is not None
-    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=has_bias,
-                      device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if has_bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-    return fused
 
 
 class LlamaAttention(nn.Module):
@@ -52,10 +40,10 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Module | None = None
 
     def fuse_projections(self) -> None:
-        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache):
@@ -78,10 +66,10 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, self.intermediate, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Module | None = None
 
     def fuse_projections(self) -> None:
-        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
     def forward(self, x):
@@ -111,15 +99,6 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-# packed linear -> the checkpoint projections it holds, stacked in this order
-_INT4_SOURCES = {
-    ("self_attn", "qkv_proj"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn", "o_proj"): ("self_attn.o_proj",),
-    ("mlp", "gate_up_proj"): ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp", "down_proj"): ("mlp.down_proj",),
-}
-
-
 class PagedLlama(nn.Module):
     """A `PagedCausalLM` (models/base.py). `head` is "lm" (causal LM) or "score" (reward model)."""
 
@@ -136,64 +115,24 @@ class PagedLlama(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # set by `materialize` (needs the real device)
         self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
-        # generation steps of at most this many rows use the 4-bit layer weights (`_attach_int4`)
-        self.int4_max_rows = 0
-        self.int4_switch = Int4Switch()
 
-    def materialize(self, int4_grids: dict[str, Int4Grid] | None = None) -> None:
-        """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
-        CPU in float32 or bfloat16 run the linear layers through oneDNN (models/layers/linear.py).
-        `int4_grids` (checkpoint name -> grid) holds the layer weights found on a 4-bit grid at
-        loading: with bfloat16 they also get a 4-bit copy for small steps (models/quantization/int4.py)."""
+    def materialize(self) -> None:
+        """After the weights are loaded: fuse projections, pack quantized weights for their kernels
+        (models/quantization/linear.py), set up RoPE on the real device, and on CPU in float32 or
+        bfloat16 run the dense linear layers through oneDNN (models/layers/linear.py)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+        device = torch.device(self.spec.device)
+        pack_quantized(self, self.spec.dtype, device)
         self.rotary = RotaryEmbedding(self.config, self.spec.device)
-        if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
+        if onednn_linear_usable(device, self.spec.dtype):
             pack_linears(self.model.layers)
-            if int4_grids:
-                self._attach_int4(int4_grids)
-            if not self.is_reward_model:
+            if not self.is_reward_model and (self.tie_word_embeddings or isinstance(self.lm_head, nn.Linear)):
                 tied = self.tie_word_embeddings
                 self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
                 if not tied:
                     del self.lm_head
-
-    def _attach_int4(self, grids: dict[str, Int4Grid]) -> None:
-        """Give each packed layer linear whose checkpoint weights all lie on a 4-bit grid its 4-bit
-        copy, then keep them only if the kernel is measured faster here, and for which steps."""
-        linears = []
-        for i, layer in enumerate(self.model.layers):
-            for (block, attr), sources in _INT4_SOURCES.items():
-                linear = getattr(getattr(layer, block), attr)
-                parts = [grids.get(f"model.layers.{i}.{source}.weight") for source in sources]
-                if isinstance(linear, OneDNNLinear) and all(part is not None for part in parts):
-                    linear.int4 = Int4Weight(Int4Grid.cat(parts), self.spec.dtype)
-                    linears.append(linear)
-        self.int4_max_rows = int4_rows_worth_it(linears)
-        for linear in linears:
-            if self.int4_max_rows:
-                linear.int4_switch = self.int4_switch
-            else:
-                linear.int4 = None
-        log.info("%d of %d layer weights are 4-bit in the checkpoint; their 4-bit copies serve "
-                 "generation steps of at most %d rows", len(linears), 4 * len(self.model.layers),
-                 self.int4_max_rows)
-
-    def cover_int4_rows(self, rows: int) -> None:
-        """Where 4-bit copies serve small steps, let them serve steps of up to `rows` rows too.
-        With `--speculate N`, rows = N + 1: a lone sequence's verify step (its last token and N
-        drafts) then computes with the same weights, and so the same numbers (the kernel's rows are
-        independent of each other), as decoding those tokens one per step."""
-        if self.int4_max_rows:
-            self.int4_max_rows = max(self.int4_max_rows, rows)
-
-    def use_int4_for(self, num_tokens: int, generated_only: bool) -> None:
-        """Before each forward: the 4-bit copies serve this step if it is small enough and feeds
-        only generated tokens (decode rows, verify rows). Prompt tokens always take the dense
-        weights, so a prompt computes the same with or without a prefix-cache hit, and a request
-        decoded alone computes the same with or without --speculate."""
-        self.int4_switch.on = generated_only and 0 < num_tokens <= self.int4_max_rows
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -210,8 +149,9 @@ class PagedLlama(nn.Module):
             raise TypeError("a reward model has no language-model head: use compute_score")
         if self.logits_proj is not None:
             return self.logits_proj(hidden).float()
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if not self.tie_word_embeddings:
+            return self.lm_head(hidden).float()  # nn.Linear, or a QuantizedLinear
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
 
     @torch.inference_mode()
     def compute_score(self, hidden: torch.Tensor) -> torch.Tensor:

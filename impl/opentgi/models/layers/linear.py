@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.quantization.int4 import Int4Switch, Int4Weight
-
 log = logging.getLogger(__name__)
 
 _PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
@@ -43,22 +41,13 @@ class OneDNNLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
-        # a 4-bit copy of the same weight (models/quantization/int4.py), used while `int4_switch` is on
-        self.int4: Int4Weight | None = None
-        self.int4_switch: Int4Switch | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4_switch is not None and self.int4_switch.on:
-            out = self.int4.matmul(x)
-            return out if self.bias is None else out.add_(self.bias)
-        return self.dense_forward(x)
-
-    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int4={self.int4 is not None}")
+                f"bias={self.bias is not None}")
 
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2}  # of the start-up probe, per dtype

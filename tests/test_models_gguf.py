@@ -1,0 +1,96 @@
+"""GGUF files read as they are (models/checkpoints/gguf_checkpoint.py): config and tokenizer from
+the file's metadata, 4-bit blocks into the int4 kernel's layout, other blocks dense; the logits
+match transformers' own (dequantizing) GGUF import; nothing is converted on disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opentgi.config import Settings
+from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
+from opentgi.models.loader import ModelLoadError, load_model
+from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
+from tests import tiny_models
+from tests.test_models_llama import PagedRunner
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf():
+    return tiny_models.tiny_gguf_path()
+
+
+def _reference_logits(path, prompt):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def test_config_comes_from_the_metadata(tiny_gguf):
+    config = GGUFCheckpoint(tiny_gguf).config()
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size) == (256, 2, 4, 2, 512)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert config.rope_theta == 10000.0 and config.max_position_embeddings == 4096
+
+
+def test_unpermute_rows_undoes_llama_cpp_permutation():
+    """llama.cpp's convert script: w.reshape(heads, 2, dim/heads/2, ...).swapaxes(1, 2)."""
+    heads, rows = 4, 32
+    original = torch.arange(rows)
+    permuted = original.view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
+    assert torch.equal(permuted[unpermute_rows(rows, heads)], original)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, tmp_path, dtype):
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype=dtype, cache_dir=str(tmp_path)))
+    assert loaded.kind == "paged" and loaded.eos_token_ids == [2, 0]
+    layer = loaded.model.model.layers[0]
+    # q (Q4_0) and k (Q4_1) are int4, v (Q6_K) dense: run side by side; gate (Q4_K) + up (Q4_1): one
+    # int4 weight; o (Q4_K) int4; down (Q5_K) dense
+    assert isinstance(layer.self_attn.qkv_proj, ConcatLinear)
+    assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear) and isinstance(layer.self_attn.o_proj, QuantizedLinear)
+    assert layer.mlp.gate_up_proj.weight_format.description == "int4 (groups of 32)"
+    assert not isinstance(layer.mlp.down_proj, QuantizedLinear)
+    assert "int4 (groups of 32)" in loaded.model.resident
+    # nothing converted: the cache holds only the tokenizer, far smaller than the file
+    cached = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert cached < tiny_gguf.stat().st_size / 4
+    prompt = loaded.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    want = _reference_logits(tiny_gguf, prompt)[-1]
+    got = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
+    if dtype == "float32":  # the int4 kernel's float32 scales: the same weights, summed in another order
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    else:  # bfloat16 activations, scales and dense weights
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
+
+
+def test_a_broken_gguf_is_refused_clearly(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        load_model(Settings(model_id=str(bad), cache_dir=str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_default_model_is_read_from_its_gguf(tmp_path):
+    """No --model-id: SmolLM2-135M-Instruct's GGUF read as it is; the logits agree with
+    transformers' own GGUF import (float32), and a second start reuses the cached tokenizer."""
+    from opentgi.models.checkpoints.default_model import default_gguf_path
+
+    loaded = load_model(Settings(cache_dir=str(tmp_path), dtype="float32"))
+    assert loaded.kind == "paged" and loaded.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert loaded.eos_token_ids == [2, 0] and loaded.tokenizer.eos_token == "<|im_end|>"
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                                  add_generation_prompt=True)
+    want = _reference_logits(default_gguf_path(), prompt)[-1]
+    paged = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
+    torch.testing.assert_close(paged, want, atol=2e-3, rtol=2e-3)
+    again = load_model(Settings(cache_dir=str(tmp_path), dtype="float32"))
+    assert again.tokenizer(["Hello world"])["input_ids"] == loaded.tokenizer(["Hello world"])["input_ids"]
