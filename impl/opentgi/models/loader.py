@@ -250,6 +250,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         finally:
             if checkpoint is not None:
                 checkpoint.close()
+        _release_free_heap()
         log.info("%s", model.resident)
         kind, spec, backend_name = "paged", model.spec, backend.name
         block_size = select_block_size(backend, settings.block_size)
@@ -285,6 +286,21 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
                        adapters=adapters, tp=tp)
 
 
+def _release_free_heap() -> None:
+    """Hand the heap memory freed after loading back to the OS (glibc keeps freed mid-sized blocks,
+    such as a GGUF's per-tensor scratch arrays; measured: 370 MiB of resident memory on a 1B GGUF)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:  # not glibc: nothing to hand back this way
+        pass
+
+
 def load_transformers_model(folder: Path, dtype: torch.dtype = torch.float32):
     """transformers' own model for a checkpoint folder or a .gguf file (dequantized by its GGUF
     import): the reference the benchmark and the tests compare with."""
@@ -305,9 +321,11 @@ def _check_quantize(quantize, config, device: torch.device, sharded: bool, model
     if sharded:
         raise ModelLoadError(f"--quantize {quantize.method} with --num-shard is not supported yet")
     if quantize.method in ("awq", "gptq") and method != quantize.method:
-        raise ModelLoadError(f"--quantize {quantize.method} needs a {quantize.method.upper()} checkpoint "
+        article = "an" if quantize.method == "awq" else "a"
+        found = f"quant_method {method!r}" if method else "no quantization_config"
+        raise ModelLoadError(f"--quantize {quantize.method} needs {article} {quantize.method.upper()} checkpoint "
                              f"(config.json quantization_config.quant_method {quantize.method!r}); "
-                             f"{model_id!r} has {method!r}")
+                             f"{model_id!r} has {found}")
     if quantize.at_load and method is not None:
         raise ModelLoadError(f"--quantize {quantize.method}: {model_id!r} is already quantized ({method})")
     if quantize.method == "fp8":

@@ -8,7 +8,6 @@ allocated and copied as usual.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,14 +39,13 @@ class FolderWeights:
     def _names(self) -> list[str]:
         names: list[str] = []
         for path in checkpoint_files(self.folder):
-            index = path.parent / (path.name.split("-0")[0] + ".index.json")
             if path.suffix == ".safetensors":
                 from safetensors import safe_open
 
                 with safe_open(str(path), framework="pt") as f:
                     names.extend(f.keys())
-            elif not index.exists():
-                names.extend(torch.load(path, map_location="meta", weights_only=True).keys())
+            else:
+                names.extend(torch.load(path, map_location="cpu", weights_only=True, mmap=True).keys())
         return names
 
     def int4_names(self) -> set[str]:
@@ -113,7 +111,7 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
     if quantize is not None and quantize.at_load:
         names |= {name for name, _ in model.named_parameters() if _PROJECTION.match(name)}
     quantized = _swap_linears(model, names)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated in dtype at once
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
@@ -125,7 +123,7 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
                 if tuple(value.shape) != (linear.out_features, linear.in_features):
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape "
                                      f"{(linear.out_features, linear.in_features)}")
-                linear.pending = value
+                linear.weight_format = value.to_format(dtype, device)
                 loaded.add(name)
             elif name.endswith(".bias") and name[:-5] + ".weight" in quantized:
                 quantized[name[:-5] + ".weight"].bias = value.to(device=device, dtype=dtype)
@@ -141,10 +139,3 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return model
-
-
-def quantization_config_of(folder: Path) -> dict | None:
-    config = folder / "config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text()).get("quantization_config")

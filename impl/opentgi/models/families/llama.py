@@ -20,7 +20,7 @@ from opentgi.models.base import ModelSpec
 from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
 from opentgi.models.layers.norm import RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding, apply_rotary
-from opentgi.models.quantization.linear import fuse_linears, pack_quantized
+from opentgi.models.quantization.linear import fuse_linears
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +117,13 @@ class PagedLlama(nn.Module):
         self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
 
     def materialize(self) -> None:
-        """After the weights are loaded: fuse projections, pack quantized weights for their kernels
-        (models/quantization/linear.py), set up RoPE on the real device, and on CPU in float32 or
-        bfloat16 run the dense linear layers through oneDNN (models/layers/linear.py)."""
+        """After the weights are loaded: fuse projections (quantized ones too, where their formats
+        stack: models/quantization/linear.py), set up RoPE on the real device, and on CPU in
+        float32 or bfloat16 run the dense linear layers through oneDNN (models/layers/linear.py)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         device = torch.device(self.spec.device)
-        pack_quantized(self, self.spec.dtype, device)
         self.rotary = RotaryEmbedding(self.config, self.spec.device)
         if onednn_linear_usable(device, self.spec.dtype):
             pack_linears(self.model.layers)

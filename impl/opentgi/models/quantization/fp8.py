@@ -43,6 +43,18 @@ class Fp8Weight:
         self.q = q.to(self.device)
         self.scale = scale.T.contiguous().to(self.device)  # [1, N], as _scaled_mm's scale_b
 
+    def can_cat(self, others: list[Fp8Weight]) -> bool:
+        return all(o.in_features == self.in_features and o.device == self.device for o in others)
+
+    @staticmethod
+    def cat(parts: list[Fp8Weight]) -> Fp8Weight:
+        fused = object.__new__(Fp8Weight)
+        fused.in_features, fused.device = parts[0].in_features, parts[0].device
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.q = torch.cat([p.q for p in parts])
+        fused.scale = torch.cat([p.scale for p in parts], dim=1)
+        return fused
+
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 

@@ -27,21 +27,16 @@ _QK_K = 256
 
 
 def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
-    """The float16 field at byte `start` of every block, as float32 [rows, blocks]."""
+    """The float16 field at byte `start` (even) of every block, as float32 [rows, blocks]: the
+    blocks read as float16 words (block sizes and offsets are even), one word picked, no copy."""
+    if blocks.shape[-1] % 2 == 0 and blocks.ctypes.data % 2 == 0 and blocks.flags.c_contiguous:
+        words = blocks.view(np.float16)
+        return torch.from_numpy(words[..., start // 2].astype(np.float32))
     return torch.from_numpy(np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]).float()
 
 
-def _nibbles_in_halves(qs: np.ndarray) -> torch.Tensor:
-    """ggml's 32-value nibble order (16 bytes: values 0..15 in the low nibbles, 16..31 in the high
-    ones) as our order (`Int4Groups.qs`: value 2i low, 2i+1 high). qs: uint8 [..., 16]."""
-    even, odd = qs[..., 0::2], qs[..., 1::2]  # bytes 2i and 2i + 1
-    low = (even & 0x0F) | ((odd & 0x0F) << 4)  # values 2i, 2i + 1 for i < 8
-    high = (even >> 4) | (odd & 0xF0)  # values 16 + 2i, 17 + 2i
-    return torch.from_numpy(np.concatenate([low, high], axis=-1))
-
-
 def int4_groups(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Groups:
-    """`raw`: the tensor's blocks as uint8 [N, bytes per row] (GGUFReader's view); shape (N, K)."""
+    """`raw`: the tensor's blocks as uint8 [N, bytes per row] (a view of the file); shape (N, K)."""
     n, k = shape
     if qtype in (Q.Q4_0, Q.Q4_1):
         size = 18 if qtype == Q.Q4_0 else 20
@@ -51,8 +46,9 @@ def int4_groups(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Groups
             zero = torch.zeros_like(d)  # (q - 8) * d
         else:
             zero = _f16(blocks, 2) + 8 * d  # q * d + m == (q - 8) * d + (m + 8 d)
-        qs = _nibbles_in_halves(blocks[..., size - 16:])
-        return Int4Groups(qs.reshape(n, k // 2).contiguous(), d, zero, 32)
+        qs = blocks[..., size - 16:]  # values 0..15 in the low nibbles, 16..31 in the high ones
+        values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        return Int4Groups(torch.from_numpy(values.reshape(n, k)), d, zero, 32)
     if qtype == Q.Q4_K:
         blocks = raw.reshape(n, k // _QK_K, 144)
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
@@ -60,10 +56,9 @@ def int4_groups(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Groups
         scale = d[..., None] * sc.float()  # [N, K/256, 8]
         zero = 8 * scale - dmin[..., None] * mn.float()
         # 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1
-        qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 16:])).view(n, k // _QK_K, 4, 32)
-        values = torch.stack([qs & 0x0F, qs >> 4], dim=3).view(n, k // _QK_K, 8, 32)
-        packed = values[..., 0::2] | (values[..., 1::2] << 4)
-        return Int4Groups(packed.reshape(n, k // 2).contiguous(), scale.reshape(n, k // 32).contiguous(),
+        qs = blocks[..., 16:].reshape(n, k // _QK_K, 4, 1, 32)
+        values = np.concatenate([qs & 0x0F, qs >> 4], axis=3)
+        return Int4Groups(torch.from_numpy(values.reshape(n, k)), scale.reshape(n, k // 32).contiguous(),
                           zero.reshape(n, k // 32).contiguous(), 32)
     raise ValueError(f"{qtype.name} has no 4-bit form")
 
@@ -84,4 +79,8 @@ def dense(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.from_numpy(np.array(raw).view(np.float16)).float().reshape(shape)
     if qtype == Q.BF16:
         return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16).float().reshape(shape)
+    if qtype == Q.Q8_0:  # d * q, as gguf-py computes it, without its per-chunk Python loop
+        blocks = raw.reshape(-1, 34)
+        q = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:]).view(np.int8))
+        return (q.float() * _f16(blocks, 0)[:, None]).reshape(shape)
     return torch.from_numpy(dequantize(np.asarray(raw), qtype)).reshape(shape)

@@ -25,54 +25,36 @@ GROUP_SIZES = (32, 64, 128, 256)
 
 @dataclass
 class Int4Groups:
-    """4-bit values two to a byte (`qs[n, j // 2]`: even j in the low nibble) with a float32 scale
-    and zero per group of `group_size` inputs of an output row."""
+    """4-bit values (uint8, one a byte: a loading step, packed at once by `Int4Weight`) with a
+    float32 scale and zero per group of `group_size` inputs of an output row."""
 
-    qs: torch.Tensor  # uint8 [N, K / 2]
+    values: torch.Tensor  # uint8 [N, K], 0..15
     scale: torch.Tensor  # float32 [N, K / group_size]
     zero: torch.Tensor  # float32 [N, K / group_size]
     group_size: int
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.qs.shape[1] * 2
+        return tuple(self.values.shape)
 
     @staticmethod
     def from_values(k: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Groups:
         """From k (any integer dtype, values 0..15, [N, K])."""
-        k = k.to(torch.uint8)
-        return Int4Groups((k[:, 0::2] | (k[:, 1::2] << 4)).contiguous(), scale.float().contiguous(),
-                          zero.float().contiguous(), group_size)
-
-    def values(self) -> torch.Tensor:
-        """k as uint8 [N, K]."""
-        n, half = self.qs.shape
-        out = torch.empty(n, 2 * half, dtype=torch.uint8)
-        out[:, 0::2] = self.qs & 0x0F
-        out[:, 1::2] = self.qs >> 4
-        return out
+        return Int4Groups(k.to(torch.uint8).contiguous(), scale.float().contiguous(), zero.float().contiguous(),
+                          group_size)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] these groups stand for."""
         n, k = self.shape
-        groups = self.values().view(n, k // self.group_size, self.group_size).float() - 8
+        groups = self.values.view(n, k // self.group_size, self.group_size).float() - 8
         return (groups * self.scale[..., None] + self.zero[..., None]).view(n, k)
-
-    @staticmethod
-    def cat(parts: list[Int4Groups]) -> Int4Groups:
-        """Stacked along the output dimension (a fused projection)."""
-        sizes = {p.group_size for p in parts}
-        if len(sizes) != 1:
-            raise ValueError(f"cannot stack 4-bit weights of group sizes {sorted(sizes)}")
-        return Int4Groups(torch.cat([p.qs for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]), parts[0].group_size)
-
-    def to_format(self, dtype: torch.dtype, device: torch.device) -> Int4Weight:
-        return Int4Weight(self, dtype, device)
 
     def rows(self, index: torch.Tensor) -> Int4Groups:
         """The output rows `index` (a permutation or a slice of them)."""
-        return Int4Groups(self.qs[index], self.scale[index], self.zero[index], self.group_size)
+        return Int4Groups(self.values[index], self.scale[index], self.zero[index], self.group_size)
+
+    def to_format(self, dtype: torch.dtype, device: torch.device) -> Int4Weight:
+        return Int4Weight(self, dtype, device)
 
 
 def int4_kernel_available(device: torch.device) -> bool:
@@ -84,7 +66,7 @@ def int4_kernel_available(device: torch.device) -> bool:
 def pack_for_cuda(groups: Int4Groups) -> torch.Tensor:
     """tinygemm's input: uint8 [N, K / 2] with the even input in the HIGH nibble (torchao's order);
     `torch._convert_weight_to_int4pack` then tiles it."""
-    k = groups.values()
+    k = groups.values
     return (k[:, 0::2] << 4 | k[:, 1::2]).contiguous()
 
 
@@ -109,7 +91,7 @@ def _cpu_block_layout_matches() -> bool:
 
 
 def pack_for_cpu(groups: Int4Groups) -> torch.Tensor:
-    values = groups.values()
+    values = groups.values
     if values.shape[0] % 64 == 0 and _cpu_block_layout_matches():
         return _pack_for_cpu_blocks(values)
     return torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), _CPU_LAYOUT_TILES)
@@ -117,7 +99,11 @@ def pack_for_cpu(groups: Int4Groups) -> torch.Tensor:
 
 def scales_and_zeros(groups: Int4Groups, dtype: torch.dtype) -> torch.Tensor:
     """[K / group_size, N, 2] (scale, zero) in `dtype`, as both kernels want them."""
-    return torch.stack([groups.scale.T, groups.zero.T], dim=-1).to(dtype).contiguous()
+    n, num_groups = groups.scale.shape
+    out = torch.empty(num_groups, n, 2, dtype=dtype)
+    out[..., 0] = groups.scale.T
+    out[..., 1] = groups.zero.T
+    return out
 
 
 class Int4Weight:
@@ -141,6 +127,26 @@ class Int4Weight:
     @property
     def description(self) -> str:
         return f"int4 (groups of {self.group_size})"
+
+    def _rows_per_tile(self) -> int:
+        return 8 if self.device.type == "cuda" else 64
+
+    def can_cat(self, others: list[Int4Weight]) -> bool:
+        """Whether stacking the packed forms along the output equals packing the stacked weights:
+        both layouts tile whole blocks of output rows (64 on CPU, 8 on CUDA)."""
+        parts = [self, *others]
+        return (len({(p.group_size, p.in_features, p.device, p.scales_and_zeros.dtype) for p in parts}) == 1
+                and all(p.out_features % p._rows_per_tile() == 0 for p in parts)
+                and (self.device.type == "cuda" or _cpu_block_layout_matches()))
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        fused = object.__new__(Int4Weight)
+        fused.in_features, fused.group_size, fused.device = parts[0].in_features, parts[0].group_size, parts[0].device
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.packed = torch.cat([p.packed for p in parts])
+        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+        return fused
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes

@@ -35,6 +35,15 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
+    def can_cat(self, others: list[Int8Weight]) -> bool:
+        return all(o.in_features == self.in_features and o.device == self.device for o in others)
+
+    @staticmethod
+    def cat(parts: list[Int8Weight]) -> Int8Weight:
+        first = parts[0]
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          first.scale.dtype, first.device)
+
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale.float()[:, None]
 

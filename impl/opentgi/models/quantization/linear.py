@@ -15,21 +15,14 @@ from torch import nn
 
 
 class QuantizedLinear(nn.Module):
-    """`y = x @ W.T + b` with W held in a quantized format (`Int4Weight`, `Int8Weight`, `Fp8Weight`).
-    While loading it holds the quantized values (`pending`: `Int4Groups`, rtn.py's `Int8Rows` or
-    `Fp8Rows`), turned into the served format by `pack()` once fused projections are stacked."""
+    """`y = x @ W.T + b` with W held in a quantized format (`Int4Weight`, `Int8Weight`, `Fp8Weight`),
+    set by the loader (models/checkpoints/loading.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight_format = None
-        self.pending = None
         self.bias = None if bias is None else bias.detach().clone()
-
-    def pack(self, dtype: torch.dtype, device: torch.device) -> None:
-        if self.pending is not None:
-            self.weight_format = self.pending.to_format(dtype, device)
-            self.pending = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.weight_format.matmul(x)
@@ -64,20 +57,14 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
             if has_bias:
                 fused.bias.copy_(torch.cat([p.bias for p in parts]))
         return fused
-    pending = [p.pending for p in parts if isinstance(p, QuantizedLinear) and p.pending is not None]
-    if (len(pending) == len(parts) and len({type(v) for v in pending}) == 1
-            and len({getattr(v, "group_size", 0) for v in pending}) == 1):
+    formats = [p.weight_format for p in parts if isinstance(p, QuantizedLinear)]
+    if (len(formats) == len(parts) and len({type(f) for f in formats}) == 1
+            and formats[0].can_cat(formats[1:])):
         bias = torch.cat([p.bias for p in parts]) if has_bias else None
         fused = QuantizedLinear(first.in_features, sum(p.out_features for p in parts), bias)
-        fused.pending = type(pending[0]).cat(pending)
+        fused.weight_format = type(formats[0]).cat(formats)
         return fused
     return ConcatLinear(parts)
-
-
-def pack_quantized(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    for sub in module.modules():
-        if isinstance(sub, QuantizedLinear):
-            sub.pack(dtype, device)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:

@@ -3,8 +3,7 @@
 A float weight becomes int8 with one scale per output channel (`q = round(w / s)`,
 `s = max|w| / 127`), int4 groups (`k = round((w - min) / d)`, `d = (max - min) / 15` per group of
 `group_size` inputs, zero = min + 8 d, the form the int4 kernel takes), or FP8 e4m3 with one scale
-per channel. The results are held as "pending" values until the fused projections are stacked
-(`cat`), then turned into the format served (`to_format`).
+per channel; `to_format` turns each into the format served, as it is loaded.
 """
 
 from __future__ import annotations
@@ -27,10 +26,6 @@ class Int8Rows:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
-    @staticmethod
-    def cat(parts: list[Int8Rows]) -> Int8Rows:
-        return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
 
@@ -45,10 +40,6 @@ class Fp8Rows:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
-
-    @staticmethod
-    def cat(parts: list[Fp8Rows]) -> Fp8Rows:
-        return Fp8Rows(torch.cat([p.weight for p in parts]))
 
     def to_format(self, dtype: torch.dtype, device: torch.device) -> Fp8Weight:
         return Fp8Weight(self.weight, device)
