@@ -103,13 +103,16 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
                    device: torch.device, ignore_unexpected: tuple[str, ...] = ()) -> nn.Module:
     """`model` (on the meta device) with its weights from `weights` (FolderWeights or a
     GGUFCheckpoint): int4 linears of the checkpoint and, with an at-load `quantize`, every layer
-    projection become QuantizedLinear; the rest is allocated on `device` in `dtype` and copied."""
+    projection (in that format) become QuantizedLinear; the rest is allocated on `device` in
+    `dtype` and copied."""
     if quantize is not None and quantize.method == "fp8" and FP8 is None:
         raise ValueError("--quantize fp8: this torch build has no float8 type")
     int4 = weights.int4_names()
     names = set(int4)
-    if quantize is not None and quantize.at_load:
-        names |= {name for name, _ in model.named_parameters() if _PROJECTION.match(name)}
+    if quantize is not None and quantize.at_load:  # every layer projection in the asked format
+        projections = {name for name, _ in model.named_parameters() if _PROJECTION.match(name)}
+        int4 -= projections  # a GGUF's 4-bit ones too: dequantized, then quantized again
+        names |= projections
     quantized = _swap_linears(model, names)
     model = model.to(dtype).to_empty(device=device)  # allocated in dtype at once
     params = dict(model.named_parameters())
