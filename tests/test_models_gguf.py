@@ -59,9 +59,10 @@ def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, tmp_pa
     assert layer.mlp.gate_up_proj.weight_format.description == "int4 (groups of 32)"
     assert not isinstance(layer.mlp.down_proj, QuantizedLinear)
     assert "int4 (groups of 32)" in loaded.model.resident
-    # nothing converted: the cache holds only the tokenizer, far smaller than the file
+    # nothing converted to floats: the cache holds the tokenizer and, on CPU, the packed 4-bit
+    # layers, together smaller than the file
     cached = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
-    assert cached < tiny_gguf.stat().st_size / 4
+    assert cached < tiny_gguf.stat().st_size / 2
     prompt = loaded.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
     want = _reference_logits(tiny_gguf, prompt)[-1]
     got = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
@@ -94,3 +95,21 @@ def test_default_model_is_read_from_its_gguf(tmp_path):
     torch.testing.assert_close(paged, want, atol=2e-3, rtol=2e-3)
     again = load_model(Settings(cache_dir=str(tmp_path), dtype="float32"))
     assert again.tokenizer(["Hello world"])["input_ids"] == loaded.tokenizer(["Hello world"])["input_ids"]
+
+
+def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, tmp_path, monkeypatch):
+    from opentgi.models.quantization import ggml
+
+    first = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    packed = list((tmp_path / "packed").glob("*.safetensors"))
+    assert len(packed) == 1 and packed[0].stat().st_size <= tiny_gguf.stat().st_size
+
+    def no_decoding(*args):
+        raise AssertionError("a cached layer was decoded again")
+
+    monkeypatch.setattr(ggml, "int4_groups", no_decoding)
+    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    prompt = first.tokenizer("Hello there, general")["input_ids"]
+    logits = [m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (first, second)]
+    assert torch.equal(logits[0], logits[1])
+    assert second.model.resident == first.model.resident

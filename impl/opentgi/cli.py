@@ -121,7 +121,7 @@ OPTIONS: tuple[Option, ...] = (
            "'<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>'"),
     Option("--sensitive-words", str, "SenseNova: file of sensitive terms, one a line",
            env=("SENSITIVE_WORDS",)),
-    Option("--cache-dir", str, "where converted weights are kept (default ~/.cache/opentgi)",
+    Option("--cache-dir", str, "where start-up keeps what it builds once, a GGUF file's tokenizer (default ~/.cache/opentgi)",
            env=("OPENTGI_CACHE_DIR",)),
 )
 

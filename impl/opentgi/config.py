@@ -73,4 +73,4 @@ class Settings:
     fim_template: str | None = None  # e.g. "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
     sensitive_words_file: str | None = None  # SenseNova: one term a line
     sensitive_words: list[str] = field(default_factory=list)
-    cache_dir: str | None = None  # where converted weights are kept; None = ~/.cache/opentgi
+    cache_dir: str | None = None  # what start-up builds once (a GGUF tokenizer); None = ~/.cache/opentgi

@@ -230,6 +230,10 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         if sharded:
             raise ModelLoadError("--num-shard with a GGUF file is not supported; serve it with one shard")
         checkpoint, config, tokenizer, eos = _open_gguf(folder, settings.cache_dir)
+        if device.type == "cpu":
+            from opentgi.models.checkpoints.packed_cache import PackedCache
+
+            checkpoint.packed_cache = PackedCache(folder, default_model.default_cache_dir(settings.cache_dir), dtype)
     else:
         from transformers import AutoConfig, AutoTokenizer
 

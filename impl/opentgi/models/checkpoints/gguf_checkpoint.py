@@ -81,6 +81,7 @@ class GGUFCheckpoint:
             raise GGUFError(f"GGUF architecture {self.arch!r} has no paged implementation "
                             f"(served: {', '.join(sorted(_ARCHITECTURES))})")
         self.tensors = self.header.tensors
+        self.packed_cache = None  # a PackedCache (packed_cache.py), set by the loader on CPU
 
     @property
     def metadata(self) -> dict[str, object]:
@@ -149,9 +150,9 @@ class GGUFCheckpoint:
                 counts[qtype.name] = counts.get(qtype.name, 0) + 1
         return counts
 
-    def iter_tensors(self, int4_names: set[str]) -> Iterator[tuple[str, object]]:
-        """(Hugging Face name, float32 tensor or Int4Groups) for every tensor the model has; names
-        in `int4_names` come as Int4Groups."""
+    def iter_tensors(self, int4_names: set[str], skip: set[str] = frozenset()) -> Iterator[tuple[str, object]]:
+        """(Hugging Face name, float32 tensor or Int4Groups) for every tensor the model has but
+        those in `skip`; names in `int4_names` come as Int4Groups."""
         config = self.config()
         permuted = _ARCHITECTURES[self.arch][2]
         for name, tensor in self.tensors.items():
@@ -160,6 +161,8 @@ class GGUFCheckpoint:
                 if name.startswith("rope_freqs"):
                     continue
                 raise GGUFError(f"GGUF tensor {name!r} has no place in the model")
+            if hf in skip:
+                continue
             shape = tuple(reversed(tensor.shape))
             order = None
             if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):

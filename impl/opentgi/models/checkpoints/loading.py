@@ -117,8 +117,15 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
     model = model.to(dtype).to_empty(device=device)  # allocated in dtype at once
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    cache = getattr(weights, "packed_cache", None) if device.type == "cpu" else None
+    cached = {name: fmt for name, fmt in (cache.load() if cache else {}).items() if name in int4 & quantized.keys()}
+    for name, fmt in cached.items():
+        quantized[name].weight_format = fmt
+        loaded.add(name)
+    tensors = weights.iter_tensors(int4 & quantized.keys(), skip=set(cached)) if cached else \
+        weights.iter_tensors(int4 & quantized.keys())
     with torch.no_grad():
-        for name, value in weights.iter_tensors(int4 & quantized.keys()):
+        for name, value in tensors:
             if name in quantized:
                 linear = quantized[name]
                 if isinstance(value, torch.Tensor):
@@ -141,4 +148,6 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
     missing = sorted((set(params) | set(quantized)) - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if cache is not None and not cached:
+        cache.save({name: quantized[name].weight_format for name in int4 & quantized.keys()})
     return model

@@ -124,6 +124,17 @@ class Int4Weight:
             self.packed = pack_for_cpu(groups)
         self.scales_and_zeros = scales_and_zeros(groups, dtype).to(self.device)
 
+    @staticmethod
+    def from_packed(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                    device: torch.device) -> Int4Weight:
+        """A weight packed before (models/checkpoints/packed_cache.py)."""
+        weight = object.__new__(Int4Weight)
+        weight.packed, weight.scales_and_zeros = packed.to(device), scales_and_zeros.to(device)
+        weight.group_size, weight.device = group_size, torch.device(device)
+        weight.out_features = scales_and_zeros.shape[1]
+        weight.in_features = scales_and_zeros.shape[0] * group_size
+        return weight
+
     @property
     def description(self) -> str:
         return f"int4 (groups of {self.group_size})"
