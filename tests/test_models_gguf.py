@@ -4,6 +4,8 @@ match transformers' own (dequantizing) GGUF import; nothing is converted on disk
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -113,3 +115,22 @@ def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, tmp_pa
     logits = [m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (first, second)]
     assert torch.equal(logits[0], logits[1])
     assert second.model.resident == first.model.resident
+
+
+def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
+    """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
+    copy), with the same logits up to summation order."""
+    from opentgi.models.families import llama
+
+    small = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    monkeypatch.setattr(llama, "TIED_HEAD_COPY_MAX_BYTES", 1 << 20)
+    large = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    assert small.model.logits_proj is not None and large.model.logits_proj is None
+
+    def total_mib(model) -> int:
+        return int(re.search(r"total ([\d,]+) MiB", model.resident).group(1).replace(",", ""))
+
+    assert total_mib(large.model) == total_mib(small.model) - 48  # 49152 x 256 float32
+    hidden = torch.randn(3, 256)
+    torch.testing.assert_close(large.model.compute_logits(hidden), small.model.compute_logits(hidden),
+                               atol=1e-4, rtol=1e-4)

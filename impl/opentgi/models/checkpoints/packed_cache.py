@@ -38,8 +38,8 @@ class PackedCache:
             return {}
         from safetensors.torch import load_file
 
-        try:
-            tensors = load_file(str(self.path))
+        try:  # copied out of safetensors' memory map, which is then closed: one copy resident
+            tensors = {name: tensor.clone() for name, tensor in load_file(str(self.path)).items()}
             names = {name.rsplit(".", 1)[0] for name in tensors}
             return {name: Int4Weight.from_packed(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"],
                                                  int(tensors[f"{name}.group_size"]), torch.device("cpu"))

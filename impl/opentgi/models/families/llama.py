@@ -99,6 +99,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+# A tied LM head gets its own copy in oneDNN's layout only up to this size: on the default model
+# (54 MiB in bfloat16) the copy took the head from 3.6 to 2.3 ms a step, a tenth of the step; on a
+# 1B model (192 MiB) it is a fifth of the resident weights for a few percent of the step.
+TIED_HEAD_COPY_MAX_BYTES = 64 << 20
+
+
 class PagedLlama(nn.Module):
     """A `PagedCausalLM` (models/base.py). `head` is "lm" (causal LM) or "score" (reward model)."""
 
@@ -127,8 +133,10 @@ class PagedLlama(nn.Module):
         self.rotary = RotaryEmbedding(self.config, self.spec.device)
         if onednn_linear_usable(device, self.spec.dtype):
             pack_linears(self.model.layers)
-            if not self.is_reward_model and (self.tie_word_embeddings or isinstance(self.lm_head, nn.Linear)):
-                tied = self.tie_word_embeddings
+            tied = self.tie_word_embeddings
+            embedding = self.model.embed_tokens.weight
+            copy_worth_it = not tied or embedding.numel() * embedding.element_size() <= TIED_HEAD_COPY_MAX_BYTES
+            if not self.is_reward_model and copy_worth_it and (tied or isinstance(self.lm_head, nn.Linear)):
                 self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
                 if not tied:
                     del self.lm_head
