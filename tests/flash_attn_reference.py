@@ -14,10 +14,11 @@ kernels would refuse fails here too:
 - causal masks aligned to the bottom-right corner: query i of a sequence with seqlen_q queries and
   seqlen_k keys sees key j when j <= i + seqlen_k - seqlen_q (+ window_size[1]) and, with a window,
   j >= i + seqlen_k - seqlen_q - window_size[0]; a query row that sees no key gives zeros;
+- `softcap` > 0: the scaled logits become softcap * tanh(logit / softcap) before the mask;
 - each sequence's lengths must fit max_seqlen_q / max_seqlen_k (the kernels size their grid from
   them and would silently skip the rest).
 
-Only what opentgi uses is implemented: no dropout, softcap, ALiBi, rotary, appending new k/v inside
+Only what opentgi uses is implemented: no dropout, ALiBi, rotary, appending new k/v inside
 `flash_attn_with_kvcache`, cache_batch_idx or leftpad; asking for them raises NotImplementedError.
 Outputs are computed in float32 and returned in q's dtype.
 """
@@ -77,7 +78,7 @@ def _paged_keys(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> to
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal: bool,
-            window: tuple[int, int]) -> torch.Tensor:
+            window: tuple[int, int], softcap: float = 0.0) -> torch.Tensor:
     """q [Lq, H, D], keys/values [Lk, Hk, D] -> [Lq, H, D] in float32, flash-attn's masking."""
     lq, num_heads, _ = q.shape
     lk = keys.shape[0]
@@ -85,6 +86,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     left, right = window
     if causal:
         right = 0
@@ -119,7 +122,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q [total_q, H, D]; k/v [total_k, Hk, D], or with `block_table` the paged caches
     [num_blocks, page_block_size, Hk, D] where sequence b's keys are its first
     cu_seqlens_k[b+1] - cu_seqlens_k[b] tokens through block_table[b]. Returns [total_q, H, D]."""
-    _unsupported(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes is not None,
+    _check(softcap >= 0, "softcap must be non-negative")
+    _unsupported(dropout_p=dropout_p, alibi_slopes=alibi_slopes is not None,
                  return_attn_probs=return_attn_probs)
     _check_inputs(q, k, v)
     _check(q.dim() == 3, "q must be [total_q, num_heads, head_dim]")
@@ -151,7 +155,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             _check(cu_k[b + 1] <= k.shape[0], "cu_seqlens_k runs past k")
             keys, values = k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
         out[cu_q[b]:cu_q[b + 1]] = _attend(q[cu_q[b]:cu_q[b + 1]], keys, values, scale, causal,
-                                           _window(window_size))
+                                           _window(window_size), softcap)
     return out.to(q.dtype)
 
 
@@ -165,7 +169,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens[b] cached keys. Returns [B, seqlen_q, H, D]."""
     _unsupported(k=k is not None, v=v is not None, rotary_cos=rotary_cos is not None,
                  rotary_sin=rotary_sin is not None, cache_batch_idx=cache_batch_idx is not None,
-                 cache_leftpad=cache_leftpad is not None, softcap=softcap,
+                 cache_leftpad=cache_leftpad is not None,
                  alibi_slopes=alibi_slopes is not None, return_softmax_lse=return_softmax_lse)
     _check_inputs(q, k_cache, v_cache)
     _check(q.dim() == 4, "q must be [batch_size, seqlen_q, num_heads, head_dim]")
@@ -185,6 +189,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _check(cache_seqlens.dtype == torch.int32, "cache_seqlens must have dtype int32")
         _check(tuple(cache_seqlens.shape) == (batch,), "cache_seqlens must be [batch_size]")
         lengths = cache_seqlens.tolist()
+    _check(softcap >= 0, "softcap must be non-negative")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, lk in enumerate(lengths):
@@ -195,5 +200,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             keys, values = _paged_keys(k_cache, block_table[b], lk), _paged_keys(v_cache, block_table[b], lk)
         else:
             keys, values = k_cache[b, :lk], v_cache[b, :lk]
-        out[b] = _attend(q[b], keys, values, scale, causal, _window(window_size))
+        out[b] = _attend(q[b], keys, values, scale, causal, _window(window_size), softcap)
     return out.to(q.dtype)

@@ -102,3 +102,29 @@ def test_speculate_comparison_runs_both_servers(tiny_llama):
     accepted, proposed = map(int, re.search(r"drafts accepted / proposed \| (\d+) / (\d+)", text).groups())
     assert 0 < accepted <= proposed
     assert "| prompts with the same greedy tokens on both servers | 4 of 4 |" in text
+
+
+def test_every_bench_architecture_takes_the_paged_path():
+    """`--architectures` builds each family at SmolLM2-135M's shape: every one must be served by the
+    paged code (checked on the configs alone; the models are built by the benchmark)."""
+    import transformers
+
+    from opentgi.bench.architectures import ARCHITECTURES, SHAPE
+    from opentgi.models.registry import paged_unsupported_reason
+
+    for name, (config_class, model_class, extra) in ARCHITECTURES.items():
+        config = getattr(transformers, config_class)(vocab_size=49152, architectures=[model_class],
+                                                     **{**SHAPE, **extra})
+        assert paged_unsupported_reason(config) is None, name
+
+
+def test_architecture_table_has_ratios_to_llama():
+    from opentgi.bench.architectures import table
+
+    totals = {("llama", 1): [100, 2.0, 0], ("llama", 16): [800, 2.0, 0],
+              ("qwen3", 1): [90, 2.0, 0], ("qwen3", 16): [840, 2.0, 1]}
+    assert table(["llama", "qwen3"], [1, 16], totals) == [
+        "| architecture | c=1 tokens/s | vs Llama | c=16 tokens/s | vs Llama |",
+        "|---|---:|---:|---:|---:|",
+        "| LlamaForCausalLM | 50.0 | 1.00x | 400.0 | 1.00x |",
+        "| Qwen3ForCausalLM | 45.0 | 0.90x | 420.0 (1 errors) | 1.05x |"]

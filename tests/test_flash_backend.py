@@ -198,40 +198,72 @@ def test_reference_refuses_what_flash_attn_refuses():
         ref.flash_attn_with_kvcache(q[:1].unsqueeze(1), cache, cache, k=q[:1, :2].unsqueeze(1))
 
 
-@pytest.mark.parametrize("window", [None, 48])
-def test_reference_matches_the_torch_backend(window):
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (48, None), (48, 1.5)])
+def test_reference_matches_the_torch_backend(window, softcap):
     """Same paged inputs (float32 for the torch backend, bf16 for the reference): prefill chunks,
-    a prefix-cache hit and decodes of different lengths agree."""
+    a prefix-cache hit and decodes of different lengths agree, with soft-capped logits too (Gemma 2)."""
     paged = Paged(seed=1, dtype=torch.float32, pad=-1)
     a = paged.add()
     backend = TorchAttentionBackend()
     steps = [{a: 300}, {a: 90}]
     for new_lens in steps:
         q, k, v, meta, _ = paged.step(new_lens, window)
-        expected = backend.forward(q, k, v, paged.k_cache, paged.v_cache, meta, 0.3, window)
+        expected = backend.forward(q, k, v, paged.k_cache, paged.v_cache, meta, 0.3, window, softcap)
         w = (window - 1, 0) if window else (-1, -1)
         got = ref.flash_attn_varlen_func(
             q.to(DTYPE), paged.k_cache.to(DTYPE), paged.v_cache.to(DTYPE), meta.cu_seqlens_q,
             meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=0.3, causal=True,
-            window_size=w, block_table=meta.block_tables.clamp(min=0))
+            window_size=w, softcap=softcap or 0.0, block_table=meta.block_tables.clamp(min=0))
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
     b = paged.add(shared_prefix_of=a, shared_blocks=1)
     c = paged.add()
     for new_lens in ({b: 40, c: 20}, {a: 1, b: 1, c: 1}):
         q, k, v, meta, _ = paged.step(new_lens, window)
-        expected = backend.forward(q, k, v, paged.k_cache, paged.v_cache, meta, 0.3, window)
+        expected = backend.forward(q, k, v, paged.k_cache, paged.v_cache, meta, 0.3, window, softcap)
         w = (window - 1, 0) if window else (-1, -1)
         if meta.decode_only:
             got = ref.flash_attn_with_kvcache(
                 q.to(DTYPE).unsqueeze(1), paged.k_cache.to(DTYPE), paged.v_cache.to(DTYPE),
                 cache_seqlens=meta.context_lens, block_table=meta.block_tables.clamp(min=0),
-                softmax_scale=0.3, causal=True, window_size=w).squeeze(1)
+                softmax_scale=0.3, causal=True, window_size=w, softcap=softcap or 0.0).squeeze(1)
         else:
             got = ref.flash_attn_varlen_func(
                 q.to(DTYPE), paged.k_cache.to(DTYPE), paged.v_cache.to(DTYPE), meta.cu_seqlens_q,
                 meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, softmax_scale=0.3,
-                causal=True, window_size=w, block_table=meta.block_tables.clamp(min=0))
+                causal=True, window_size=w, softcap=softcap or 0.0, block_table=meta.block_tables.clamp(min=0))
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_soft_capping_changes_attention():
+    """The cap is applied (a test of the test above: with a small cap the output moves)."""
+    paged = Paged(seed=1, dtype=torch.float32, pad=-1)
+    a = paged.add()
+    q, k, v, meta, _ = paged.step({a: 40})
+    backend = TorchAttentionBackend()
+    plain = backend.forward(q, k, v, paged.k_cache, paged.v_cache, meta, 0.3)
+    capped = backend.forward(q, k, v, paged.k_cache, paged.v_cache, _fresh(meta), 0.3, None, 0.5)
+    assert (plain - capped).abs().max() > 1e-2
+
+
+def test_flash_backend_passes_softcap_and_window(flash_backend):
+    """The flash backend hands soft-capping and the window to both flash-attn calls: its output
+    equals the torch backend's on the same steps (a chunk, then decodes)."""
+    backend, torch_backend = flash_backend.FlashAttentionBackend(), TorchAttentionBackend()
+    paged = Paged(seed=4)
+    a = paged.add()
+    for new_lens in ({a: 300}, {a: 1}, {a: 1}):
+        q, k, v, meta, _ = paged.step(new_lens, 64)
+        got = backend.forward(q, k, v, paged.k_cache, paged.v_cache, meta, 0.3, 64, 2.0)
+        want = torch_backend.forward(q.float(), k.float(), v.float(), paged.k_cache.float(),
+                                     paged.v_cache.float(), _fresh(meta), 0.3, 64, 2.0)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _fresh(meta):
+    """The same step's metadata without the other backend's scratch."""
+    return AttentionMetadata(**{f: getattr(meta, f) for f in (
+        "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "context_lens",
+        "block_tables", "decode_only")})
 
 
 # --- the real flash backend on the reference ------------------------------------------------------

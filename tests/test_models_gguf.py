@@ -120,10 +120,10 @@ def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, tmp_pa
 def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
     """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
     copy), with the same logits up to summation order."""
-    from opentgi.models.families import llama
+    from opentgi.models.families import decoder
 
     small = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
-    monkeypatch.setattr(llama, "TIED_HEAD_COPY_MAX_BYTES", 1 << 20)
+    monkeypatch.setattr(decoder, "TIED_HEAD_COPY_MAX_BYTES", 1 << 20)
     large = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
     assert small.model.logits_proj is not None and large.model.logits_proj is None
 

@@ -157,9 +157,11 @@ def test_unsupported_configs_go_to_the_generic_path():
     assert paged_unsupported_reason(LlamaConfig(architectures=["LlamaForCausalLM"])) is None
     dynamic = LlamaConfig(architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert "dynamic" in paged_unsupported_reason(dynamic)
-    assert "gelu" in paged_unsupported_reason(LlamaConfig(architectures=["LlamaForCausalLM"], hidden_act="gelu"))
+    assert "relu" in paged_unsupported_reason(LlamaConfig(architectures=["LlamaForCausalLM"], hidden_act="relu"))
     windowed = Qwen2Config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True)
-    assert "use_sliding_window" in paged_unsupported_reason(windowed)
+    assert paged_unsupported_reason(windowed) is None  # per-layer windows (tests/test_models_families.py)
+    partial = Qwen2Config(architectures=["Qwen2ForCausalLM"], partial_rotary_factor=0.5)
+    assert "partial_rotary_factor" in paged_unsupported_reason(partial)
     assert "no paged" in paged_unsupported_reason(LlamaConfig(architectures=["FalconForCausalLM"]))
 
 

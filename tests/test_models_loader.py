@@ -24,12 +24,26 @@ def test_llama_loads_on_the_paged_path(tiny_llama):
     assert loaded.model_id == str(tiny_llama) and loaded.model_sha is None
 
 
-def test_gpt2_loads_on_the_generic_path(tiny_gpt2):
-    loaded = load_model(Settings(model_id=str(tiny_gpt2), block_size=32))
+def test_gpt2_loads_on_the_generic_path(tiny_gpt2, caplog):
+    with caplog.at_level("WARNING", logger="opentgi.models.loader"):
+        loaded = load_model(Settings(model_id=str(tiny_gpt2), block_size=32))
+    said = [r.getMessage() for r in caplog.records if r.name == "opentgi.models.loader"]
+    assert said == ["GPT2LMHeadModel runs on the generic transformers path (architecture GPT2LMHeadModel "
+                    "has no paged implementation): no prefix cache, no --num-shard, no LoRA adapters, "
+                    "no --speculate"]
     assert loaded.kind == "generic" and loaded.attention_backend is None
     assert type(loaded.model).__name__ == "GPT2LMHeadModel" and not loaded.model.training
     assert loaded.spec.num_layers == 2 and loaded.spec.max_position_embeddings == 2048
     assert loaded.block_size == 32
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "starcoder2", "mixtral"])
+def test_families_load_on_the_paged_path_without_a_word(family, caplog):
+    from tests import tiny_models
+
+    with caplog.at_level("WARNING", logger="opentgi.models.loader"):
+        loaded = load_model(Settings(model_id=str(tiny_models.tiny_family_path(family)), dtype="float32"))
+    assert loaded.kind == "paged" and not [r for r in caplog.records if r.name == "opentgi.models.loader"]
 
 
 def test_reward_model_is_flagged(tiny_reward):

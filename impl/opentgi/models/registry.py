@@ -11,35 +11,36 @@ from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.base import ModelSpec
 from opentgi.models.checkpoints.loading import FolderWeights, load_quantized
 from opentgi.models.checkpoints.weights import load_weights
-from opentgi.models.families.llama import PagedLlama
+from opentgi.models.families.decoder import PagedDecoder
+from opentgi.models.families.layout import DecoderLayout
+from opentgi.models.families.parts import FAMILIES
+from opentgi.models.layers.mlp import ACTIVATIONS
 from opentgi.models.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
 from opentgi.models.quantization.linear import resident_summary
 from opentgi.models.quantization.methods import Quantize
 
-# architecture -> (q/k/v projections carry a bias, head)
-PAGED_ARCHITECTURES: dict[str, tuple[bool, str]] = {
-    "LlamaForCausalLM": (False, "lm"),
-    "MistralForCausalLM": (False, "lm"),
-    "Qwen2ForCausalLM": (True, "lm"),
-    "LlamaForSequenceClassification": (False, "score"),
-    "MistralForSequenceClassification": (False, "score"),
-    "Qwen2ForSequenceClassification": (True, "score"),
+# architecture -> (family: its parts in families/parts.py, head)
+PAGED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "lm"),
+    "MistralForCausalLM": ("mistral", "lm"),
+    "Qwen2ForCausalLM": ("qwen2", "lm"),
+    "Qwen3ForCausalLM": ("qwen3", "lm"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "lm"),
+    "MixtralForCausalLM": ("mixtral", "lm"),
+    "GemmaForCausalLM": ("gemma", "lm"),
+    "Gemma2ForCausalLM": ("gemma2", "lm"),
+    "Gemma3ForCausalLM": ("gemma3", "lm"),
+    "Phi3ForCausalLM": ("phi3", "lm"),
+    "Starcoder2ForCausalLM": ("starcoder2", "lm"),
+    "LlamaForSequenceClassification": ("llama", "score"),
+    "MistralForSequenceClassification": ("mistral", "score"),
+    "Qwen2ForSequenceClassification": ("qwen2", "score"),
 }
 
 
 def architecture_of(config) -> str:
     archs = getattr(config, "architectures", None) or []
     return archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM")
-
-
-def sliding_window_of(config) -> int | None:
-    """The attention window the paged code must apply (Mistral's `sliding_window`), or None.
-    Llama ignores the field, as transformers does; Qwen2 with use_sliding_window is refused in
-    paged_unsupported_reason."""
-    if config.model_type != "mistral":
-        return None
-    window = getattr(config, "sliding_window", None)
-    return int(window) if window else None
 
 
 def paged_unsupported_reason(config) -> str | None:
@@ -49,17 +50,23 @@ def paged_unsupported_reason(config) -> str | None:
         return f"architecture {arch} has no paged implementation"
     if PAGED_ARCHITECTURES[arch][1] == "score" and getattr(config, "num_labels", 1) != 1:
         return f"{arch} with num_labels={config.num_labels} is not a reward model"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} (paged code implements silu)"
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        return f"hidden_act {act!r} (paged code implements {', '.join(ACTIVATIONS)})"
     if rope_type(config) not in SUPPORTED_ROPE_TYPES:
         return f"rope_scaling type {rope_type(config)!r}"
-    if config.model_type == "qwen2" and getattr(config, "use_sliding_window", False):
-        return "Qwen2 with use_sliding_window (per-layer windows)"
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        return f"partial_rotary_factor {config.partial_rotary_factor} (RoPE on part of each head)"
+    kinds = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    if kinds:
+        return f"layer_types {sorted(kinds)}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention (not a causal decoder)"
     return None
 
 
 def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dtype,
-                      device: torch.device, tp=None, quantize: Quantize | None = None) -> PagedLlama:
+                      device: torch.device, tp=None, quantize: Quantize | None = None) -> PagedDecoder:
     """The model on `device`, from a checkpoint folder or an open GGUFCheckpoint, its linears in
     the formats the checkpoint and `quantize` ask for (models/checkpoints/loading.py); with `tp` (a
     models.parallel.TPGroup of more than one rank) this rank's shard of it, loaded from its slices
@@ -68,7 +75,7 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
     if reason is not None:
         raise ValueError(f"cannot serve {folder} on the paged path: {reason}")
     arch = architecture_of(config)
-    qkv_bias, head = PAGED_ARCHITECTURES[arch]
+    family, head = PAGED_ARCHITECTURES[arch]
     num_heads = config.num_attention_heads
     spec = ModelSpec(
         architecture=arch,
@@ -79,7 +86,7 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
         max_position_embeddings=config.max_position_embeddings,
         dtype=dtype,
         device=device,
-        sliding_window=sliding_window_of(config),
+        sliding_window=DecoderLayout.of(config, FAMILIES[family]).uniform_window,
         is_reward_model=head == "score",
     )
     plan = None
@@ -89,7 +96,8 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
         plan = ShardPlan.of(config, tp.rank, tp.world_size)
         spec.num_kv_heads = plan.num_kv_heads
     with torch.device("meta"):
-        model = PagedLlama(config if plan is None else plan.local_config(config), spec, backend, qkv_bias, head)
+        local = config if plan is None else plan.local_config(config)
+        model = PagedDecoder(local, spec, backend, DecoderLayout.of(local, FAMILIES[family]), head)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
     if plan is None:
         weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config)

@@ -14,7 +14,7 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """One layer's attention for one step.
 
         q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (this step's new tokens, varlen
@@ -23,6 +23,7 @@ class AttentionBackend(Protocol):
         each sequence's whole context (its first context_lens[b] tokens through block_tables[b]);
         the q tokens of sequence b sit at positions context_lens[b] - q_len_b .. context_lens[b] - 1.
         With `sliding_window` W a query at position i sees keys at positions i - W < j <= i.
+        With `softcap` c the logits q.k * scale become tanh(logit / c) * c before the softmax.
         num_heads must be a multiple of num_kv_heads (grouped-query attention).
         Returns [T, num_heads, head_dim] in q's dtype.
         """

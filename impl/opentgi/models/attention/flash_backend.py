@@ -23,7 +23,7 @@ class FlashAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         has_skips = meta.scratch.get("flash_has_skips")
         if has_skips is None:  # one device sync per step, not per layer
             has_skips = meta.scratch["flash_has_skips"] = bool((meta.slot_mapping < 0).any())
@@ -32,9 +32,10 @@ class FlashAttentionBackend:
         if meta.decode_only:
             out = flash_attn_with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                block_table=meta.block_tables, softmax_scale=scale, causal=True, window_size=window)
+                block_table=meta.block_tables, softmax_scale=scale, causal=True, window_size=window,
+                softcap=softcap or 0.0)
             return out.squeeze(1)
         return flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale,
-            causal=True, window_size=window, block_table=meta.block_tables)
+            causal=True, window_size=window, softcap=softcap or 0.0, block_table=meta.block_tables)

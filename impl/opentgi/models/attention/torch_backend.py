@@ -239,6 +239,27 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
                  prompts)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """`scaled_dot_product_attention`; with `softcap`, the logits become tanh(s * scale / cap) * cap
+    before the mask and the softmax (Gemma 2), which sdpa cannot do: then in plain ops, in float32
+    (bfloat16 matmuls of a decode row's few keys measured twice as slow here)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale / softcap).tanh_().mul_(softcap)
+    if is_causal:  # top-left aligned, as sdpa's is_causal
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    if mask is not None:
+        scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [num_blocks, block_size, H, D], slots int64 [N] -> [N, H, D] (one row copy per slot)."""
     flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
@@ -250,7 +271,7 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         plan_key = ("torch", sliding_window, q.dtype, group)
         plan = meta.scratch.get(plan_key)
@@ -277,8 +298,8 @@ class TorchAttentionBackend:
                 shape = (rows, dec.num_blocks * block_size, num_kv_heads, head_dim)
                 keys = k_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
                 values = v_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
-                outs.append(F.scaled_dot_product_attention(q_dec[dec.start:dec.end], keys.to(q.dtype),
-                                                           values.to(q.dtype), attn_mask=dec.mask, scale=scale))
+                outs.append(_attend(q_dec[dec.start:dec.end], keys.to(q.dtype), values.to(q.dtype), dec.mask,
+                                    scale, softcap))
             o_dec = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(-1, num_heads, head_dim)
             if plan.decode_in_order:
                 out = o_dec
@@ -293,7 +314,7 @@ class TorchAttentionBackend:
             q_b = q_b.permute(0, 2, 3, 1, 4).reshape(rows, num_kv_heads, group * length, head_dim)
             keys = k.index_select(0, batch.gather).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
             values = v.index_select(0, batch.gather).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q_b, keys, values, attn_mask=batch.mask, scale=scale)
+            o = _attend(q_b, keys, values, batch.mask, scale, softcap)
             o = o.view(rows, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
             out.index_copy_(0, batch.dest, o.reshape(rows * length, num_heads, head_dim).index_select(0, batch.valid))
         for row in plan.prefill:
@@ -305,8 +326,7 @@ class TorchAttentionBackend:
                 values = _gather(v_cache, row.slots).to(q.dtype)
             keys = keys.transpose(0, 1).unsqueeze(0)
             values = values.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q_row, keys, values, attn_mask=row.mask,
-                                               is_causal=row.mask is None, scale=scale,
-                                               enable_gqa=group > 1)
+            o = _attend(q_row, keys, values, row.mask, scale, softcap, is_causal=row.mask is None,
+                        enable_gqa=group > 1)
             out[row.q_start:row.q_end] = o.squeeze(0).transpose(0, 1)
         return out

@@ -1,15 +1,18 @@
 """Rotary position embedding (RoPE), computed for the step's flat positions.
 
 Supported `rope_scaling` types: none/"default", "linear", "llama3" and "yarn" (static frequency
-changes, taken from transformers' own initializers so they match it exactly). "dynamic" and
-"longrope" change with the sequence length: such models are served by the generic path.
+changes, taken from transformers' own initializers so they match it exactly), and "longrope"
+(Phi-3's LongRoPE, "su"): the short factors below `original_max_position_embeddings`, the long
+ones from there on, chosen per position (transformers and TGI switch a whole forward to the long
+factors once any position passes it; per position, the keys already cached stay valid). "dynamic"
+changes with the sequence length: such models are served by the generic path.
 """
 
 from __future__ import annotations
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
 
 
 def rope_type(config) -> str:
@@ -17,6 +20,16 @@ def rope_type(config) -> str:
     if not isinstance(scaling, dict):
         return "default"
     return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def local_rope_config(config):
+    """Gemma 3's sliding-window layers: plain RoPE with base `rope_local_base_freq`."""
+    import copy
+
+    local = copy.copy(config)
+    local.rope_theta = config.rope_local_base_freq
+    local.rope_scaling = None
+    return local
 
 
 class RotaryEmbedding:
@@ -30,8 +43,16 @@ class RotaryEmbedding:
         if kind not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling type {kind!r} is not supported by the paged model code "
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        self.long_from: int | None = None  # LongRoPE: positions from here on take `long_inv_freq`
+        self.long_inv_freq: torch.Tensor | None = None
         with torch.device("cpu"):
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+            if kind in ("longrope", "su"):
+                original = getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
+                long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=original + 1)
+                self.long_from, self.long_inv_freq = original, long_inv_freq.float().to(device)
+            else:
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
         self.inv_freq = inv_freq.float().to(device)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, signed sin [n, head_dim]
 
@@ -48,6 +69,8 @@ class RotaryEmbedding:
     def _table(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(size, device=self.inv_freq.device)
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        if self.long_from is not None and size > self.long_from:
+            freqs[self.long_from:] = positions[self.long_from:].float().unsqueeze(1) * self.long_inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)

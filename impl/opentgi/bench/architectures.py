@@ -1,0 +1,114 @@
+"""`python -m opentgi.bench --architectures llama,qwen3,...`: each family of the paged path at the
+default model's shape, side by side with Llama in one run.
+
+Random-weight models of SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads of 64, 3 kv heads,
+intermediate 1536, tied embeddings, SmolLM2's tokenizer from the default model's GGUF) are built
+once per architecture with transformers (bfloat16 safetensors under the cache folder) with what
+sets the family apart left at its defaults (Gemma 2's soft-capping, the windows of Gemma, Phi-3
+and StarCoder2, Qwen3's q/k norms). Mixtral has 8 experts of 1536 features and Qwen3-MoE 8 of 768,
+2 per token. Each architecture is then served in turn (default flags plus --server-arg), in
+interleaved rounds, and driven at each --concurrency level like the main benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "head_dim": 64, "intermediate_size": 1536, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+         "tie_word_embeddings": True, "initializer_range": 0.02}
+# name -> (config class, model class, what the family adds to SHAPE)
+ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 64}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"query_pre_attn_scalar": 64}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 2047}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"use_bias": True, "sliding_window": 4096,
+                                                                "hidden_act": "gelu_pytorch_tanh"}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 768, "norm_topk_prob": True}),
+}
+
+
+def same_shape_model(name: str, cache_dir: str | None) -> Path:
+    """The folder of architecture `name` at the default model's shape, built on first use."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    from opentgi.models.checkpoints.default_model import default_cache_dir, default_gguf_path
+    from opentgi.models.checkpoints.gguf_tokenizer import load_gguf_tokenizer
+
+    config_class, model_class, extra = ARCHITECTURES[name]
+    folder = default_cache_dir(cache_dir) / "bench-models" / f"{name}-576x30"
+    if (folder / ".complete").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_gguf_tokenizer(default_gguf_path())
+    tokenizer.save_pretrained(folder)
+    config = getattr(transformers, config_class)(vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2,
+                                                 **{**SHAPE, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).to(torch.bfloat16).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 0], pad_token_id=2).save_pretrained(folder)
+    (folder / ".complete").write_text(name)
+    return folder
+
+
+def architecture_comparison(args, prompts: list[str], local_server, run_level, machine_line) -> str:
+    """Throughput of each architecture at each --concurrency level, one server at a time, in
+    interleaved rounds summed; the markdown table with each one's ratio to Llama."""
+    names = [n.strip() for n in args.architectures.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ARCHITECTURES]
+    if unknown:
+        raise SystemExit(f"--architectures: unknown {unknown}; known: {', '.join(ARCHITECTURES)}")
+    if "llama" not in names:
+        names.insert(0, "llama")
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    folders = {n: same_shape_model(n, None) for n in names}
+    totals = {(n, c): [0, 0.0, 0] for n in names for c in levels}  # tokens, wall, errors
+    for round_ in range(args.rounds):
+        for name in names:
+            server_args = argparse.Namespace(**vars(args))
+            server_args.model_id = str(folders[name])
+            with local_server(server_args) as url:
+                asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit))  # warm-up
+                for c in levels:
+                    n = min(args.max_requests, max(4, 2 * c))
+                    lv = asyncio.run(run_level(url, prompts, c, n, args.new_tokens, args.level_time_limit))
+                    t = totals[(name, c)]
+                    t[0] += lv.tokens
+                    t[1] += lv.wall_s
+                    t[2] += lv.errors
+                    print(f"round {round_ + 1}, {name}, concurrency {c}: {lv.throughput:.1f} tokens/s", flush=True)
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — architectures at SmolLM2-135M's shape",
+             "", f"Machine: {machine_line(args.num_threads)}.",
+             (f"Random weights (bfloat16 checkpoints), each architecture served in turn with default flags"
+              f"{' + ' + ' '.join(args.server_arg) if args.server_arg else ''}, greedy `/generate_stream`, "
+              f"{args.new_tokens} new tokens, {args.rounds} interleaved rounds summed."), ""]
+    return "\n".join(lines + table(names, levels, totals)) + "\n"
+
+
+def table(names: list[str], levels: list[int], totals: dict[tuple[str, int], list]) -> list[str]:
+    """The markdown table: tokens/s per architecture and level (totals: (name, c) -> [tokens,
+    seconds, errors]) and its ratio to Llama's."""
+    def tps(name: str, c: int) -> float:
+        tokens, wall, _ = totals[(name, c)]
+        return tokens / wall if wall else 0.0
+
+    lines = ["| architecture | " + " | ".join(f"c={c} tokens/s | vs Llama" for c in levels) + " |",
+             "|---|" + "---:|---:|" * len(levels)]
+    for name in names:
+        cells = []
+        for c in levels:
+            base, errors = tps("llama", c), totals[(name, c)][2]
+            cells.append(f"{tps(name, c):.1f}{f' ({errors} errors)' if errors else ''} | "
+                         f"{tps(name, c) / base if base else 0:.2f}x")
+        lines.append(f"| {ARCHITECTURES[name][1]} | " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,156 @@
+"""One decoder skeleton for every family of the paged path, built from the family's parts
+(`families/parts.py`) and what its config says (`families/layout.py`), plus the one-label
+sequence-classification (reward) head.
+
+A layer is norm -> attention -> residual -> norm -> feed-forward -> residual; with sandwich norms
+(Gemma 2/3) the attention and feed-forward outputs are normed too before their residual adds. The
+norm (RMSNorm, Gemma's (1 + w) RMSNorm, LayerNorm), the feed-forward block (SwiGLU/GeGLU, a plain
+GELU MLP, routed experts), the attention extras, the embedding scale, the RoPE of each layer and
+the final logit soft-capping are the family's parts. Parameter names follow Hugging Face's
+checkpoints, so weights load by name.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opentgi.models.attention.backend import AttentionBackend
+from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.base import ModelSpec
+from opentgi.models.families.attention import DecoderAttention
+from opentgi.models.families.layout import DecoderLayout
+from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
+from opentgi.models.layers.mlp import GatedMLP, PlainMLP
+from opentgi.models.layers.moe import SparseMoE
+from opentgi.models.layers.norm import make_norm
+from opentgi.models.layers.rotary import RotaryEmbedding, local_rope_config
+
+log = logging.getLogger(__name__)
+
+
+def _feed_forward(config, layout: DecoderLayout, index: int) -> nn.Module:
+    parts = layout.parts
+    if layout.moe[index]:
+        return SparseMoE(layout.hidden, layout.expert_intermediate, layout.num_experts, layout.top_k,
+                         layout.renormalize, layout.act, parts.expert_names)
+    if parts.mlp == "plain":
+        return PlainMLP(layout.hidden, config.intermediate_size, layout.act, layout.mlp_bias)
+    return GatedMLP(layout.hidden, config.intermediate_size, layout.act, layout.mlp_bias, parts.mlp_names)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layout: DecoderLayout, backend: AttentionBackend, index: int):
+        super().__init__()
+        parts = layout.parts
+        self.mlp_attr = parts.mlp_attr
+        self.self_attn = DecoderAttention(layout, backend, layout.windows[index])
+        setattr(self, parts.mlp_attr, _feed_forward(config, layout, index))
+        self.input_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
+        self.post_attention_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
+        self.sandwich = parts.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
+            self.post_feedforward_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
+        self.rope = 1 if layout.local_rope[index] else 0  # which of the model's RoPE tables
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return getattr(self, self.mlp_attr)
+
+    def forward(self, h, cos, sin, meta, kv_cache):
+        if self.sandwich:
+            h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, meta, *kv_cache)).add_(h)
+            ff = self.feed_forward(self.pre_feedforward_layernorm(h))
+            return self.post_feedforward_layernorm(ff).add_(h)
+        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, *kv_cache).add_(h)
+        return self.feed_forward(self.post_attention_layernorm(h)).add_(h)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, layout: DecoderLayout, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, layout, backend, i)
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = make_norm(layout.parts.norm, config.hidden_size, layout.eps)
+
+
+# A tied LM head gets its own copy in oneDNN's layout only up to this size: on the default model
+# (54 MiB in bfloat16) the copy took the head from 3.6 to 2.3 ms a step, a tenth of the step; on a
+# 1B model (192 MiB) it is a fifth of the resident weights for a few percent of the step.
+TIED_HEAD_COPY_MAX_BYTES = 64 << 20
+
+
+class PagedDecoder(nn.Module):
+    """A `PagedCausalLM` (models/base.py). `head` is "lm" (causal LM) or "score" (reward model)."""
+
+    def __init__(self, config, spec: ModelSpec, backend: AttentionBackend, layout: DecoderLayout, head: str):
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        self.layout = layout
+        self.is_reward_model = head == "score"
+        self.model = DecoderModel(config, layout, backend)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and head == "lm"
+        if head == "score":
+            self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
+        elif not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embed_scale = config.hidden_size ** 0.5 if layout.parts.embed_scale else None
+        self.rotary: list[RotaryEmbedding] = []  # set by `materialize` (needs the real device)
+        self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
+
+    def materialize(self) -> None:
+        """After the weights are loaded: fuse projections (quantized ones too, where their formats
+        stack: models/quantization/linear.py), set up RoPE on the real device, and on CPU in
+        float32 or bfloat16 run the dense linear layers through oneDNN (models/layers/linear.py)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.feed_forward.fuse_projections()
+        self.rotary = [RotaryEmbedding(self.config, self.spec.device)]
+        if any(self.layout.local_rope):
+            self.rotary.append(RotaryEmbedding(local_rope_config(self.config), self.spec.device))
+        if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
+            pack_linears(self.model.layers)
+            tied = self.tie_word_embeddings
+            embedding = self.model.embed_tokens.weight
+            copy_worth_it = not tied or embedding.numel() * embedding.element_size() <= TIED_HEAD_COPY_MAX_BYTES
+            if not self.is_reward_model and copy_worth_it and (tied or isinstance(self.lm_head, nn.Linear)):
+                self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
+                if not tied:
+                    del self.lm_head
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # in the model dtype, as Gemma's code rounds it
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, *tables[layer.rope], attn, kv_cache)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.is_reward_model:
+            raise TypeError("a reward model has no language-model head: use compute_score")
+        if self.logits_proj is not None:
+            logits = self.logits_proj(hidden).float()
+        elif not self.tie_word_embeddings:
+            logits = self.lm_head(hidden).float()  # nn.Linear, or a QuantizedLinear
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        cap = self.layout.final_softcap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+    @torch.inference_mode()
+    def compute_score(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (each sequence's last token) -> float32 raw scores [N]."""
+        if not self.is_reward_model:
+            raise TypeError("only a reward (sequence-classification) model has compute_score")
+        return self.score(hidden).float()[:, 0]

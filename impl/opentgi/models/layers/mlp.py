@@ -1,0 +1,79 @@
+"""The decoder's feed-forward blocks.
+
+- `GatedMLP`: `down(act(gate(x)) * up(x))`: SwiGLU (silu: Llama, Qwen, Mistral, Phi-3, each expert
+  of Mixtral and Qwen3-MoE) and GeGLU (gelu_pytorch_tanh: Gemma). Checkpoints name the three
+  projections differently (Mixtral's experts: w1/w3/w2) or store gate and up fused (Phi-3:
+  gate_up_proj); after loading, gate and up are one `gate_up_proj` matmul either way.
+- `PlainMLP`: `c_proj(act(c_fc(x)))` with biases (StarCoder2).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opentgi.models.quantization.linear import fuse_linears
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def fused_linear(parts: list[nn.Module]) -> nn.Module:
+    """One module whose output is the concatenation of `parts`' outputs: one nn.Linear for dense
+    parts, one QuantizedLinear for parts of a format that stacks (models/quantization/linear.py)."""
+    return fuse_linears(parts)
+
+
+class GatedMLP(nn.Module):
+    """names: the checkpoint's (gate, up, down) names, or ("gate_up_proj", None, down) when the
+    checkpoint stores gate and up as one tensor (gate rows first)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False,
+                 names: tuple[str, str | None, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.intermediate = intermediate
+        self.act = ACTIVATIONS[act]
+        self.names = names
+        gate, up, down = names
+        if up is None:
+            setattr(self, gate, nn.Linear(hidden, 2 * intermediate, bias=bias))
+        else:
+            setattr(self, gate, nn.Linear(hidden, intermediate, bias=bias))
+            setattr(self, up, nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, down, nn.Linear(intermediate, hidden, bias=bias))
+
+    def fuse_projections(self) -> None:
+        gate, up, down = self.names
+        if up is not None:
+            self.gate_up_proj = fused_linear([getattr(self, gate), getattr(self, up)])
+            delattr(self, gate)
+            delattr(self, up)
+        elif gate != "gate_up_proj":
+            self.gate_up_proj = self._modules.pop(gate)
+        if down != "down_proj":
+            self.down_proj = self._modules.pop(down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate).mul_(up))
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = True):
+        super().__init__()
+        self.act = ACTIVATIONS[act]
+        self.c_fc = nn.Linear(hidden, intermediate, bias=bias)
+        self.c_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def fuse_projections(self) -> None:
+        pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
