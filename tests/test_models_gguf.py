@@ -134,3 +134,14 @@ def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
     hidden = torch.randn(3, 256)
     torch.testing.assert_close(large.model.compute_logits(hidden), small.model.compute_logits(hidden),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_dequantize_serves_every_layer_dense(tiny_gguf, tmp_path):
+    """--dequantize: the 4-bit layers in the serving dtype (oneDNN on CPU), the same weights."""
+    kept = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    dense = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path), dequantize=True))
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
+    assert "int4" not in dense.model.resident
+    prompt = kept.tokenizer("Once upon a time")["input_ids"]
+    got, want = (m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (dense, kept))
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

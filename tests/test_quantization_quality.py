@@ -10,7 +10,6 @@ import pytest
 
 from opentgi.config import Settings
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint
 from opentgi.models.loader import load_model
 from tests.engine_helpers import generate, running
 
@@ -39,12 +38,11 @@ async def served_perplexity(loaded) -> float:
 
 
 @pytest.mark.slow
-async def test_int8_perplexity_is_within_one_percent_of_bfloat16(monkeypatch, tmp_path):
+async def test_int8_perplexity_is_within_one_percent_of_bfloat16(tmp_path):
     settings = dict(dtype="bfloat16", cache_dir=str(tmp_path))
     int4 = await served_perplexity(load_model(Settings(**settings)))  # the file's own Q4_1, int4 kernel
     int8 = await served_perplexity(load_model(Settings(quantize="int8", **settings)))
-    monkeypatch.setattr(GGUFCheckpoint, "int4_names", lambda self: set())  # every weight dense
-    bfloat16 = await served_perplexity(load_model(Settings(**settings)))
+    bfloat16 = await served_perplexity(load_model(Settings(dequantize=True, **settings)))  # all dense
     print(f"perplexity: bfloat16 {bfloat16:.3f}, int8 {int8:.3f}, the GGUF's int4 {int4:.3f}")
     assert abs(int8 / bfloat16 - 1) < 0.01
     assert abs(int4 / bfloat16 - 1) < 0.01  # Q4_1's values, bfloat16 scales: the same weights

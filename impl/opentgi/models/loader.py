@@ -232,6 +232,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         if sharded:
             raise ModelLoadError("--num-shard with a GGUF file is not supported; serve it with one shard")
         checkpoint, config, tokenizer, eos = _open_gguf(folder, settings.cache_dir)
+        checkpoint.keep_int4 = not settings.dequantize
         if device.type == "cpu":
             from opentgi.models.checkpoints.packed_cache import PackedCache
 

@@ -82,6 +82,7 @@ class GGUFCheckpoint:
                             f"(served: {', '.join(sorted(_ARCHITECTURES))})")
         self.tensors = self.header.tensors
         self.packed_cache = None  # a PackedCache (packed_cache.py), set by the loader on CPU
+        self.keep_int4 = True  # False (--dequantize): every tensor served dense
 
     @property
     def metadata(self) -> dict[str, object]:
@@ -134,7 +135,9 @@ class GGUFCheckpoint:
     def int4_names(self) -> set[str]:
         """Hugging Face names of the linear weights (layer projections, an untied LM head) that load
         as Int4Groups."""
-        found = set()
+        found: set[str] = set()
+        if not self.keep_int4:
+            return found
         for name, tensor in self.tensors.items():
             hf = hf_name(name)
             if hf and (_PROJECTION.match(hf) or hf == "lm_head.weight") and tensor.tensor_type in ggml.INT4_TYPES:
