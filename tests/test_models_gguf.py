@@ -145,3 +145,33 @@ def test_dequantize_serves_every_layer_dense(tiny_gguf, tmp_path):
     prompt = kept.tokenizer("Once upon a time")["input_ids"]
     got, want = (m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (dense, kept))
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
+    """gguf_header.py's one-pass reader: the same scalar metadata, array lengths and tensor bytes
+    as gguf-py's GGUFReader."""
+    import gguf
+    import numpy as np
+
+    from opentgi.models.checkpoints.gguf_header import GGUFHeader
+
+    header, reader = GGUFHeader(tiny_gguf), gguf.GGUFReader(str(tiny_gguf))
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert header.array_lengths[key] == len(field.data), key
+        elif not key.startswith("GGUF."):
+            assert header.fields[key] == field.contents(), key
+    assert set(header.tensors) == {t.name for t in reader.tensors}
+    for tensor in reader.tensors:
+        ours = header.tensors[tensor.name]
+        assert ours.tensor_type == tensor.tensor_type and ours.shape == tuple(int(d) for d in tensor.shape)
+        assert np.array_equal(ours.data, tensor.data), tensor.name
+    header.close()
+
+
+def test_quantize_int8_on_a_gguf_requantizes_every_projection(tiny_gguf, tmp_path):
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", quantize="int8", cache_dir=str(tmp_path)))
+    kinds = {m.weight_format.kind for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    assert kinds == {"int8"} and "int8 (per channel)" in loaded.model.resident
+    layer = loaded.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.down_proj, QuantizedLinear)
