@@ -66,6 +66,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--revision", str, "model revision (hub ids only)"),
     Option("--dtype", str, "float32 | float16 | bfloat16 (default: bfloat16 on CUDA and on CPUs "
            "with avx512_bf16 or AMX, else float32)"),
+    Option("--quantize", str, "weight formats for a float checkpoint: int8 (per channel; TGI's eetq), "
+           "int4 (groups of 32; int4-g64, int4-g128), fp8 (GPUs with FP8); awq / gptq checkpoints are "
+           "read as they are (default: the checkpoint's own; GGUF files are always read as they are)"),
+    Option("--dequantize", _bool, "serve a GGUF's 4-bit layers dequantized to the serving dtype: on CPU "
+           "faster from about 16 concurrent streams on, for 3x their memory (default: kept 4-bit)",
+           is_switch=True),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
            "physical core); the HTTP event loop keeps one"),
@@ -133,7 +139,8 @@ OPTIONS: tuple[Option, ...] = (
            env=("SENSITIVE_WORDS",)),
     Option("--responses-store-size", int, "OpenAI Responses: responses kept for GET/DELETE and "
            "previous_response_id, least recently used out first (default 1000; 0 keeps none)"),
-    Option("--cache-dir", str, "where converted weights are kept (default ~/.cache/opentgi)",
+    Option("--cache-dir", str, "where start-up keeps what it builds once: a GGUF file's tokenizer and "
+           "packed 4-bit layers (default ~/.cache/opentgi)",
            env=("OPENTGI_CACHE_DIR",)),
     # chat turns and the server around them (reasoning, native tool calls, CORS, several API keys)
     Option("--chat-template-kwargs", _json_object, "default chat template variables, a JSON object, e.g. "

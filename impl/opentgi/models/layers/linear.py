@@ -35,8 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.quantization.int4 import Int4Switch, Int4Weight
-
 log = logging.getLogger(__name__)
 
 _PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
@@ -58,16 +56,10 @@ class OneDNNLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
-        # a 4-bit copy of the same weight (models/quantization/int4.py), used while `int4_switch` is on
-        self.int4: Int4Weight | None = None
-        self.int4_switch: Int4Switch | None = None
         self.min_rows = 1  # row invariance: fewer rows are padded to this many (`make_row_invariant`)
         self.k_slices: list[torch.Tensor] | None = None  # float32 row invariance: packed input slices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4_switch is not None and self.int4_switch.on:
-            out = self.int4.matmul(x)
-            return out if self.bias is None else out.add_(self.bias)
         return self.dense_forward(x)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +95,7 @@ class OneDNNLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int4={self.int4 is not None}, min_rows={self.min_rows}")
+                f"bias={self.bias is not None}, min_rows={self.min_rows}")
 
 
 def _k_slices(weight: torch.Tensor) -> list[torch.Tensor]:
