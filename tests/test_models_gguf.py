@@ -11,6 +11,7 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
+from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
 from opentgi.models.loader import ModelLoadError, load_model
 from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
 from tests import tiny_models
@@ -119,13 +120,17 @@ def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, tmp_pa
 
 def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
     """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
-    copy), with the same logits up to summation order."""
+    copy; batch invariance row-tiles that product over the embedding's own storage), with the same
+    logits up to summation order."""
     from opentgi.models.families import decoder
 
     small = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
     monkeypatch.setattr(decoder, "TIED_HEAD_COPY_MAX_BYTES", 1 << 20)
     large = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
-    assert small.model.logits_proj is not None and large.model.logits_proj is None
+    assert isinstance(small.model.logits_proj, OneDNNLinear)
+    head = large.model.logits_proj  # the embedding's own storage, not a copy
+    assert isinstance(head, RowTiledLinear)
+    assert head.weight.data_ptr() == large.model.model.embed_tokens.weight.data_ptr()
 
     def total_mib(model) -> int:
         return int(re.search(r"total ([\d,]+) MiB", model.resident).group(1).replace(",", ""))

@@ -71,6 +71,13 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr() or id(tensor)
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage (oneDNN's packed)
+        return id(tensor)
+
+
 def resident_summary(model: nn.Module) -> str:
     """One line: each weight format held, how many linears and bytes, and the total."""
     by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -92,9 +99,10 @@ def resident_summary(model: nn.Module) -> str:
             seen.add(id(packed))
             add(f"{str(packed.dtype).replace('torch.', '')} (oneDNN)", _tensor_bytes(packed), True)
         for tensor in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
-            if id(tensor) in seen:
+            key = _storage_key(tensor)  # a view of another module's weight (a tied head) counts once
+            if key in seen:
                 continue
-            seen.add(id(tensor))
+            seen.add(key)
             linear = isinstance(sub, nn.Linear) and tensor is sub.weight
             add(str(tensor.dtype).replace("torch.", ""), _tensor_bytes(tensor), linear)
         bias = getattr(sub, "bias", None)
