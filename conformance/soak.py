@@ -91,6 +91,12 @@ def generation_requests(rng: random.Random) -> list[tuple[str, str, dict, str]]:
         ("sensenova", "/v1/llm/completions", {"model": "m", "prompt": text, "max_new_tokens": n}, "sensenova"),
         ("sensenova stream", "/v1/llm/completions", {"model": "m", "prompt": text, "max_new_tokens": n,
                                                      "stream": True}, "sensenova_sse"),
+        ("anthropic", "/v1/messages", {"model": "m", "max_tokens": n, "messages": CHAT}, "anthropic"),
+        ("anthropic stream", "/v1/messages", {"model": "m", "max_tokens": n, "messages": CHAT, "stream": True},
+         "anthropic_sse"),
+        ("responses", "/v1/responses", {"input": text, "max_output_tokens": n}, "responses"),
+        ("responses stream", "/v1/responses", {"input": text, "max_output_tokens": n, "stream": True},
+         "responses_sse"),
         ("tgi json grammar", "/generate", {"inputs": text, "parameters": {
             "max_new_tokens": 40, "grammar": {"type": "json", "value": SCHEMA}}}, "tgi"),
         ("tgi regex grammar", "/generate", {"inputs": text, "parameters": {
@@ -116,6 +122,10 @@ def bad_requests(rng: random.Random) -> list[tuple[str, str, bytes, dict]]:
             "type": "json", "value": {"type": "object", "properties": {f"p{i}": {} for i in range(300)}}}}}).encode(),
          json_header),
         ("bad json", "/v1/completions", b'{"prompt": "x", ', json_header),
+        ("bad image", "/v1/messages", json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBO"}}]}]}).encode(),
+         json_header),
+        ("bad tool type", "/v1/responses", b'{"input": "x", "tools": [{"type": "web_search"}]}', json_header),
     ]
 
 
@@ -133,6 +143,10 @@ def complete(check: str, response: httpx.Response, text: str) -> str | None:
             return None if "generated_text" in json.loads(text) else "no generated_text"
         if check == "sensenova":
             return None if json.loads(text)["data"]["choices"] else "no choices"
+        if check == "anthropic":
+            return None if json.loads(text)["stop_reason"] else "no stop_reason"
+        if check == "responses":
+            return None if json.loads(text)["status"] in ("completed", "incomplete") else "not finished"
         events = [line[5:].strip() for line in text.split("\n") if line.startswith("data:")]
         if not events:
             return "empty stream"
@@ -147,6 +161,10 @@ def complete(check: str, response: httpx.Response, text: str) -> str | None:
             return None if payloads[-1].get("finished") else "not finished"
         if check == "sensenova_sse":
             return None if events[-1] == "[DONE]" else "no [DONE]"
+        if check == "anthropic_sse":
+            return None if payloads[-1]["type"] == "message_stop" else "no message_stop"
+        if check == "responses_sse":
+            return None if payloads[-1]["type"] in ("response.completed", "response.incomplete") else "not finished"
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         return f"unreadable answer: {exc!r}: {text[:200]}"
     return f"unknown check {check}"

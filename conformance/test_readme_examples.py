@@ -96,12 +96,19 @@ def test_the_readme_has_examples_and_they_parse():
     chat = next(e for e in EXAMPLES if e.url.endswith("/v1/chat/completions"))
     assert json.loads(chat.data)["temperature"] == 0
     assert chat.expected_answer == "The capital of France is Paris."
+    assert any(e.url.endswith("/v1/messages") for e in EXAMPLES)
+    assert any(e.url.endswith("/v1/responses") for e in EXAMPLES)
 
 
 def answer_text(body) -> str:
     """The generated text in any of the README's response shapes."""
     if isinstance(body, list):
         body = body[0]
+    if body.get("type") == "message":  # Anthropic Messages
+        return "".join(block["text"] for block in body["content"] if block["type"] == "text")
+    if body.get("object") == "response":  # OpenAI Responses
+        return "".join(part["text"] for item in body["output"] if item["type"] == "message"
+                       for part in item["content"])
     if "generated_text" in body:
         text = body["generated_text"]
         return text[0] if isinstance(text, list) else text
@@ -129,7 +136,7 @@ def test_readme_curl_examples_on_the_default_model(default_server):
             where = f"README.md:{example.line} {example.method} {example.url}"
             if response.status_code != example.expected_status:
                 failures.append(f"{where}: {response.status_code} {response.text[:300]}")
-            elif example.stream and not response.text.startswith("data:"):
+            elif example.stream and not response.text.startswith(("data:", "event: ")):
                 failures.append(f"{where}: not an event stream: {response.text[:300]}")
             elif example.expected_answer is not None:
                 got = answer_text(response.json())

@@ -40,6 +40,11 @@ ROUTES = {
         "max_new_tokens": LONG, "ignore_eos": True}}),
     "sensenova": ("/v1/llm/completions", {"model": "m", "prompt": "Hello", "max_new_tokens": LONG}),
     "sensenova stream": ("/v1/llm/completions", {"model": "m", "prompt": "Hello", "max_new_tokens": LONG, "stream": True}),
+    "anthropic messages": ("/v1/messages", {"model": "m", "max_tokens": LONG, "messages": CHAT["messages"]}),
+    "anthropic messages stream": ("/v1/messages", {"model": "m", "max_tokens": LONG, "messages": CHAT["messages"],
+                                                   "stream": True}),
+    "responses": ("/v1/responses", {"input": "Hello", "max_output_tokens": LONG}),
+    "responses stream": ("/v1/responses", {"input": "Hello", "max_output_tokens": LONG, "stream": True}),
 }
 
 

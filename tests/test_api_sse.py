@@ -143,3 +143,10 @@ async def test_idle_stream_gets_keep_alive_comments():
     assert content.startswith(b'data:{"index":1}\n\n:\n\n')
     assert content.endswith(b':\n\ndata:{"index":2}\n\n')
     assert content.count(b":\n\n") >= 2
+
+
+def test_a_named_event_has_its_event_line():
+    from opentgi.api.sse import NamedEvent, sse_event
+
+    assert sse_event(NamedEvent("message_stop", {"type": "message_stop", "text": "é"})) == \
+        'event: message_stop\ndata: {"type":"message_stop","text":"é"}\n\n'.encode()

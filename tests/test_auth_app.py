@@ -59,6 +59,16 @@ PROTECTED = [  # (method, path, body, expected 401 body)
      {"error": {"code": 16, "message": UNAUTHORIZED, "details": []}}),
     ("POST", "/sensenova/v1/llm/completions", {"prompt": "hi", "model": "m"},
      {"error": {"code": 16, "message": UNAUTHORIZED, "details": []}}),
+    ("POST", "/v1/messages", {"model": "m", "max_tokens": 1, "messages": []},
+     {"type": "error", "error": {"type": "authentication_error", "message": UNAUTHORIZED}}),
+    ("POST", "/v1/messages/count_tokens", {"model": "m", "messages": []},
+     {"type": "error", "error": {"type": "authentication_error", "message": UNAUTHORIZED}}),
+    ("POST", "/v1/responses", {"input": "hi"}, {"error": {"message": UNAUTHORIZED, "type": "authentication_error",
+                                                           "param": None, "code": "invalid_api_key"}}),
+    ("GET", "/v1/responses/resp_1", None, {"error": {"message": UNAUTHORIZED, "type": "authentication_error",
+                                                      "param": None, "code": "invalid_api_key"}}),
+    ("DELETE", "/v1/responses/resp_1", None, {"error": {"message": UNAUTHORIZED, "type": "authentication_error",
+                                                         "param": None, "code": "invalid_api_key"}}),
 ]
 
 
@@ -84,6 +94,20 @@ async def test_auth_on_accepts_the_key(engine_and_settings):
         assert (await client.get("/token_load", headers=headers)).status_code == 200
         tgi = await client.post("/generate", headers=headers, json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
         assert tgi.status_code == 200
+
+
+async def test_auth_on_takes_the_key_as_x_api_key_too(engine_and_settings):
+    """Anthropic's clients send `x-api-key`; every route takes it (and a wrong one is refused)."""
+    async with client_for(engine_and_settings, api_key=KEY) as client:
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        message = await client.post("/v1/messages", json=body, headers={"x-api-key": KEY,
+                                                                         "anthropic-version": "2023-06-01"})
+        assert message.status_code == 200 and message.json()["usage"]["output_tokens"] == 2
+        response = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2},
+                                     headers={"x-api-key": KEY})
+        assert response.status_code == 200
+        wrong = await client.post("/v1/messages", json=body, headers={"x-api-key": "nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
 
 
 async def test_auth_on_leaves_health_checks_open(engine_and_settings):
@@ -134,3 +158,28 @@ async def test_lightllm_mode_mounts(engine_and_settings):
         assert (await client.get("/tgi/openapi.json")).json()["info"]["title"] == "Text Generation Inference"
         completed = await client.post("/v1/llm/completions", json={"prompt": "hi", "model": "m", "max_new_tokens": 1})
         assert completed.status_code == 200
+
+
+async def test_several_keys_each_accepted(engine_and_settings):
+    async with client_for(engine_and_settings, api_key="k1, k2", api_keys=("k3",)) as client:
+        for key in ("k1", "k2", "k3"):
+            response = await client.get("/info", headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, key
+        assert (await client.get("/info", headers={"Authorization": "Bearer k1, k2"})).status_code == 401
+
+
+async def test_cors_allows_the_listed_origins_before_the_key(engine_and_settings):
+    async with client_for(engine_and_settings, api_key=KEY, cors_allow_origin="https://app.example") as client:
+        preflight = await client.options("/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        answer = await client.get("/info", headers={"Origin": "https://app.example",
+                                                    "Authorization": f"Bearer {KEY}"})
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        other = await client.get("/info", headers={"Origin": "https://evil.example", "Authorization": f"Bearer {KEY}"})
+        assert "access-control-allow-origin" not in other.headers
+    async with client_for(engine_and_settings) as client:  # TGI's default: any origin
+        response = await client.get("/info", headers={"Origin": "https://app.example"})
+        assert response.headers["access-control-allow-origin"] == "*"

@@ -55,7 +55,8 @@ def test_switches_and_renamed_fields(tmp_path):
 
 @pytest.mark.parametrize("argv,env", [(["--api", "grpc"], {}), ([], {"PORT": "eighty"}),
                                       (["--fim-template", "<PRE>{prefix}<MID>"], {}),
-                                      (["--speculate", "-1"], {})])
+                                      (["--speculate", "-1"], {}), (["--reasoning-budget", "-1"], {}),
+                                      (["--tool-call-parser", "xml"], {})])
 def test_bad_values_exit_with_a_message(argv, env):
     with pytest.raises(SystemExit) as info:
         parse(argv, env)
@@ -102,3 +103,17 @@ def test_serve_freezes_what_start_up_built_before_serving(monkeypatch):
     finally:
         gc.unfreeze()
     assert seen["frozen"] > 1000
+
+
+def test_chat_flags(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k1\n\n k2 \n", encoding="utf-8")
+    settings = parse(["--chat-template-kwargs", '{"enable_thinking": false}', "--reasoning-budget", "64",
+                      "--tool-call-parser", "hermes", "--cors-allow-origin", "https://a.example,https://b.example",
+                      "--api-key-file", str(keys)])
+    assert settings.chat_template_kwargs == {"enable_thinking": False}
+    assert (settings.reasoning_budget, settings.tool_call_parser) == (64, "hermes")
+    assert settings.cors_allow_origin == "https://a.example,https://b.example"
+    assert settings.api_keys == ["k1", "k2"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--chat-template-kwargs", "[1]"])

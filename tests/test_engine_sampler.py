@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -338,3 +339,32 @@ def test_top_n_alone_computes_logprobs(monkeypatch):
     out = Sampler(V, torch.device("cpu")).sample([make_seq(SamplingParams(), top_n=1, needs_logprobs=False)], logits)
     assert calls
     assert out.top[0] == [(0, pytest.approx(torch.log_softmax(logits[0], -1)[0].item()))]
+
+
+def test_min_p_per_row_matches_transformers():
+    """min_p is a per-row tensor: rows without it are untouched; with it, after temperature (as
+    vLLM and transformers order them), it matches transformers' MinPLogitsWarper."""
+    torch.manual_seed(1)
+    V = 60
+    logits = torch.randn(3, V) * 3
+    params = [SamplingParams(do_sample=True, min_p=0.2), SamplingParams(do_sample=True),
+              SamplingParams(do_sample=True, temperature=0.5, min_p=0.05, top_k=30)]
+    ours = warped(Sampler(V, torch.device("cpu")), [make_seq(p) for p in params], logits)
+    refs = [[MinPLogitsWarper(0.2)], [], [TemperatureLogitsWarper(0.5), MinPLogitsWarper(0.05), TopKLogitsWarper(30)]]
+    for row, procs in enumerate(refs):
+        ref = logits[row:row + 1].clone()
+        for p in procs:
+            ref = p(None, ref)
+        assert torch.equal(torch.isinf(ours[row]), torch.isinf(ref[0])), row
+    kept = ~torch.isinf(ours[0])
+    assert 0 < int(kept.sum()) < V
+
+
+def test_min_p_sampling_never_draws_below_the_threshold():
+    V = 20
+    logits = torch.zeros(1, V)
+    logits[0, 3] = 5.0  # p(3) / p(other) = e^5: min_p 0.05 leaves token 3 alone
+    sampler = Sampler(V, torch.device("cpu"))
+    seqs = [make_seq(SamplingParams(do_sample=True, min_p=0.05), seed=s) for s in range(20)]
+    drawn = {sampler.sample([seq], logits).token_ids[0] for seq in seqs}
+    assert drawn == {3}

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from opentgi.api.chat import ChatOutputParser
 from opentgi.api.openai import shapes as shape
 from opentgi.engine.events import PrefillToken, SequenceResult, TokenEvent, TopToken
 from opentgi.engine.request import FinishReason
@@ -14,6 +15,10 @@ from tests.openapi_helpers import documents, oas30_validator
 
 TGI = documents()["tgi.json"]
 META = shape.ResponseMeta(id="chatcmpl-1", created=1700000000, model="m")
+
+
+def FORCED_JSON():  # noqa: N802 - a parser factory, as PreparedTurn.make_parser
+    return ChatOutputParser(forced_json=True)
 
 
 def _validate(schema_name: str, value: dict) -> None:
@@ -41,7 +46,7 @@ def test_finish_reasons_are_openai_values(reason, expected):
 
 
 def test_chat_completion_text_with_logprobs():
-    out = shape.chat_completion(META, [_seq("Hi", index=1), _seq("Yo")], 10, using_tools=False, logprobs=True)
+    out = shape.chat_completion(META, [_seq("Hi", index=1), _seq("Yo")], 10, make_parser=ChatOutputParser, logprobs=True)
     _validate("ChatCompletion", out)
     assert out["object"] == "chat.completion" and [c["index"] for c in out["choices"]] == [0, 1]
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "Yo"}
@@ -51,7 +56,7 @@ def test_chat_completion_text_with_logprobs():
 
 def test_chat_completion_tool_call_arguments_are_a_json_string():
     answer = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
-    out = shape.chat_completion(META, [_seq(answer, FinishReason.GRAMMAR)], 3, using_tools=True, logprobs=False)
+    out = shape.chat_completion(META, [_seq(answer, FinishReason.GRAMMAR)], 3, make_parser=FORCED_JSON, logprobs=False)
     _validate("ChatCompletion", out)
     choice = out["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
@@ -61,11 +66,11 @@ def test_chat_completion_tool_call_arguments_are_a_json_string():
 
 
 def test_chat_tool_answer_as_text_and_cut_short():
-    text = shape.chat_completion(META, [_seq('{"content": "no tool"}')], 3, using_tools=True, logprobs=False)
+    text = shape.chat_completion(META, [_seq('{"content": "no tool"}')], 3, make_parser=FORCED_JSON, logprobs=False)
     assert text["choices"][0]["message"]["content"] == "no tool"
     assert text["choices"][0]["finish_reason"] == "stop"
     def cut(text):
-        out = shape.chat_completion(META, [_seq(text, FinishReason.LENGTH)], 3, using_tools=True, logprobs=False)
+        out = shape.chat_completion(META, [_seq(text, FinishReason.LENGTH)], 3, make_parser=FORCED_JSON, logprobs=False)
         assert out["choices"][0]["finish_reason"] == "length"
         return out["choices"][0]["message"]
 

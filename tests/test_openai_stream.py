@@ -4,11 +4,14 @@ chunk order, n interleaved choices, tool-call deltas, include_usage, an error mi
 from __future__ import annotations
 
 import json
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 
 from opentgi.api import generation, runtime
+from opentgi.api.chat import ChatOutputParser, PreparedTurn
+from opentgi.api.chat.markers import ChatMarkers
 from opentgi.api.openai import chat, common, completions
 from opentgi.api.openai import shapes as shape
 from opentgi.config import Settings
@@ -27,7 +30,7 @@ class FakeHandle:
         self.prefill = prefill
 
     async def result(self):
-        return SimpleNamespace(prefill=self.prefill)
+        return SimpleNamespace(prefill=self.prefill, num_cached_tokens=3)
 
     def __aiter__(self):
         return self._iterate()
@@ -68,7 +71,10 @@ def _stream(encode, prepared, handles):
 
 
 def _chat(handle, n=1, using_tools=False, include_usage=False, logprobs=False):
-    prepared = chat.PreparedChat(meta=META, num_prompt_tokens=7, n=n, using_tools=using_tools, logprobs=logprobs,
+    parser = partial(ChatOutputParser, forced_json=using_tools)
+    turn = PreparedTurn([1] * 7, None, None, "forced_json" if using_tools else "none", ChatMarkers(None, None),
+                        parser)
+    prepared = chat.PreparedChat(meta=META, turn=turn, num_prompt_tokens=7, n=n, logprobs=logprobs,
                                  include_usage=include_usage)
     return chat._chat_stream, prepared, [handle]
 
@@ -84,7 +90,8 @@ async def test_chat_stream_n_choices_roles_first_then_interleaved_with_usage_and
             for c in chunks[2:-1]]
     assert body == [(0, {"content": "a"}, None), (1, {"content": "b"}, None), (1, {}, "stop"),
                     (0, {"content": "c"}, "length")]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == shape.usage(7, 4)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == shape.usage(7, 4, 3)
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3}
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
@@ -131,5 +138,5 @@ async def test_completion_stream_several_prompts_echo_and_logprobs():
     assert by_index[0][0]["logprobs"]["token_logprobs"] == [None]
     offsets = {i: c[1]["logprobs"]["text_offset"] for i, c in by_index.items()}
     assert offsets == {0: [1], 1: [2]}
-    assert out[-2]["usage"] == shape.usage(3, 2)
+    assert out[-2]["usage"] == shape.usage(3, 2, 6)
     assert all(h.cancelled for h in handles)

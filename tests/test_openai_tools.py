@@ -1,4 +1,5 @@
-"""Tool choice, tool grammar and parsing the constrained answer (opentgi.api.openai.tools)."""
+"""Tool choice, TGI's forced-JSON tool grammar and parsing its constrained answer
+(opentgi.api.chat.tools, opentgi.api.chat.forced_json)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from opentgi.api.openai.tools import (
-    ToolAnswerStream,
-    ToolError,
-    parse_tool_answer,
-    select_tools,
-    tool_grammar_schema,
-)
+from opentgi.api.chat.forced_json import ToolAnswerStream, parse_tool_answer, tool_grammar_schema
+from opentgi.api.chat.tools import ToolError, select_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {

@@ -122,7 +122,8 @@ def test_no_string_typed_defaults_on_non_string_fields():
 
 def test_nullable_parameters_cover_the_upstream_ones():
     upstream = UPSTREAM_212["components"]["schemas"]["GenerateParameters"]["properties"]
-    assert sorted(NULLABLE_PARAMETERS) == sorted(n for n, p in upstream.items() if p.get("nullable"))
+    added = ["min_p"]  # our extensions of TGI's parameters (openapi/CHANGES.md)
+    assert sorted(NULLABLE_PARAMETERS) == sorted([*added, *(n for n, p in upstream.items() if p.get("nullable"))])
     assert "grammar" in NULLABLE_PARAMETERS
 
 
@@ -245,7 +246,7 @@ def test_error_responses_declared():
         op = item.get("post")
         if op is None:
             continue
-        expected = {"422"} if path == "/tokenize" else {"422", "424", "429", "500"}
+        expected = {"422"} if path in ("/tokenize", "/chat_tokenize", "/detokenize") else {"422", "424", "429", "500"}
         assert expected <= set(op["responses"]), path
         for status in expected:
             for media in op["responses"][status]["content"].values():
@@ -260,7 +261,8 @@ def _operations(doc: dict) -> dict[tuple[str, str], dict]:
     return {(path, m): op for path, item in doc["paths"].items() for m, op in item.items() if m in HTTP_METHODS}
 
 
-ADDED_OPERATIONS = {("/v1/models", "get")}  # TGI 2.2's route, listing LoRA adapters too (issue 13)
+ADDED_OPERATIONS = {("/v1/models", "get"),  # TGI 2.2's route, listing LoRA adapters too (issue 13)
+                    ("/chat_tokenize", "post"), ("/detokenize", "post")}  # TGI 3.x / vLLM (issue 25)
 
 
 def test_same_operations_as_upstream_2_1_2():
@@ -278,11 +280,16 @@ def test_same_operations_as_upstream_2_1_2():
 # Additions for the OpenAI routes (issue 5), each recorded in openapi/CHANGES.md.
 ADDED_SCHEMAS = {"StreamOptions", "LogitBias", "StopSequences", "JsonSchemaFormat", "ResponseFormat",
                  "CompletionLogprobs", "ChatCompletionStreamDelta",
-                 "ModelInfo", "ModelsInfo"}  # /v1/models (issue 13)
+                 "ModelInfo", "ModelsInfo",  # /v1/models (issue 13)
+                 # chat tokenizing, reasoning, cached tokens (issue 25)
+                 "ChatTokenizeResponse", "DetokenizeRequest", "DetokenizeResponse", "PromptTokensDetails"}
 ADDED_FIELDS = {
-    "ChatRequest": {"stream_options", "max_completion_tokens"},
-    "Message": {"tool_calls", "tool_call_id"},
-    "CompletionRequest": {"n", "echo", "logprobs", "presence_penalty", "logit_bias", "stream_options"},
+    "ChatRequest": {"stream_options", "max_completion_tokens",
+                    "chat_template_kwargs", "reasoning_effort", "parallel_tool_calls", "min_p"},  # issue 25
+    "Message": {"tool_calls", "tool_call_id", "reasoning_content"},
+    "CompletionRequest": {"n", "echo", "logprobs", "presence_penalty", "logit_bias", "stream_options", "min_p"},
+    "GenerateParameters": {"min_p"}, "Usage": {"prompt_tokens_details"},  # issue 25
+    "TextMessage": {"reasoning_content"}, "ToolCallMessage": {"reasoning_content", "content"},  # issue 25
     "ChatCompletion": {"object"}, "ChatCompletionChunk": {"object", "usage"},
     "Chunk": {"object", "usage"}, "CompletionFinal": {"object"},
     "FunctionDefinition": {"parameters"},

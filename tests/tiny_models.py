@@ -15,6 +15,9 @@ Plain functions (no pytest) so any conftest or script can call them:
   `<fim_prefix>`/`<fim_suffix>`/`<fim_middle>` tokens (they map to unk), so this one adds
   `<fim_prefix>`, `<fim_middle>`, `<fim_suffix>`, `<fim_pad>` (ids 49152..49155) and grows the
   vocabulary to match.
+- `tiny_think_llama_path()`: a Llama whose tokenizer adds `<think>`, `</think>`, `<tool_call>`,
+  `</tool_call>`, `<|python_tag|>`, `[TOOL_CALLS]` (ids 49152..49157) and whose chat template is
+  Qwen3-like (thinking, Hermes tools; the other formats by `--tool-call-parser`).
 
 Every model folder holds safetensors weights, config.json, generation_config.json
 (eos_token_id [2, 0]: `<|im_end|>` ends a chat turn, `<|endoftext|>` a document), the tokenizer
@@ -37,6 +40,33 @@ CACHE_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "test-models"
 _BUILDER_VERSION = 1  # bump when a builder changes what it writes
 FIM_TOKENS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
 EOS_TOKEN_IDS = [2, 0]
+THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]"]
+# Qwen3's template, shortened: tools in the system turn, Hermes `<tool_call>` sections, tool results
+# as `<tool_response>`, and the generation prompt of a thinking model.
+THINK_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\nFor each function "
+    "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{{ '\\n' }}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
+    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>{{ '\\n' }}"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>{{ '\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>{{ '\\n' }}{% endif %}{% endif %}"
+)
 
 
 def _cached_folder(name: str, params: dict, build: Callable[[Path], None]) -> Path:
@@ -86,21 +116,25 @@ def load_smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(smollm2_tokenizer_path())
 
 
-def _save_tokenizer(out: Path, extra_special_tokens: list[str] | None = None) -> int:
+def _save_tokenizer(out: Path, extra_special_tokens: list[str] | None = None,
+                    chat_template: str | None = None) -> int:
     tok = load_smollm2_tokenizer()
     if extra_special_tokens:
         tok.add_special_tokens({"additional_special_tokens": extra_special_tokens})
+    if chat_template is not None:
+        tok.chat_template = chat_template
     tok.save_pretrained(out)
     return len(tok)
 
 
-def _build_causal_lm(kind: str, params: dict, extra_special_tokens: list[str] | None = None):
+def _build_causal_lm(kind: str, params: dict, extra_special_tokens: list[str] | None = None,
+                     chat_template: str | None = None):
     def build(out: Path) -> None:
         import torch
         import transformers
         from transformers import GenerationConfig
 
-        vocab_size = _save_tokenizer(out, extra_special_tokens)
+        vocab_size = _save_tokenizer(out, extra_special_tokens, chat_template)
         config_cls = getattr(transformers, params["config_class"])
         model_cls = getattr(transformers, params["model_class"])
         config = config_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
@@ -197,6 +231,18 @@ def tiny_fim_llama_path(seed: int = 0) -> Path:
                             extra_special_tokens=FIM_TOKENS)
 
 
+def tiny_think_llama_path(seed: int = 0) -> Path:
+    """A tiny Llama whose tokenizer adds `<think>`, `</think>`, `<tool_call>`, `</tool_call>`,
+    Llama 3.1's `<|python_tag|>` and Mistral's `[TOOL_CALLS]` (ids 49152..49157) and whose chat template is Qwen3-like (`THINK_TEMPLATE`): Hermes tool calls,
+    assistant `reasoning_content` as a think block, and a generation prompt that opens `<think>`
+    (or writes an empty, closed one with `enable_thinking=false`)."""
+    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": True}
+    return _build_causal_lm("tiny-think-llama", {"config_class": "LlamaConfig", "model_class": "LlamaForCausalLM",
+                                                 "config": cfg, "seed": seed, "tokens": THINK_TOKENS,
+                                                 "template": THINK_TEMPLATE},
+                            extra_special_tokens=THINK_TOKENS, chat_template=THINK_TEMPLATE)
+
+
 def tiny_lora_path(base: Path, *, seed: int, r: int, alpha: float, targets: list[str],
                    use_rslora: bool = False) -> Path:
     """A PEFT LoRA adapter for the tiny model at `base`, saved by `peft` itself (adapter_config.json
@@ -262,6 +308,7 @@ def build_all() -> dict[str, Path]:
     return {"tokenizer": smollm2_tokenizer_path(), "llama": tiny_llama_path(),
             "qwen2": tiny_qwen2_path(), "mistral": tiny_mistral_path(), "gpt2": tiny_gpt2_path(),
             "reward": tiny_reward_path(), "fim_llama": tiny_fim_llama_path(),
+            "think_llama": tiny_think_llama_path(),
             **{family: tiny_family_path(family) for family in FAMILY_CONFIGS}}
 
 

@@ -31,6 +31,16 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 @dataclass(frozen=True)
 class Option:
     """One launcher option: its flag, the Settings field it fills, its environment variables."""
@@ -118,8 +128,20 @@ OPTIONS: tuple[Option, ...] = (
            "'<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>'"),
     Option("--sensitive-words", str, "SenseNova: file of sensitive terms, one a line",
            env=("SENSITIVE_WORDS",)),
+    Option("--responses-store-size", int, "OpenAI Responses: responses kept for GET/DELETE and "
+           "previous_response_id, least recently used out first (default 1000; 0 keeps none)"),
     Option("--cache-dir", str, "where converted weights are kept (default ~/.cache/opentgi)",
            env=("OPENTGI_CACHE_DIR",)),
+    # chat turns and the server around them (reasoning, native tool calls, CORS, several API keys)
+    Option("--chat-template-kwargs", _json_object, "default chat template variables, a JSON object, e.g. "
+           "'{\"enable_thinking\": false}' (a request's chat_template_kwargs win)"),
+    Option("--reasoning-budget", int, "thinking tokens at most before the template's `</think>` is forced "
+           "(default: no limit; a request's reasoning_effort sets its own)"),
+    Option("--tool-call-parser", str, "the tool-call format the model writes: hermes | mistral | "
+           "llama3_json | none (TGI's forced JSON) (default: found from the chat template)"),
+    Option("--cors-allow-origin", str, "origins allowed to call the API from a browser, comma-separated "
+           "(default: any, as TGI)"),
+    Option("--api-key-file", str, "a file of API keys, one a line (with or instead of --api-key)"),
 )
 
 
@@ -173,6 +195,8 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
         raise SystemExit(f"opentgi: --cuda-memory-fraction must be in (0, 1], got {settings.cuda_memory_fraction}")
     if settings.speculate is not None and settings.speculate < 0:
         raise SystemExit(f"opentgi: --speculate must be 0 or more, got {settings.speculate}")
+    if settings.responses_store_size < 0:
+        raise SystemExit(f"opentgi: --responses-store-size must be 0 or more, got {settings.responses_store_size}")
     if settings.api not in ("tgi", "lightllm"):
         raise SystemExit(f"opentgi: --api must be tgi or lightllm, got {settings.api!r}")
     if settings.fim_template:
@@ -184,7 +208,22 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
             raise SystemExit(f"opentgi: {exc}") from exc
     if settings.sensitive_words_file:
         settings.sensitive_words = read_word_list(settings.sensitive_words_file)
+    check_chat_settings(settings)
     return settings
+
+
+def check_chat_settings(settings: Settings) -> None:
+    """--reasoning-budget, --tool-call-parser and --api-key-file (keys one a line)."""
+    if settings.reasoning_budget is not None and settings.reasoning_budget < 0:
+        raise SystemExit(f"opentgi: --reasoning-budget must be 0 or more, got {settings.reasoning_budget}")
+    parsers = ("hermes", "mistral", "llama3_json", "none")
+    if settings.tool_call_parser is not None and settings.tool_call_parser not in parsers:
+        raise SystemExit(f"opentgi: --tool-call-parser must be one of {', '.join(parsers)}, "
+                         f"got {settings.tool_call_parser!r}")
+    if settings.api_key_file:
+        settings.api_keys = read_word_list(settings.api_key_file, "API key file")
+        if not settings.api_keys:
+            raise SystemExit(f"opentgi: --api-key-file {settings.api_key_file!r} holds no key")
 
 
 def _num_cuda_devices(environ: Mapping[str, str]) -> int | None:
@@ -226,12 +265,12 @@ def resolve_shards(values: dict[str, Any], environ: Mapping[str, str]) -> tuple[
     return num_shard, None
 
 
-def read_word_list(path: str) -> list[str]:
+def read_word_list(path: str, what: str = "sensitive words file") -> list[str]:
     try:
         with open(path, encoding="utf-8") as handle:
             return [line.strip() for line in handle if line.strip()]
     except OSError as exc:
-        raise SystemExit(f"opentgi: cannot read sensitive words file {path!r}: {exc}") from exc
+        raise SystemExit(f"opentgi: cannot read {what} {path!r}: {exc}") from exc
 
 
 class _JsonFormatter(logging.Formatter):

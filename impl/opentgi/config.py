@@ -72,4 +72,13 @@ class Settings:
     fim_template: str | None = None  # e.g. "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
     sensitive_words_file: str | None = None  # SenseNova: one term a line
     sensitive_words: list[str] = field(default_factory=list)
+    responses_store_size: int = 1000  # OpenAI Responses: stored responses at most (LRU); 0 stores none
     cache_dir: str | None = None  # where converted weights are kept; None = ~/.cache/opentgi
+
+    # --- chat turns (api/chat/) --------------------------------------------------------------
+    chat_template_kwargs: dict | None = None  # default template variables, e.g. {"enable_thinking": false}
+    reasoning_budget: int | None = None  # thinking tokens at most before `</think>` is forced; None = no limit
+    tool_call_parser: str | None = None  # hermes | mistral | llama3_json | none; None = from the template
+    cors_allow_origin: str | None = None  # comma-separated origins allowed by CORS; None = any (TGI's default)
+    api_key_file: str | None = None  # API keys, one a line (beside api_key, which may list several, comma-separated)
+    api_keys: list[str] = field(default_factory=list)  # the keys read from api_key_file

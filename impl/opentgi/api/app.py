@@ -25,6 +25,7 @@ from connexion.middleware.routing import RoutingMiddleware
 from connexion.options import SwaggerUIOptions
 from connexion.resolver import RelativeResolver
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.routing import Mount as StarletteMount
 
@@ -37,6 +38,7 @@ from opentgi.api.errors import (
     UnsupportedMediaTypeError,
     tgi_error,
 )
+from opentgi.api.server.auth import accepted_keys
 from opentgi.api.server.limits import InputLimitsMiddleware
 from opentgi.api.server.request_context import RequestContextMiddleware
 from opentgi.api.server.tracing import request_tracer
@@ -46,6 +48,8 @@ from opentgi.engine.errors import OpenTGIError
 from opentgi.schemas import spec_path
 
 log = logging.getLogger(__name__)
+
+HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,10 @@ DIALECTS: tuple[Dialect, ...] = (
             error_response="opentgi.api.lightllm.handlers:request_error"),
     Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova.handlers", prefix="/sensenova",
             error_response="opentgi.api.sensenova.handlers:request_error"),
+    Dialect("anthropic", "anthropic.yaml", "opentgi.api.anthropic.handlers", prefix="/anthropic",
+            error_response="opentgi.api.anthropic.handlers:request_error"),
+    Dialect("openai-responses", "openai-responses.yaml", "opentgi.api.responses.handlers",
+            prefix="/openai-responses", error_response="opentgi.api.responses.handlers:request_error"),
 )
 
 
@@ -133,13 +141,27 @@ class ErrorMapper:
     """Maps any exception raised while serving a request to the response of the path's dialect."""
 
     def __init__(self, mounts: list[Mount], server_state: runtime.ServerState):
-        from opentgi.api.server.auth import dialect_resolver
+        from opentgi.api.server.auth import dialect_resolver, path_matcher
 
         self.state = server_state
         self.by_name = {m.dialect.name: m.dialect for m in mounts}
         self.dialect_of = dialect_resolver(
             [(m.base_path, m.dialect.name, m.paths or _document_paths(m.dialect)) for m in mounts],
             default=next((m.dialect.name for m in mounts if m.base_path == ""), "tgi"))
+        self.operations = [(m.base_path.rstrip("/"), path_matcher([path]), {m.upper() for m in item if m in HTTP_METHODS})
+                           for m in mounts for path, item in _load_document(m.dialect)["paths"].items()
+                           if m.paths is None or path in m.paths]
+
+    def allowed_methods(self, path: str) -> str:
+        """The `Allow` header of a 405: every method the documents give the path (Starlette's router
+        names only those of the first route it matched, and Connexion adds one route per operation)."""
+        methods = set()
+        for base, has_path, operations in self.operations:
+            if path.startswith(base) and has_path(path[len(base):] or "/"):
+                methods |= operations
+        if "GET" in methods:
+            methods.add("HEAD")
+        return ", ".join(sorted(methods))
 
     def limits(self) -> FieldLimits:
         settings, engine = self.state.settings, self.state.engine
@@ -149,6 +171,8 @@ class ErrorMapper:
                            max_input_tokens=getattr(info, "max_input_tokens", 0))
 
     def response(self, path: str, exc: Exception, operation_id: str | None = None) -> Response:
+        if isinstance(exc, HTTPException) and exc.status_code == 405 and self.allowed_methods(path):
+            exc = HTTPException(405, headers={**(exc.headers or {}), "Allow": self.allowed_methods(path)})
         dialect = self.by_name.get(self.dialect_of(path))
         if dialect is not None and dialect.error_response is not None:
             own = _as_dialect_error(exc)
@@ -268,15 +292,21 @@ def create_app(settings: Settings, engine, *, metrics=None,
     app.add_middleware(RequestContextMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, tracer=tracer)
     app.add_middleware(runtime.StateMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        server_state=server_state)
+    # CORS ahead of the API key (a browser's preflight carries no key): TGI's --cors-allow-origin,
+    # any origin without it (as TGI 3.x), the headers a client sends its key in allowed too
+    origins = [o.strip() for o in (settings.cors_allow_origin or "*").split(",") if o.strip()]
+    app.add_middleware(CORSMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION, allow_origins=origins,
+                       allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])
     if not settings.disable_ui:  # ahead of the API key: the page itself holds nothing secret
         from opentgi.api.server.chat_page import ChatPageMiddleware
 
         app.add_middleware(ChatPageMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION)
-    if settings.api_key:
+    api_keys = accepted_keys(settings.api_key, settings.api_keys)
+    if api_keys:
         from opentgi.api.server.auth import BearerAuthMiddleware
 
         app.add_middleware(BearerAuthMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
-                           api_key=settings.api_key, error_response=mapper.response)
+                           api_key=api_keys, error_response=mapper.response)
     # after the key check: a body is read only for a client that may send one
     app.add_middleware(InputLimitsMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        payload_limit=settings.payload_limit, error_response=mapper.response)

@@ -141,8 +141,11 @@ def render_chat(
     tools: list[dict] | None = None,
     tool_prompt: str | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """Render the conversation into the prompt text. Raises ValidationError / TemplateError."""
+    """Render the conversation into the prompt text. `template_kwargs` (a request's
+    `chat_template_kwargs`, e.g. `enable_thinking`) are more variables the template sees; they may
+    not replace the conversation's own. Raises ValidationError / TemplateError."""
     source = select_template(chat_template, with_tools=bool(tools))
     template = compile_template(source)
     msgs = normalize_messages(messages)
@@ -153,7 +156,10 @@ def render_chat(
         last["content"] = f"{last['content']}\n---\n{prompt}{tools_json}" if last["content"] \
             else f"{prompt}{tools_json}"
         msgs[-1] = last
-    variables: dict[str, Any] = dict(special_tokens or {})
+    reserved = {"messages", "tools", "add_generation_prompt"}.intersection(template_kwargs or {})
+    if reserved:
+        raise ValidationError(f"`chat_template_kwargs` may not set {', '.join(sorted(reserved))}")
+    variables: dict[str, Any] = {**(template_kwargs or {}), **(special_tokens or {})}
     variables.update(bos_token=bos_token or "", eos_token=eos_token or "")
     try:
         return template.render(messages=msgs, tools=tools or None,

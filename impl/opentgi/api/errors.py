@@ -140,7 +140,7 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
     """The one mapping from an exception to TGI's status code and body."""
     if isinstance(exc, engine_errors.TemplateError):
         return ErrorReply(422, f"Template error: {exc.message}", "template_error")
-    if getattr(exc, "error_type", None) == "tool_error":  # opentgi.api.openai.tools.ToolError (OpenAI chat)
+    if getattr(exc, "error_type", None) == "tool_error":  # opentgi.api.chat.tools.ToolError (OpenAI chat)
         return ErrorReply(422, f"Tool error: {exc.message}", "tool_error")
     if isinstance(exc, DeserializationError):
         return ErrorReply(422, DESERIALIZE_PREFIX + exc.message, "validation")

@@ -68,6 +68,12 @@ class Shape:
     stream_end_after_error: str | None = None
     # TGI answers a streaming request it refuses with a 200 whose only event is the error.
     refuse_in_stream: bool = False
+    # A stream's last event when it fails after opening, where it is not `error(exc).body`
+    # (Anthropic's named `error` event, OpenAI Responses' numbered one).
+    stream_error: Callable[[BaseException, Generation], Event] | None = None
+
+    def error_event(self, exc: BaseException, generation: Generation) -> Event:
+        return self.error(exc).body if self.stream_error is None else self.stream_error(exc, generation)
 
 
 @dataclass
@@ -241,7 +247,7 @@ async def stream(prepare: Prepare, shape: Shape, encode: Encode, *,
             record_failure(exc)
             return shape.error(exc).response()
     return sse_response(_events(prepare, shape, encode, generation), headers=headers,
-                        error_event=lambda exc: shape.error(exc).body)
+                        error_event=lambda exc: shape.error_event(exc, generation))
 
 
 async def _events(prepare: Prepare, shape: Shape, encode: Encode, generation: Generation) -> AsyncIterator[Event]:
@@ -252,7 +258,7 @@ async def _events(prepare: Prepare, shape: Shape, encode: Encode, generation: Ge
             yield event
     except OpenTGIError as exc:
         record_failure(exc)
-        yield shape.error(exc).body
+        yield shape.error_event(exc, generation)
         if shape.stream_end_after_error is not None:
             yield shape.stream_end_after_error
     finally:

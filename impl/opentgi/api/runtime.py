@@ -31,6 +31,7 @@ class ServerState:
     started_at: float = field(default_factory=time.monotonic)
     last_success_at: float | None = None  # monotonic time of the last generation that succeeded
     drain: Drain = field(default_factory=Drain)  # graceful shutdown (api/server/shutdown.py)
+    responses: Any = None  # the Responses API's stored responses (api/responses/store.py), made on first use
 
     def record_success(self) -> None:
         self.last_success_at = time.monotonic()

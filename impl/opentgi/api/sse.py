@@ -2,6 +2,8 @@
 
 Framing as TGI's axum server writes it: `data:{json}\\n\\n` (no space after the colon), compact JSON,
 `Content-Type: text/event-stream`, `X-Accel-Buffering: no` (so nginx does not buffer the stream).
+A `NamedEvent` adds its `event:` line as Anthropic's and OpenAI Responses' streams have it:
+`event: NAME\\ndata: {json}\\n\\n`.
 An error while streaming becomes one last event in the dialect's error shape, then the stream ends.
 An idle stream gets axum's keep-alive, an empty comment (`:\n\n`) every 15 s.
 A client that goes away cancels the stream: the event source is closed at once (its `finally` runs,
@@ -15,6 +17,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -23,10 +26,20 @@ from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
-# An event source yields dicts (JSON-encoded into one event each) or str (sent as the data verbatim,
-# e.g. OpenAI's closing "[DONE]").
-Event = Mapping[str, Any] | str
-ErrorEvent = Callable[[BaseException], Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class NamedEvent:
+    """An event with a name: `event: NAME` before its `data:` line."""
+
+    name: str
+    data: Mapping[str, Any]
+
+
+# An event source yields dicts (JSON-encoded into one event each), str (sent as the data verbatim,
+# e.g. OpenAI's closing "[DONE]") or NamedEvents.
+Event = Mapping[str, Any] | str | NamedEvent
+ErrorEvent = Callable[[BaseException], Event]
 
 
 def tgi_error_event(exc: BaseException) -> Mapping[str, Any]:
@@ -42,9 +55,11 @@ def dumps(payload: Any) -> str:
 
 
 def sse_event(payload: Event) -> bytes:
-    data = payload if isinstance(payload, str) else dumps(payload)
     # a lone surrogate (JSON's "\ud800" escape in a request, echoed back) has no UTF-8: written as
     # the same JSON escape instead of failing the stream
+    if isinstance(payload, NamedEvent):
+        return f"event: {payload.name}\ndata: {dumps(payload.data)}\n\n".encode("utf-8", "backslashreplace")
+    data = payload if isinstance(payload, str) else dumps(payload)
     return f"data:{data}\n\n".encode("utf-8", "backslashreplace")
 
 

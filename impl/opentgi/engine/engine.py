@@ -73,6 +73,16 @@ def _private_copy(tokenizer):
         return tokenizer
 
 
+def _needs_trigger(request: GenerationRequest) -> bool:
+    """The request's grammar waits (for the thinking to end, or for a trigger), or a budget closes
+    its thinking: engine/sampling/grammar_trigger.py."""
+    grammar, reasoning = request.grammar, request.reasoning
+    if reasoning is not None and (grammar is not None or reasoning.budget is not None):
+        return True
+    return grammar is not None and bool(grammar.trigger_token_ids or grammar.end_token_ids or grammar.repeat
+                                        or grammar.trigger_at_start)
+
+
 class Engine:
     def __init__(self, loaded, settings: Settings, observer: EngineObserver | None = None):
         self.settings = settings
@@ -377,7 +387,12 @@ class Engine:
             if sampling.do_sample:
                 seed = sampling.seed + i if sampling.seed is not None else self._rng.getrandbits(63)
             processors = []
-            if grammar_factory is not None:
+            if _needs_trigger(request):
+                from opentgi.engine.sampling.grammar_trigger import TriggeredGrammar
+
+                processors.append(TriggeredGrammar(grammar_factory, request.grammar, request.reasoning,
+                                                   self.info.eos_token_ids))
+            elif grammar_factory is not None:
                 processors.append(grammar_factory())
             if sampling.watermark:
                 from opentgi.engine.sampling.watermark import make_watermark_processor

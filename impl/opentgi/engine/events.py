@@ -77,6 +77,7 @@ class GenerationResult:
     timings: Timings
     prefill: list[PrefillToken] | None = None  # when request.prompt_logprobs
     score: float | None = None  # when request.score
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (OpenAI's cached_tokens)
 
     @property
     def generated_tokens(self) -> int:

@@ -26,6 +26,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off; tokens below min_p x the likeliest token's probability are left out
     typical_p: float = 1.0  # 1.0 = off
     repetition_penalty: float = 1.0  # HF/TGI style: divides positive logits of seen tokens
     frequency_penalty: float = 0.0  # OpenAI style: logit -= penalty * count(token in output)
@@ -55,6 +56,29 @@ class GrammarSpec:
 
     type: str  # "json" (value: a JSON schema as text) | "regex" (value: a regular expression)
     value: str
+    # Lazy grammar (native tool calls): the output is free until one of these token sequences has
+    # been generated; the grammar then constrains what follows. Empty: constrained from the start
+    # (after the reasoning, when the request has a ReasoningSpec).
+    trigger_token_ids: list[list[int]] = field(default_factory=list)
+    force_trigger: bool = False  # write the first trigger at once (a call is required)
+    # The output may also open with the grammar itself (Llama 3.1 writes a call as bare JSON): a
+    # first token the grammar accepts starts it.
+    trigger_at_start: bool = False
+    end_token_ids: list[int] = field(default_factory=list)  # forced once the grammar is complete
+    # After the grammar (and end_token_ids) completed: False ends the sequence, True waits for the
+    # next trigger (several tool calls).
+    repeat: bool = False
+
+
+@dataclass
+class ReasoningSpec:
+    """The model's thinking span (`<think>` ... `</think>` as token ids). A grammar waits until the
+    span is closed; a budget closes it by forcing `end_token_ids` after that many thinking tokens."""
+
+    start_token_ids: list[int]
+    end_token_ids: list[int]
+    starts_open: bool = False  # the prompt already opened the span (the template wrote `<think>`)
+    budget: int | None = None  # thinking tokens allowed before the end marker is forced
 
 
 @dataclass
@@ -70,6 +94,7 @@ class GenerationRequest:
     # events' `logprob` is None. A handler sets it False only where its response shows none.
     needs_logprobs: bool = True
     grammar: GrammarSpec | None = None
+    reasoning: ReasoningSpec | None = None  # the thinking span a grammar waits for / a budget closes
     score: bool = False  # reward model: one prefill pass, result.score, no tokens generated
     adapter_id: str | None = None  # a LoRA adapter loaded at start-up (--lora-adapters); None = base
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 80317d41bf2b6ffd) by codegen with
+# GENERATED from openapi/tgi.json (sha256 e0cc55283d205a3e) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -144,6 +144,10 @@ class StreamDetails(BaseModel):
 class TextMessage(BaseModel):
     content: str = Field(..., examples=['My name is David and I'])
     role: str = Field(..., examples=['user'])
+    reasoning_content: str | None = Field(
+        None,
+        description="The model's thinking (the text between its template's `<think>` and `</think>`), as vLLM's `reasoning_content`.",
+    )
 
 
 class Token(BaseModel):
@@ -151,10 +155,6 @@ class Token(BaseModel):
     logprob: float | None = Field(..., examples=[-0.34])
     special: bool = Field(..., examples=[False])
     text: str = Field(..., examples=['test'])
-
-
-class TokenizeResponse(RootModel[list[SimpleToken]]):
-    root: list[SimpleToken]
 
 
 class Tool(BaseModel):
@@ -171,6 +171,13 @@ class ToolCall(BaseModel):
 class ToolCallMessage(BaseModel):
     role: str = Field(..., examples=['assistant'])
     tool_calls: list[ToolCall]
+    reasoning_content: str | None = Field(
+        None,
+        description="The model's thinking (the text between its template's `<think>` and `</think>`), as vLLM's `reasoning_content`.",
+    )
+    content: str | None = Field(
+        None, description='Text the model wrote beside its calls (null when none).'
+    )
 
 
 class FunctionChoice(BaseModel):
@@ -179,12 +186,6 @@ class FunctionChoice(BaseModel):
 
 class Url(BaseModel):
     url: str
-
-
-class Usage(BaseModel):
-    completion_tokens: int = Field(..., ge=0)
-    prompt_tokens: int = Field(..., ge=0)
-    total_tokens: int = Field(..., ge=0)
 
 
 class StreamOptions(BaseModel):
@@ -258,6 +259,37 @@ class ModelsInfo(BaseModel):
     data: list[ModelInfo]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        ...,
+        description='Prompt tokens whose KV cache was reused from the prefix cache.',
+        ge=0,
+    )
+
+
+class ChatTokenizeResponse(BaseModel):
+    templated_text: str = Field(
+        ..., description="The messages rendered by the model's chat template."
+    )
+    tokenize_response: list[SimpleToken]
+
+
+class Token1(RootModel[int]):
+    root: int = Field(..., ge=0)
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[Token1] = Field(..., examples=[[1, 2, 3]])
+    skip_special_tokens: bool | None = Field(
+        False, description='Leave special tokens out of the text.'
+    )
+    model: str | None = Field(None, description="Accepted and ignored (vLLM's field).")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str = Field(..., examples=['test'])
+
+
 class BestOfSequence(BaseModel):
     finish_reason: FinishReason
     generated_text: str = Field(..., examples=['test'])
@@ -283,16 +315,6 @@ class CompletionComplete(BaseModel):
     index: int = Field(..., ge=0)
     logprobs: list[float] | CompletionLogprobs | None = None
     text: str
-
-
-class CompletionFinal(BaseModel):
-    choices: list[CompletionComplete]
-    created: int = Field(..., examples=[1706270835], ge=0)
-    id: str
-    model: str = Field(..., examples=['mistralai/Mistral-7B-Instruct-v0.2'])
-    system_fingerprint: str
-    usage: Usage
-    object: str | None = Field(None, examples=['text_completion'])
 
 
 class CompletionRequest(BaseModel):
@@ -350,6 +372,13 @@ class CompletionRequest(BaseModel):
     )
     logit_bias: dict[str, LogitBias3] | None = None
     stream_options: StreamOptions | None = None
+    min_p: float | None = Field(
+        None,
+        description="Min-p sampling (vLLM's extension): tokens less likely than `min_p` times the most likely token's probability are left out (0: off).",
+        examples=[0.05],
+        ge=0.0,
+        le=1.0,
+    )
 
 
 class DeltaToolCall(BaseModel):
@@ -456,6 +485,13 @@ class GenerateParameters(BaseModel):
         description='Watermarking with [A Watermark for Large Language Models](https://arxiv.org/abs/2301.10226).',
         examples=[True],
     )
+    min_p: float | None = Field(
+        None,
+        description="Min-p sampling (an extension of TGI's parameters, as vLLM's): tokens less likely than `min_p` times the most likely token's probability are left out (0 or null: off).",
+        examples=[0.05],
+        ge=0.0,
+        le=1.0,
+    )
 
 
 class GenerateRequest(BaseModel):
@@ -486,10 +522,21 @@ class ToolCallDelta(BaseModel):
     tool_calls: DeltaToolCall
 
 
+class Usage(BaseModel):
+    completion_tokens: int = Field(..., ge=0)
+    prompt_tokens: int = Field(..., ge=0)
+    total_tokens: int = Field(..., ge=0)
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
 class ChatCompletionStreamDelta(BaseModel):
     role: str | None = Field(None, examples=['assistant'])
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = Field(
+        None,
+        description="The model's thinking (the text between its template's `<think>` and `</think>`), as vLLM's `reasoning_content`.",
+    )
 
 
 class ChatCompletionComplete(BaseModel):
@@ -519,12 +566,14 @@ class Completion1(Chunk):
     object: Object = Field(..., examples=['text_completion'])
 
 
-class Completion2(CompletionFinal):
-    object: Object = Field(..., examples=['text_completion'])
-
-
-class Completion(RootModel[Completion1 | Completion2]):
-    root: Completion1 | Completion2
+class CompletionFinal(BaseModel):
+    choices: list[CompletionComplete]
+    created: int = Field(..., examples=[1706270835], ge=0)
+    id: str
+    model: str = Field(..., examples=['mistralai/Mistral-7B-Instruct-v0.2'])
+    system_fingerprint: str
+    usage: Usage
+    object: str | None = Field(None, examples=['text_completion'])
 
 
 class Message(BaseModel):
@@ -540,6 +589,10 @@ class Message(BaseModel):
     )
     tool_call_id: str | None = Field(
         None, description='The call a `tool` message answers.'
+    )
+    reasoning_content: str | None = Field(
+        None,
+        description="An assistant turn's thinking, shown to templates that render it.",
     )
 
 
@@ -656,3 +709,33 @@ class ChatRequest(BaseModel):
         description="OpenAI's newer name for `max_tokens` (used when `max_tokens` is not set).",
         ge=0,
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='More variables for the model\'s chat template (vLLM\'s extension), e.g. `{"enable_thinking": false}`; they win over the server\'s `--chat-template-kwargs`.',
+        examples=[{'enable_thinking': False}],
+    )
+    reasoning_effort: str | None = Field(
+        None,
+        description="OpenAI's reasoning effort: `minimal`, `low`, `medium` or `high`; for a model that thinks (`<think>` in its template), the thinking tokens allowed before `</think>` is forced (256, 1024, 4096, no limit).",
+        examples=['low'],
+    )
+    parallel_tool_calls: bool | None = Field(
+        None,
+        description='Whether the model may call several tools in one turn (default true); false ends the turn after its first call.',
+        examples=[True],
+    )
+    min_p: float | None = Field(
+        None,
+        description="Min-p sampling (vLLM's extension): tokens less likely than `min_p` times the most likely token's probability are left out (0: off).",
+        examples=[0.05],
+        ge=0.0,
+        le=1.0,
+    )
+
+
+class Completion2(CompletionFinal):
+    object: Object = Field(..., examples=['text_completion'])
+
+
+class Completion(RootModel[Completion1 | Completion2]):
+    root: Completion1 | Completion2

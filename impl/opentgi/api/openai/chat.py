@@ -1,12 +1,11 @@
-"""`POST /v1/chat/completions` (operationId `chat_completions`): messages -> chat template ->
-one engine request with `n` sequences -> an OpenAI `chat.completion`, or `chat.completion.chunk`
-events ending with `data: [DONE]`. Tools and `response_format` become the request's grammar."""
+"""`POST /v1/chat/completions` (operationId `chat_completions`): the OpenAI shape over the shared
+chat turn (`opentgi.api.chat`): messages -> prompt, grammar and parsers -> one engine request with
+`n` sequences -> an OpenAI `chat.completion` (with `reasoning_content` and native `tool_calls`), or
+`chat.completion.chunk` events ending with `data: [DONE]`."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -14,14 +13,19 @@ from starlette.responses import JSONResponse, Response
 
 from opentgi.api import generation, runtime
 from opentgi.api.adapters import adapter_named_by_model, served_model_name
-from opentgi.api.chat_template import render_chat
+from opentgi.api.chat import (
+    ChatOutputParser,
+    ChatTurn,
+    PreparedTurn,
+    prepare_chat_turn,
+    reasoning_budget_for_effort,
+)
 from opentgi.api.errors import IncompleteGenerationError
 from opentgi.api.generation import Generation
 from opentgi.api.openai import common
 from opentgi.api.openai import shapes as shape
 from opentgi.api.openai.params import (
     DEFAULT_MAX_TOKENS,
-    OpenAILimits,
     check_n,
     check_seed,
     check_top_logprobs,
@@ -31,42 +35,29 @@ from opentgi.api.openai.params import (
     stop_sequences,
     stopping_params,
 )
-from opentgi.api.openai.tools import (
-    ToolAnswerStream,
-    ToolError,
-    new_tool_call_id,
-    select_tools,
-    tool_grammar_schema,
-)
-from opentgi.engine.events import TokenEvent
-from opentgi.engine.request import FinishReason, GenerationRequest, GrammarSpec
+from opentgi.engine.request import GenerationRequest
 from opentgi.schemas.tgi import ChatRequest
 
 
 @dataclass
 class PreparedChat:
     meta: shape.ResponseMeta
+    turn: PreparedTurn
     num_prompt_tokens: int
     n: int
-    using_tools: bool
     logprobs: bool
     include_usage: bool
 
 
-def _chat_grammar(body: dict, limits: OpenAILimits) -> tuple[GrammarSpec | None, bool, list]:
-    """The grammar (from tools or response_format), whether tools constrain the answer, and the
-    tools to show the template."""
-    tools = body.get("tools") or []
-    selection = select_tools(tools, body.get("tool_choice"))
-    response_format = body.get("response_format")
-    format_grammar = response_format_grammar(response_format, limits)
-    if selection.constrained:
-        if format_grammar is not None:
-            raise ToolError("Grammar and tools are mutually exclusive")
-        if limits.disable_grammar_support:
-            raise ToolError("Tools need grammar support, which this server has disabled")
-        return GrammarSpec("json", json.dumps(tool_grammar_schema(selection))), True, tools
-    return format_grammar, False, tools
+def chat_turn(body: dict, req: ChatRequest) -> ChatTurn:
+    """The request's chat turn (OpenAI chat is the turn's own form)."""
+    budget = reasoning_budget_for_effort(body.get("reasoning_effort"))
+    parallel = body.get("parallel_tool_calls")
+    return ChatTurn(messages=body["messages"], tools=body.get("tools"), tool_choice=body.get("tool_choice"),
+                    parallel_tool_calls=True if parallel is None else bool(parallel),
+                    response_format=body.get("response_format"),
+                    chat_template_kwargs=body.get("chat_template_kwargs"), reasoning_budget=budget,
+                    tool_prompt=req.tool_prompt)
 
 
 async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedChat]:
@@ -74,7 +65,8 @@ async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedCh
     engine = state.engine
     limits = common.limits_of(state)
     req = common.parse_model(ChatRequest, body)
-    grammar, using_tools, tools = _chat_grammar(body, limits)
+    turn = chat_turn(body, req)
+    format_grammar = response_format_grammar(turn.response_format, limits)
     n = check_n(req.n, limits)
     check_seed(req.seed, n)
     logprobs = bool(req.logprobs)
@@ -83,56 +75,37 @@ async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedCh
     sampling = sampling_params(temperature=req.temperature, top_p=req.top_p,
                                frequency_penalty=req.frequency_penalty,
                                presence_penalty=req.presence_penalty, seed=req.seed,
-                               logit_bias=body.get("logit_bias"), limits=limits)
-    template = engine.chat_template()
-    text = await asyncio.to_thread(
-        render_chat, template.template, body["messages"], bos_token=template.bos_token,
-        eos_token=template.eos_token, special_tokens=template.special_tokens, tools=tools or None,
-        tool_prompt=req.tool_prompt)
-    prompt_ids = await engine.encode(text, add_special_tokens=False, max_tokens=limits.max_input_tokens)
+                               logit_bias=body.get("logit_bias"), limits=limits, min_p=req.min_p)
+    prepared = await prepare_chat_turn(engine, turn, settings=state.settings,
+                                       max_input_tokens=limits.max_input_tokens, format_grammar=format_grammar)
+    prompt_ids = prepared.prompt_token_ids
     requested = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
     budget = max_new_tokens(requested, DEFAULT_MAX_TOKENS, len(prompt_ids), limits)
     request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,
                                 stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
-                                needs_logprobs=logprobs,
-                                grammar=grammar, adapter_id=adapter_named_by_model(engine.info, req.model))
+                                needs_logprobs=logprobs, grammar=prepared.grammar, reasoning=prepared.reasoning,
+                                adapter_id=adapter_named_by_model(engine.info, req.model))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     model = served_model_name(engine.info, request.adapter_id)
-    return [request], PreparedChat(meta=shape.ResponseMeta.new("chatcmpl", model),
-                                   num_prompt_tokens=len(prompt_ids), n=n, using_tools=using_tools,
-                                   logprobs=logprobs, include_usage=include_usage)
+    return [request], PreparedChat(meta=shape.ResponseMeta.new("chatcmpl", model), turn=prepared,
+                                   num_prompt_tokens=len(prompt_ids), n=n, logprobs=logprobs,
+                                   include_usage=include_usage)
 
 
 class _ChatChoiceStream:
-    """One choice's deltas while streaming (plain text, or the tool answer's pieces)."""
+    """One choice's deltas while streaming: its parser's pieces as OpenAI deltas."""
 
-    def __init__(self, index: int, using_tools: bool):
-        self.index = index
-        self.tools = ToolAnswerStream() if using_tools else None
-        self.call_id: str | None = None
+    def __init__(self, parser: ChatOutputParser):
+        self.parser = parser
 
-    def deltas(self, event: TokenEvent) -> list[dict]:
-        if self.tools is None:
-            return [{"content": event.text_delta}] if event.text_delta else []
-        pieces = self.tools.feed(event.text_delta)
+    def deltas(self, event) -> list[dict]:
+        pieces = self.parser.feed(event)
         if event.finish_reason is not None:
-            pieces += self.tools.finish()
-        out = []
-        for piece in pieces:
-            if piece.kind == "call":
-                self.call_id = new_tool_call_id()
-                out.append({"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
-                                            "function": {"name": piece.text, "arguments": ""}}]})
-            elif piece.kind == "arguments":
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": piece.text}}]})
-            elif piece.text:
-                out.append({"content": piece.text})
-        return out
+            pieces += self.parser.finish()
+        return [shape.chat_delta(piece) for piece in pieces]
 
-    def finish_reason(self, reason: FinishReason) -> str:
-        if self.call_id is not None and reason not in (FinishReason.LENGTH, FinishReason.CONTEXT):
-            return "tool_calls"
-        return shape.finish_reason(reason)
+    def finish_reason(self, reason) -> str:
+        return shape.chat_finish_reason(reason, self.parser.saw_calls)
 
 
 async def _chat_stream(gen: Generation) -> AsyncIterator[dict | str]:
@@ -142,7 +115,7 @@ async def _chat_stream(gen: Generation) -> AsyncIterator[dict | str]:
         return shape.chat_chunk(p.meta, [choice], include_usage=p.include_usage)
 
     completion_tokens = 0
-    choices = [_ChatChoiceStream(i, p.using_tools) for i in range(p.n)]
+    choices = [_ChatChoiceStream(p.turn.make_parser()) for _ in range(p.n)]
     for i in range(p.n):
         yield chunk(shape.chat_choice_delta(i, {"role": "assistant", "content": ""}))
     finished = 0
@@ -163,15 +136,17 @@ async def _chat_stream(gen: Generation) -> AsyncIterator[dict | str]:
         raise IncompleteGenerationError()
     gen.success(completion_tokens)
     if p.include_usage:
+        cached = await common.cached_tokens(gen.handles)
         yield shape.chat_chunk(p.meta, [], include_usage=True,
-                               usage_value=shape.usage(p.num_prompt_tokens, completion_tokens))
+                               usage_value=shape.usage(p.num_prompt_tokens, completion_tokens, cached))
     yield common.DONE
 
 
 def _chat_answer(gen: Generation, results: list) -> Response:
     p: PreparedChat = gen.context
     return JSONResponse(shape.chat_completion(p.meta, results[0].sequences, p.num_prompt_tokens,
-                                              using_tools=p.using_tools, logprobs=p.logprobs))
+                                              make_parser=p.turn.make_parser, logprobs=p.logprobs,
+                                              cached_tokens=results[0].num_cached_tokens))
 
 
 async def chat_completions(body: dict) -> Response:

@@ -35,6 +35,12 @@ def limits_of(state) -> OpenAILimits:
     return OpenAILimits.from_settings(state.settings, info, vocab)
 
 
+async def cached_tokens(handles: list) -> int:
+    """Prompt tokens the requests found in the prefix cache (their results are in once every
+    sequence has finished)."""
+    return sum([(await handle.result()).num_cached_tokens for handle in handles])
+
+
 async def events_of(handles: list) -> AsyncIterator[tuple[int, TokenEvent]]:
     """(handle index, event) from several handles as they come; cancels them all when closed."""
     if len(handles) == 1:

@@ -70,7 +70,7 @@ async def _prepare_completion(body: dict) -> tuple[list[GenerationRequest], Prep
                                frequency_penalty=req.frequency_penalty,
                                presence_penalty=req.presence_penalty, seed=req.seed,
                                logit_bias=body.get("logit_bias"), limits=limits,
-                               repetition_penalty=req.repetition_penalty)
+                               repetition_penalty=req.repetition_penalty, min_p=req.min_p)
     # Absent or null: TGI's default (100, capped to what fits); the model's 32 is the document's.
     requested = body.get("max_tokens")
     echo = bool(req.echo)
@@ -165,8 +165,9 @@ async def _completion_stream(gen: Generation) -> AsyncIterator[dict | str]:
         raise IncompleteGenerationError()
     gen.success(completion_tokens)
     if p.include_usage:
+        cached = await common.cached_tokens(gen.handles)
         yield shape.completion_chunk(p.meta, [], include_usage=True,
-                                     usage_value=shape.usage(sum(p.prompt_lengths), completion_tokens))
+                                     usage_value=shape.usage(sum(p.prompt_lengths), completion_tokens, cached))
     yield common.DONE
 
 
@@ -174,7 +175,9 @@ def _completion_answer(gen: Generation, results: list) -> Response:
     p: PreparedCompletion = gen.context
     completion_tokens = sum(s.generated_tokens for r in results for s in r.sequences)
     choices = [c for i, result in enumerate(results) for c in _completion_choices(p, i, result)]
-    return JSONResponse(shape.completion(p.meta, choices, shape.usage(sum(p.prompt_lengths), completion_tokens)))
+    cached = sum(r.num_cached_tokens for r in results)
+    return JSONResponse(shape.completion(p.meta, choices, shape.usage(sum(p.prompt_lengths), completion_tokens,
+                                                                      cached)))
 
 
 def _completion_tokens(results: list) -> int:

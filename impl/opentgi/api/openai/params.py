@@ -84,7 +84,7 @@ def logit_bias_map(logit_bias: Any, limits: OpenAILimits) -> dict[int, float] | 
 def sampling_params(*, temperature: float | None, top_p: float | None,
                     frequency_penalty: float | None, presence_penalty: float | None,
                     seed: int | None, logit_bias: Any, limits: OpenAILimits,
-                    repetition_penalty: float | None = None) -> SamplingParams:
+                    repetition_penalty: float | None = None, min_p: float | None = None) -> SamplingParams:
     """OpenAI semantics: sampling at temperature 1 by default, `temperature: 0` is greedy."""
     if temperature is not None and temperature < 0:
         raise ValidationError("`temperature` must be strictly positive")
@@ -94,11 +94,13 @@ def sampling_params(*, temperature: float | None, top_p: float | None,
     _in_range("presence_penalty", presence_penalty, -2.0, 2.0)
     if repetition_penalty is not None and repetition_penalty <= 0:
         raise ValidationError("`repetition_penalty` must be strictly positive")
+    _in_range("min_p", min_p, 0.0, 1.0)
     greedy = temperature == 0
     return SamplingParams(
         do_sample=not greedy,
         temperature=1.0 if greedy or temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
+        min_p=float(min_p or 0.0),
         frequency_penalty=float(frequency_penalty or 0.0),
         presence_penalty=float(presence_penalty or 0.0),
         repetition_penalty=float(repetition_penalty or 1.0),

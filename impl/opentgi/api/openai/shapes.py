@@ -13,7 +13,14 @@ import uuid
 from dataclasses import dataclass
 
 import opentgi
-from opentgi.api.openai.tools import ParsedToolAnswer, ToolAnswerStream, new_tool_call_id, parse_tool_answer
+from opentgi.api.chat import (
+    ChatPiece,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallStart,
+    new_tool_call_id,
+    parse_sequence,
+)
 from opentgi.engine.events import PrefillToken, SequenceResult, TokenEvent, TopToken
 from opentgi.engine.request import FinishReason
 
@@ -51,9 +58,12 @@ class ResponseMeta:
                 "system_fingerprint": self.system_fingerprint}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # OpenAI's prompt_tokens_details, where the route knows it
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 # --- chat ----------------------------------------------------------------------------------------
@@ -68,38 +78,42 @@ def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def chat_message(seq: SequenceResult, using_tools: bool) -> tuple[dict, str]:
-    """The assistant message of one choice and its finish_reason."""
-    reason = finish_reason(seq.finish_reason)
-    if not using_tools:
-        return {"role": "assistant", "content": seq.text}, reason
-    answer: ParsedToolAnswer | None = parse_tool_answer(seq.text)
-    if answer is None:  # cut short (max_tokens): what the streaming parser would have shown
-        return _cut_short_tool_answer(seq.text), reason
-    if answer.is_call:
-        message = {"role": "assistant", "content": None,
-                   "tool_calls": [tool_call(answer.name, answer.arguments)]}
-        return message, "tool_calls"
-    return {"role": "assistant", "content": answer.content}, reason
+def chat_finish_reason(reason: FinishReason | None, called_tools: bool) -> str | None:
+    """A turn that called tools ends with "tool_calls", unless it was cut short."""
+    if called_tools and reason not in (FinishReason.LENGTH, FinishReason.CONTEXT):
+        return "tool_calls"
+    return finish_reason(reason)
 
 
-def _cut_short_tool_answer(text: str) -> dict:
-    """A tool answer that ended before it parsed: a call with its partial arguments, the text
-    decoded so far, or (before either began) the raw text."""
-    stream = ToolAnswerStream()
-    pieces = stream.feed(text) + stream.finish()
-    calls = [p.text for p in pieces if p.kind == "call"]
-    if calls:
-        arguments = "".join(p.text for p in pieces if p.kind == "arguments")
-        return {"role": "assistant", "content": None, "tool_calls": [tool_call(calls[0], arguments)]}
-    return {"role": "assistant", "content": "".join(p.text for p in pieces if p.kind == "content")}
+def chat_delta(piece: ChatPiece) -> dict:
+    """One streamed piece as an OpenAI chat delta (reasoning as vLLM's `reasoning_content`)."""
+    if isinstance(piece, ReasoningDelta):
+        return {"reasoning_content": piece.text}
+    if isinstance(piece, TextDelta):
+        return {"content": piece.text}
+    if isinstance(piece, ToolCallStart):
+        return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                                "function": {"name": piece.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
+
+
+def chat_message(seq: SequenceResult, parser) -> tuple[dict, str]:
+    """The assistant message of one choice (its events through `parser`) and its finish_reason."""
+    parsed = parse_sequence(seq, parser)
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["content"] = parsed.content or None
+        message["tool_calls"] = [tool_call(c.name, c.arguments, c.id) for c in parsed.tool_calls]
+    return message, chat_finish_reason(seq.finish_reason, bool(parsed.tool_calls))
 
 
 def chat_completion(meta: ResponseMeta, sequences: list[SequenceResult], prompt_tokens: int, *,
-                    using_tools: bool, logprobs: bool) -> dict:
+                    make_parser, logprobs: bool, cached_tokens: int | None = None) -> dict:
     choices = []
     for seq in sorted(sequences, key=lambda s: s.index):
-        message, reason = chat_message(seq, using_tools)
+        message, reason = chat_message(seq, make_parser())
         choices.append({
             "index": seq.index, "message": message,
             "logprobs": {"content": [chat_logprob(t) for t in seq.tokens]} if logprobs else None,
@@ -107,7 +121,7 @@ def chat_completion(meta: ResponseMeta, sequences: list[SequenceResult], prompt_
         })
     completion_tokens = sum(s.generated_tokens for s in sequences)
     return {**meta.head("chat.completion"), "choices": choices,
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chat_chunk(meta: ResponseMeta, choices: list[dict], *, include_usage: bool, usage_value=None) -> dict:

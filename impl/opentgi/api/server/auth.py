@@ -1,15 +1,18 @@
-"""Optional bearer-token authentication (`--api-key` / `API_KEY`), as one ASGI middleware.
+"""Optional bearer-token authentication (`--api-key` / `API_KEY`, several keys comma-separated, and
+`--api-key-file`, one a line), as one ASGI middleware. A token is compared with every key in
+constant time (`hmac.compare_digest`), all of them whichever matches.
 
 When the server has an API key, every HTTP route of every dialect needs `Authorization: Bearer <key>`
-except the health checks (`/health`, `/healthz` under any mount) and the API documents with their
-Swagger UI (`/openapi.json`, `/docs`, `/ui/...`), which hold nothing secret. A missing or wrong key
-gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authenticate: Bearer`.
+(or Anthropic's `x-api-key: <key>`) except the health checks (`/health`, `/healthz` under any mount)
+and the API documents with their Swagger UI (`/openapi.json`, `/docs`, `/ui/...`), which hold nothing
+secret. A missing or wrong key gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authenticate: Bearer`.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Sequence
 
 from starlette.responses import Response
 
@@ -19,14 +22,23 @@ OPEN_PATH_NAMES = frozenset({"health", "healthz"})
 DOC_PATH_NAMES = frozenset({"openapi.json", "openapi.yaml", "docs", "swagger.json"})
 
 
+def accepted_keys(api_key: str | None, more: Iterable[str] = ()) -> list[str]:
+    """The keys a server accepts: `--api-key`'s comma-separated keys and those of `--api-key-file`."""
+    keys = [k.strip() for k in (api_key or "").split(",")] + [k.strip() for k in more]
+    return [k for k in keys if k]
+
+
 def dialect_error_response(dialect_of: Callable[[str], str]) -> Callable[[str, Exception], Response]:
     """(path, error) -> the response of the dialect owning the path, from its one error-shape function
     (the app passes its error mapper's `response` instead, which does the same)."""
+    from opentgi.api.anthropic.errors import anthropic_error
     from opentgi.api.errors import tgi_error
     from opentgi.api.lightllm import handlers as lightllm
+    from opentgi.api.responses.errors import openai_error
     from opentgi.api.sensenova import handlers as sensenova
 
-    shapes = {"tgi": tgi_error, "lightllm": lightllm.error_shape, "sensenova": sensenova.error_shape}
+    shapes = {"tgi": tgi_error, "lightllm": lightllm.error_shape, "sensenova": sensenova.error_shape,
+              "anthropic": anthropic_error, "openai-responses": openai_error}
     return lambda path, exc: shapes[dialect_of(path)](exc).response()
 
 
@@ -45,18 +57,19 @@ def dialect_resolver(
 ) -> Callable[[str], str]:
     """Map a request path to its dialect from the app's mounts: (base path, dialect, document paths).
 
-    The longest base path whose document has the rest of the path wins; a path no document has
-    (a 404 to be) gets `default`'s shape.
+    The longest base path whose document has the rest of the path wins (a templated document path,
+    `/v1/responses/{response_id}`, matches any one segment there); a path no document has (a 404 to
+    be) gets `default`'s shape.
     """
     table = sorted(
-        ((base.rstrip("/"), dialect, frozenset(paths)) for base, dialect, paths in mounts),
+        ((base.rstrip("/"), dialect, path_matcher(paths)) for base, dialect, paths in mounts),
         key=lambda m: len(m[0]),
         reverse=True,
     )
 
     def dialect_of(path: str) -> str:
-        for base, dialect, paths in table:
-            if path.startswith(base) and (path[len(base):] or "/") in paths:
+        for base, dialect, has_path in table:
+            if path.startswith(base) and has_path(path[len(base):] or "/"):
                 return dialect
         for base, dialect, _ in table:  # under a dialect's prefix, but no such path
             if base and (path == base or path.startswith(base + "/")):
@@ -66,15 +79,23 @@ def dialect_resolver(
     return dialect_of
 
 
+def path_matcher(paths: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a path is one of a document's paths, `{name}` matching one segment."""
+    exact = frozenset(p for p in paths if "{" not in p)
+    templated = [re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(p)) + "$") for p in paths if "{" in p]
+    return lambda path: path in exact or any(t.match(path) for t in templated)
+
+
 class BearerAuthMiddleware:
     """ASGI middleware: a 401 (UnauthorizedError) in the path's dialect shape unless the bearer token
-    matches."""
+    (or the `x-api-key` header, as Anthropic's clients send it) matches."""
 
-    def __init__(self, app, *, api_key: str, error_response: Callable[[str, Exception], Response]):
-        if not api_key:
-            raise ValueError("BearerAuthMiddleware needs a non-empty api_key")
+    def __init__(self, app, *, api_key: str | Sequence[str], error_response: Callable[[str, Exception], Response]):
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        if not keys or not all(keys):
+            raise ValueError("BearerAuthMiddleware needs non-empty api keys")
         self.app = app
-        self._expected = api_key.encode()
+        self._expected = [key.encode() for key in keys]
         self._error_response = error_response
 
     async def __call__(self, scope, receive, send):
@@ -87,5 +108,11 @@ class BearerAuthMiddleware:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.strip().partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._expected)
+                if scheme.lower() == b"bearer" and self._matches(token.strip()):
+                    return True
+            elif name == b"x-api-key" and self._matches(value.strip()):
+                return True
         return False
+
+    def _matches(self, token: bytes) -> bool:
+        return sum(hmac.compare_digest(token, key) for key in self._expected) > 0

@@ -27,6 +27,7 @@ from opentgi.api.adapters import models_list
 from opentgi.api.errors import DeserializationError, IncompleteGenerationError, tgi_error
 from opentgi.api.tgi import responses as encode
 from opentgi.api.tgi.params import Limits, build_request, check_integer_widths, check_parameters
+from opentgi.api.tgi.tokens import detokenize, get_chat_tokenize  # noqa: F401 - operationIds of tgi.json
 from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult
 from opentgi.schemas.tgi import GenerateParameters

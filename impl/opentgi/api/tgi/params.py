@@ -146,6 +146,11 @@ def check_parameters(inputs: str, parameters: GenerateParameters | None, limits:
         typical_p = f32(p.typical_p)
         if typical_p <= 0.0 or typical_p >= 1.0:
             raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+    min_p = 0.0  # an extension (vLLM's): TGI has no min_p
+    if p.min_p is not None:
+        min_p = f32(p.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValidationError("`min_p` must be >= 0.0 and <= 1.0")
     top_k = 0
     if p.top_k is not None:
         if p.top_k <= 0:
@@ -181,9 +186,9 @@ def check_parameters(inputs: str, parameters: GenerateParameters | None, limits:
                               f"{limits.max_input_tokens}. Given: {truncate}")
 
     # TGI's Python server samples when do_sample is set or any warper changes the distribution.
-    warpers = temperature != 1.0 or top_k != 0 or top_p < 1.0 or typical_p < 1.0
+    warpers = temperature != 1.0 or top_k != 0 or top_p < 1.0 or typical_p < 1.0 or min_p > 0.0
     sampling = SamplingParams(
-        do_sample=bool(p.do_sample or warpers), temperature=temperature, top_k=top_k, top_p=top_p,
+        do_sample=bool(p.do_sample or warpers), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         typical_p=typical_p, repetition_penalty=repetition_penalty,
         frequency_penalty=frequency_penalty, seed=p.seed, watermark=bool(p.watermark))
     return TGIParameters(

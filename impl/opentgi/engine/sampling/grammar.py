@@ -206,6 +206,11 @@ class GrammarProcessor:
             self._failed = True
         self._fresh = False
 
+    def try_accept(self, token_id: int) -> bool:
+        """Follow token_id if the grammar allows it; False (and no change) if it does not."""
+        self._fresh = False
+        return bool(self._matcher.accept_token(token_id))
+
     def is_terminated(self) -> bool:
         if self._failed or self._matcher.is_terminated():
             return True

@@ -1,8 +1,8 @@
 """Chooses every row's next token at once.
 
 Order (TGI's): penalties (repetition, frequency/presence), logit bias, min-new-tokens EOS mask,
-per-row processors (grammar, watermark), then for sampled rows temperature, top-k, top-p,
-typical-p and a draw from the row's own seeded generator (so a seed reproduces its output whatever
+per-row processors (grammar, watermark), then for sampled rows temperature, min-p (vLLM's), top-k,
+top-p, typical-p and a draw from the row's own seeded generator (so a seed reproduces its output whatever
 the batch around it); greedy rows take the argmax. The reported logprob of the chosen token and
 the top-n alternatives come from the raw logits' log-softmax, computed only when some row of the
 batch reports them (`GenerationRequest.needs_logprobs`, or top-n): a row that does not gets None.
@@ -167,9 +167,11 @@ class Sampler:
         return torch.softmax(values, dim=-1), ids
 
     def _warp(self, batch: SamplingBatch, s: torch.Tensor) -> torch.Tensor:
+        neg_inf = float("-inf")
+        if batch.any_min_p:  # after temperature, before the others (vLLM's order)
+            s = s.masked_fill(s < s.max(dim=-1, keepdim=True).values + batch.log_min_p, neg_inf)
         if not (batch.any_top_k or batch.any_top_p or batch.any_typical):
             return s
-        neg_inf = float("-inf")
         if batch.any_top_k or batch.any_top_p:
             sorted_s, sorted_idx = s.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
             if batch.any_top_k:

@@ -4,6 +4,8 @@ output token counts) is then updated in place from each step's chosen tokens."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from opentgi.engine.scheduling.sequence import Sequence
@@ -40,11 +42,16 @@ class SamplingBatch:
             self.typical_p = col([p.typical_p for p in sp])
             self.typical_on = col([0.0 < p.typical_p < 1.0 for p in sp], torch.bool)
             self.any_typical = any(0.0 < p.typical_p < 1.0 for p in sp)
+            self.any_min_p = any(p.min_p > 0.0 for p in sp)
+            if self.any_min_p:  # log(min_p): a token is kept when its logit >= the best's + log(min_p)
+                self.log_min_p = col([float("-inf") if p.min_p <= 0.0 else math.log(p.min_p)
+                                      for p in sp])
             self.top_k_on = col([bool(k) for k in self.top_k], torch.bool)
             self.all_top_k = all(self.top_k)
             self.max_top_k = max(self.top_k)
             # every sampled row keeps only its best tokens (the sampler's topk path may serve it)
-            self.candidates_only = all(k or 0.0 < p.top_p < 1.0 for k, p in zip(self.top_k, sp))
+            self.candidates_only = not self.any_min_p and all(k or 0.0 < p.top_p < 1.0
+                                                              for k, p in zip(self.top_k, sp))
             self.generators = [self._generator(seqs[i]) for i in self.sample_rows]
 
         # penalties over all rows (greedy rows too, as in HF generate)

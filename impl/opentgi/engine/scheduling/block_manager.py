@@ -115,6 +115,8 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens = len(block_ids) * self.block_size
         self.prefix_query_tokens += n
         self.prefix_hit_tokens += seq.num_cached_tokens
+        if seq.num_prompt_cached_tokens is None:
+            seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
         return seq.num_cached_tokens
 
     def commit(self, seq: Sequence) -> None:

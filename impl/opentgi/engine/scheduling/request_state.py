@@ -33,7 +33,8 @@ class RequestState:
                            tokens=self.events[s.index])
             for s in self.seqs]
         return GenerationResult(request_id=self.request_id, prompt_token_ids=list(self.request.prompt_token_ids),
-                                sequences=sequences, timings=self.timings, prefill=self.prefill, score=self.score)
+                                sequences=sequences, timings=self.timings, prefill=self.prefill, score=self.score,
+                                num_cached_tokens=self.seqs[0].num_prompt_cached_tokens or 0)
 
 
 @dataclass

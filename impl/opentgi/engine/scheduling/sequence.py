@@ -39,6 +39,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0  # tokens whose k/v are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache (last admission)
+        self.num_prompt_cached_tokens: int | None = None  # the prompt's, at its first admission (usage)
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.block_hashes: list[int] = []

@@ -1,137 +1,34 @@
-"""Tool calling on `/v1/chat/completions`: which tools may be called, the grammar that makes the
-model's answer always parse, and turning that answer into OpenAI `tool_calls`.
-
-The model answers one JSON object, constrained by a JSON-schema grammar:
+"""TGI's tool contract (a client sends `tool_prompt`, or the template has no tool-call format of
+its own): the model answers one JSON object from its first token, constrained by a grammar:
 
 - a call: `{"name": "<function>", "arguments": {...}}`, arguments validated by the function's
-  `parameters` schema (the Hermes / Llama-3.1 shape models are trained on);
+  `parameters` schema;
 - with `tool_choice: "auto"` only, the no-tool answer `{"content": "<text>"}`, returned as an
   ordinary assistant message (TGI's `notify_error`/`no_tool` idea, without a reserved function name
   that could collide with the user's).
-
-`tool_choice`: `"none"` (tools shown to the template, no constraint), `"auto"` (the default when
-tools are given), `"required"` (one of the tools), a function name, or
-`{"type": "function", "function": {"name": ...}}`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from opentgi.engine.errors import ValidationError
-
-
-class ToolError(ValidationError):
-    """A tool request that cannot be served (TGI: 422, error_type "tool_error")."""
-
-    error_type = "tool_error"
-
-
-@dataclass
-class ToolSelection:
-    """What the tools of a request allow: `mode` is "none" | "auto" | "required" | "named"."""
-
-    mode: str
-    tools: list[dict] = field(default_factory=list)  # the tools the model may call (OpenAI shape)
-
-    @property
-    def constrained(self) -> bool:
-        return self.mode != "none"
-
-
-def _function(tool: dict, index: int) -> dict:
-    if tool.get("type", "function") != "function":
-        raise ToolError(f"tools[{index}]: only tools of type \"function\" are supported")
-    function = tool.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-        raise ToolError(f"tools[{index}]: `function.name` is required")
-    schema = _parameters(function)
-    if not isinstance(schema, dict):
-        raise ToolError(f"tools[{index}]: `function.parameters` must be a JSON schema object")
-    return function
-
-
-def _parameters(function: dict):
-    """The function's JSON schema: OpenAI names it `parameters`, TGI 2.1 `arguments` (an alias)."""
-    schema = function.get("parameters")
-    if schema is None:
-        schema = function.get("arguments")
-    return {"type": "object", "properties": {}} if schema is None else schema
-
-
-def select_tools(tools: list[dict] | None, tool_choice) -> ToolSelection:
-    """Resolve `tools` + `tool_choice` (OpenAI and TGI forms) into a ToolSelection."""
-    tools = list(tools or [])
-    names = [_function(t, i)["name"] for i, t in enumerate(tools)]
-    if len(set(names)) != len(names):
-        raise ToolError("Tool names must be unique")
-    if isinstance(tool_choice, dict):
-        if not tool_choice:  # TGI's empty object: no preference
-            tool_choice = None
-        else:
-            name = (tool_choice.get("function") or {}).get("name")
-            if not isinstance(name, str):
-                raise ToolError("`tool_choice` object must be {\"type\": \"function\", \"function\": "
-                                "{\"name\": ...}}")
-            tool_choice = {"name": name}
-    if not tools:
-        if tool_choice in (None, "none", "auto"):
-            return ToolSelection("none")
-        raise ToolError("`tool_choice` requires `tools`")
-    if tool_choice is None or tool_choice == "auto":
-        return ToolSelection("auto", tools)
-    if tool_choice == "none":
-        return ToolSelection("none", tools)
-    if tool_choice == "required":
-        return ToolSelection("required", tools)
-    name = tool_choice["name"] if isinstance(tool_choice, dict) else tool_choice
-    if not isinstance(name, str) or name not in names:
-        raise ToolError(f"Tool with name {name} not found")
-    return ToolSelection("named", [tools[names.index(name)]])
-
-
-def _hoist_definitions(schema: dict, defs: dict) -> dict:
-    """Move a parameters schema's `$defs`/`definitions` to the root of the combined grammar, so
-    `#/$defs/...` references still resolve."""
-    schema = dict(schema)
-    for key in ("$defs", "definitions"):
-        if key in schema:
-            defs.setdefault(key, {}).update(schema.pop(key))
-    return schema
+from opentgi.api.chat.tools import ToolSelection, call_schema
 
 
 def tool_grammar_schema(selection: ToolSelection) -> dict:
     """The JSON schema every answer of this request must satisfy."""
-    defs: dict = {}
-    alternatives = []
-    for tool in selection.tools:
-        function = tool["function"]
-        parameters = _parameters(function)
-        alternatives.append({
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "const": function["name"]},
-                "arguments": _hoist_definitions(parameters, defs),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
-    if selection.mode == "auto":
-        alternatives.append({
-            "type": "object",
-            "properties": {"content": {"type": "string"}},
-            "required": ["content"],
-            "additionalProperties": False,
-        })
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    return {**schema, **defs}
-
-
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    schema = call_schema(selection)
+    if selection.mode != "auto":
+        return schema
+    text = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
+            "additionalProperties": False}
+    defs = {k: v for k, v in schema.items() if k in ("$defs", "definitions")}
+    calls = [v for k, v in schema.items() if k == "anyOf"] or [None]
+    alternatives = calls[0] if calls[0] is not None else \
+        [{k: v for k, v in schema.items() if k not in defs}]
+    return {"anyOf": [*alternatives, text], **defs}
 
 
 @dataclass
