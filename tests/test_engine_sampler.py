@@ -282,15 +282,18 @@ def test_plain_greedy_rows_take_the_first_best_token_with_its_logprob():
     assert out.logprobs == pytest.approx(want.tolist(), abs=1e-5)
 
 
-def _counting_logsumexp(monkeypatch) -> list:
+def _counting_log_softmax(monkeypatch) -> list:
+    """Calls of the vocabulary-wide log-softmax (the sampler's row_log_softmax)."""
+    from opentgi.engine.sampling import sampler as sampler_module
+
     calls = []
-    real = torch.logsumexp
+    real = sampler_module.row_log_softmax
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "logsumexp", counted)
+    monkeypatch.setattr(sampler_module, "row_log_softmax", counted)
     return calls
 
 
@@ -307,7 +310,7 @@ def test_no_log_softmax_when_no_row_needs_logprobs(monkeypatch, params):
     logits[0, [7, 21]] = 9.0  # a tie: the lower id, as argmax
     logits[2, 45] = 99.0  # past vocab_size: never chosen
     with_lp = Sampler(V, torch.device("cpu")).sample([make_seq(params, seed=i) for i in range(4)], logits)
-    calls = _counting_logsumexp(monkeypatch)
+    calls = _counting_log_softmax(monkeypatch)
     without = Sampler(V, torch.device("cpu")).sample(
         [make_seq(params, seed=i, needs_logprobs=False) for i in range(4)], logits)
     assert calls == []
@@ -335,7 +338,7 @@ def test_top_n_alone_computes_logprobs(monkeypatch):
     """top_n_tokens needs the log-softmax even where the flag says otherwise."""
     V = 8
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, 0.0, 0.0, -1.0, 1.0]])
-    calls = _counting_logsumexp(monkeypatch)
+    calls = _counting_log_softmax(monkeypatch)
     out = Sampler(V, torch.device("cpu")).sample([make_seq(SamplingParams(), top_n=1, needs_logprobs=False)], logits)
     assert calls
     assert out.top[0] == [(0, pytest.approx(torch.log_softmax(logits[0], -1)[0].item()))]

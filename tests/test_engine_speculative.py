@@ -300,24 +300,21 @@ async def test_seeded_sampling_reproduces_with_speculation(llama, prompts):
     assert batched[0].sequences[0].token_ids == alone.sequences[0].token_ids
 
 
-@pytest.mark.parametrize("four_bit", [False, True], ids=["dense", "4-bit checkpoint"])
-def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama, monkeypatch, four_bit):
+@pytest.mark.parametrize("four_bit", [False, True], ids=["dense", "4-bit GGUF"])
+def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama, four_bit, tmp_path):
     """The logits of a verify row (last token + drafts in one forward) equal, bit for bit, those of
     decoding the same tokens one per step, in bfloat16 too: the torch backend attends such a row
     token by token (through the prefill chunk path, this 300-token context rounds differently).
-    With a 4-bit checkpoint whose 4-bit copies serve small steps (models/quantization/int4.py), --speculate
-    N makes them serve the N + 1 rows of a lone sequence's verify step as well."""
+    A GGUF's 4-bit weights multiply every row through the int4 kernel, whose rows do not depend on
+    how many share the step (models/quantization/int4.py), so they keep this too."""
     from opentgi.engine.execution.model_runner import ModelRunner
     from opentgi.engine.scheduling.block_manager import BlockManager
-    from opentgi.models.quantization import int4
+    from opentgi.models.quantization.linear import QuantizedLinear
     from tests import tiny_models
 
-    path = tiny_llama
-    if four_bit:  # the 4-bit kernel "measured" faster for steps of up to 2 rows only
-        monkeypatch.setattr(int4, "_measure", lambda linears, rows, repeats: (1.0, 0.3 if rows <= 2 else 1.0))
-        path = tiny_models.tiny_q4_llama_path()
-    loaded = load_model(Settings(model_id=str(path), dtype="bfloat16", speculate=5))
-    assert loaded.model.int4_max_rows == (6 if four_bit else 0)
+    path = tiny_models.tiny_gguf_path() if four_bit else tiny_llama
+    loaded = load_model(Settings(model_id=str(path), dtype="bfloat16", speculate=5, cache_dir=str(tmp_path)))
+    assert any(isinstance(m, QuantizedLinear) for m in loaded.model.modules()) == four_bit
     runner = ModelRunner(loaded.model, 64, loaded.block_size)
     bm = BlockManager(64, loaded.block_size)
     prompt = list(range(100, 400))

@@ -50,10 +50,17 @@ def test_unsupported_tgi_flag_is_refused_by_name(flag, capsys):
     assert f"TGI's {flag} is not supported" in err and err.startswith("text-generation-launcher:")
 
 
+def test_quantize_is_passed_on():
+    """TGI's --quantize / QUANTIZE reach `opentgi serve`, which takes the methods whose meaning matches
+    and refuses the others by name (models/quantization/methods.py)."""
+    assert "--quantize=eetq" in translate(["--quantize", "eetq"], {})
+    assert translate([], {"QUANTIZE": "awq"}) == ["--port", "3000"]  # read from the environment by serve
+
+
 def test_unsupported_tgi_variable_is_refused_by_name():
     with pytest.raises(Refused) as info:
-        translate([], {"QUANTIZE": "bitsandbytes"})
-    assert "QUANTIZE='bitsandbytes' is set" in info.value.message and "--quantize" in info.value.message
+        translate([], {"ROPE_SCALING": "linear"})
+    assert "ROPE_SCALING='linear' is set" in info.value.message and "--rope-scaling" in info.value.message
     # other libraries read these with the same meaning; `false` is what opentgi does anyway
     translate([], {"HUGGINGFACE_HUB_CACHE": "/data", "SHARDED": "false", "DISABLE_USAGE_STATS": "true"})
 

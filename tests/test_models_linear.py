@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
-from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
+from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear, onednn_linear_usable, pack_linears
 from opentgi.models.registry import build_paged_model
 
 torch.set_num_threads(1)
@@ -69,5 +69,10 @@ def test_paged_llama_on_cpu_float32_uses_onednn(tiny_llama):
                              torch.bfloat16, torch.device("cpu"))
     assert isinstance(bf16.model.layers[0].self_attn.qkv_proj, OneDNNLinear) and bf16.logits_proj is not None
     fp16 = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
-                             torch.float16, torch.device("cpu"))
+                             torch.float16, torch.device("cpu"), batch_invariant=False)
     assert isinstance(fp16.model.layers[0].self_attn.qkv_proj, nn.Linear) and fp16.logits_proj is None
+    # batch invariance (the default) without a oneDNN kernel: torch's, a measured number of rows a call
+    fp16 = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
+                             torch.float16, torch.device("cpu"))
+    assert isinstance(fp16.model.layers[0].self_attn.qkv_proj, RowTiledLinear)
+    assert isinstance(fp16.logits_proj, RowTiledLinear)

@@ -72,33 +72,6 @@ def test_unknown_model_id_fails_clearly(tmp_path, monkeypatch, hub_offline):
         load_model(Settings(model_id=str(tmp_path / "sub")))
 
 
-@pytest.mark.slow
-def test_default_model_conversion_is_exact(tmp_path):
-    """No --model-id: SmolLM2-135M-Instruct's GGUF converted once; same logits as transformers'
-    own GGUF load, on the paged path and through transformers reading the converted folder."""
-    from transformers import AutoModelForCausalLM
-
-    from opentgi.models.checkpoints.default_model import default_gguf_path
-    from tests.test_models_llama import PagedRunner
-
-    loaded = load_model(Settings(cache_dir=str(tmp_path)))
-    assert loaded.kind == "paged" and loaded.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert loaded.eos_token_ids == [2, 0] and loaded.tokenizer.eos_token == "<|im_end|>"
-    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
-                                                  add_generation_prompt=True)
-    gguf = default_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     torch_dtype=torch.float32).eval()
-    converted = AutoModelForCausalLM.from_pretrained(loaded.folder, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = reference(torch.tensor([prompt])).logits[0, -1]
-        assert torch.equal(converted(torch.tensor([prompt])).logits[0, -1], want)
-    paged = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
-    torch.testing.assert_close(paged, want, atol=1e-3, rtol=1e-3)
-    # a second start finds the converted folder
-    assert load_model(Settings(cache_dir=str(tmp_path))).folder == loaded.folder
-
-
 @pytest.fixture
 def hub_offline(monkeypatch):
     """huggingface_hub in offline mode for one test. Its HTTP session is cached and built for the

@@ -293,7 +293,7 @@ ADDED_FIELDS = {
     "ChatCompletion": {"object"}, "ChatCompletionChunk": {"object", "usage"},
     "Chunk": {"object", "usage"}, "CompletionFinal": {"object"},
     "FunctionDefinition": {"parameters"},
-    "Info": {"adapters"},  # LoRA adapters (issue 13)
+    "Info": {"adapters", "deterministic"},  # LoRA adapters (issue 13), batch invariance (issue 24)
 }
 RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"], "FunctionDefinition": ["name"]}
 

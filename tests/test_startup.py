@@ -49,4 +49,6 @@ def test_text_generation_launcher_serves_a_model_folder_quietly_and_prints_its_l
     assert f"API: http://localhost:{port}" in stderr
     assert f"Swagger UI: http://localhost:{port}/docs" in stderr
     assert f"chat page: http://localhost:{port}/" in stderr
+    assert "deterministic: a greedy request gets the same tokens" in stderr  # the default mode
+    assert info.json()["deterministic"] is True
     assert "Adding spec json" not in stderr  # Connexion's line per document

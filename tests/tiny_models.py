@@ -141,11 +141,6 @@ def _build_causal_lm(kind: str, params: dict, extra_special_tokens: list[str] | 
                             torch_dtype="float32", **params["config"])
         torch.manual_seed(params["seed"])
         model = model_cls(config).to(torch.float32).eval()
-        if params.get("q4_1_projections"):
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if ".layers." in name and name.endswith("_proj.weight"):
-                        param.copy_(q4_1_round_trip(param))
         model.save_pretrained(out, safe_serialization=True)
         GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_IDS, pad_token_id=2).save_pretrained(out)
 
@@ -167,26 +162,27 @@ def tiny_llama_path(seed: int = 0, **overrides) -> Path:
                                            "config": cfg, "seed": seed})
 
 
-def q4_1_round_trip(weight):
-    """`weight` ([out, in]) quantized as ggml's Q4_1 does (blocks of 32 inputs: minimum and step in
-    float16, 4-bit codes) and dequantized back to float32, as a GGUF-converted checkpoint holds it."""
-    import torch
-
-    n, k = weight.shape
-    blocks = weight.detach().float().reshape(n, k // 32, 32)
-    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    step = (high - low) / 15
-    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
-    codes = ((blocks - low) * inverse + 0.5).floor().clamp(max=15)
-    return (codes * step.half().float() + low.half().float()).reshape(n, k)
+# the tiny GGUF's block type per projection: every type the loader maps, both int4 ones fused
+# together (gate/up), an int4 one fused with a dense one (q/k with v), a dense one alone (down)
+TINY_GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q6_K", "attn_output": "Q4_K",
+                   "ffn_gate": "Q4_K", "ffn_up": "Q4_1", "ffn_down": "Q5_K"}
 
 
-def tiny_q4_llama_path(seed: int = 0) -> Path:
-    """The tiny Llama with its layer projections on Q4_1's 4-bit grid, as if converted from a
-    Q4_1 GGUF (the default model's format); embeddings stay float32."""
-    cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": True}
-    return _build_causal_lm("tiny-q4-llama", {"config_class": "LlamaConfig", "model_class": "LlamaForCausalLM",
-                                              "config": cfg, "seed": seed, "q4_1_projections": True})
+def tiny_gguf_path(seed: int = 0, layer_types: dict | None = None) -> Path:
+    """A random Llama written as a GGUF file by opentgi.bench.gguf_fixture (gguf-py's writer):
+    hidden 256, 2 layers, 4 heads, 2 KV heads, intermediate 512, Q8_0 embedding (tied head), the
+    layer projections in TINY_GGUF_TYPES, SmolLM2's tokenizer."""
+    types = {**TINY_GGUF_TYPES, **(layer_types or {})}
+    params = {"seed": seed, "types": types}
+
+    def build(out: Path) -> None:
+        from opentgi.bench.gguf_fixture import LlamaShape, write_random_llama_gguf
+
+        shape = LlamaShape(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, context=4096,
+                           rope_theta=10000.0)
+        write_random_llama_gguf(out / "model.gguf", shape, layer_types=types, seed=seed)
+
+    return _cached_folder("tiny-gguf", params, build) / "model.gguf"
 
 
 def tiny_qwen2_path(seed: int = 0, **overrides) -> Path:

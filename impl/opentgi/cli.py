@@ -66,6 +66,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--revision", str, "model revision (hub ids only)"),
     Option("--dtype", str, "float32 | float16 | bfloat16 (default: bfloat16 on CUDA and on CPUs "
            "with avx512_bf16 or AMX, else float32)"),
+    Option("--quantize", str, "weight formats for a float checkpoint: int8 (per channel; TGI's eetq), "
+           "int4 (groups of 32; int4-g64, int4-g128), fp8 (GPUs with FP8); awq / gptq checkpoints are "
+           "read as they are (default: the checkpoint's own; GGUF files are always read as they are)"),
+    Option("--dequantize", _bool, "serve a GGUF's 4-bit layers dequantized to the serving dtype: on CPU "
+           "faster from about 16 concurrent streams on, for 3x their memory (default: kept 4-bit)",
+           is_switch=True),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
            "physical core); the HTTP event loop keeps one"),
@@ -120,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
            "cache gets what the weights and the largest step leave of it (default 1.0)"),
     Option("--speculate", int, "speculative decoding: up to N n-gram (prompt lookup) draft tokens "
            "verified per decode step (default: off)"),
+    Option("--nondeterministic", _bool, "give up batch invariance (a greedy request's tokens and "
+           "logprobs then depend on what else the batch holds and on how its prompt was split) for "
+           "the few kernels that are faster without it: docs/determinism.md", is_switch=True),
     Option("--block-size", int, "KV cache block size in tokens (default: 16 on CPU, 256 with flash-attn)"),
     Option("--disable-grammar-support", _bool, "reject grammar / response_format", is_switch=True),
     Option("--watermark-gamma", float, "watermark green-list fraction (default 0.5)"),
@@ -130,7 +139,8 @@ OPTIONS: tuple[Option, ...] = (
            env=("SENSITIVE_WORDS",)),
     Option("--responses-store-size", int, "OpenAI Responses: responses kept for GET/DELETE and "
            "previous_response_id, least recently used out first (default 1000; 0 keeps none)"),
-    Option("--cache-dir", str, "where converted weights are kept (default ~/.cache/opentgi)",
+    Option("--cache-dir", str, "where start-up keeps what it builds once: a GGUF file's tokenizer and "
+           "packed 4-bit layers (default ~/.cache/opentgi)",
            env=("OPENTGI_CACHE_DIR",)),
     # chat turns and the server around them (reasoning, native tool calls, CORS, several API keys)
     Option("--chat-template-kwargs", _json_object, "default chat template variables, a JSON object, e.g. "
@@ -335,6 +345,7 @@ def serve(settings: Settings) -> None:
         raise SystemExit(f"opentgi: {exc}") from None
     app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
+    log.info("%s", inference_mode_line(engine.info))
     for line in startup_links(settings):
         log.info("%s", line)
     server = GracefulServer(uvicorn.Config(app, host=settings.hostname, port=settings.port, log_config=None,
@@ -351,6 +362,14 @@ def serve(settings: Settings) -> None:
         shards.close()
     if shards.failure:
         raise SystemExit(1)
+
+
+def inference_mode_line(info) -> str:
+    """Start-up's word on batch invariance (also /info's `deterministic`)."""
+    if getattr(info, "deterministic", False):
+        return ("deterministic: a greedy request gets the same tokens and logprobs whatever else the "
+                "server runs (--nondeterministic turns this off)")
+    return "nondeterministic: a request's logprobs may depend on what else its batch holds"
 
 
 def startup_links(settings: Settings) -> list[str]:

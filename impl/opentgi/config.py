@@ -23,6 +23,8 @@ class Settings:
     # (default: fewer while it does, engine/execution/thread_governor.py)
     trust_remote_code: bool = False
     lora_adapters: str | None = None  # comma-separated adapter ids / folders / name=path (PEFT LoRA)
+    quantize: str | None = None  # int8 | int4[-g64|-g128] | fp8 | awq | gptq | eetq (models/quantization/methods.py)
+    dequantize: bool = False  # a GGUF's 4-bit layers served dense in the serving dtype
 
     # --- sharding (tensor parallelism, engine/execution/shards.py) -----------------------------------------
     num_shard: int = 1  # ranks in the tensor-parallel group
@@ -67,13 +69,16 @@ class Settings:
     cuda_memory_fraction: float = 1.0  # CUDA: fraction of the device's memory the server may use
     kv_cache_cpu_bytes: int = 2 << 30  # CPU: KV pool budget when max_batch_total_tokens is unset
     speculate: int | None = None  # n-gram drafts verified per decode step (TGI's --speculate); None/0 = off
+    # False (default): batch-invariant numerics, a request's tokens and logprobs do not depend on
+    # the rest of the batch nor on how its prompt was split (docs/determinism.md)
+    nondeterministic: bool = False
 
     # --- dialect extras ------------------------------------------------------------------------
     fim_template: str | None = None  # e.g. "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
     sensitive_words_file: str | None = None  # SenseNova: one term a line
     sensitive_words: list[str] = field(default_factory=list)
     responses_store_size: int = 1000  # OpenAI Responses: stored responses at most (LRU); 0 stores none
-    cache_dir: str | None = None  # where converted weights are kept; None = ~/.cache/opentgi
+    cache_dir: str | None = None  # what start-up builds once (a GGUF's tokenizer, packed layers); None = ~/.cache/opentgi
 
     # --- chat turns (api/chat/) --------------------------------------------------------------
     chat_template_kwargs: dict | None = None  # default template variables, e.g. {"enable_thinking": false}

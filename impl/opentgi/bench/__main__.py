@@ -1,3 +1,18 @@
-from opentgi.bench.runner import main
+"""`python -m opentgi.bench [flags]` runs the benchmark (runner.py); `python -m opentgi.bench
+write-gguf OUT.gguf` writes the random Llama-1B-shaped GGUF of the llama.cpp comparison
+(gguf_fixture.py); `python -m opentgi.bench kernels` times the linear kernels (kernels.py)."""
 
-main()
+import sys
+
+if sys.argv[1:2] == ["write-gguf"]:
+    from opentgi.bench.gguf_fixture import main
+
+    main(sys.argv[2:])
+elif sys.argv[1:2] == ["kernels"]:
+    from opentgi.bench.kernels import main
+
+    main(sys.argv[2:])
+else:
+    from opentgi.bench.runner import main
+
+    main()

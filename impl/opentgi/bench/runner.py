@@ -205,9 +205,10 @@ def local_server(args):
 def hf_serial_generate(folder: Path, tokenizer, prompts: list[str], new_tokens: int) -> tuple[float, int]:
     """(tokens/s, tokens) of transformers `generate`, one request after the other, greedy."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from opentgi.models.loader import load_transformers_model
+
+    model = load_transformers_model(folder, torch.float32)
     eos = model.generation_config.eos_token_id
     tokens = 0
     started = time.perf_counter()

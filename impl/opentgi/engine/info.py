@@ -37,6 +37,7 @@ class EngineInfo:
     vocab_size: int = 0
     adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded at start-up, in order
     speculate: int = 0  # n-gram drafts per decode step (--speculate; 0 when off or not possible)
+    deterministic: bool = True  # batch-invariant numerics (False with --nondeterministic)
 
 
 @dataclass

@@ -87,7 +87,8 @@ class GenerationRequest:
     sampling: SamplingParams
     stopping: StoppingParams
     n: int = 1  # sequences sampled from this prompt; they share the prompt's KV blocks
-    top_n_tokens: int = 0  # per generated token, the n most likely alternatives (ties included)
+    top_n_tokens: int = 0  # per generated token, the n most likely alternatives (ties in token-id order)
+    top_n_ties: bool = True  # also every token tied with the n-th (TGI); False: exactly n (OpenAI)
     prompt_logprobs: bool = False  # logprobs of every prompt token (TGI decoder_input_details)
     # Whether the generated tokens' logprobs, or anything derived from them (best_of ranking,
     # mean logprob), reach the client. False: the sampler may skip the log-softmax, and the

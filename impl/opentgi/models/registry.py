@@ -9,14 +9,15 @@ import torch
 
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.base import ModelSpec
+from opentgi.models.checkpoints.loading import FolderWeights, load_quantized
 from opentgi.models.checkpoints.weights import load_weights
 from opentgi.models.families.decoder import PagedDecoder
 from opentgi.models.families.layout import DecoderLayout
 from opentgi.models.families.parts import FAMILIES
-from opentgi.models.layers.linear import onednn_linear_usable
 from opentgi.models.layers.mlp import ACTIVATIONS
 from opentgi.models.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
-from opentgi.models.quantization.int4 import Int4Grid, find_int4_grid, int4_kernel_usable
+from opentgi.models.quantization.linear import resident_summary
+from opentgi.models.quantization.methods import Quantize
 
 # architecture -> (family: its parts in families/parts.py, head)
 PAGED_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -64,10 +65,15 @@ def paged_unsupported_reason(config) -> str | None:
     return None
 
 
-def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: torch.dtype,
-                      device: torch.device, tp=None) -> PagedDecoder:
-    """The model on `device`; with `tp` (a models.parallel.TPGroup of more than one rank) this
-    rank's shard of it, loaded from its slices of the checkpoint."""
+def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dtype,
+                      device: torch.device, tp=None, quantize: Quantize | None = None,
+                      batch_invariant: bool = True) -> PagedDecoder:
+    """The model on `device`, from a checkpoint folder or an open GGUFCheckpoint, its linears in
+    the formats the checkpoint and `quantize` ask for (models/checkpoints/loading.py); with `tp` (a
+    models.parallel.TPGroup of more than one rank) this rank's shard of it, loaded from its slices
+    of the checkpoint. `batch_invariant` (the default; False with --nondeterministic): a row's
+    numbers do not depend on the rest of the step (docs/determinism.md). `model.resident` says in
+    one line what it holds."""
     reason = paged_unsupported_reason(config)
     if reason is not None:
         raise ValueError(f"cannot serve {folder} on the paged path: {reason}")
@@ -95,22 +101,16 @@ def build_paged_model(folder: Path, config, backend: AttentionBackend, dtype: to
     with torch.device("meta"):
         local = config if plan is None else plan.local_config(config)
         model = PagedDecoder(local, spec, backend, DecoderLayout.of(local, FAMILIES[family]), head)
-    model = model.to_empty(device=device).to(dtype)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
-    grids: dict[str, Int4Grid] = {}
-    observe = None
-    if plan is None and int4_kernel_usable(dtype, device) and onednn_linear_usable(device, dtype):
-        def observe(name: str, tensor: torch.Tensor) -> None:
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                grid = find_int4_grid(tensor)
-                if grid is not None:
-                    grids[name] = grid
-
-    load_weights(model, folder, ignore_unexpected=ignore, shard=None if plan is None else plan.slice,
-                 observe=observe)
-    if plan is not None:
+    if plan is None:
+        weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config)
+        model = load_quantized(model, weights, quantize, dtype, device, ignore_unexpected=ignore)
+    else:
         from opentgi.models.parallel import parallelize
 
+        model = model.to_empty(device=device).to(dtype)
+        load_weights(model, folder, ignore_unexpected=ignore, shard=plan.slice)
         parallelize(model, plan, tp)
-    model.materialize(int4_grids=grids)
+    model.materialize(batch_invariant=batch_invariant)
+    model.resident = resident_summary(model)
     return model.eval()

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 e0cc55283d205a3e) by codegen with
+# GENERATED from openapi/tgi.json (sha256 574bf294884b7fa6) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -106,6 +106,11 @@ class Info(BaseModel):
         None,
         description='LoRA adapters loaded with --lora-adapters (an opentgi addition)',
         examples=[['my-lora']],
+    )
+    deterministic: bool | None = Field(
+        None,
+        description="true (the default): batch-invariant inference, a request's tokens and logprobs do not depend on the other requests in its batch nor on how its prompt was computed (prefix-cache hit, chunked prefill); false when started with --nondeterministic (an opentgi addition)",
+        examples=[True],
     )
 
 

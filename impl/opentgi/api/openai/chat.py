@@ -83,6 +83,7 @@ async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedCh
     budget = max_new_tokens(requested, DEFAULT_MAX_TOKENS, len(prompt_ids), limits)
     request = GenerationRequest(prompt_token_ids=prompt_ids, sampling=sampling,
                                 stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
+                                top_n_ties=False,  # OpenAI's top_logprobs: exactly n
                                 needs_logprobs=logprobs, grammar=prepared.grammar, reasoning=prepared.reasoning,
                                 adapter_id=adapter_named_by_model(engine.info, req.model))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -84,7 +84,7 @@ async def _prepare_completion(body: dict) -> tuple[list[GenerationRequest], Prep
         budget = max_new_tokens(requested, DEFAULT_MAX_TOKENS, len(ids), limits)
         requests.append(GenerationRequest(
             prompt_token_ids=ids, sampling=sampling, stopping=stopping_params(budget, stops), n=n,
-            top_n_tokens=logprobs or 0,
+            top_n_tokens=logprobs or 0, top_n_ties=False,  # OpenAI's logprobs: exactly n
             prompt_logprobs=echo and logprobs is not None,  # the echoed prompt's logprobs
             needs_logprobs=logprobs is not None,  # `logprobs: 0` still shows token_logprobs
             adapter_id=adapter))

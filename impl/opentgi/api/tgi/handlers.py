@@ -230,6 +230,7 @@ async def get_model_info() -> Response:
         "sha": source_sha(),
         "docker_label": None,
         "adapters": list(info.adapters),
+        "deterministic": bool(getattr(info, "deterministic", True)),
     })
 
 

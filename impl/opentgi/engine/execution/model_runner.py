@@ -47,7 +47,6 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, block_size)
         self._pad_block = -1 if self.device.type == "cpu" else 0
         self.lora = getattr(model, "lora", None)  # models/lora.py LoraState when adapters are loaded
-        self.int4_max_rows = getattr(model, "int4_max_rows", 0)
 
     def free(self, seq: Sequence) -> None:
         """Nothing to drop: the paged cache belongs to the block manager."""
@@ -105,10 +104,6 @@ class ModelRunner:
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
                 logit_rows: list[int] = (), score_rows: list[int] = ()) -> StepOutput:
         input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)
-        if self.int4_max_rows:  # models/quantization/int4.py: 4-bit weights for small generation steps
-            num_tokens = len(input_ids)
-            self.model.use_int4_for(num_tokens, num_tokens <= self.int4_max_rows and all(
-                s.num_computed_tokens >= s.num_prompt_tokens for s in seqs))
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:

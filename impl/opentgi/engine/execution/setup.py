@@ -191,4 +191,13 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
         vocab_size=spec.vocab_size,
         adapters=list(getattr(loaded, "adapters", None) or []),
         speculate=speculate_tokens(settings, runner_kind),
+        deterministic=batch_invariant(loaded),
     )
+
+
+def batch_invariant(loaded) -> bool:
+    """Whether a request's numbers do not depend on the rest of its batch (docs/determinism.md):
+    the paged model built batch-invariant (the default on CPU), with no LoRA adapter (their extra
+    matmuls are not covered)."""
+    return (bool(getattr(getattr(loaded, "model", None), "batch_invariant", False))
+            and not getattr(loaded, "adapters", None))

@@ -47,17 +47,15 @@ class Sampler:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         batch = self.batch_for(seqs)
         logits = logits[:, :self.vocab_size].float()
-        # the log-softmax's normalizer, over the whole vocabulary: only when some row reports logprobs
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True) if batch.any_logprobs else None
-        if batch.plain_greedy:  # every row greedy, nothing to apply: one pass finds token and logit
-            best, next_tokens = logits.max(dim=-1)
-            chosen_logprobs = None if lse is None else best - lse.squeeze(1)
+        # log-probabilities over the whole vocabulary: only when some row reports logprobs
+        log_probs = row_log_softmax(logits) if batch.any_logprobs else None
+        if batch.plain_greedy:  # every row greedy, nothing to apply: one pass finds the token
+            next_tokens = logits.argmax(dim=-1)
         else:
             scores = self._process(batch, logits.clone())
             next_tokens = self._choose(batch, scores)
-            chosen_logprobs = None if lse is None else \
-                (logits.gather(1, next_tokens.unsqueeze(1)) - lse).squeeze(1)
-        top = self._top_n(batch, logits, lse) if batch.any_top_n else [None] * batch.size
+        chosen_logprobs = None if log_probs is None else log_probs.gather(1, next_tokens.unsqueeze(1)).squeeze(1)
+        top = self._top_n(batch, logits, log_probs) if batch.any_top_n else [None] * batch.size
         batch.update(next_tokens)
         token_list = next_tokens.tolist()
         if batch.any_processors:
@@ -153,8 +151,7 @@ class Sampler:
         if batch.any_top_p:
             # probabilities over what top-k left: the candidates, or the whole vocabulary for rows
             # without top-k
-            lse = torch.where(batch.top_k_on, torch.logsumexp(values, dim=-1, keepdim=True),
-                              torch.logsumexp(s, dim=-1, keepdim=True))
+            lse = torch.where(batch.top_k_on, row_logsumexp(values), row_logsumexp(s))
             probs = (values - lse).exp()
             if not batch.all_top_k and k < vocab:
                 covered = probs.sum(dim=-1, keepdim=True) >= batch.top_p
@@ -199,17 +196,42 @@ class Sampler:
         return s
 
     # --- reporting -------------------------------------------------------------------------------
-    def _top_n(self, batch: SamplingBatch, logits: torch.Tensor, lse: torch.Tensor):
+    def _top_n(self, batch: SamplingBatch, logits: torch.Tensor, log_probs: torch.Tensor):
+        """Each row's top_n most likely tokens as (id, logprob), best first, ties in token-id
+        order: with the row's `top_n_ties` (TGI), every token tied with the n-th too; else exactly
+        n (OpenAI's top_logprobs), the lower ids of a tie first."""
         n_max = max(batch.top_n)
         k = min(self.vocab_size, n_max + 16)  # room for ties at the n-th value
-        values, ids = torch.topk(logits, k, dim=-1)
-        values = (values - lse).tolist()
-        ids = ids.tolist()
+        raw, ids = torch.topk(logits, k, dim=-1)
+        values = log_probs.gather(1, ids).tolist()
+        raw_list, ids = raw.tolist(), ids.tolist()
         out: list[list[tuple[int, float]] | None] = []
         for row, n in enumerate(batch.top_n):
             if not n:
                 out.append(None)
                 continue
-            nth = values[row][min(n, k) - 1]
-            out.append([(t, v) for t, v in zip(ids[row], values[row]) if v >= nth])
+            nth = raw_list[row][min(n, k) - 1]
+            found = {t: (r, v) for t, r, v in zip(ids[row], raw_list[row], values[row]) if r >= nth}
+            if not batch.top_n_ties[row] and k < self.vocab_size and raw_list[row][k - 1] == nth:
+                # the window's edge cuts a tie: which tied ids topk kept is arbitrary, take them all
+                tied = (logits[row] == nth).nonzero().flatten()
+                found.update({t: (nth, v) for t, v in zip(tied.tolist(), log_probs[row, tied].tolist())})
+            ranked = sorted(found.items(), key=lambda item: (-item[1][0], item[0]))
+            if not batch.top_n_ties[row]:
+                ranked = ranked[:n]
+            out.append([(t, v) for t, (_, v) in ranked])
         return out
+
+
+def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension, each row computed alike whatever the row count:
+    torch's logsumexp cuts one row's sum across threads for some row counts (measured: 64 rows of
+    49,152 on 2 threads give other bits than one row), its log_softmax does not (and is faster)."""
+    return torch.log_softmax(logits, dim=-1)
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dimension, keepdim, row-invariant (`row_log_softmax`): the maximum
+    less the log-probability it has."""
+    top, at = x.max(dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(top), top - torch.log_softmax(x, dim=-1).gather(-1, at), top)

@@ -90,6 +90,7 @@ class SamplingBatch:
         self.any_processors = any(self.processors)
         self.top_n = [s.request.top_n_tokens for s in seqs]
         self.any_top_n = any(self.top_n)
+        self.top_n_ties = [s.request.top_n_ties for s in seqs]
         # rows whose chosen token's logprob reaches the client (the top-n alternatives need it too)
         self.needs_logprobs = [s.request.needs_logprobs or bool(s.request.top_n_tokens) for s in seqs]
         self.any_logprobs = any(self.needs_logprobs)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opentgi.engine.sampling.sampler import row_log_softmax
 from opentgi.engine.scheduling.sequence import Sequence
 
 MAX_NGRAM = 4
@@ -114,7 +115,7 @@ def verify(sampler, seqs: list[Sequence], drafts: list[list[int]], logits: torch
     rows = [seq for seq, d in zip(seqs, drafts) for _ in range(1 + len(d))]
     batch = sampler.batch_for(rows)
     logits = logits[:, :sampler.vocab_size].float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    log_probs = row_log_softmax(logits)  # as the sampler's, row for row
     scores = logits if batch.plain_greedy else sampler._process(batch, logits.clone())
     argmax = scores.argmax(dim=-1).tolist()
     probs = ids = None
@@ -167,9 +168,8 @@ def verify(sampler, seqs: list[Sequence], drafts: list[list[int]], logits: torch
         row += 1 + len(d)
     index = torch.tensor(chosen_rows, device=logits.device)
     chosen = torch.tensor([chosen_all[r] for r in chosen_rows], device=logits.device)
-    lps = (logits.index_select(0, index).gather(1, chosen.unsqueeze(1)) - lse.index_select(0, index)).squeeze(1)
-    lps = lps.tolist()
-    top = sampler._top_n(batch, logits, lse) if batch.any_top_n else [None] * batch.size
+    lps = log_probs.index_select(0, index).gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    top = sampler._top_n(batch, logits, log_probs) if batch.any_top_n else [None] * batch.size
     batch.update(torch.tensor(chosen_all, device=logits.device))
     if batch.any_processors:  # rows with processors are never speculated: one position each
         for procs, tok in zip(batch.processors, chosen_all):

@@ -18,10 +18,26 @@ with a causal mask offset by the cached length; a row of at most `MAX_TOKENWISE_
 cached ones (speculative decoding's verify rows) is attended token by token like lone decode rows,
 so that its bfloat16 output is bit for bit what decoding those tokens one per step gives. What
 depends only on the step (slot indices, masks) is computed once and kept in `meta.scratch`.
+
+**Batch invariance** (`batch_invariant`, the default; docs/determinism.md): the paths above give a
+token different bits depending on its neighbours. Measured on an AMD EPYC (bfloat16, SmolLM2's
+shapes): one `scaled_dot_product_attention` over many query rows computes some rows differently
+from the same rows one by one (12 of 96 query tokens of one prompt, more for longer prompts), and
+a causal call over a whole prompt differs from the same prompt in chunks, after a cached prefix, or
+from a call over a longer prompt. What was measured invariant is the decode row's form: one query
+token per batch entry (its query heads along the query axis), its keys in whole blocks padded with
+masked ones: a token gets the same bits whatever the padding (up to 1,000 extra keys tried), the
+batch entries beside it, and the step. So with batch invariance every token is attended in that
+form: decode rows as above, and every row of several tokens (a prompt, a prefill chunk, a tail
+after a prefix-cache hit, a verify row) token by token, in segments of `SEGMENT_TOKENS` tokens of
+one sequence that share one gather of its keys (a stride-0 view, no copy per token). A token's
+keys and their order are then the same however its prompt was split. The cost: prompt attention
+does the work of a decode row per token, and no causal skipping inside a segment (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +52,7 @@ from opentgi.models.attention.metadata import AttentionMetadata
 GROUP_COST_KEYS = 1000
 MAX_TOKENWISE_QUERY = 16
 MAX_BATCHED_PROMPT = 128  # fresh prompts up to this many tokens are attended in padded batches
+SEGMENT_TOKENS = 64  # batch invariance: tokens of one sequence attended per call, sharing one key gather
 
 
 @dataclass
@@ -67,6 +84,15 @@ class _PromptBatch:
 
 
 @dataclass
+class _Segment:
+    """Batch invariance: query tokens start:end of one sequence, each attended as a decode row."""
+    start: int
+    end: int
+    blocks: torch.Tensor  # int64 [num_blocks]: the sequence's blocks up to the segment's last token
+    mask: torch.Tensor | None  # additive [end - start, 1, 1, num_blocks * block_size]; None: all visible
+
+
+@dataclass
 class _Plan:
     has_skips: bool
     decode_tokens: torch.Tensor | None  # int64 [Nd]: the flat-batch row of each decode row, grouped
@@ -76,6 +102,7 @@ class _Plan:
     decode: list[_DecodeGroup]
     prefill: list[_PrefillRow]
     prompts: list[_PromptBatch]
+    segments: list[_Segment]
 
 
 def _causal_mask(q_len: int, context_len: int, window: int | None) -> torch.Tensor:
@@ -144,6 +171,30 @@ def _decode_group(meta: AttentionMetadata, rows: list[int], lens: list[int], sta
     return _DecodeGroup(start, start + len(rows), num_blocks, mask), blocks.reshape(-1)
 
 
+def _segments(meta: AttentionMetadata, b: int, q_start: int, q_len: int, ctx: int, block_size: int,
+              window: int | None, dtype: torch.dtype) -> list[_Segment]:
+    """Sequence b's q_len new tokens (flat rows q_start..), ending at context ctx, cut into segments
+    of SEGMENT_TOKENS; each token's visible keys as a decode row of its position has them."""
+    device = meta.block_tables.device
+    out = []
+    for first in range(0, q_len, SEGMENT_TOKENS):
+        n = min(SEGMENT_TOKENS, q_len - first)
+        last_ctx = ctx - q_len + first + n  # keys of the segment's last token
+        num_blocks = -(-last_ctx // block_size)
+        blocks = meta.block_tables[b, :num_blocks].long()
+        ctx_of = torch.arange(last_ctx - n + 1, last_ctx + 1, device=device).unsqueeze(1)  # [n, 1]
+        k_pos = torch.arange(num_blocks * block_size, device=device).unsqueeze(0)
+        visible = k_pos < ctx_of
+        if window is not None:
+            visible &= k_pos > ctx_of - 1 - window
+        mask = None
+        if not bool(visible.all()):
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            mask = mask[:, None, None, :]
+        out.append(_Segment(q_start + first, q_start + first + n, blocks, mask))
+    return out
+
+
 def _prompt_batches(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """Fresh prompts' (start, end) token rows, longest first, cut into batches whose prompts are
     all longer than half the batch's longest (padding at most doubles a batch's tokens)."""
@@ -174,7 +225,7 @@ def _prompt_batch(spans: list[tuple[int, int]], group: int, dtype: torch.dtype,
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtype: torch.dtype,
-               heads_per_kv: int) -> _Plan:
+               heads_per_kv: int, batch_invariant: bool = False) -> _Plan:
     cu_q = meta.cu_seqlens_q.tolist()
     context_lens = meta.context_lens.tolist()
     device = meta.block_tables.device
@@ -182,6 +233,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
     # decode work as (sequence rows, context lengths, flat-batch token rows) per group
     groups: list[tuple[list[int], list[int], list[int]]] = []
     tails: list[int] = []
+    segments: list[_Segment] = []
     for b, ctx in enumerate(context_lens):
         q_len = cu_q[b + 1] - cu_q[b]
         if q_len == 0:
@@ -194,6 +246,9 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
             tails += range(first + ctx % block_size, first + block_size)
         if q_len == 1:
             decode_seqs.append(b)
+            continue
+        if batch_invariant:
+            segments += _segments(meta, b, cu_q[b], q_len, ctx, block_size, window, dtype)
             continue
         if q_len <= MAX_TOKENWISE_QUERY and ctx > q_len:
             # a few new tokens after cached ones (speculative decoding's last token + drafts): each
@@ -236,23 +291,19 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
         else:
             prompts.append(_prompt_batch(spans, heads_per_kv, dtype, device))
     return _Plan(has_skips, decode_tokens, decode_blocks, decode_in_order, tail_slots, decode, prefill,
-                 prompts)
+                 prompts, segments)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
             softcap: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
     """`scaled_dot_product_attention`; with `softcap`, the logits become tanh(s * scale / cap) * cap
     before the mask and the softmax (Gemma 2), which sdpa cannot do: then in plain ops, as
-    transformers' eager attention (softmax in float32). One sequence's attention (q.shape[0] == 1)
-    runs in float32: a decode row's bfloat16 matmuls over 64 keys took 2x the time of float32's
-    here, while a group of 16 decode rows over 320 keys took 2.4x longer in float32 (the 4-D
-    broadcast matmul), so batches keep the model dtype."""
+    transformers' eager attention (softmax in float32), in the model dtype whatever the batch (in
+    float32 a group of 16 decode rows over 320 keys took 5x longer here, the 4-D broadcast matmul;
+    one row over 64 keys took half the time, but a row's numbers must not depend on its batch)."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
-    dtype = q.dtype
-    if q.shape[0] == 1:
-        q, k, v = q.float(), k.float(), v.float()
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
@@ -261,8 +312,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
     if mask is not None:
         scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(probs, v).to(dtype)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -271,8 +321,23 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots)
 
 
+@contextlib.contextmanager
+def _one_thread(on: bool):
+    """Batch invariance in float32: the attention calls on one thread (module docstring)."""
+    threads = torch.get_num_threads() if on else 1
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class TorchAttentionBackend:
     name = "torch"
+    batch_invariant = False  # set by the model (PagedDecoder.materialize); module docstring
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -281,11 +346,17 @@ class TorchAttentionBackend:
         plan_key = ("torch", sliding_window, q.dtype, group)
         plan = meta.scratch.get(plan_key)
         if plan is None:
-            plan = meta.scratch[plan_key] = _make_plan(meta, k_cache.shape[1], sliding_window, q.dtype, group)
+            plan = meta.scratch[plan_key] = _make_plan(meta, k_cache.shape[1], sliding_window, q.dtype, group,
+                                                       self.batch_invariant)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_skips)
         if plan.tails is not None:  # zeros, so that masked keys are finite (-inf + nan is nan)
             k_cache.view(-1, *k_cache.shape[2:]).index_fill_(0, plan.tails, 0)
             v_cache.view(-1, *v_cache.shape[2:]).index_fill_(0, plan.tails, 0)
+        with _one_thread(self.batch_invariant and q.dtype == torch.float32):
+            return self._attend_plan(q, k, v, k_cache, v_cache, plan, scale, group, softcap)
+
+    def _attend_plan(self, q, k, v, k_cache, v_cache, plan: _Plan, scale: float, group: int,
+                     softcap: float | None) -> torch.Tensor:
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         num_blocks, block_size, _, head_dim = k_cache.shape
         out = None
@@ -313,6 +384,8 @@ class TorchAttentionBackend:
                 out.index_copy_(0, plan.decode_tokens, o_dec)
         if out is None:
             out = torch.empty_like(q)
+        for seg in plan.segments:
+            out[seg.start:seg.end] = self._segment(q, k_cache, v_cache, seg, scale, softcap)
         for batch in plan.prompts:
             rows, length = batch.rows, batch.length
             q_b = q.index_select(0, batch.gather).view(rows, length, num_kv_heads, group, head_dim)
@@ -335,3 +408,18 @@ class TorchAttentionBackend:
                         enable_gqa=group > 1)
             out[row.q_start:row.q_end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _segment(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: _Segment,
+                 scale: float, softcap: float | None) -> torch.Tensor:
+        """A segment's tokens, each attended as a decode row: one query token per batch entry, the
+        sequence's keys gathered once and shared (stride 0) by the entries."""
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        n, num_heads = seg.end - seg.start, q.shape[1]
+        shape = (1, seg.blocks.shape[0] * block_size, num_kv_heads, head_dim)
+        keys = k_cache.view(num_blocks, -1).index_select(0, seg.blocks).view(shape).transpose(1, 2)
+        values = v_cache.view(num_blocks, -1).index_select(0, seg.blocks).view(shape).transpose(1, 2)
+        keys = keys.to(q.dtype).expand(n, -1, -1, -1)
+        values = values.to(q.dtype).expand(n, -1, -1, -1)
+        q_seg = q[seg.start:seg.end].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        return _attend(q_seg, keys, values, seg.mask, scale, softcap).reshape(n, num_heads, head_dim)

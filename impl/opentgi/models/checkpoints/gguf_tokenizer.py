@@ -5,6 +5,10 @@ transformers' GGUF import (4.57) reads the vocabulary and merges correctly but g
 prepends it to every encoding, although the file says bos = `<|im_start|>` (1), eos = `<|im_end|>`
 (2), pad = `<|im_end|>`, unk = `<|endoftext|>` (0) and `add_bos_token = False`. We rebuild the
 tokenizer from the file's own metadata so it encodes exactly like the original Hugging Face one.
+
+Building it reads the file's token lists through transformers (seconds for a 49k vocabulary), so
+the result is kept as a small tokenizer folder in the cache directory, keyed by the file's path,
+size and modification time; later starts load that folder.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ _SPECIAL_KEYS = {
     "unk_token": "tokenizer.ggml.unknown_token_id",
     "pad_token": "tokenizer.ggml.padding_token_id",
 }
+
+
+_CACHE_VERSION = 1  # bump when load_gguf_tokenizer builds something different
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, object]:
@@ -36,13 +43,48 @@ def read_gguf_metadata(path: str | Path) -> dict[str, object]:
     return meta
 
 
-def load_gguf_tokenizer(path: str | Path):
-    """Load the tokenizer stored in a GGUF file, with the file's bos/eos/pad/unk and bos policy."""
+def cached_gguf_tokenizer(path: str | Path, cache_root: Path, meta: dict[str, object] | None = None):
+    """`load_gguf_tokenizer`, built once and kept under `cache_root/tokenizers/`."""
+    import hashlib
+    import os
+    import shutil
+    import uuid
+
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{_CACHE_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    final = cache_root / "tokenizers" / f"{path.stem}-{key[:12]}"
+    if (final / ".complete").exists():
+        return PreTrainedTokenizerFast.from_pretrained(final)
+    tokenizer = load_gguf_tokenizer(path, meta)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / ".complete").write_text(str(path))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process got there first, or a half-made leftover
+            if not (final / ".complete").exists():
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+    except OSError:  # a read-only cache: serve the tokenizer built now
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def load_gguf_tokenizer(path: str | Path, meta: dict[str, object] | None = None):
+    """Load the tokenizer stored in a GGUF file, with the file's bos/eos/pad/unk and bos policy
+    (`meta`: the file's scalar metadata when already read)."""
     from tokenizers import processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
-    meta = read_gguf_metadata(path)
+    meta = read_gguf_metadata(path) if meta is None else meta
     # legacy=True is what transformers does when it is not told (and warns about): said here.
     hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
     backend = hf_tok.backend_tokenizer

@@ -23,12 +23,17 @@ from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.base import ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
-from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable, pack_linears
+from opentgi.models.layers.linear import (
+    OneDNNLinear,
+    RowTiledLinear,
+    onednn_linear_usable,
+    pack_linears,
+    tile_linears,
+)
 from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.layers.norm import make_norm
 from opentgi.models.layers.rotary import RotaryEmbedding, local_rope_config
-from opentgi.models.quantization.int4 import Int4Grid, Int4Switch, Int4Weight, int4_rows_worth_it
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +85,10 @@ class DecoderModel(nn.Module):
         self.norm = make_norm(layout.parts.norm, config.hidden_size, layout.eps)
 
 
-# packed linear -> the checkpoint projections it holds, stacked in this order (either spelling)
-_INT4_SOURCES = {
-    ("self_attn", "qkv_proj"): (("q_proj", "k_proj", "v_proj"), ("qkv_proj",)),
-    ("self_attn", "o_proj"): (("o_proj",),),
-    ("mlp", "gate_up_proj"): (("gate_proj", "up_proj"), ("gate_up_proj",)),
-    ("mlp", "down_proj"): (("down_proj",),),
-}
+# A tied LM head gets its own copy in oneDNN's layout only up to this size: on the default model
+# (54 MiB in bfloat16) the copy took the head from 3.6 to 2.3 ms a step, a tenth of the step; on a
+# 1B model (192 MiB) it is a fifth of the resident weights for a few percent of the step.
+TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 
 
 class PagedDecoder(nn.Module):
@@ -106,68 +108,59 @@ class PagedDecoder(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = config.hidden_size ** 0.5 if layout.parts.embed_scale else None
         self.rotary: list[RotaryEmbedding] = []  # set by `materialize` (needs the real device)
-        self.logits_proj: OneDNNLinear | None = None  # the LM head in oneDNN's layout (CPU float32/bfloat16)
-        # generation steps of at most this many rows use the 4-bit layer weights (`_attach_int4`)
-        self.int4_max_rows = 0
-        self.int4_switch = Int4Switch()
+        # the LM head in oneDNN's layout (CPU float32/bfloat16), or row-tiled (batch invariance)
+        self.logits_proj: OneDNNLinear | RowTiledLinear | None = None
+        self.batch_invariant = False  # set by `materialize`
 
-    def materialize(self, int4_grids: dict[str, Int4Grid] | None = None) -> None:
-        """After the weights are loaded: fuse projections, set up RoPE on the real device, and on
-        CPU in float32 or bfloat16 run the linear layers through oneDNN (models/layers/linear.py).
-        `int4_grids` (checkpoint name -> grid) holds the layer weights found on a 4-bit grid at
-        loading: with bfloat16 they also get a 4-bit copy for small steps (models/quantization/int4.py)."""
+    def materialize(self, batch_invariant: bool = False) -> None:
+        """After the weights are loaded: fuse projections (quantized ones too, where their formats
+        stack: models/quantization/linear.py), set up RoPE on the real device, and on CPU in
+        float32 or bfloat16 run the dense linear layers through oneDNN (models/layers/linear.py).
+        `batch_invariant`: linears and attention in the forms whose rows do not depend on the
+        step's other rows (docs/determinism.md); quantized linears' kernels already are."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.feed_forward.fuse_projections()
         self.rotary = [RotaryEmbedding(self.config, self.spec.device)]
         if any(self.layout.local_rope):
             self.rotary.append(RotaryEmbedding(local_rope_config(self.config), self.spec.device))
-        if onednn_linear_usable(torch.device(self.spec.device), self.spec.dtype):
-            pack_linears(self.model.layers)
-            if int4_grids:
-                self._attach_int4(int4_grids)
-            if not self.is_reward_model:
-                tied = self.tie_word_embeddings
-                self.logits_proj = OneDNNLinear(self.model.embed_tokens.weight if tied else self.lm_head.weight)
-                if not tied:
-                    del self.lm_head
+        self._set_batch_invariant(batch_invariant)
+        device = torch.device(self.spec.device)
+        head_weight = None
+        if not self.is_reward_model:
+            tied = self.tie_word_embeddings
+            embedding = self.model.embed_tokens.weight
+            # a large tied head multiplies by the embedding itself rather than keep a packed copy
+            copy_worth_it = not tied or embedding.numel() * embedding.element_size() <= TIED_HEAD_COPY_MAX_BYTES
+            if tied or isinstance(self.lm_head, nn.Linear):  # not a quantized head
+                head_weight = embedding if tied else self.lm_head.weight
+        if onednn_linear_usable(device, self.spec.dtype):
+            pack_linears(self.model.layers, row_invariant=self.batch_invariant)
+            if head_weight is not None and copy_worth_it:
+                self.logits_proj = OneDNNLinear(head_weight)
+                if self.batch_invariant:
+                    self.logits_proj.make_row_invariant(head_weight)
+        elif self.batch_invariant:
+            tile_linears(self.model.layers)
+        if self.logits_proj is None and head_weight is not None and self.batch_invariant:
+            self.logits_proj = RowTiledLinear(head_weight)  # shares the weight's storage
+        if self.logits_proj is not None and not self.tie_word_embeddings:
+            del self.lm_head
 
-    def _attach_int4(self, grids: dict[str, Int4Grid]) -> None:
-        """Give each packed layer linear whose checkpoint weights all lie on a 4-bit grid its 4-bit
-        copy, then keep them only if the kernel is measured faster here, and for which steps."""
-        linears = []
-        for i, layer in enumerate(self.model.layers):
-            for (block, attr), spellings in _INT4_SOURCES.items():
-                linear = getattr(getattr(layer, block, None), attr, None)
-                for sources in spellings:
-                    parts = [grids.get(f"model.layers.{i}.{block}.{source}.weight") for source in sources]
-                    if isinstance(linear, OneDNNLinear) and all(part is not None for part in parts):
-                        linear.int4 = Int4Weight(Int4Grid.cat(parts), self.spec.dtype)
-                        linears.append(linear)
-        self.int4_max_rows = int4_rows_worth_it(linears)
-        for linear in linears:
-            if self.int4_max_rows:
-                linear.int4_switch = self.int4_switch
-            else:
-                linear.int4 = None
-        log.info("%d of %d layer weights are 4-bit in the checkpoint; their 4-bit copies serve "
-                 "generation steps of at most %d rows", len(linears), 4 * len(self.model.layers),
-                 self.int4_max_rows)
-
-    def cover_int4_rows(self, rows: int) -> None:
-        """Where 4-bit copies serve small steps, let them serve steps of up to `rows` rows too.
-        With `--speculate N`, rows = N + 1: a lone sequence's verify step (its last token and N
-        drafts) then computes with the same weights, and so the same numbers (the kernel's rows are
-        independent of each other), as decoding those tokens one per step."""
-        if self.int4_max_rows:
-            self.int4_max_rows = max(self.int4_max_rows, rows)
-
-    def use_int4_for(self, num_tokens: int, generated_only: bool) -> None:
-        """Before each forward: the 4-bit copies serve this step if it is small enough and feeds
-        only generated tokens (decode rows, verify rows). Prompt tokens always take the dense
-        weights, so a prompt computes the same with or without a prefix-cache hit, and a request
-        decoded alone computes the same with or without --speculate."""
-        self.int4_switch.on = generated_only and 0 < num_tokens <= self.int4_max_rows
+    def _set_batch_invariant(self, wanted: bool) -> None:
+        """Batch invariance is built and measured on the CPU path only (the torch attention
+        backend; oneDNN linears, or row-tiled F.linear where oneDNN has no kernel), for dense
+        feed-forward layers."""
+        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        # routed experts multiply each expert's rows together: not made row-invariant
+        experts = any(isinstance(layer.feed_forward, SparseMoE) for layer in self.model.layers)
+        self.batch_invariant = (wanted and torch.device(self.spec.device).type == "cpu"
+                                and getattr(backend, "name", None) == "torch" and not experts)
+        if wanted and not self.batch_invariant:
+            log.warning("batch invariance is built for the CPU path; this model runs without it "
+                        "(docs/determinism.md)")
+        if backend is not None:
+            backend.batch_invariant = self.batch_invariant
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -186,9 +179,10 @@ class PagedDecoder(nn.Module):
             raise TypeError("a reward model has no language-model head: use compute_score")
         if self.logits_proj is not None:
             logits = self.logits_proj(hidden).float()
+        elif not self.tie_word_embeddings:
+            logits = self.lm_head(hidden).float()  # nn.Linear, or a QuantizedLinear
         else:
-            weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-            logits = F.linear(hidden, weight).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         cap = self.layout.final_softcap
         return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 

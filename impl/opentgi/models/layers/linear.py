@@ -14,6 +14,17 @@ the 3072x576 gate/up projection of SmolLM2-135M 287 -> 218 us, the 576x1536 down
 
 Used only where it computes what `F.linear` computes: CPU, float32 or bfloat16, and a probe at
 start-up that compares the two (results differ only by summation order and rounding).
+
+**Row invariance** (the default, docs/determinism.md): a row's product must not depend on how many
+rows the step multiplies. Measured with oneDNN 3.12 on an AMD EPYC (avx512_bf16), 1 and 2 threads:
+every row count from 2 to 512 computes each row bit for bit alike, but a lone row takes another
+kernel once the reduction is longer than 1024 (SmolLM2's down projection, K = 1536: about one
+output row in ten differs in bfloat16); in float32 those weights also give rows of an even and an
+odd position in the batch different sums. So where a weight shape needs it, a lone row is
+multiplied as two (the row twice: the same time, measured 47 us either way for the down
+projection), and in float32 a weight with K > 1024 is held as slices of 1024 inputs whose products
+are added in order. `row_invariant_formulation` picks, per weight shape at start-up, the first
+form (as is, padded, sliced) that gives random rows the same bits for row counts 1 to 64.
 """
 
 from __future__ import annotations
@@ -24,11 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.quantization.int4 import Int4Switch, Int4Weight
-
 log = logging.getLogger(__name__)
 
 _PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
+_MIN_ROWS = 2  # a lone row takes another kernel than 2..512 rows (module docstring)
+_K_SLICE = 1024  # float32: reductions longer than this are cut into slices added in order
+_PROBE_ROW_COUNTS = (1, 2, 3, 5, 7, 16, 17, 64)  # row counts a probe compares
+_formulation_cache: dict[tuple, str | None] = {}
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -43,22 +56,87 @@ class OneDNNLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
-        # a 4-bit copy of the same weight (models/quantization/int4.py), used while `int4_switch` is on
-        self.int4: Int4Weight | None = None
-        self.int4_switch: Int4Switch | None = None
+        self.min_rows = 1  # row invariance: fewer rows are padded to this many (`make_row_invariant`)
+        self.k_slices: list[torch.Tensor] | None = None  # float32 row invariance: packed input slices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4_switch is not None and self.int4_switch.on:
-            out = self.int4.matmul(x)
-            return out if self.bias is None else out.add_(self.bias)
         return self.dense_forward(x)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < self.min_rows:
+            return self.dense_forward(x.repeat(-(-self.min_rows // rows), 1))[:rows]
+        if self.k_slices is not None:
+            return self._sliced_forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _sliced_forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = None
+        for i, part in enumerate(self.k_slices):
+            piece = x[:, i * _K_SLICE:(i + 1) * _K_SLICE].contiguous()
+            y = torch.ops.mkldnn._linear_pointwise(piece, part, None, "none", [], "")
+            out = y if out is None else out.add_(y)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def make_row_invariant(self, weight: torch.Tensor) -> str | None:
+        """Switch to the form that computes each row alike for every row count (module
+        docstring); `weight` is the dense weight this linear packed. Returns the form's name, or
+        None where no form was measured invariant (the plain one stays)."""
+        key = (self.out_features, self.in_features, weight.dtype, self.bias is not None)
+        if key not in _formulation_cache:
+            _formulation_cache[key] = row_invariant_formulation(*key[:3])
+        form = _formulation_cache[key]
+        if form in ("padded", "k-slices"):
+            self.min_rows = _MIN_ROWS
+        if form == "k-slices":
+            self.k_slices = _k_slices(weight)
+            self.packed = None
+        return form
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int4={self.int4 is not None}")
+                f"bias={self.bias is not None}, min_rows={self.min_rows}")
+
+
+def _k_slices(weight: torch.Tensor) -> list[torch.Tensor]:
+    return [_pack(weight[:, s:s + _K_SLICE]) for s in range(0, weight.shape[1], _K_SLICE)]
+
+
+def _rows_alike(linear: OneDNNLinear, x: torch.Tensor) -> bool:
+    """Whether every row of `x` gets the same bits whatever the row count of the product."""
+    reference = linear.dense_forward(x)
+    for count in _PROBE_ROW_COUNTS:
+        for start in range(0, x.shape[0] - count + 1, count):
+            if not torch.equal(linear.dense_forward(x[start:start + count]), reference[start:start + count]):
+                return False
+    return True
+
+
+def row_invariant_formulation(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
+    """"plain" (as is), "padded" (a lone row multiplied as two) or "k-slices" (float32, also the
+    reduction cut into slices of 1024 added in order): the first measured to give every row the
+    same bits for row counts 1 to 64 on random data of this shape; None if none does."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
+    # bfloat16 outputs round most differences away: enough rows that some 2**16 outputs are compared
+    rows = min(256, max(max(_PROBE_ROW_COUNTS), (1 << 16) // out_features))
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    probe = OneDNNLinear(weight)
+    with torch.inference_mode():
+        # a lone row's other kernel was seen only past K = 1024: shorter reductions may stay as they are
+        if in_features <= _K_SLICE and _rows_alike(probe, x):
+            return "plain"
+        probe.min_rows = _MIN_ROWS
+        if _rows_alike(probe, x):
+            return "padded"
+        if dtype == torch.float32 and in_features > _K_SLICE:
+            probe.k_slices, probe.packed = _k_slices(weight), None
+            if _rows_alike(probe, x):
+                return "k-slices"
+    log.warning("no row-invariant form of a %dx%d %s matmul found: rows of this weight may differ "
+                "with the step's row count", out_features, in_features, dtype)
+    return None
+
 
 
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2}  # of the start-up probe, per dtype
@@ -82,13 +160,79 @@ def onednn_linear_usable(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` by a OneDNNLinear; returns how many."""
+_TILES = (64, 16, 4, 1)
+
+
+class RowTiledLinear(nn.Module):
+    """Row invariance where oneDNN's packed linear is not usable (a CPU without a oneDNN kernel
+    for the dtype): `F.linear` on at most `tile` rows a call, a lone row multiplied as two (as
+    OneDNNLinear), `tile` the largest of 64, 16, 4 and 1 measured at start-up to give every row
+    the same bits for every row count (torch's own CPU kernels change blocking with the size)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        key = ("tiled", *weight.shape, weight.dtype, weight.device.type)
+        if key not in _formulation_cache:
+            _formulation_cache[key] = _invariant_tile(weight.shape[0], weight.shape[1], weight.dtype)
+        self.tile = _formulation_cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _tiled_linear(x, self.weight, self.bias, self.tile)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tile={self.tile}"
+
+
+def _tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int) -> torch.Tensor:
+    rows = x.shape[0]
+    if rows == 1 and tile > 1:
+        return F.linear(x.repeat(2, 1), weight, bias)[:1]
+    if rows <= tile:
+        return F.linear(x, weight, bias)
+    return torch.cat([_tiled_linear(part, weight, bias, tile) for part in x.split(tile)])
+
+
+def _invariant_tile(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
+    # bfloat16 outputs round most differences away: enough rows that some 2**16 outputs are compared
+    x = torch.randn(min(1024, max(max(_TILES), (1 << 16) // out_features)), in_features, generator=gen).to(dtype)
+    with torch.inference_mode():
+        for tile in _TILES:
+            reference = _tiled_linear(x, weight, None, tile)
+            if all(torch.equal(_tiled_linear(x[s:s + count], weight, None, tile), reference[s:s + count])
+                   for count in _PROBE_ROW_COUNTS
+                   for s in range(0, x.shape[0] - count + 1, count)):
+                return tile
+    return 1
+
+
+def tile_linears(module: nn.Module) -> int:
+    """Replace every nn.Linear inside `module` by a RowTiledLinear; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, OneDNNLinear(child.weight, child.bias))
+            setattr(module, name, RowTiledLinear(child.weight, child.bias))
             count += 1
         else:
-            count += pack_linears(child)
+            count += tile_linears(child)
+    return count
+
+
+def pack_linears(module: nn.Module, row_invariant: bool = False) -> int:
+    """Replace every nn.Linear inside `module` by a OneDNNLinear (in its row-invariant form with
+    `row_invariant`); returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            linear = OneDNNLinear(child.weight, child.bias)
+            if row_invariant:
+                linear.make_row_invariant(child.weight)
+            setattr(module, name, linear)
+            count += 1
+        else:
+            count += pack_linears(child, row_invariant)
     return count

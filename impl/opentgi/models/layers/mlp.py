@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentgi.models.quantization.linear import fuse_linears
+
 ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -23,17 +25,10 @@ ACTIVATIONS = {
 }
 
 
-def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
-    """One linear whose output is the concatenation of `parts`' outputs."""
-    first = parts[0]
-    has_bias = first.bias is not None
-    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=has_bias,
-                      device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        fused.weight.copy_(torch.cat([p.weight for p in parts]))
-        if has_bias:
-            fused.bias.copy_(torch.cat([p.bias for p in parts]))
-    return fused
+def fused_linear(parts: list[nn.Module]) -> nn.Module:
+    """One module whose output is the concatenation of `parts`' outputs: one nn.Linear for dense
+    parts, one QuantizedLinear for parts of a format that stacks (models/quantization/linear.py)."""
+    return fuse_linears(parts)
 
 
 class GatedMLP(nn.Module):

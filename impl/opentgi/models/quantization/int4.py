@@ -1,160 +1,172 @@
-"""Weights that already are 4-bit, served from their 4-bit form for steps of a few rows (CPU).
+"""4-bit weights in groups: `w[n, j] = (k[n, j] - 8) * scale[n, g] + zero[n, g]` for the group g of
+`group_size` inputs that j falls in, k in 0..15.
 
-A checkpoint converted from a GGUF Q4_1 file (the default model) holds, in float32, weights that
-lie on a 4-bit grid: in every group of 32 inputs of an output row, `w = lo + d * k` with
-`k in 0..15` (ggml's Q4_1 puts the group's minimum at k=0 and its maximum at k=15).
-`find_int4_grid` recovers `k`, `d` and `lo` exactly where that holds, and nowhere else: no weight
-is rounded to a grid it was not on.
+This is the form torch's int4 kernels take: `_weight_int4pack_mm_for_cpu` on CPU and the tinygemm
+kernel `_weight_int4pack_mm` on CUDA, both with scales and zeros in the activations' dtype. GGUF's
+Q4_0, Q4_1 and Q4_K blocks (models/quantization/ggml.py), AWQ and GPTQ checkpoints
+(models/quantization/awq_gptq.py) and `--quantize int4` (models/quantization/rtn.py) all arrive as
+`Int4Groups` and are served by `Int4Weight`.
 
-A decode step of one stream multiplies one row by every weight, so it is bound by reading them.
-torch's `_weight_int4pack_mm_for_cpu` reads a quarter of the bytes of bfloat16. Measured on an
-Intel Xeon (AMX) with 2 threads, the 120 layer matmuls of SmolLM2-135M took:
-- 3.6 ms with 1 row, against 12.1 ms through oneDNN in bfloat16;
-- 6.4 ms with 4 rows, against 12.1 ms;
-- 22.6 ms with 16 rows, against 13.0 ms.
-On an AMD EPYC the same kernel ran at 0.6 GB/s, far slower than bfloat16. So
-`int4_rows_worth_it` measures both at start-up, and the model (`PagedLlama.use_int4_for`) turns
-the 4-bit copies on (`Int4Switch`) only for steps of at most that many rows that feed generated
-tokens alone. Prompts and larger steps keep the bfloat16 weights.
-
-The kernel computes `(k - 8) * scale + zero` with bfloat16 scales and zeros, so a row's result
-differs from the bfloat16 path by rounding, about as much as the bfloat16 path differs from
-float32.
+A row's result does not depend on the other rows of the step: the CPU kernel computes each row with
+the same reduction order whatever the row count (tests/test_quantization_formats.py checks M=1
+against M=k bit for bit), so every step, prompt or decode, multiplies through the same kernel.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
-
-GROUP_SIZE = 32  # ggml's Q4_0 / Q4_1 block
-_LEVELS = 15
-_PROBE_ROWS = (1, 2, 4, 8)
-_SAMPLE_ROWS = 8  # rows checked before the whole tensor
-_MIN_GAIN = 0.8  # the 4-bit copy is used only for row counts where it takes < 80% of the time
+_CPU_LAYOUT_TILES = 1  # inner_k_tiles of the CPU layout (ignored by the CPU packer)
+_CUDA_INNER_K_TILES = 8  # tinygemm's layout; 8 is what gpt-fast and torchao use
+GROUP_SIZES = (32, 64, 128, 256)
 
 
 @dataclass
-class Int4Grid:
-    """`weight[n, g*32 + i] == lo[n, g] + d[n, g] * k[n, g*32 + i]` (float32)."""
+class Int4Groups:
+    """4-bit values (uint8, one a byte: a loading step, packed at once by `Int4Weight`) with a
+    float32 scale and zero per group of `group_size` inputs of an output row."""
 
-    k: torch.Tensor  # uint8 [N, K], values 0..15
-    d: torch.Tensor  # float32 [N, K / 32]
-    lo: torch.Tensor  # float32 [N, K / 32]
+    values: torch.Tensor  # uint8 [N, K], 0..15
+    scale: torch.Tensor  # float32 [N, K / group_size]
+    zero: torch.Tensor  # float32 [N, K / group_size]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
 
     @staticmethod
-    def cat(grids: list[Int4Grid]) -> Int4Grid:
-        """The grid of the weights stacked along the output dimension (a fused projection)."""
-        return Int4Grid(torch.cat([g.k for g in grids]), torch.cat([g.d for g in grids]),
-                        torch.cat([g.lo for g in grids]))
+    def from_values(k: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Groups:
+        """From k (any integer dtype, values 0..15, [N, K])."""
+        return Int4Groups(k.to(torch.uint8).contiguous(), scale.float().contiguous(), zero.float().contiguous(),
+                          group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] these groups stand for."""
+        n, k = self.shape
+        groups = self.values.view(n, k // self.group_size, self.group_size).float() - 8
+        return (groups * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> Int4Groups:
+        """The output rows `index` (a permutation or a slice of them)."""
+        return Int4Groups(self.values[index], self.scale[index], self.zero[index], self.group_size)
+
+    def to_format(self, dtype: torch.dtype, device: torch.device) -> Int4Weight:
+        return Int4Weight(self, dtype, device)
 
 
-def find_int4_grid(weight: torch.Tensor) -> Int4Grid | None:
-    """The 4-bit grid `weight` ([out, in]) lies on, or None if any group is off it.
-
-    Off the grid means a weight differs from `lo + d * k` by more than float32 rounding of that
-    sum (2**-20 of the group's range): such a tensor keeps only its dense form. Only float32
-    checkpoints hold such grids exactly (a GGUF's dequantized weights); the first rows are checked
-    first, so a dense checkpoint's tensors cost little at loading."""
-    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE or weight.dtype != torch.float32:
-        return None
-    if weight.shape[0] > _SAMPLE_ROWS and _grid_of(weight[:_SAMPLE_ROWS]) is None:
-        return None
-    return _grid_of(weight)
+def int4_kernel_available(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return hasattr(torch, "_weight_int4pack_mm") and hasattr(torch, "_convert_weight_to_int4pack")
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
 
 
-def _grid_of(weight: torch.Tensor) -> Int4Grid | None:
-    n, k_dim = weight.shape
-    groups = weight.detach().reshape(n, k_dim // GROUP_SIZE, GROUP_SIZE)
-    lo = groups.amin(-1)
-    span = groups.amax(-1) - lo
-    d = span / _LEVELS
-    safe_d = torch.where(d > 0, d, torch.ones_like(d))
-    k = ((groups - lo[..., None]) / safe_d[..., None]).round_().clamp_(0, _LEVELS)
-    error = (lo[..., None] + d[..., None] * k - groups).abs_().amax(-1)
-    if not bool((error <= span * 2.0 ** -20).all()):
-        return None
-    return Int4Grid(k.to(torch.uint8).view(n, k_dim), d, lo)
+def pack_for_cuda(groups: Int4Groups) -> torch.Tensor:
+    """tinygemm's input: uint8 [N, K / 2] with the even input in the HIGH nibble (torchao's order);
+    `torch._convert_weight_to_int4pack` then tiles it."""
+    k = groups.values
+    return (k[:, 0::2] << 4 | k[:, 1::2]).contiguous()
 
 
-def int4_kernel_usable(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and hasattr(torch, "_weight_int4pack_mm_for_cpu")
-            and hasattr(torch, "_convert_weight_to_int4pack_for_cpu"))
+def _pack_for_cpu_blocks(values: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int4 layout for N a multiple of 64, built from uint8 values (torch's packer
+    wants int32 values, four times the bytes): each block of 64 output rows is stored input by
+    input, 32 bytes per input, byte d holding row d (low nibble) and row 32 + d (high nibble)."""
+    n, k = values.shape
+    blocks = values.view(n // 64, 2, 32, k)
+    return (blocks[:, 0] | (blocks[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
 
 
-class Int4Switch:
-    """Whether this step multiplies through the 4-bit copies; one per model, shared by its linears,
-    set before each forward by `PagedLlama.use_int4_for` (the model runner calls it)."""
+_CPU_BLOCK_LAYOUT: list[bool] = []  # [whether _pack_for_cpu_blocks matches this torch's packer]
 
-    __slots__ = ("on",)
 
-    def __init__(self) -> None:
-        self.on = False
+def _cpu_block_layout_matches() -> bool:
+    if not _CPU_BLOCK_LAYOUT:
+        probe = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        expected = torch._convert_weight_to_int4pack_for_cpu(probe.to(torch.int32), _CPU_LAYOUT_TILES)
+        _CPU_BLOCK_LAYOUT.append(expected.dtype == torch.uint8 and torch.equal(_pack_for_cpu_blocks(probe), expected))
+    return _CPU_BLOCK_LAYOUT[0]
+
+
+def pack_for_cpu(groups: Int4Groups) -> torch.Tensor:
+    values = groups.values
+    if values.shape[0] % 64 == 0 and _cpu_block_layout_matches():
+        return _pack_for_cpu_blocks(values)
+    return torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), _CPU_LAYOUT_TILES)
+
+
+def scales_and_zeros(groups: Int4Groups, dtype: torch.dtype) -> torch.Tensor:
+    """[K / group_size, N, 2] (scale, zero) in `dtype`, as both kernels want them."""
+    n, num_groups = groups.scale.shape
+    out = torch.empty(num_groups, n, 2, dtype=dtype)
+    out[..., 0] = groups.scale.T
+    out[..., 1] = groups.zero.T
+    return out
 
 
 class Int4Weight:
-    """A weight in the layout of torch's CPU int4 kernel, multiplied by bfloat16 rows."""
+    """A linear's weight as 4-bit groups in the layout of torch's int4 kernel for its device."""
 
-    def __init__(self, grid: Int4Grid, dtype: torch.dtype = torch.bfloat16):
-        self.out_features, self.in_features = grid.k.shape
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(grid.k.to(torch.int32), 1)
-        # (k - 8) * d + zero == lo + d * k  =>  zero = lo + 8 d; [K / 32, N, 2] as the kernel wants
-        self.scales_and_zeros = torch.stack([grid.d.T, (grid.lo + 8 * grid.d).T], dim=-1).to(dtype).contiguous()
+    kind = "int4"
+
+    def __init__(self, groups: Int4Groups, dtype: torch.dtype, device: torch.device):
+        if groups.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group size {groups.group_size} (the kernels take {GROUP_SIZES})")
+        self.out_features, self.in_features = groups.shape
+        self.group_size = groups.group_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self.packed = torch._convert_weight_to_int4pack(pack_for_cuda(groups).to(self.device),
+                                                            _CUDA_INNER_K_TILES)
+        else:
+            self.packed = pack_for_cpu(groups)
+        self.scales_and_zeros = scales_and_zeros(groups, dtype).to(self.device)
+
+    @staticmethod
+    def from_packed(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                    device: torch.device) -> Int4Weight:
+        """A weight packed before (models/checkpoints/packed_cache.py)."""
+        weight = object.__new__(Int4Weight)
+        weight.packed, weight.scales_and_zeros = packed.to(device), scales_and_zeros.to(device)
+        weight.group_size, weight.device = group_size, torch.device(device)
+        weight.out_features = scales_and_zeros.shape[1]
+        weight.in_features = scales_and_zeros.shape[0] * group_size
+        return weight
+
+    @property
+    def description(self) -> str:
+        return f"int4 (groups of {self.group_size})"
+
+    def _rows_per_tile(self) -> int:
+        return 8 if self.device.type == "cuda" else 64
+
+    def can_cat(self, others: list[Int4Weight]) -> bool:
+        """Whether stacking the packed forms along the output equals packing the stacked weights:
+        both layouts tile whole blocks of output rows (64 on CPU, 8 on CUDA)."""
+        parts = [self, *others]
+        return (len({(p.group_size, p.in_features, p.device, p.scales_and_zeros.dtype) for p in parts}) == 1
+                and all(p.out_features % p._rows_per_tile() == 0 for p in parts)
+                and (self.device.type == "cuda" or _cpu_block_layout_matches()))
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        fused = object.__new__(Int4Weight)
+        fused.in_features, fused.group_size, fused.device = parts[0].in_features, parts[0].group_size, parts[0].device
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.packed = torch.cat([p.packed for p in parts])
+        fused.scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
+        return fused
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ W.T` for x of shape [..., in_features]."""
+        """`x @ W.T` for x [..., in_features] in the serving dtype."""
         rows = x.reshape(-1, self.in_features)
-        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        if self.device.type == "cuda":
+            out = torch._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
         return out.view(*x.shape[:-1], self.out_features)
-
-
-def int4_rows_worth_it(linears: list, repeats: int = 3) -> int:
-    """The largest step (rows) for which the 4-bit copies of `linears` (OneDNNLinear with `int4`
-    set) take under 80% of the time of their oneDNN bfloat16 weights; 0 where they never do, or
-    the kernel fails. All of them are timed in turn, as a step runs them, so the weights come
-    from memory, not from cache, as they do when serving."""
-    if not linears:
-        return 0
-    best = 0
-    try:
-        with torch.inference_mode():
-            for rows in _PROBE_ROWS:
-                dense_seconds, int4_seconds = _measure(linears, rows, repeats)
-                if int4_seconds >= _MIN_GAIN * dense_seconds:
-                    break
-                best = rows
-    except Exception:  # noqa: BLE001 - an old or odd build: the dense weights serve
-        log.warning("torch's CPU int4 kernel failed; using the dense weights", exc_info=True)
-        return 0
-    return best
-
-
-def _measure(linears: list, rows: int, repeats: int) -> tuple[float, float]:
-    """Seconds for one pass over `linears` with `rows` rows: (dense weights, 4-bit copies)."""
-    inputs = {n: torch.randn(rows, n, dtype=torch.bfloat16) for n in {lin.in_features for lin in linears}}
-
-    def dense() -> None:
-        for lin in linears:
-            lin.dense_forward(inputs[lin.in_features])
-
-    def int4() -> None:
-        for lin in linears:
-            lin.int4.matmul(inputs[lin.in_features])
-
-    return _best_time(dense, repeats), _best_time(int4, repeats)
-
-
-def _best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best

@@ -1,0 +1,193 @@
+"""A GGUF file read as it is: the model's config from the file's metadata and its tensors straight
+from the memory-mapped file (gguf-py's `GGUFReader`), with no conversion and nothing written.
+
+The header is read by gguf_header.py (metadata and tensor index in one pass). Tensors come under
+Hugging Face's names (so the paged model loads them as it loads a safetensors
+folder). Layer projections in Q4_0, Q4_1 or Q4_K come as `Int4Groups` (served by torch's int4
+kernel, models/quantization/ggml.py); every other tensor comes dense (float32, dequantized once by
+gguf-py). llama.cpp stores a Llama's q and k rows permuted for its rotary layout; they are put back
+in Hugging Face's order (a permutation of output rows, which moves whole quantization blocks).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from opentgi.models.checkpoints.gguf_header import GGUFHeader
+from opentgi.models.quantization import ggml
+
+# GGUF architecture -> (transformers config class, architecture, q/k rows permuted by llama.cpp)
+_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", True),
+    "mistral": ("MistralConfig", "MistralForCausalLM", True),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+
+
+class GGUFError(ValueError):
+    """The file is not a model the paged path can serve; the message says why."""
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return None
+
+
+def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation (transformers' reverse_permute_weights):
+    row r of the result is row index[r] of the GGUF tensor."""
+    dim = num_rows // num_heads // 2
+    return torch.arange(num_rows).view(num_heads, dim, 2).transpose(1, 2).reshape(num_rows)
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.header = GGUFHeader(self.path)
+        except (ValueError, OSError, struct.error) as exc:
+            raise GGUFError(f"{self.path} is not a readable GGUF file: {exc}") from None
+        self.arch = self._str("general.architecture")
+        if self.arch not in _ARCHITECTURES:
+            raise GGUFError(f"GGUF architecture {self.arch!r} has no paged implementation "
+                            f"(served: {', '.join(sorted(_ARCHITECTURES))})")
+        self.tensors = self.header.tensors
+        self.packed_cache = None  # a PackedCache (packed_cache.py), set by the loader on CPU
+        self.keep_int4 = True  # False (--dequantize): every tensor served dense
+
+    @property
+    def metadata(self) -> dict[str, object]:
+        return self.header.fields
+
+    def _field(self, key: str, default=None):
+        return self.header.fields.get(key, default)
+
+    def _str(self, key: str) -> str | None:
+        value = self._field(key)
+        return value if isinstance(value, str) else None
+
+    def _arch(self, key: str, default=None):
+        return self._field(f"{self.arch}.{key}", default)
+
+    def config(self):
+        """A transformers config for the file's model, from its metadata."""
+        import transformers
+
+        config_class, architecture, _ = _ARCHITECTURES[self.arch]
+        scaling = self._arch("rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise GGUFError(f"GGUF rope scaling {scaling!r} is not supported")
+        heads = int(self._arch("attention.head_count"))
+        hidden = int(self._arch("embedding_length"))
+        vocab = self._arch("vocab_size") or self.header.array_lengths.get("tokenizer.ggml.tokens")
+        if vocab is None:
+            vocab = int(self.tensors["token_embd.weight"].shape[1])
+        kwargs = dict(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self._arch("feed_forward_length")),
+            num_hidden_layers=int(self._arch("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self._arch("attention.head_count_kv", heads)),
+            max_position_embeddings=int(self._arch("context_length", 2048)),
+            rms_norm_eps=float(self._arch("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(self._arch("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            architectures=[architecture],
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self._field("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self._field("tokenizer.ggml.padding_token_id"),
+        )
+        head_dim = self._arch("attention.key_length")
+        if head_dim is not None and int(head_dim) != hidden // heads:
+            kwargs["head_dim"] = int(head_dim)
+        return getattr(transformers, config_class)(**kwargs)
+
+    def int4_names(self) -> set[str]:
+        """Hugging Face names of the linear weights (layer projections, an untied LM head) that load
+        as Int4Groups."""
+        found: set[str] = set()
+        if not self.keep_int4:
+            return found
+        for name, tensor in self.tensors.items():
+            hf = hf_name(name)
+            if hf and (_PROJECTION.match(hf) or hf == "lm_head.weight") and tensor.tensor_type in ggml.INT4_TYPES:
+                found.add(hf)
+        return found
+
+    def dense_types(self) -> dict[str, int]:
+        """Block types served dense (no 4-bit form) -> how many tensors of that type."""
+        counts: dict[str, int] = {}
+        for tensor in self.tensors.values():
+            qtype = tensor.tensor_type
+            if qtype not in ggml.INT4_TYPES and qtype not in (GGMLQuantizationType.F32,):
+                counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        return counts
+
+    def iter_tensors(self, int4_names: set[str], skip: set[str] = frozenset()) -> Iterator[tuple[str, object]]:
+        """(Hugging Face name, float32 tensor or Int4Groups) for every tensor the model has but
+        those in `skip`; names in `int4_names` come as Int4Groups."""
+        config = self.config()
+        permuted = _ARCHITECTURES[self.arch][2]
+        for name, tensor in self.tensors.items():
+            hf = hf_name(name)
+            if hf is None:
+                if name.startswith("rope_freqs"):
+                    continue
+                raise GGUFError(f"GGUF tensor {name!r} has no place in the model")
+            if hf in skip:
+                continue
+            shape = tuple(reversed(tensor.shape))
+            order = None
+            if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if "q_proj" in hf else config.num_key_value_heads
+                order = unpermute_rows(shape[0], heads)
+            if hf in int4_names:
+                groups = ggml.int4_groups(np.asarray(tensor.data), tensor.tensor_type, shape)
+                yield hf, groups if order is None else groups.rows(order)
+            else:
+                value = ggml.dense(tensor.data, tensor.tensor_type, shape)
+                yield hf, value if order is None else value[order]
+
+    def close(self) -> None:
+        """Drop the memory map (the served weights are copies)."""
+        self.header.close()
+
+
+def gguf_eos_token_ids(tokenizer) -> list[int]:
+    """The file's eos, plus `<|endoftext|>` where the vocabulary has it (ChatML models such as
+    SmolLM2 end a chat turn with `<|im_end|>` and a document with `<|endoftext|>`)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    end_of_text = tokenizer.get_vocab().get("<|endoftext|>")
+    if end_of_text is not None and end_of_text not in ids:
+        ids.append(end_of_text)
+    return ids

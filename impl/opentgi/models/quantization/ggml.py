@@ -1,0 +1,86 @@
+"""GGUF (ggml) block types onto the formats torch's kernels take.
+
+- Q4_0 (`w = d * (q - 8)`), Q4_1 (`w = d * q + m`) and Q4_K (`w = d * sc * q - dmin * m`, 6-bit
+  sub-block scales and mins) are 4-bit values in groups of 32: they become `Int4Groups` with
+  `scale` and `zero` computed exactly in float32 (models/quantization/int4.py). The kernels hold
+  scales and zeros in the serving dtype, so in bfloat16 each is rounded to the nearest bfloat16
+  (as the dense path rounds each weight).
+- Every other type (Q5_K, Q6_K, Q8_0, F16, BF16, F32, ...) has no exact 4-bit form: it is
+  dequantized once by gguf-py to float32 and served dense in the serving dtype; `dense_types`
+  collects their names for the start-up line.
+
+The block layouts are ggml's (ggml-common.h); tests/test_quantization_ggml.py checks every mapped
+type against gguf-py's `dequantize` on random blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from opentgi.models.quantization.int4 import Int4Groups
+
+INT4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+_QK_K = 256
+
+
+def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
+    """The float16 field at byte `start` (even) of every block, as float32 [rows, blocks]: the
+    blocks read as float16 words (block sizes and offsets are even), one word picked, no copy."""
+    if blocks.shape[-1] % 2 == 0 and blocks.ctypes.data % 2 == 0 and blocks.flags.c_contiguous:
+        words = blocks.view(np.float16)
+        return torch.from_numpy(words[..., start // 2].astype(np.float32))
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]).float()
+
+
+def int4_groups(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> Int4Groups:
+    """`raw`: the tensor's blocks as uint8 [N, bytes per row] (a view of the file); shape (N, K)."""
+    n, k = shape
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        size = 18 if qtype == Q.Q4_0 else 20
+        blocks = raw.reshape(n, k // 32, size)
+        d = _f16(blocks, 0)
+        if qtype == Q.Q4_0:
+            zero = torch.zeros_like(d)  # (q - 8) * d
+        else:
+            zero = _f16(blocks, 2) + 8 * d  # q * d + m == (q - 8) * d + (m + 8 d)
+        qs = blocks[..., size - 16:]  # values 0..15 in the low nibbles, 16..31 in the high ones
+        values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        return Int4Groups(torch.from_numpy(values.reshape(n, k)), d, zero, 32)
+    if qtype == Q.Q4_K:
+        blocks = raw.reshape(n, k // _QK_K, 144)
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mn = _q4k_scales_mins(torch.from_numpy(np.ascontiguousarray(blocks[..., 4:16])))
+        scale = d[..., None] * sc.float()  # [N, K/256, 8]
+        zero = 8 * scale - dmin[..., None] * mn.float()
+        # 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1
+        qs = blocks[..., 16:].reshape(n, k // _QK_K, 4, 1, 32)
+        values = np.concatenate([qs & 0x0F, qs >> 4], axis=3)
+        return Int4Groups(torch.from_numpy(values.reshape(n, k)), scale.reshape(n, k // 32).contiguous(),
+                          zero.reshape(n, k // 32).contiguous(), 32)
+    raise ValueError(f"{qtype.name} has no 4-bit form")
+
+
+def _q4k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins packed into 12 bytes (ggml's get_scale_min_k4)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def dense(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor as float32 (dequantized by gguf-py for block types)."""
+    if qtype == Q.F32:
+        return torch.from_numpy(np.array(raw, dtype=np.float32)).reshape(shape)
+    if qtype == Q.F16:
+        return torch.from_numpy(np.array(raw).view(np.float16)).float().reshape(shape)
+    if qtype == Q.BF16:
+        return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16).float().reshape(shape)
+    if qtype == Q.Q8_0:  # d * q, as gguf-py computes it, without its per-chunk Python loop
+        blocks = raw.reshape(-1, 34)
+        q = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:]).view(np.int8))
+        return (q.float() * _f16(blocks, 0)[:, None]).reshape(shape)
+    return torch.from_numpy(dequantize(np.asarray(raw), qtype)).reshape(shape)
