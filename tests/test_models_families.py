@@ -148,19 +148,22 @@ def test_longrope_takes_the_long_factors_from_the_original_length_on():
     assert not torch.allclose(cos[64:, 0], torch.cat([freqs, freqs], -1).cos() * hf.attention_scaling)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mixtral"])
+LORA_TARGETS = {"gemma2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],  # its MLP is experts
+                "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # fused in the checkpoint
+                "starcoder2": ["q_proj", "v_proj", "c_fc", "c_proj"]}
+
+
+@pytest.mark.parametrize("family", list(LORA_TARGETS))
 def test_lora_adapter_matches_peft(family):
-    """A PEFT adapter on a family beside Llama (Gemma 2: every projection; Mixtral: attention, its
-    MLP being experts): a row with the adapter and a base row in one step, then decodes, give
-    PEFT's logits and the base model's."""
+    """A PEFT adapter on a family beside Llama: a row with the adapter and a base row in one step,
+    then decodes, give PEFT's logits and the base model's."""
     from peft import PeftModel
 
     from opentgi.models.lora import attach_lora, load_adapters
 
     path = tiny_models.tiny_family_path(family)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["gate_proj", "up_proj", "down_proj"]
-                                                           if family == "gemma2" else [])
-    adapter = tiny_models.tiny_lora_path(path, seed=3, r=4, alpha=8, targets=targets)
+    adapter = tiny_models.tiny_lora_path(path, seed=3, r=4, alpha=8, targets=LORA_TARGETS[family])
     model = load_paged(path)
     attach_lora(model, load_adapters(f"a={adapter}", model.config, str(path)))
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -176,3 +179,14 @@ def test_lora_adapter_matches_peft(family):
     got = torch.stack(got)  # [steps, rows, vocab]
     torch.testing.assert_close(got[:, 0], want_lora[[19, 20, 21]], **TOL)
     torch.testing.assert_close(got[:, 1], want_base[[19, 20, 21]], **TOL)
+
+
+def test_lora_adapter_for_projections_the_model_lacks_is_refused():
+    from opentgi.models.lora import LoraAdapterError, attach_lora, load_adapters
+
+    llama = tiny_models.tiny_llama_path()
+    adapter = tiny_models.tiny_lora_path(tiny_models.tiny_family_path("starcoder2"), seed=3, r=4, alpha=8,
+                                         targets=["c_fc"])
+    model = load_paged(llama)
+    with pytest.raises(LoraAdapterError, match="targets c_fc of layer 0, which LlamaForCausalLM does not have"):
+        attach_lora(model, load_adapters(f"a={adapter}", model.config, str(llama)))

@@ -6,8 +6,8 @@ intermediate 1536, tied embeddings, SmolLM2's tokenizer from the default model's
 once per architecture with transformers (bfloat16 safetensors under the cache folder) with what
 sets the family apart left at its defaults (Gemma 2's soft-capping, the windows of Gemma, Phi-3
 and StarCoder2, Qwen3's q/k norms). Mixtral has 8 experts of 1536 features and Qwen3-MoE 8 of 768,
-2 per token. Each architecture is then served in turn (default flags plus --server-arg), in
-interleaved rounds, and driven at each --concurrency level like the main benchmark.
+2 per token. Each architecture is then served beside a Llama server (default flags plus
+--server-arg) and the two are driven one right after the other at each --concurrency level.
 """
 
 from __future__ import annotations
@@ -62,53 +62,63 @@ def same_shape_model(name: str, cache_dir: str | None) -> Path:
 
 
 def architecture_comparison(args, prompts: list[str], local_server, run_level, machine_line) -> str:
-    """Throughput of each architecture at each --concurrency level, one server at a time, in
-    interleaved rounds summed; the markdown table with each one's ratio to Llama."""
-    names = [n.strip() for n in args.architectures.split(",") if n.strip()]
+    """Each architecture beside a Llama server that stays up throughout: per round and level, the
+    two are driven one right after the other (the other idle), so each ratio compares measurements
+    taken moments apart on a machine whose load drifts. Returns the markdown table."""
+    names = [n.strip() for n in args.architectures.split(",") if n.strip() and n.strip() != "llama"]
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
         raise SystemExit(f"--architectures: unknown {unknown}; known: {', '.join(ARCHITECTURES)}")
-    if "llama" not in names:
-        names.insert(0, "llama")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    folders = {n: same_shape_model(n, None) for n in names}
-    totals = {(n, c): [0, 0.0, 0] for n in names for c in levels}  # tokens, wall, errors
-    for round_ in range(args.rounds):
+    folders = {n: same_shape_model(n, None) for n in ["llama", *names]}
+    totals: dict[tuple[str, str, int], list] = {}  # (architecture, server measured, c) -> tokens, s, errors
+
+    def serve(name: str):
+        server_args = argparse.Namespace(**vars(args))
+        server_args.model_id = str(folders[name])
+        return local_server(server_args)
+
+    with serve("llama") as llama_url:
+        asyncio.run(run_level(llama_url, prompts[:1], 1, 1, 4, args.level_time_limit))  # warm-up
         for name in names:
-            server_args = argparse.Namespace(**vars(args))
-            server_args.model_id = str(folders[name])
-            with local_server(server_args) as url:
-                asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit))  # warm-up
-                for c in levels:
-                    n = min(args.max_requests, max(4, 2 * c))
-                    lv = asyncio.run(run_level(url, prompts, c, n, args.new_tokens, args.level_time_limit))
-                    t = totals[(name, c)]
-                    t[0] += lv.tokens
-                    t[1] += lv.wall_s
-                    t[2] += lv.errors
-                    print(f"round {round_ + 1}, {name}, concurrency {c}: {lv.throughput:.1f} tokens/s", flush=True)
+            with serve(name) as url:
+                asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit))
+                for round_ in range(args.rounds):
+                    for c in levels:
+                        pair = [("llama", llama_url), (name, url)]
+                        for server, server_url in pair if round_ % 2 == 0 else pair[::-1]:
+                            lv = asyncio.run(run_level(server_url, prompts, c, min(args.max_requests, max(2, c)),
+                                                       args.new_tokens, args.level_time_limit))
+                            t = totals.setdefault((name, server, c), [0, 0.0, 0])
+                            t[0] += lv.tokens
+                            t[1] += lv.wall_s
+                            t[2] += lv.errors
+                            print(f"{name} round {round_ + 1}, {server}, concurrency {c}: "
+                                  f"{lv.throughput:.1f} tokens/s", flush=True)
     lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — architectures at SmolLM2-135M's shape",
              "", f"Machine: {machine_line(args.num_threads)}.",
-             (f"Random weights (bfloat16 checkpoints), each architecture served in turn with default flags"
+             (f"Random weights (bfloat16 checkpoints), each architecture served beside a Llama server and "
+              f"driven in turn with it (the other idle), default flags"
               f"{' + ' + ' '.join(args.server_arg) if args.server_arg else ''}, greedy `/generate_stream`, "
-              f"{args.new_tokens} new tokens, {args.rounds} interleaved rounds summed."), ""]
+              f"{args.new_tokens} new tokens, {args.rounds} rounds summed."), ""]
     return "\n".join(lines + table(names, levels, totals)) + "\n"
 
 
-def table(names: list[str], levels: list[int], totals: dict[tuple[str, int], list]) -> list[str]:
-    """The markdown table: tokens/s per architecture and level (totals: (name, c) -> [tokens,
-    seconds, errors]) and its ratio to Llama's."""
-    def tps(name: str, c: int) -> float:
-        tokens, wall, _ = totals[(name, c)]
+def table(names: list[str], levels: list[int], totals: dict[tuple[str, str, int], list]) -> list[str]:
+    """The markdown table: per architecture and level its tokens/s, Llama's measured beside it
+    (totals: (architecture, server, c) -> [tokens, seconds, errors]) and the ratio."""
+    def tps(name: str, server: str, c: int) -> float:
+        tokens, wall, _ = totals[(name, server, c)]
         return tokens / wall if wall else 0.0
 
-    lines = ["| architecture | " + " | ".join(f"c={c} tokens/s | vs Llama" for c in levels) + " |",
-             "|---|" + "---:|---:|" * len(levels)]
+    lines = ["| architecture | " + " | ".join(f"c={c} tokens/s | Llama beside it | ratio" for c in levels) + " |",
+             "|---|" + "---:|---:|---:|" * len(levels)]
     for name in names:
         cells = []
         for c in levels:
-            base, errors = tps("llama", c), totals[(name, c)][2]
-            cells.append(f"{tps(name, c):.1f}{f' ({errors} errors)' if errors else ''} | "
-                         f"{tps(name, c) / base if base else 0:.2f}x")
+            own, base = tps(name, name, c), tps(name, "llama", c)
+            errors = totals[(name, name, c)][2] + totals[(name, "llama", c)][2]
+            cells.append(f"{own:.1f}{f' ({errors} errors)' if errors else ''} | {base:.1f} | "
+                         f"{own / base if base else 0:.2f}x")
         lines.append(f"| {ARCHITECTURES[name][1]} | " + " | ".join(cells) + " |")
     return lines

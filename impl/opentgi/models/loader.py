@@ -191,9 +191,9 @@ def _attach_adapters(settings: Settings, model, kind: str, config, model_id: str
                              f"{architecture_of(config)} runs on the generic one")
     try:
         adapters = load_adapters(settings.lora_adapters, config, model_id)
+        attach_lora(model, adapters)
     except LoraAdapterError as exc:
         raise ModelLoadError(str(exc)) from None
-    attach_lora(model, adapters)
     return [a.name for a in adapters]
 
 

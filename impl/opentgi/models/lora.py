@@ -1,6 +1,6 @@
-"""LoRA adapters on the paged decoder (every family whose checkpoints name q/k/v/o and the dense
-MLP's gate/up/down projections as Llama does; not Phi-3's fused or StarCoder2's c_fc/c_proj, nor
-experts): PEFT checkpoints loaded at start-up, many adapters
+"""LoRA adapters on the paged decoder (q/k/v/o and the dense MLP's gate/up/down of every family;
+Phi-3's checkpoint-fused qkv_proj/gate_up_proj and StarCoder2's c_fc/c_proj; not experts): PEFT
+checkpoints loaded at start-up, many adapters
 served in one batch.
 
 Loading (`load_adapters`): each adapter is a PEFT folder (`adapter_config.json` +
@@ -47,6 +47,15 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
     "down_proj": ("mlp", ("down_proj",)),
 }
+# Other families' projections, each its own PEFT module: Phi-3's checkpoint-fused q/k/v and
+# gate/up, StarCoder2's MLP.
+OTHER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("qkv_proj",)),
+    "gate_up_proj": ("mlp", ("gate_up_proj",)),
+    "c_fc": ("mlp", ("c_fc",)),
+    "c_proj": ("mlp", ("c_proj",)),
+}
+ACCEPTED_MODULES = TARGET_MODULES + ("qkv_proj", "gate_up_proj", "c_fc", "c_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -67,7 +76,7 @@ class LoraAdapter:
 
     @property
     def target_modules(self) -> list[str]:
-        return sorted({module for _, module in self.weights}, key=TARGET_MODULES.index)
+        return sorted({module for _, module in self.weights}, key=ACCEPTED_MODULES.index)
 
 
 # --- naming and finding adapters ------------------------------------------------------------------
@@ -130,9 +139,9 @@ def _check_config(name: str, config: dict) -> None:
             raise LoraAdapterError(f"adapter {name!r} {why}: not supported")
     targets = config.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        unsupported = sorted(set(targets) - set(TARGET_MODULES))
+        unsupported = sorted(set(targets) - set(ACCEPTED_MODULES))
         if unsupported:
-            raise LoraAdapterError(f"adapter {name!r} targets {unsupported}: only {list(TARGET_MODULES)} "
+            raise LoraAdapterError(f"adapter {name!r} targets {unsupported}: only {list(ACCEPTED_MODULES)} "
                                    "can carry LoRA here")
 
 
@@ -170,9 +179,9 @@ def load_peft_adapter(name: str, folder: Path) -> LoraAdapter:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(name, folder).items():
         match = _KEY.search(key)
-        if match is None or match.group(3) not in TARGET_MODULES:
+        if match is None or match.group(3) not in ACCEPTED_MODULES:
             raise LoraAdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B matrix of one of "
-                                   f"{list(TARGET_MODULES)}: not supported")
+                                   f"{list(ACCEPTED_MODULES)}: not supported")
         layer, _, module, half = match.groups()
         halves.setdefault((int(layer), module), {})[half] = tensor
     if not halves:
@@ -200,7 +209,8 @@ def module_shapes(config) -> dict[str, tuple[int, int]]:
     hidden, inter = config.hidden_size, config.intermediate_size
     return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}
+            "down_proj": (inter, hidden), "qkv_proj": (hidden, heads * head_dim + 2 * kv),
+            "gate_up_proj": (hidden, 2 * inter), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
 
 
 def check_fits(adapter: LoraAdapter, config, model_id: str) -> None:
@@ -378,12 +388,14 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
     state = LoraState([a.name for a in adapters], rank, spec.dtype, torch.device(spec.device))
     shapes = module_shapes(model.config)
     for i, layer in enumerate(model.model.layers):
-        for attr, (owner, modules) in GROUPS.items():
-            parent = getattr(layer, owner, None)  # Mixtral's layers have block_sparse_moe, no mlp
-            if parent is None:
-                continue
+        for attr, (owner, modules) in [*GROUPS.items(), *OTHER_GROUPS.items()]:
             stacked = _stack(adapters, i, modules, shapes, rank, spec.dtype, spec.device)
-            if stacked is not None:
-                setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked))
+            if stacked is None:
+                continue
+            parent = getattr(layer, owner, None)  # Mixtral's layers have block_sparse_moe, no mlp
+            if not isinstance(getattr(parent, attr, None), nn.Module):
+                raise LoraAdapterError(f"adapter targets {'/'.join(modules)} of layer {i}, which "
+                                       f"{model.spec.architecture} does not have")
+            setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked))
     model.lora = state
     return state

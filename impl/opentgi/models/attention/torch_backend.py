@@ -297,13 +297,13 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
             softcap: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
     """`scaled_dot_product_attention`; with `softcap`, the logits become tanh(s * scale / cap) * cap
-    before the mask and the softmax (Gemma 2), which sdpa cannot do: then in plain ops, in float32
-    (bfloat16 matmuls of a decode row's few keys measured twice as slow here)."""
+    before the mask and the softmax (Gemma 2), which sdpa cannot do: then in plain ops, as
+    transformers' eager attention (softmax in float32), in the model dtype whatever the batch (in
+    float32 a group of 16 decode rows over 320 keys took 5x longer here, the 4-D broadcast matmul;
+    one row over 64 keys took half the time, but a row's numbers must not depend on its batch)."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
-    dtype = q.dtype
-    q, k, v = q.float(), k.float(), v.float()
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
@@ -312,7 +312,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
     if mask is not None:
         scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
-    return torch.matmul(torch.softmax(scores, dim=-1), v).to(dtype)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
