@@ -61,6 +61,9 @@ def test_rtn_int8_is_nearest_per_channel_and_the_kernel_multiplies_by_it():
     q = rtn.int8_rows(w)
     assert q.q.dtype == torch.int8 and q.scale.shape == (128,)
     assert ((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-7).all()
+    # the scales are the ones the kernel gets in bfloat16: the served weight is the rounded one
+    assert torch.equal(q.scale.to(torch.bfloat16).float(), q.scale)
+    assert torch.equal(q.to_format(torch.bfloat16, CPU).dequantize(), q.dequantize())
     x = rows(5)
     got = q.to_format(torch.bfloat16, CPU).matmul(x).float()
     want = x.float() @ q.dequantize().T

@@ -1,7 +1,7 @@
 """Round-to-nearest weight-only quantization at load time (`--quantize int8 | int4 | fp8`).
 
 A float weight becomes int8 with one scale per output channel (`q = round(w / s)`,
-`s = max|w| / 127`), int4 groups (`k = round((w - min) / d)`, `d = (max - min) / 15` per group of
+`s = max|w| / 127` rounded to bfloat16, as the kernel takes it), int4 groups (`k = round((w - min) / d)`, `d = (max - min) / 15` per group of
 `group_size` inputs, zero = min + 8 d, the form the int4 kernel takes), or FP8 e4m3 with one scale
 per channel; `to_format` turns each into the format served, as it is loaded.
 """
@@ -47,7 +47,10 @@ class Fp8Rows:
 
 def int8_rows(weight: torch.Tensor) -> Int8Rows:
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-12)
+    # the kernel takes the scales in the serving dtype: round them to bfloat16 first (exact in
+    # float16 and float32 too) and round the weights against the scale that will be served, so a
+    # channel carries no gain error (up to 0.2% in bfloat16) beside its rounding
+    scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-12).to(torch.bfloat16).float()
     q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return Int8Rows(q, scale)
 
