@@ -98,3 +98,33 @@ def tiny_reward() -> Path:
 @pytest.fixture(scope="session")
 def tiny_fim_llama() -> Path:
     return tiny_models.tiny_fim_llama_path()
+
+
+@pytest.fixture(scope="module")
+def think_engine():
+    """The tiny thinking model (`<think>`, Hermes `<tool_call>`) behind an engine: (settings, engine)."""
+    from opentgi.config import Settings
+    from opentgi.engine.engine import Engine
+
+    settings = Settings(model_id=str(tiny_models.tiny_think_llama_path()), device="cpu", max_input_tokens=400,
+                        max_total_tokens=512, max_batch_total_tokens=2048)
+    return settings, Engine.from_settings(settings)
+
+
+@pytest.fixture(scope="module")
+def app_client(think_engine):
+    from opentgi.api.app import create_app
+
+    settings, engine = think_engine
+    with create_app(settings, engine).test_client() as client:
+        yield client
+
+
+@pytest.fixture
+def plan(think_engine, monkeypatch):
+    """`plan.tokens = [...]` makes every sequence of the next requests write those tokens where the
+    model is free (tests/think_plan.py)."""
+    from tests.think_plan import install_plan
+
+    return install_plan(think_engine[1], monkeypatch)
+

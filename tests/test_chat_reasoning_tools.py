@@ -2,7 +2,7 @@
 thinks (`<think>`) and calls tools the Hermes way (`<tool_call>`): tests/tiny_models.py
 `tiny_think_llama_path`.
 
-A random model writes neither format on its own, so a test-only processor, `Writer`, writes a
+A random model writes neither format on its own, so a test-only processor, `Writer` (tests/think_plan.py), writes a
 planned token wherever the model is free (the thinking, between tool calls): it plays the model's
 choices of *when* to close the thinking or open a call. What the grammar constrains (every call's
 JSON) is the model's own, through the engine's lazy grammar, and everything downstream (the parser,
@@ -16,81 +16,7 @@ import json
 import jsonschema
 import pytest
 
-from opentgi.config import Settings
-from opentgi.engine.engine import Engine
-from opentgi.engine.sampling.grammar_trigger import TriggeredGrammar
-from tests import tiny_models
-
-THINK, END_THINK, CALL, END_CALL = 49152, 49153, 49154, 49155
-EOS = 2
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
-SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
-
-
-class Writer:
-    """Test-only RowLogitsProcessor: where the row is unconstrained, writes the next planned token."""
-
-    FREE = ("first", "reasoning", "waiting", "free")
-
-    def __init__(self, gate: TriggeredGrammar | None, plan: list[int]):
-        self.gate = gate
-        self.plan = list(plan)
-
-    def __call__(self, logits) -> None:
-        if not self.plan or (self.gate is not None and (self.gate._forced or self.gate.state not in self.FREE)):
-            return
-        token = self.plan.pop(0)
-        logits.fill_(float("-inf"))
-        logits[token] = 0.0
-
-    def accept(self, token_id: int) -> None:
-        pass
-
-    def is_terminated(self) -> bool:
-        return False
-
-
-@pytest.fixture(scope="module")
-def think_engine():
-    settings = Settings(model_id=str(tiny_models.tiny_think_llama_path()), device="cpu", max_input_tokens=400,
-                        max_total_tokens=512, max_batch_total_tokens=2048)
-    return settings, Engine.from_settings(settings)
-
-
-@pytest.fixture(scope="module")
-def app_client(think_engine):
-    from opentgi.api.app import create_app
-
-    settings, engine = think_engine
-    with create_app(settings, engine).test_client() as client:
-        yield client
-
-
-@pytest.fixture
-def plan(think_engine, monkeypatch):
-    """`plan.tokens = [...]` makes every sequence of the next requests write those tokens where free."""
-    _, engine = think_engine
-    original = engine._make_sequences
-
-    class Plan:
-        tokens: list[int] = []
-
-    def make(request, grammar_factory):
-        seqs = original(request, grammar_factory)
-        for seq in seqs:
-            gate = next((p for p in seq.processors if isinstance(p, TriggeredGrammar)), None)
-            seq.processors.append(Writer(gate, Plan.tokens))
-        return seqs
-
-    monkeypatch.setattr(engine, "_make_sequences", make)
-    return Plan
-
-
-def ids(engine, text: str) -> list[int]:
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+from tests.think_plan import CALL, END_THINK, EOS, SCHEMAS, TIME, WEATHER, ids
 
 
 def chat(client, **body):

@@ -1,6 +1,6 @@
 """Thinking and native tool calls in the Anthropic Messages and OpenAI Responses shapes, through the
 whole engine path on the tiny model whose template thinks (`<think>`) and calls tools the Hermes way
-(`<tool_call>`). As in test_chat_reasoning_tools.py, the test-only `Writer` plays the model's choice
+(`<tool_call>`). As in test_chat_reasoning_tools.py, the test-only `Writer` (tests/think_plan.py) plays the model's choice
 of when to close the thinking or open a call; every call's JSON is the model's own, through the
 engine's lazy grammar."""
 
@@ -14,11 +14,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from openai.types.responses import Response, ResponseStreamEvent
 
-from opentgi.config import Settings
-from opentgi.engine.engine import Engine
-from opentgi.engine.sampling.grammar_trigger import TriggeredGrammar
-from tests import tiny_models
-from tests.test_chat_reasoning_tools import CALL, END_THINK, EOS, SCHEMAS, Writer
+from tests.think_plan import CALL, END_THINK, EOS, SCHEMAS, ids
 
 ANTHROPIC_EVENTS = pydantic.TypeAdapter(RawMessageStreamEvent)
 OPENAI_EVENTS = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -29,43 +25,8 @@ RESPONSES_TOOLS = [{"type": "function", "name": name, "parameters": schema} for 
 
 
 @pytest.fixture(scope="module")
-def think_engine():
-    settings = Settings(model_id=str(tiny_models.tiny_think_llama_path()), device="cpu", max_input_tokens=400,
-                        max_total_tokens=512, max_batch_total_tokens=2048)
-    return settings, Engine.from_settings(settings)
-
-
-@pytest.fixture(scope="module")
-def client(think_engine):
-    from opentgi.api.app import create_app
-
-    settings, engine = think_engine
-    with create_app(settings, engine).test_client() as test_client:
-        yield test_client
-
-
-@pytest.fixture
-def plan(think_engine, monkeypatch):
-    """`plan.tokens = [...]` makes the next requests' sequences write those tokens where free."""
-    _, engine = think_engine
-    original = engine._make_sequences
-
-    class Plan:
-        tokens: list[int] = []
-
-    def make(request, grammar_factory):
-        seqs = original(request, grammar_factory)
-        for seq in seqs:
-            gate = next((p for p in seq.processors if isinstance(p, TriggeredGrammar)), None)
-            seq.processors.append(Writer(gate, Plan.tokens))
-        return seqs
-
-    monkeypatch.setattr(engine, "_make_sequences", make)
-    return Plan
-
-
-def ids(engine, text: str) -> list[int]:
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+def client(app_client):
+    return app_client
 
 
 def events(text: str) -> list[tuple[str, dict]]:
