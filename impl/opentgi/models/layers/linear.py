@@ -60,12 +60,9 @@ class OneDNNLinear(nn.Module):
         self.k_slices: list[torch.Tensor] | None = None  # float32 row invariance: packed input slices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_forward(x)
-
-    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows < self.min_rows:
-            return self.dense_forward(x.repeat(-(-self.min_rows // rows), 1))[:rows]
+            return self.forward(x.repeat(-(-self.min_rows // rows), 1))[:rows]
         if self.k_slices is not None:
             return self._sliced_forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -104,10 +101,10 @@ def _k_slices(weight: torch.Tensor) -> list[torch.Tensor]:
 
 def _rows_alike(linear: OneDNNLinear, x: torch.Tensor) -> bool:
     """Whether every row of `x` gets the same bits whatever the row count of the product."""
-    reference = linear.dense_forward(x)
+    reference = linear(x)
     for count in _PROBE_ROW_COUNTS:
         for start in range(0, x.shape[0] - count + 1, count):
-            if not torch.equal(linear.dense_forward(x[start:start + count]), reference[start:start + count]):
+            if not torch.equal(linear(x[start:start + count]), reference[start:start + count]):
                 return False
     return True
 
