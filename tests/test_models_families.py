@@ -111,6 +111,29 @@ def test_greedy_tokens_equal_transformers(family):
     assert tokens == want
 
 
+def test_a_window_reaches_the_backend_only_in_a_step_where_it_hides_a_key(monkeypatch):
+    """Gemma 2's layer 0 has a window of 8: a step of at most 8 keys attends it as the full layer
+    (one attention plan for the step), a longer one through the window; transformers' logits
+    either way."""
+    model = paged_model("gemma2")
+    backend = model.model.layers[0].self_attn.backend
+    forward, windows = backend.forward, []
+
+    def spy(q, k, v, k_cache, v_cache, meta, scale, sliding_window=None, **extra):
+        windows.append(sliding_window)
+        return forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, **extra)
+
+    monkeypatch.setattr(backend, "forward", spy)
+    runner = PagedRunner(model)
+    window = tiny_models._WINDOW
+    logits = [model.compute_logits(runner.step({0: PROMPT[:window]}))[0]]
+    assert windows == [None, None]
+    logits.append(model.compute_logits(runner.step({0: [PROMPT[window]]}))[0])
+    assert windows[2:] == [window, None]
+    expected = hf_logits("gemma2", PROMPT[:window + 1])
+    torch.testing.assert_close(torch.stack(logits), expected[window - 1:], **TOL)
+
+
 def test_qwen2_per_layer_windows_match_transformers():
     """Qwen2 with use_sliding_window: layers from max_window_layers on attend through the window."""
     path = tiny_models.tiny_qwen2_path(use_sliding_window=True, sliding_window=8, max_window_layers=1)

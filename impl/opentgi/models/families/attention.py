@@ -1,6 +1,6 @@
 """The decoder's self-attention, with each family's extras: q/k/v biases, q and k normed per head
 before RoPE (Qwen3, Gemma 3), a query scale of its own (Gemma), soft-capped logits (Gemma 2) and a
-sliding window per layer. Attention itself goes through the backend chosen by
+sliding window per layer (given to the backend only in a step where it hides a key). Attention itself goes through the backend chosen by
 `attention.selector` (torch on CPU, flash-attn on CUDA).
 
 Parameter names follow Hugging Face's checkpoints, so weights load by name; after loading, q/k/v
@@ -64,6 +64,10 @@ class DecoderAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, d)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                   **self.extra)
+        window = self.sliding_window
+        if window is not None and window >= meta.max_seqlen_k:
+            # no key of this step lies outside it: attended without one, so that the step's
+            # windowed and full layers (Gemma 2/3) share one attention plan (the same numbers)
+            window = None
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, window, **self.extra)
         return self.o_proj(out.reshape(num_tokens, q_size))

@@ -149,13 +149,11 @@ class PagedDecoder(nn.Module):
 
     def _set_batch_invariant(self, wanted: bool) -> None:
         """Batch invariance is built and measured on the CPU path only (the torch attention
-        backend; oneDNN linears, or row-tiled F.linear where oneDNN has no kernel), for dense
-        feed-forward layers."""
+        backend; oneDNN linears, or row-tiled F.linear where oneDNN has no kernel; routed experts
+        too: models/layers/moe.py)."""
         backend = self.model.layers[0].self_attn.backend if self.model.layers else None
-        # routed experts multiply each expert's rows together: not made row-invariant
-        experts = any(isinstance(layer.feed_forward, SparseMoE) for layer in self.model.layers)
         self.batch_invariant = (wanted and torch.device(self.spec.device).type == "cpu"
-                                and getattr(backend, "name", None) == "torch" and not experts)
+                                and getattr(backend, "name", None) == "torch")
         if wanted and not self.batch_invariant:
             log.warning("batch invariance is built for the CPU path; this model runs without it "
                         "(docs/determinism.md)")

@@ -6,7 +6,13 @@ experts per token, their weights renormalised to sum to one (Mixtral always; Qwe
 by expert (one stable argsort), the expert counts read once, and every expert the step uses runs
 one `GatedMLP` over all of its tokens (a contiguous slice of the sorted rows); the weighted outputs
 are scatter-added back to their tokens (`index_add_`). The Python loop is over the experts a step
-uses, never over tokens.
+uses, never over tokens. A lone token (a single-stream decode step) skips the sort and the scatter:
+its k experts' weighted outputs are added in expert order, the sums `index_add_` makes.
+
+A token's result does not depend on the step's other tokens (docs/determinism.md) when each
+expert's linears compute a row alike for every row count (their row-invariant forms,
+models/layers/linear.py): routing is per token, and `index_add_` adds a token's k contributions
+in expert order, whoever else the experts saw.
 
 With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
@@ -49,6 +55,8 @@ class SparseMoE(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         weights, experts = self.route(x)
+        if x.shape[0] == 1:
+            return self._one_token(x, weights[0], experts[0])
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
@@ -63,4 +71,12 @@ class SparseMoE(nn.Module):
         out_rows = torch.cat(outs) if len(outs) > 1 else outs[0]
         out_rows.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
         out = torch.zeros_like(x).index_add_(0, token_of, out_rows)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        ids = experts.tolist()  # the one host sync
+        out = None
+        for j in sorted(range(len(ids)), key=ids.__getitem__):  # expert order, as index_add_ adds
+            y = self.experts[ids[j]](x).mul_(weights[j])
+            out = y if out is None else out.add_(y)
         return out if self.tp is None else self.tp.all_reduce(out)
