@@ -23,11 +23,15 @@ TEXTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n
 MAX_NEW = 20
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "phi3", "gemma3_multimodal"])
 def test_greedy_through_the_engine_equals_transformers(family):
-    path = tiny_models.tiny_family_path(family)
+    """gemma3_multimodal: Gemma3ForConditionalGeneration, its text tower on the paged path."""
+    multimodal = family == "gemma3_multimodal"
+    path = tiny_models.tiny_gemma3_multimodal_path() if multimodal else tiny_models.tiny_family_path(family)
     loaded = load_model(Settings(model_id=str(path), dtype="float32", num_threads=1))
     assert loaded.kind == "paged"
+    if multimodal:
+        assert loaded.spec.architecture == "Gemma3ForConditionalGeneration"
     prompts = [loaded.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():

@@ -213,3 +213,43 @@ def test_lora_adapter_for_projections_the_model_lacks_is_refused():
     model = load_paged(llama)
     with pytest.raises(LoraAdapterError, match="targets c_fc of layer 0, which LlamaForCausalLM does not have"):
         attach_lora(model, load_adapters(f"a={adapter}", model.config, str(llama)))
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text_tower_on_the_paged_path():
+    """Gemma 3's larger checkpoints are Gemma3ForConditionalGeneration: the paged path loads the
+    text tower's tensors (the vision tower's and the projector's skipped) and computes
+    transformers' logits of the whole model for text prompts: whole, then chunks and decodes."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from opentgi.models.attention.torch_backend import TorchAttentionBackend
+    from opentgi.models.checkpoints.text_tower import text_config
+    from opentgi.models.registry import build_paged_model
+
+    path = tiny_models.tiny_gemma3_multimodal_path()
+    config = text_config(AutoConfig.from_pretrained(path))
+    assert config.architectures == ["Gemma3ForConditionalGeneration"] and config.model_type == "gemma3_text"
+    assert paged_unsupported_reason(config) is None
+    model = build_paged_model(path, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"))
+    assert model.spec.architecture == "Gemma3ForConditionalGeneration"
+    assert model.layout.windows == (tiny_models._WINDOW, None) and len(model.rotary) == 2
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = hf.eval()(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(model.compute_logits(PagedRunner(model).step({0: PROMPT}))[0], expected[-1], **TOL)
+    runner = PagedRunner(model)
+    got = [model.compute_logits(runner.step({0: PROMPT[:13]}))[0]]
+    got += [model.compute_logits(runner.step({0: [token]}))[0] for token in PROMPT[13:20]]
+    torch.testing.assert_close(torch.stack(got), expected[12:20], **TOL)
+
+
+def test_text_tower_tensor_names_of_both_saved_layouts():
+    from opentgi.models.checkpoints.text_tower import text_tower_name
+
+    assert text_tower_name("language_model.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert text_tower_name("model.language_model.norm.weight") == "model.norm.weight"
+    assert text_tower_name("language_model.lm_head.weight") == "lm_head.weight"
+    assert text_tower_name("lm_head.weight") == "lm_head.weight"
+    for skipped in ("vision_tower.vision_model.post_layernorm.weight", "model.vision_tower.vision_model.head.probe",
+                    "multi_modal_projector.mm_input_projection_weight",
+                    "model.multi_modal_projector.mm_soft_emb_norm.weight"):
+        assert text_tower_name(skipped) is None

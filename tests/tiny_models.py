@@ -8,7 +8,8 @@ Plain functions (no pytest) so any conftest or script can call them:
 - `tiny_qwen2_path()`: Qwen2ForCausalLM (q/k/v bias, untied head).
 - `tiny_mistral_path(sliding_window=...)`: MistralForCausalLM.
 - `tiny_family_path(family)`: one tiny model per further family of the paged path (Qwen3,
-  Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3, StarCoder2; `FAMILY_CONFIGS`).
+  Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3, StarCoder2; `FAMILY_CONFIGS`), and `tiny_gemma3_multimodal_path()`:
+  Gemma3ForConditionalGeneration, the gemma3 text config beside a one-layer vision tower.
 - `tiny_gpt2_path()`: GPT2LMHeadModel, an architecture only the generic path serves.
 - `tiny_reward_path()`: LlamaForSequenceClassification, num_labels=1, pad_token_id set.
 - `tiny_fim_llama_path()`: a Llama whose tokenizer has FIM tokens. SmolLM2's tokenizer has NO
@@ -299,12 +300,36 @@ def tiny_family_path(family: str, seed: int = 0, **overrides) -> Path:
                                                "config": {**cfg, **overrides}, "seed": seed})
 
 
+def tiny_gemma3_multimodal_path(seed: int = 0) -> Path:
+    """Gemma3ForConditionalGeneration (Gemma 3 4B/12B/27B's layout): the gemma3 family's tiny text
+    config as its text tower, beside a one-layer vision tower and its projector."""
+    params = {"text": FAMILY_CONFIGS["gemma3"][2], "seed": seed,
+              "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                         "num_attention_heads": 2, "image_size": 28, "patch_size": 14}}
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GenerationConfig
+
+        vocab_size = _save_tokenizer(out)
+        text = {**params["text"], "vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2}
+        config = Gemma3Config(text_config=text, vision_config=params["vision"], mm_tokens_per_image=4,
+                              boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
+                              image_token_index=vocab_size - 1, torch_dtype="float32")
+        torch.manual_seed(params["seed"])
+        Gemma3ForConditionalGeneration(config).to(torch.float32).eval().save_pretrained(out, safe_serialization=True)
+        GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_IDS, pad_token_id=2).save_pretrained(out)
+
+    return _cached_folder("tiny-gemma3-multimodal", params, build)
+
+
 def build_all() -> dict[str, Path]:
     """Build (or find) every test model; handy to warm the cache: `python -m tests.tiny_models`."""
     return {"tokenizer": smollm2_tokenizer_path(), "llama": tiny_llama_path(),
             "qwen2": tiny_qwen2_path(), "mistral": tiny_mistral_path(), "gpt2": tiny_gpt2_path(),
             "reward": tiny_reward_path(), "fim_llama": tiny_fim_llama_path(),
             "think_llama": tiny_think_llama_path(),
+            "gemma3_multimodal": tiny_gemma3_multimodal_path(),
             **{family: tiny_family_path(family) for family in FAMILY_CONFIGS}}
 
 

@@ -21,7 +21,7 @@ import torch
 from opentgi.config import Settings
 from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.base import ModelSpec
-from opentgi.models.checkpoints import default_model
+from opentgi.models.checkpoints import default_model, text_tower
 from opentgi.models.quantization.methods import QuantizeError, parse_quantize
 from opentgi.models.registry import architecture_of, build_paged_model, paged_unsupported_reason
 
@@ -245,6 +245,10 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load the config/tokenizer of {model_id!r}: {exc}") from None
+        if text_tower.is_text_tower(config):
+            log.info("%s: the paged path serves its text tower; image inputs are refused",
+                     architecture_of(config))
+            config = text_tower.text_config(config)
     _check_quantize(quantize, config, device, sharded, model_id)
     reason = paged_unsupported_reason(config)
     if reason is None:

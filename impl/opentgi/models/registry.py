@@ -10,6 +10,7 @@ import torch
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.base import ModelSpec
 from opentgi.models.checkpoints.loading import FolderWeights, load_quantized
+from opentgi.models.checkpoints.text_tower import tensor_renamer
 from opentgi.models.checkpoints.weights import load_weights
 from opentgi.models.families.decoder import PagedDecoder
 from opentgi.models.families.layout import DecoderLayout
@@ -30,6 +31,7 @@ PAGED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("gemma", "lm"),
     "Gemma2ForCausalLM": ("gemma2", "lm"),
     "Gemma3ForCausalLM": ("gemma3", "lm"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "lm"),  # its text tower (checkpoints/text_tower.py)
     "Phi3ForCausalLM": ("phi3", "lm"),
     "Starcoder2ForCausalLM": ("starcoder2", "lm"),
     "LlamaForSequenceClassification": ("llama", "score"),
@@ -109,7 +111,7 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
         from opentgi.models.parallel import parallelize
 
         model = model.to_empty(device=device).to(dtype)
-        load_weights(model, folder, ignore_unexpected=ignore, shard=plan.slice)
+        load_weights(model, folder, ignore_unexpected=ignore, shard=plan.slice, rename=tensor_renamer(config))
         parallelize(model, plan, tp)
     model.materialize(batch_invariant=batch_invariant)
     model.resident = resident_summary(model)

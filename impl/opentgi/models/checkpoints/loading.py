@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from opentgi.models.checkpoints.text_tower import tensor_renamer
 from opentgi.models.checkpoints.weights import checkpoint_files, iter_checkpoint
 from opentgi.models.quantization import awq_gptq, rtn
 from opentgi.models.quantization.fp8 import FP8
@@ -35,6 +36,7 @@ class FolderWeights:
             qconfig = qconfig.to_dict()
         self.method, self.group_size = awq_gptq.check_config(qconfig) if qconfig else (None, 0)
         self.zero_offset = 0 if str((qconfig or {}).get("checkpoint_format", "gptq")) == "gptq_v2" else 1
+        self.rename = tensor_renamer(config)  # a multimodal checkpoint's text tower: its names
 
     def _names(self) -> list[str]:
         names: list[str] = []
@@ -46,6 +48,8 @@ class FolderWeights:
                     names.extend(f.keys())
             else:
                 names.extend(torch.load(path, map_location="cpu", weights_only=True, mmap=True).keys())
+        if self.rename is not None:
+            names = [n for n in map(self.rename, names) if n is not None]
         return names
 
     def int4_names(self) -> set[str]:
@@ -55,11 +59,11 @@ class FolderWeights:
 
     def iter_tensors(self, int4_names: set[str]) -> Iterator[tuple[str, object]]:
         if self.method is None:
-            yield from iter_checkpoint(self.folder)
+            yield from iter_checkpoint(self.folder, self.rename)
             return
         parts: dict[str, dict[str, torch.Tensor]] = {}
         wanted = {"qweight", "qzeros", "scales"} | ({"g_idx"} if self.method == "gptq" else set())
-        for name, tensor in iter_checkpoint(self.folder):
+        for name, tensor in iter_checkpoint(self.folder, self.rename):
             prefix, _, leaf = name.rpartition(".")
             if prefix + ".weight" not in int4_names or leaf not in wanted | {"g_idx"}:
                 yield name, tensor

@@ -24,19 +24,33 @@ def checkpoint_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no safetensors or pytorch_model.bin weights in {folder}")
 
 
-def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+Renamer = Callable[[str], "str | None"]  # a stored name -> the model's, or None: not loaded
+
+
+def _named(names, rename: Renamer | None):
+    for stored in names:
+        name = stored if rename is None else rename(stored)
+        if name is not None:
+            yield stored, name
+
+
+def iter_checkpoint(folder: Path, rename: Renamer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every stored tensor; `rename` (models/checkpoints/text_tower.py) maps
+    the stored names, None skipping a tensor unread."""
     for path in checkpoint_files(folder):
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    yield name, f.get_tensor(name)
+                for stored, name in _named(f.keys(), rename):
+                    yield name, f.get_tensor(stored)
         else:
-            yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+            tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for stored, name in _named(tensors.keys(), rename):
+                yield name, tensors[stored]
 
 
-def iter_checkpoint_sliced(folder: Path, shard) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_sliced(folder: Path, shard, rename: Renamer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Like iter_checkpoint, but each tensor is `shard(name, shape, read)`, where `read(index)`
     reads only the indexed part (safetensors get_slice: the rest is never read)."""
     for path in checkpoint_files(folder):
@@ -44,25 +58,27 @@ def iter_checkpoint_sliced(folder: Path, shard) -> Iterator[tuple[str, torch.Ten
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    stored = f.get_slice(name)
-                    yield name, shard(name, tuple(stored.get_shape()), stored.__getitem__)
+                for stored, name in _named(f.keys(), rename):
+                    part = f.get_slice(stored)
+                    yield name, shard(name, tuple(part.get_shape()), part.__getitem__)
         else:
-            for name, tensor in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items():
-                yield name, shard(name, tuple(tensor.shape), tensor.__getitem__)
+            tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for stored, name in _named(tensors.keys(), rename):
+                yield name, shard(name, tuple(tensors[stored].shape), tensors[stored].__getitem__)
 
 
 def load_weights(module: nn.Module, folder: Path, ignore_unexpected: tuple[str, ...] = (),
-                 shard=None, observe: Callable[[str, torch.Tensor], None] | None = None) -> None:
+                 shard=None, observe: Callable[[str, torch.Tensor], None] | None = None,
+                 rename: Renamer | None = None) -> None:
     """Copy every tensor of the checkpoint into the parameter of the same name (converting dtype
     and device). Fails on a missing parameter or a shape mismatch; checkpoint entries with no
     parameter are fine only when they end with one of `ignore_unexpected`. `shard` (tensor
     parallelism, models/parallel.py ShardPlan.slice) picks the part of each tensor to load;
     `observe(name, tensor)` sees each loaded tensor as the checkpoint holds it, before the copy
-    converts its dtype."""
+    converts its dtype. `rename`: as iter_checkpoint's."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
-    tensors = iter_checkpoint(folder) if shard is None else iter_checkpoint_sliced(folder, shard)
+    tensors = iter_checkpoint(folder, rename) if shard is None else iter_checkpoint_sliced(folder, shard, rename)
     with torch.no_grad():
         for name, tensor in tensors:
             param = params.get(name)

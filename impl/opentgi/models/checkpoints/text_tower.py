@@ -1,0 +1,56 @@
+"""Multimodal checkpoints whose text tower the paged path serves on its own: Gemma 3's 4B, 12B and
+27B (`Gemma3ForConditionalGeneration`; the 1B is the text-only `Gemma3ForCausalLM`). Without an
+image a prompt never reaches the vision tower, so the text tower alone computes what the whole
+model does; the APIs refuse image inputs for every model.
+
+- `text_config`: the checkpoint's text config in place of the wrapper's, still naming the
+  wrapper's architecture (what /info reports and the registry maps to a family), with the
+  wrapper's forward's values where they differ (no final logit soft-capping).
+- `tensor_renamer`: the text tower's tensor names as the decoder's (both layouts transformers
+  has saved: `language_model.model.*` and `model.language_model.*`); the vision tower's and the
+  projector's tensors are skipped (None).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+TEXT_TOWERS = ("Gemma3ForConditionalGeneration",)
+_RENAMED = (("language_model.model.", "model."), ("model.language_model.", "model."),
+            ("language_model.lm_head.", "lm_head."))
+_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _architecture(config) -> str | None:
+    archs = getattr(config, "architectures", None) or []
+    return archs[0] if archs else None
+
+
+def is_text_tower(config) -> bool:
+    return _architecture(config) in TEXT_TOWERS
+
+
+def text_config(config):
+    """The text config of a TEXT_TOWERS checkpoint (its `architectures` the wrapper's), else
+    `config` itself."""
+    if not is_text_tower(config) or getattr(config, "text_config", None) is None:
+        return config
+    text = copy.deepcopy(config.text_config)
+    text.architectures = [_architecture(config)]
+    # transformers' Gemma3ForConditionalGeneration never soft-caps its logits (Gemma 3's own
+    # checkpoints set no cap; only a text-only Gemma3ForCausalLM applies one it is given)
+    text.final_logit_softcapping = None
+    return text
+
+
+def text_tower_name(name: str) -> str | None:
+    for old, new in _RENAMED:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None if name.startswith(_SKIPPED) else name
+
+
+def tensor_renamer(config) -> Callable[[str], str | None] | None:
+    """How the checkpoint's tensor names map to the paged decoder's (None: as they are)."""
+    return text_tower_name if is_text_tower(config) else None
