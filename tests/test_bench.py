@@ -127,3 +127,30 @@ def test_architecture_table_has_ratios_to_llama():
         "| architecture | c=1 tokens/s | Llama beside it | ratio | c=16 tokens/s | Llama beside it | ratio |",
         "|---|---:|---:|---:|---:|---:|---:|",
         "| Qwen3ForCausalLM | 45.0 | 50.0 | 0.90x | 420.0 (1 errors) | 400.0 | 1.05x |"]
+
+
+def test_engine_step_comparison_measures_each_engine_beside_llama(monkeypatch, capsys):
+    """`--architectures ... --engine-steps`: both engines run in this process, each round and level,
+    and the table holds the tokens/s their median decode steps allow (tiny models stand in for the
+    SmolLM2-shaped ones here)."""
+    import argparse
+
+    from opentgi.bench import architectures
+    from opentgi.bench.runner import server_settings
+    from tests import tiny_models
+
+    paths = {"llama": tiny_models.tiny_llama_path(), "qwen3_moe": tiny_models.tiny_family_path("qwen3_moe")}
+    monkeypatch.setattr(architectures, "same_shape_model", lambda name, cache_dir: paths[name])
+    args = argparse.Namespace(architectures="llama,qwen3_moe", concurrency="1,3", rounds=2, new_tokens=4,
+                              server_arg=["--dtype", "float32"], num_threads=1, model_id=None)
+    text = architectures.engine_step_comparison(args, ["Hello there", "def add(a, b):"], server_settings,
+                                                lambda threads: "test machine")
+    printed = capsys.readouterr().out
+    for server in ("llama", "qwen3_moe"):
+        for c in (1, 3):
+            assert printed.count(f"qwen3_moe round 1, {server} engine, concurrency {c}: step ") == 1
+            assert printed.count(f"qwen3_moe round 2, {server} engine, concurrency {c}: step ") == 1
+    row = next(line for line in text.splitlines() if line.startswith("| Qwen3MoeForCausalLM |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")][1:]
+    assert len(cells) == 6 and all(float(cell.rstrip("x")) > 0 for cell in cells)
+    assert "engine steps" in text and "Machine: test machine." in text

@@ -8,6 +8,9 @@ sets the family apart left at its defaults (Gemma 2's soft-capping, the windows 
 and StarCoder2, Qwen3's q/k norms). Mixtral has 8 experts of 1536 features and Qwen3-MoE 8 of 768,
 2 per token. Each architecture is then served beside a Llama server (default flags plus
 --server-arg) and the two are driven one right after the other at each --concurrency level.
+With `--engine-steps`, instead: each architecture's engine and Llama's run in this process
+(`bench/steps.py`), one right after the other per round and level, and the table compares their
+median decode steps (the model, the LM head and the engine around them; no HTTP, no client).
 """
 
 from __future__ import annotations
@@ -101,6 +104,50 @@ def architecture_comparison(args, prompts: list[str], local_server, run_level, m
               f"driven in turn with it (the other idle), default flags"
               f"{' + ' + ' '.join(args.server_arg) if args.server_arg else ''}, greedy `/generate_stream`, "
               f"{args.new_tokens} new tokens, {args.rounds} rounds summed."), ""]
+    return "\n".join(lines + table(names, levels, totals)) + "\n"
+
+
+def engine_step_comparison(args, prompts: list[str], server_settings, machine_line) -> str:
+    """`--engine-steps`: per architecture and level, the median decode step of its engine beside
+    Llama's (bench/steps.py), both in this process, alternating which goes first per round.
+    Returns the markdown table (tokens/s a step allows, summed over rounds as medians' means)."""
+    from opentgi.bench import steps as bench_steps
+    from opentgi.models.loader import load_model
+
+    names = [n.strip() for n in args.architectures.split(",") if n.strip() and n.strip() != "llama"]
+    unknown = [n for n in names if n not in ARCHITECTURES]
+    if unknown:
+        raise SystemExit(f"--architectures: unknown {unknown}; known: {', '.join(ARCHITECTURES)}")
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+
+    def engine(name: str):
+        settings_args = argparse.Namespace(**vars(args))
+        settings_args.model_id = str(same_shape_model(name, None))
+        settings = server_settings(settings_args)
+        loaded = load_model(settings)
+        ids = [loaded.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return loaded, settings, ids
+
+    llama = engine("llama")
+    steps: dict[tuple[str, str, int], list[float]] = {}  # (architecture, engine measured, c) -> step ms
+    for name in names:
+        pair = [("llama", llama), (name, engine(name))]
+        for round_ in range(args.rounds):
+            for c in levels:
+                for server, (loaded, settings, ids) in pair if round_ % 2 == 0 else pair[::-1]:
+                    ms = bench_steps.measure(loaded, settings, ids, c, args.new_tokens).step_ms
+                    steps.setdefault((name, server, c), []).append(ms)
+                    print(f"{name} round {round_ + 1}, {server} engine, concurrency {c}: step {ms:.2f} ms",
+                          flush=True)
+        del pair
+    # as `table` wants: tokens and seconds (c tokens a step; the mean of the rounds' median steps)
+    totals = {key: [c * len(v), sum(v) / 1e3, 0] for key, v in steps.items() for c in [key[2]]}
+    lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — architectures at SmolLM2-135M's shape, "
+             "engine steps", "", f"Machine: {machine_line(args.num_threads)}.",
+             (f"Random weights (bfloat16 checkpoints), each architecture's engine beside Llama's in one process, "
+              f"default flags{' + ' + ' '.join(args.server_arg) if args.server_arg else ''}, {args.new_tokens} new "
+              f"tokens, {args.rounds} rounds: tokens/s that the median decode step allows "
+              f"(`--engine-steps`)."), ""]
     return "\n".join(lines + table(names, levels, totals)) + "\n"
 
 

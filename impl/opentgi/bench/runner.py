@@ -522,6 +522,8 @@ def parse_args(argv=None):
                    "the default model's shape with random weights, beside Llama, e.g. qwen3,gemma2 "
                    "(bench/architectures.py)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (--shards, --architectures)")
+    p.add_argument("--engine-steps", action="store_true", help="with --architectures: compare the engines' "
+                   "decode steps in this process instead of served throughput (bench/architectures.py)")
     p.add_argument("--speculate", type=int, help="only the speculative-decoding comparison: a code-editing "
                    "workload, single stream, a plain server beside one with --speculate N (bench/speculate.py)")
     p.add_argument("--speculate-new-tokens", type=int, default=256, help="new tokens at most (--speculate)")
@@ -582,9 +584,12 @@ def main(argv=None) -> None:
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
     if args.architectures:
-        from opentgi.bench.architectures import architecture_comparison
+        from opentgi.bench.architectures import architecture_comparison, engine_step_comparison
 
-        text = own_thread(lambda: architecture_comparison(args, prompts, local_server, run_level, machine_line))
+        if args.engine_steps:
+            text = own_thread(lambda: engine_step_comparison(args, prompts, server_settings, machine_line))
+        else:
+            text = own_thread(lambda: architecture_comparison(args, prompts, local_server, run_level, machine_line))
         print()
         print(text)
         if args.output:
