@@ -226,12 +226,13 @@ _MOE: dict = {}
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_routed_row_does_not_depend_on_its_neighbours(dtype):
-    """A mixture of experts (Mixtral's block, 4 experts of 1536 features: their down projections
-    reduce over more than 1024, where a lone row takes another kernel) is batch-invariant too: the
-    target's experts see other tokens' rows beside its own, or none (a lone decode row skips the
-    sort and scatter), and its tokens and logprobs stay those it gets alone."""
+    """A mixture of experts (Mixtral's block, 3 of 4 experts of 1536 features a token: their down
+    projections reduce over more than 1024, where a lone row takes another kernel; three outputs a
+    token, whose bfloat16 sum depends on how it is rounded) is batch-invariant too: the target's
+    experts see other tokens' rows beside its own, or none (a lone decode row skips the sort and
+    scatter), and its tokens and logprobs stay those it gets alone."""
     if dtype not in _MOE:
-        path = tiny_models.tiny_family_path("mixtral", intermediate_size=1536)
+        path = tiny_models.tiny_family_path("mixtral", intermediate_size=1536, num_experts_per_tok=3)
         _MOE[dtype] = load_model(Settings(model_id=str(path), dtype=dtype))
     moe = _MOE[dtype]
     assert moe.model.batch_invariant and batch_invariant(moe)

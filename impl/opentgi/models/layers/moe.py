@@ -7,12 +7,13 @@ by expert (one stable argsort), the expert counts read once, and every expert th
 one `GatedMLP` over all of its tokens (a contiguous slice of the sorted rows); the weighted outputs
 are scatter-added back to their tokens (`index_add_`). The Python loop is over the experts a step
 uses, never over tokens. A lone token (a single-stream decode step) skips the sort and the scatter:
-its k experts' weighted outputs are added in expert order, the sums `index_add_` makes.
+its k experts' weighted outputs are summed as `index_add_` sums them (on CPU: in float32, in the
+order of the sorted rows, that is by expert, rounded to the model dtype once).
 
 A token's result does not depend on the step's other tokens (docs/determinism.md) when each
 expert's linears compute a row alike for every row count (their row-invariant forms,
-models/layers/linear.py): routing is per token, and `index_add_` adds a token's k contributions
-in expert order, whoever else the experts saw.
+models/layers/linear.py): routing is per token, and `index_add_` sums a token's k contributions
+alone, in expert order, whoever else the experts saw.
 
 With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
@@ -75,8 +76,9 @@ class SparseMoE(nn.Module):
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         ids = experts.tolist()  # the one host sync
-        out = None
-        for j in sorted(range(len(ids)), key=ids.__getitem__):  # expert order, as index_add_ adds
-            y = self.experts[ids[j]](x).mul_(weights[j])
-            out = y if out is None else out.add_(y)
+        total = None
+        for j in sorted(range(len(ids)), key=ids.__getitem__):  # expert order, as the sorted rows
+            y = self.experts[ids[j]](x).mul_(weights[j]).float()  # weighted in x's dtype, as there
+            total = y if total is None else total.add_(y)
+        out = total.to(x.dtype)
         return out if self.tp is None else self.tp.all_reduce(out)
