@@ -154,3 +154,31 @@ def test_engine_step_comparison_measures_each_engine_beside_llama(monkeypatch, c
     cells = [cell.strip() for cell in row.strip("|").split("|")][1:]
     assert len(cells) == 6 and all(float(cell.rstrip("x")) > 0 for cell in cells)
     assert "engine steps" in text and "Machine: test machine." in text
+
+
+def test_architecture_comparison_warms_each_new_server_with_a_round_at_every_level(monkeypatch):
+    """The Llama server stays up and warm through every architecture: each newly started one gets
+    an unmeasured round at every level (same prompts and tokens) before its measured rounds."""
+    import argparse
+    import contextlib
+
+    from opentgi.bench import architectures
+    from opentgi.bench.runner import LevelResult
+
+    monkeypatch.setattr(architectures, "same_shape_model", lambda name, cache_dir: f"/models/{name}")
+    calls = []
+
+    @contextlib.contextmanager
+    def local_server(server_args):
+        yield f"url:{server_args.model_id.rsplit('/', 1)[-1]}"
+
+    async def run_level(url, prompts, c, n, new_tokens, limit):
+        calls.append((url, c, new_tokens))
+        return LevelResult(c, n, n * new_tokens, 1.0, [], [], 0)
+
+    args = argparse.Namespace(architectures="qwen3", concurrency="1,16", rounds=1, new_tokens=64, max_requests=64,
+                              level_time_limit=10.0, server_arg=[], num_threads=1)
+    architectures.architecture_comparison(args, ["a", "b"], local_server, run_level, lambda threads: "m")
+    qwen3 = [call for call in calls if call[0] == "url:qwen3"]
+    assert qwen3[:2] == [("url:qwen3", 1, 64), ("url:qwen3", 16, 64)]  # the warm-up round
+    assert qwen3[2:] == [("url:qwen3", 1, 64), ("url:qwen3", 16, 64)]  # the measured one

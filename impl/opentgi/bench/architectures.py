@@ -7,7 +7,8 @@ once per architecture with transformers (bfloat16 safetensors under the cache fo
 sets the family apart left at its defaults (Gemma 2's soft-capping, the windows of Gemma, Phi-3
 and StarCoder2, Qwen3's q/k norms). Mixtral has 8 experts of 1536 features and Qwen3-MoE 8 of 768,
 2 per token. Each architecture is then served beside a Llama server (default flags plus
---server-arg) and the two are driven one right after the other at each --concurrency level.
+--server-arg), warmed with one unmeasured round at every level, and the two are driven one right
+after the other at each --concurrency level.
 With `--engine-steps`, instead: each architecture's engine and Llama's run in this process
 (`bench/steps.py`), one right after the other per round and level, and the table compares their
 median decode steps (the model, the LM head and the engine around them; no HTTP, no client).
@@ -85,7 +86,12 @@ def architecture_comparison(args, prompts: list[str], local_server, run_level, m
         asyncio.run(run_level(llama_url, prompts[:1], 1, 1, 4, args.level_time_limit))  # warm-up
         for name in names:
             with serve(name) as url:
-                asyncio.run(run_level(url, prompts[:1], 1, 1, 4, args.level_time_limit))
+                # one unmeasured round at every level: the Llama server beside it has served every
+                # round so far, and a fresh engine's steps were measured slower for their first few
+                # hundred (Gemma 3, one stream: median 68, 55, then 43 ms over three runs of 64 steps)
+                for c in levels:
+                    asyncio.run(run_level(url, prompts, c, min(args.max_requests, max(2, c)), args.new_tokens,
+                                          args.level_time_limit))
                 for round_ in range(args.rounds):
                     for c in levels:
                         pair = [("llama", llama_url), (name, url)]
