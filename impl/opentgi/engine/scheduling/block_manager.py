@@ -7,6 +7,11 @@ its hash (when prefix caching is on) and waits in an LRU list: a later prompt wi
 takes it back, and allocation evicts the least recently freed one first. Sequences never write into
 a shared block: only full blocks are shared, and a prefix match always leaves the prompt's last
 token to compute.
+
+With `prompt_blocks_only` (a model whose kernels follow the row kind, batch-invariant:
+docs/determinism.md) only blocks of prompt tokens are registered and matched: a generated token's
+k/v comes from the generated rows' kernel, and a later prompt holding the same tokens computes them
+with the prompt rows' kernel, so serving one for the other would change that prompt's numbers.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ def root_hash(seq: Sequence) -> int | None:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prompt_blocks_only: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks}x{block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prompt_blocks_only = prompt_blocks_only
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # empty, no reusable content
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; LRU first
@@ -106,7 +113,8 @@ class BlockManager:
         number of tokens found cached."""
         assert not seq.block_table, "admit() of a sequence that holds blocks"
         n = len(seq.token_ids)
-        block_ids, hashes = self.match_prefix(seq.token_ids, n - 1, root_hash(seq)) if use_prefix_cache else ([], [])
+        limit = min(n - 1, seq.num_prompt_tokens) if self.prompt_blocks_only else n - 1
+        block_ids, hashes = self.match_prefix(seq.token_ids, limit, root_hash(seq)) if use_prefix_cache else ([], [])
         for block_id in block_ids:
             self._ref(block_id)
         seq.block_table = block_ids
@@ -126,6 +134,8 @@ class BlockManager:
         sequence holds it."""
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        if self.prompt_blocks_only:
+            num_full = min(num_full, seq.num_prompt_tokens // bs)
         parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
         for i in range(seq.num_hashed_blocks, num_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])

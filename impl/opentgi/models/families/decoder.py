@@ -34,6 +34,7 @@ from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.layers.norm import make_norm
 from opentgi.models.layers.rotary import RotaryEmbedding, local_rope_config
+from opentgi.models.quantization.prompt_copy import add_prompt_copies
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class PagedDecoder(nn.Module):
         # the LM head in oneDNN's layout (CPU float32/bfloat16), or row-tiled (batch invariance)
         self.logits_proj: OneDNNLinear | RowTiledLinear | None = None
         self.batch_invariant = False  # set by `materialize`
+        # some int4 layers multiply prompt rows through a dense copy (models/quantization/prompt_copy.py)
+        self.kernels_by_row_kind = False
 
     def materialize(self, batch_invariant: bool = False) -> None:
         """After the weights are loaded: fuse projections (quantized ones too, where their formats
@@ -136,6 +139,8 @@ class PagedDecoder(nn.Module):
                 head_weight = embedding if tied else self.lm_head.weight
         if onednn_linear_usable(device, self.spec.dtype):
             pack_linears(self.model.layers, row_invariant=self.batch_invariant)
+            held = add_prompt_copies(self.model.layers, self.spec.dtype, self.batch_invariant)
+            self.kernels_by_row_kind = held > 0
             if head_weight is not None and copy_worth_it:
                 self.logits_proj = OneDNNLinear(head_weight)
                 if self.batch_invariant:
