@@ -52,6 +52,13 @@ def quantized_with_copy(dtype=torch.bfloat16) -> QuantizedLinear:
     return linear
 
 
+def test_no_copies_where_they_do_not_all_fit():
+    linear = QuantizedLinear(256, 128)
+    linear.weight_format = random_int4(128, 256, torch.bfloat16)
+    assert add_prompt_copies(linear, torch.bfloat16, row_invariant=True, max_bytes=128 * 256 * 2 - 1) == 0
+    assert linear.prompt_linear is None
+
+
 def test_a_quantized_layer_picks_its_kernel_by_row_kind_never_by_row_count():
     linear = quantized_with_copy()
     x = torch.randn(10, 256, generator=torch.Generator().manual_seed(2)).bfloat16()

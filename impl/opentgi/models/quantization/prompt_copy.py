@@ -12,10 +12,10 @@ The copy holds the kernel's own weights, rounded once to the serving dtype: `deq
 unpacks the CPU layout and computes `(k - 8) * scale + zero` in float32 from the scales and zeros
 as the kernel holds them, checked against the kernel itself (the weight times an identity) at
 start-up. Dequantizing per step instead was measured too slow (the default model's 106 M int4
-weights: ~0.4 s a step on 1 thread, the cost of ~170 prompt rows), so the copies are kept, up to
-`PROMPT_COPY_MAX_BYTES` (in layer order): the default model's (203 MiB) fit, a 1B model's
-(~2 GiB) mostly do not, and its layers without a copy multiply prompt rows through the int4
-kernel as before (one copy of each weight, issue of memory before speed on larger models).
+weights: ~0.4 s a step on 1 thread, the cost of ~170 prompt rows), so the copies are kept, when
+all of them fit in `PROMPT_COPY_MAX_BYTES`: the default model's (202 MiB) do; a 1B model's
+(~2 GiB) do not, and it keeps one copy of each weight (its resident memory stays within 1.5x
+llama.cpp's on the same file, docs/benchmarks.md), its prompt rows through the int4 kernel.
 """
 
 from __future__ import annotations
@@ -67,16 +67,17 @@ def _copy_bytes(linear: OneDNNLinear) -> int:
 
 def add_prompt_copies(module: nn.Module, dtype: torch.dtype, row_invariant: bool,
                       max_bytes: int = PROMPT_COPY_MAX_BYTES) -> int:
-    """Give the CPU int4 linears inside `module`, in order, a dense copy for prompt rows while the
-    copies fit in `max_bytes`. Returns the bytes held."""
+    """Give every CPU int4 linear inside `module` a dense copy for prompt rows, if all the copies
+    fit in `max_bytes` (else none: one copy of each weight).
+    Returns the bytes held."""
+    linears = [sub for sub in module.modules() if isinstance(sub, QuantizedLinear)
+               and isinstance(sub.weight_format, Int4Weight) and sub.weight_format.device.type == "cpu"]
+    need = sum(s.out_features * s.in_features for s in linears) * torch.finfo(dtype).bits // 8
+    if need > max_bytes:
+        return 0
     held = 0
-    for sub in module.modules():
-        fmt = getattr(sub, "weight_format", None)
-        if not isinstance(sub, QuantizedLinear) or not isinstance(fmt, Int4Weight) or fmt.device.type != "cpu":
-            continue
-        size = fmt.out_features * fmt.in_features * torch.finfo(dtype).bits // 8
-        if held + size > max_bytes:
-            continue
+    for sub in linears:
+        fmt = sub.weight_format
         with torch.inference_mode():
             dense = dequantize_int4(fmt, dtype)
             copy = OneDNNLinear(dense)
