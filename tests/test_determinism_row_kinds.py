@@ -87,7 +87,8 @@ def test_a_tokens_kind_is_its_position_also_when_recomputed():
     """Prompt tokens before the prompt's end, generated ones after it: a chunk, a prefix-hit tail,
     a decode row, a verify row, and a sequence recomputed after a preemption (its generated tokens
     fed again with its prompt)."""
-    runner = SimpleNamespace(kernels_by_row_kind=True, device=torch.device("cpu"))
+    runner = SimpleNamespace(kernels_by_row_kind=True, device=torch.device("cpu"),
+                             _prompt_new_tokens=ModelRunner._prompt_new_tokens)
     seqs = [SimpleNamespace(num_computed_tokens=c, num_prompt_tokens=p) for c, p in
             [(0, 30), (16, 30), (40, 30), (41, 30), (0, 30)]]
     kinds = ModelRunner.row_kinds(runner, seqs, [10, 14, 1, 5, 35])

@@ -4,8 +4,9 @@ the forward over the packed ("varlen") batch and returns the logits the engine n
 Sequence b feeds tokens token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens[b]]
 (with speculative decoding: its last token, then its draft_token_ids); their k/v go to the slots of
 its block_table; its attention reads its first context_lens[b] tokens. Where the model picks a
-layer's kernel by row kind (`kernels_by_row_kind`: int4 layers with dense copies for prompt rows),
-the forward runs with the step's row kinds (models/layers/row_kinds.py).
+kernel by row kind (`kernels_by_row_kind`: int4 layers with dense copies for prompt rows, prompt
+attention in its own batch-invariant form), the forward runs with the step's row kinds
+(models/layers/row_kinds.py) and the attention metadata says how many new tokens are prompt tokens.
 """
 
 from __future__ import annotations
@@ -101,17 +102,22 @@ class ModelRunner:
             context_lens=t(context_lens, torch.int32),
             block_tables=t(block_tables, torch.int32),
             decode_only=all(n == 1 for n in num_new_tokens),
+            prompt_new_tokens=self._prompt_new_tokens(seqs, num_new_tokens) if self.kernels_by_row_kind else None,
         )
         return t(input_ids, torch.int64), t(positions, torch.int64), attn, cu_q
+
+    @staticmethod
+    def _prompt_new_tokens(seqs: list[Sequence], num_new_tokens: list[int]) -> list[int]:
+        """How many of each sequence's new tokens are prompt tokens: those before its prompt end."""
+        return [max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+                for s, n in zip(seqs, num_new_tokens)]
 
     def row_kinds(self, seqs: list[Sequence], num_new_tokens: list[int]) -> RowKinds | None:
         """The step's prompt and generated rows (None where the model does not tell them apart):
         a token before its sequence's prompt end is a prompt token."""
         if not self.kernels_by_row_kind:
             return None
-        prompt = [max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
-                  for s, n in zip(seqs, num_new_tokens)]
-        return RowKinds(prompt, num_new_tokens, self.device)
+        return RowKinds(self._prompt_new_tokens(seqs, num_new_tokens), num_new_tokens, self.device)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],

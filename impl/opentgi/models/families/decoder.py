@@ -20,6 +20,7 @@ from torch import nn
 
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.attention.torch_backend import prompt_form_invariant
 from opentgi.models.base import ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
@@ -151,6 +152,12 @@ class PagedDecoder(nn.Module):
             self.logits_proj = RowTiledLinear(head_weight)  # shares the weight's storage
         if self.logits_proj is not None and not self.tie_word_embeddings:
             del self.lm_head
+        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form
+            spec = self.spec
+            group = self.config.num_attention_heads // spec.num_kv_heads
+            backend.prompt_form = prompt_form_invariant(spec.num_kv_heads, group, spec.head_dim, spec.dtype)
+            self.kernels_by_row_kind = self.kernels_by_row_kind or backend.prompt_form
 
     def _set_batch_invariant(self, wanted: bool) -> None:
         """Batch invariance is built and measured on the CPU path only (the torch attention
