@@ -1,5 +1,7 @@
 """Kernels by row kind (docs/determinism.md): a CPU int4 layer multiplies prompt rows through a
-dense copy of its weight and generated rows through the int4 kernel. A request's tokens and
+dense copy of its weight and generated rows through the int4 kernel; prompt tokens are attended
+in their own batch-invariant form (many query rows a call), generated ones in the decode row's.
+A request's tokens and
 logprobs stay bitwise those it gets alone: among others (steps mixing prompt and generated rows),
 after a prefix-cache hit, with chunked prefill, with --speculate 4, and when its prompt holds an
 earlier request's generated text (whose k/v the prefix cache must not serve)."""
@@ -15,6 +17,7 @@ import torch
 from opentgi.config import Settings
 from opentgi.engine.execution.model_runner import ModelRunner
 from opentgi.engine.scheduling.block_manager import BlockManager
+from opentgi.models.attention import torch_backend
 from opentgi.models.layers.linear import OneDNNLinear
 from opentgi.models.layers.row_kinds import GENERATED, MIXED, PROMPT, RowKinds, step_row_kinds
 from opentgi.models.loader import load_model
@@ -114,6 +117,26 @@ def test_only_prompt_blocks_enter_the_prefix_cache_when_kernels_follow_the_row_k
         assert bm.admit(follow_up) == (8 if only else 16)
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 16, torch.bfloat16), (2, 3, 16, torch.float32), (3, 3, 64, torch.bfloat16),
+                                   (2, 4, 64, torch.bfloat16), (1, 1, 32, torch.bfloat16)])
+def test_a_prompt_token_gets_the_same_attention_bits_in_any_segment(shape):
+    """The prompt form: a token alone, or in segments of any size and offset with extra masked
+    keys, gets the same bits (the probe the model runs at start-up)."""
+    torch_backend._PROBE_CACHE.clear()
+    assert torch_backend.prompt_form_invariant(*shape)
+
+
+def test_the_probe_finds_a_form_that_is_not_invariant(monkeypatch):
+    """More than 191 query rows a call: sdpa cuts them in blocks of 64, and some rows differ with
+    the segment (the probe fails, the backend keeps the decode row's form for prompts)."""
+    torch_backend._PROBE_CACHE.clear()
+    monkeypatch.setattr(torch_backend, "PROMPT_ROWS", 320)
+    try:
+        assert not torch_backend.prompt_form_invariant(3, 3, 64, torch.bfloat16)
+    finally:
+        torch_backend._PROBE_CACHE.clear()
+
+
 @pytest.fixture(scope="module")
 def gguf():
     loaded = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype="bfloat16"))
@@ -125,9 +148,10 @@ _ALONE: dict = {}
 
 
 def alone(loaded, target):
-    if tuple(target) not in _ALONE:
-        _ALONE[tuple(target)] = asyncio.run(run_target(loaded, target))
-    return _ALONE[tuple(target)]
+    key = (id(loaded), tuple(target))
+    if key not in _ALONE:
+        _ALONE[key] = asyncio.run(run_target(loaded, target))
+    return _ALONE[key]
 
 
 def test_int4_layers_keep_the_contract(gguf):
@@ -151,8 +175,30 @@ async def follow_up_after(loaded, first_prompt, new_tokens):
 
 
 def test_a_prompt_holding_earlier_generated_text_equals_itself_cold(gguf):
-    """The first request's generated tokens fill whole blocks computed by the int4 kernel; the
-    follow-up computes those tokens as prompt tokens cold. Served from the prefix cache, they
-    would give the follow-up other numbers."""
+    """The first request's generated tokens fill whole blocks computed by the int4 kernel and the
+    decode row's attention; the follow-up computes those tokens as prompt tokens cold. Served from
+    the prefix cache, they would give the follow-up other numbers."""
     text, got = asyncio.run(follow_up_after(gguf, TARGET[:20], 40))
     assert got == alone(gguf, text + [198, 4093, 198])
+
+
+@pytest.fixture(scope="module")
+def dense():
+    loaded = load_model(Settings(model_id=str(tiny_models.tiny_llama_path(intermediate_size=1536,
+                                 num_attention_heads=6, num_key_value_heads=2, head_dim=64)), dtype="bfloat16"))
+    backend = loaded.model.model.layers[0].self_attn.backend
+    assert loaded.model.kernels_by_row_kind and backend.prompt_form
+    return loaded
+
+
+def test_a_dense_model_attends_prompt_tokens_in_their_form_and_keeps_the_contract(dense):
+    """No int4 layer: the attention alone follows the row kind, and the prefix cache keeps the
+    same rule (the follow-up check here is the contract; the int4 model's test above is the one
+    whose bits differ without the rule on these tiny shapes)."""
+    reference = alone(dense, TARGET)
+    assert asyncio.run(run_target(dense, TARGET, OTHERS, position=7, stagger=True)) == reference
+    assert asyncio.run(run_target(dense, TARGET, warmup=TARGET[:33] + [77])) == reference
+    assert asyncio.run(run_target(dense, TARGET, OTHERS[:6], position=3, chunked_prefill_tokens=23)) == reference
+    assert asyncio.run(run_target(dense, TARGET, OTHERS, position=5, speculate=4)) == reference
+    text, got = asyncio.run(follow_up_after(dense, TARGET[:20], 40))
+    assert got == alone(dense, text + [198, 4093, 198])
