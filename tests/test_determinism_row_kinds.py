@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opentgi.config import Settings
 from opentgi.engine.execution.model_runner import ModelRunner
@@ -26,6 +28,7 @@ from opentgi.models.quantization.linear import QuantizedLinear
 from opentgi.models.quantization.prompt_copy import _through_kernel, add_prompt_copies, dequantize_int4
 from tests import tiny_models
 from tests.engine_helpers import generate, running
+from tests.hypothesis_profiles import examples
 from tests.test_determinism import OTHERS, TARGET, greedy, outcome, run_target
 from tests.test_engine_block_manager import make_seq
 
@@ -202,3 +205,34 @@ def test_a_dense_model_attends_prompt_tokens_in_their_form_and_keeps_the_contrac
     assert asyncio.run(run_target(dense, TARGET, OTHERS, position=5, speculate=4)) == reference
     text, got = asyncio.run(follow_up_after(dense, TARGET[:20], 40))
     assert got == alone(dense, text + [198, 4093, 198])
+
+
+async def run_after_generation(loaded, first, first_new, target_extra, others, position, **engine_settings):
+    """The target (the first request's prompt and generated text, then `target_extra`) sent after
+    the first request finished, among `others`: (target prompt, its outcome)."""
+    async with running(loaded, **engine_settings) as engine:
+        done = await generate(engine, greedy(first, first_new))
+        target = list(first) + list(done.sequences[0].token_ids) + list(target_extra)
+        requests = [greedy(p, n) for p, n in others]
+        requests.insert(position, greedy(target))
+        handles = [await engine.submit(r) for r in requests]
+        results = await asyncio.gather(*(h.result() for h in handles))
+    return target, outcome(results[position].sequences[0])
+
+
+tokens = st.integers(3, 20000)
+
+
+@settings(max_examples=examples(6))
+@given(first=st.lists(tokens, min_size=1, max_size=40), first_new=st.integers(1, 40),
+       extra=st.lists(tokens, min_size=1, max_size=20),
+       others=st.lists(st.tuples(st.lists(tokens, min_size=1, max_size=30), st.integers(1, 4)), max_size=6),
+       position=st.integers(0, 6), chunk=st.sampled_from([512, 5, 23]), speculate=st.sampled_from([0, 4]))
+def test_a_prompt_after_any_earlier_generation_equals_itself_cold(gguf, first, first_new, extra, others, position,
+                                                                   chunk, speculate):
+    """Random earlier generations whose text the target's prompt holds, random batches beside
+    the target, chunk sizes and speculation: the target's tokens and logprobs are those it gets
+    alone, cold (int4 layers with prompt copies, prompt attention in its own form)."""
+    target, got = asyncio.run(run_after_generation(gguf, first, first_new, extra, others, min(position, len(others)),
+                                                   chunked_prefill_tokens=chunk, speculate=speculate))
+    assert got == alone(gguf, target)
