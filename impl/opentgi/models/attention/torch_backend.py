@@ -109,11 +109,29 @@ class _Segment:
 
 @dataclass
 class _PromptSegment:
-    """Prompt tokens start:end of one sequence, their query rows on one batch entry's query axis."""
+    """Prompt tokens start:end of one sequence, their query rows on one batch entry's query axis.
+    Its mask ([1, 1, padded rows, keys]: 3x the decode row form's, one per query head of a kv
+    head) is built when attended, so that a long prompt's step holds one at a time."""
     start: int
     end: int
     blocks: torch.Tensor  # int64 [num_blocks]: the sequence's blocks up to the segment's last token
-    mask: torch.Tensor  # additive [1, 1, padded rows, num_blocks * block_size]
+    last_ctx: int  # the keys of the segment's last token
+    group: int  # query heads per kv head
+    window: int | None
+
+    def mask(self, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [1, 1, padded rows, num_keys]: each row its token's keys, padding rows the last's."""
+        device = self.blocks.device
+        n, rows = self.end - self.start, (self.end - self.start) * self.group
+        padded = -(-rows // ROW_BLOCK) * ROW_BLOCK
+        ctx_of = torch.arange(self.last_ctx - n + 1, self.last_ctx + 1, device=device).repeat_interleave(self.group)
+        ctx_of = torch.cat([ctx_of, ctx_of[-1:].expand(padded - rows)]).unsqueeze(1)  # [padded, 1]
+        k_pos = torch.arange(num_keys, device=device).unsqueeze(0)
+        visible = k_pos < ctx_of
+        if self.window is not None:
+            visible &= k_pos > ctx_of - 1 - self.window
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        return mask[None, None]
 
 
 @dataclass
@@ -221,27 +239,17 @@ def _segments(meta: AttentionMetadata, b: int, q_start: int, q_len: int, ctx: in
 
 
 def _prompt_segments(meta: AttentionMetadata, b: int, q_start: int, q_len: int, ctx: int, block_size: int,
-                     window: int | None, dtype: torch.dtype, group: int) -> list[_PromptSegment]:
+                     window: int | None, group: int) -> list[_PromptSegment]:
     """Sequence b's q_len prompt tokens (flat rows q_start..), the last at context ctx, in segments
     of at most PROMPT_ROWS // group tokens (module docstring)."""
-    device = meta.block_tables.device
     per_segment = max(1, PROMPT_ROWS // group)
     out = []
     for first in range(0, q_len, per_segment):
         n = min(per_segment, q_len - first)
         last_ctx = ctx - q_len + first + n
         num_blocks = -(-last_ctx // block_size)
-        rows = n * group
-        padded = -(-rows // ROW_BLOCK) * ROW_BLOCK
-        ctx_of = torch.arange(last_ctx - n + 1, last_ctx + 1, device=device).repeat_interleave(group)
-        ctx_of = torch.cat([ctx_of, ctx_of[-1:].expand(padded - rows)]).unsqueeze(1)  # [padded, 1]
-        k_pos = torch.arange(num_blocks * block_size, device=device).unsqueeze(0)
-        visible = k_pos < ctx_of
-        if window is not None:
-            visible &= k_pos > ctx_of - 1 - window
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
         out.append(_PromptSegment(q_start + first, q_start + first + n, meta.block_tables[b, :num_blocks].long(),
-                                  mask[None, None]))
+                                  last_ctx, group, window))
     return out
 
 
@@ -299,7 +307,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
         num_prompt = prompt_new[b] if prompt_new is not None else 0
         if num_prompt:  # prompt tokens first (their own form), then any generated ones
             prompt_segments += _prompt_segments(meta, b, cu_q[b], num_prompt, ctx - q_len + num_prompt,
-                                                block_size, window, dtype, heads_per_kv)
+                                                block_size, window, heads_per_kv)
             if num_prompt < q_len:
                 segments += _segments(meta, b, cu_q[b] + num_prompt, q_len - num_prompt, ctx, block_size,
                                       window, dtype)
@@ -448,8 +456,8 @@ class TorchAttentionBackend:
         for seg in plan.segments:
             out[seg.start:seg.end] = self._segment(q, k_cache, v_cache, seg, scale, softcap)
         for seg in plan.prompt_segments:
-            out[seg.start:seg.end] = _prompt_segment(q[seg.start:seg.end], k_cache, v_cache, seg.blocks, seg.mask,
-                                                     scale)
+            mask = seg.mask(seg.blocks.shape[0] * block_size, q.dtype)
+            out[seg.start:seg.end] = _prompt_segment(q[seg.start:seg.end], k_cache, v_cache, seg.blocks, mask, scale)
         for batch in plan.prompts:
             rows, length = batch.rows, batch.length
             q_b = q.index_select(0, batch.gather).view(rows, length, num_kv_heads, group, head_dim)
@@ -532,10 +540,9 @@ def prompt_form_invariant(num_kv_heads: int, group: int, head_dim: int, dtype: t
 
     def attend(start: int, count: int, extra_blocks: int = 0) -> torch.Tensor:
         outs = []
-        for seg in _prompt_segments(meta, 0, start, count, start + count, block_size, None, dtype, group):
+        for seg in _prompt_segments(meta, 0, start, count, start + count, block_size, None, group):
             blocks = torch.cat([seg.blocks, torch.arange(num_blocks - extra_blocks, num_blocks)])
-            mask = torch.cat([seg.mask, torch.full((*seg.mask.shape[:-1], extra_blocks * block_size),
-                                                   float("-inf"), dtype=dtype)], dim=-1)
+            mask = seg.mask(blocks.shape[0] * block_size, dtype)  # the extra blocks lie past every token's keys
             outs.append(_prompt_segment(q[seg.start:seg.end], k_cache, v_cache, blocks, mask, scale))
         return torch.cat(outs)
 
