@@ -172,10 +172,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(size=st.integers(1, 12))
     def evict(self, size: int) -> None:
-        """A prompt of fresh tokens takes blocks (evicting cached ones once the free list is empty)."""
+        """A prompt of fresh tokens takes blocks: free blocks already written (lowest first), then
+        cached ones (evicted), then blocks never written (lowest first)."""
         bm = self.bm
         cached_before = set(bm.evictable)
-        free_before = len(bm.free_block_ids)
+        written_free_before = sorted(b for b in bm.free_block_ids if b < bm.num_touched_blocks)
+        unwritten_before = sorted(b for b in bm.free_block_ids if b >= bm.num_touched_blocks)
         seq = make_seq(list(range(self.fresh, self.fresh + size * bm.block_size)))
         self.fresh += size * bm.block_size
         if not self._admit(seq):
@@ -183,7 +185,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         taken = set(seq.block_table)
         evicted = taken & cached_before
-        assert len(evicted) == max(0, len(taken) - free_before)  # empty blocks go first
+        n_written = min(len(taken), len(written_free_before))
+        n_evicted = min(len(cached_before), len(taken) - n_written)
+        assert len(evicted) == n_evicted
+        assert taken - cached_before == set(written_free_before[:n_written]) \
+            | set(unwritten_before[:len(taken) - n_written - n_evicted])
         for block_id in evicted:  # evicted: its hash no longer leads to it
             assert bm.blocks[block_id].hash is None and block_id not in bm.hash_to_block.values()
         self.running.append(seq)

@@ -7,11 +7,18 @@ its hash (when prefix caching is on) and waits in an LRU list: a later prompt wi
 takes it back, and allocation evicts the least recently freed one first. Sequences never write into
 a shared block: only full blocks are shared, and a prefix match always leaves the prompt's last
 token to compute.
+
+Allocation hands out the lowest free block id first and reuses a block already written before it
+evicts a cached one or reaches into a block never used: the CPU pool's pages become resident only
+when first written (kv_cache.py), so the written part of the pool stays the peak working set.
+Cached prefixes live in blocks already written; the pool grows for sequences that need room, never
+to keep a cache.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 
 from opentgi.engine.scheduling.sequence import Sequence
 
@@ -45,7 +52,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # empty, no reusable content
+        self.free_block_ids: list[int] = list(range(num_blocks))  # a heap: empty, no reusable content
+        self.num_touched_blocks = 0  # ids below it have been handed out (written) at least once
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; LRU first
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
@@ -153,8 +161,12 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_free_block(self) -> int:
-        if self.free_block_ids:
-            block_id = self.free_block_ids.popleft()
+        """The lowest free block already written; else the least recently freed cached block; else
+        the lowest block never used."""
+        free = self.free_block_ids
+        if free and (free[0] < self.num_touched_blocks or not self.evictable):
+            block_id = heapq.heappop(free)
+            self.num_touched_blocks = max(self.num_touched_blocks, block_id + 1)
         else:
             block_id, _ = self.evictable.popitem(last=False)  # least recently freed
             self._forget(self.blocks[block_id])
@@ -179,7 +191,7 @@ class BlockManager:
                 self.evictable[block.block_id] = None
             else:
                 self._forget(block)
-                self.free_block_ids.append(block.block_id)
+                heapq.heappush(self.free_block_ids, block.block_id)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more computed tokens. False (nothing taken) when the pool
@@ -200,7 +212,7 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, "trim of a shared or cached block"
             block.ref_count = 0
-            self.free_block_ids.append(block_id)
+            heapq.heappush(self.free_block_ids, block_id)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its blocks go to the LRU list (hashed) or the free list.
