@@ -180,3 +180,22 @@ def test_quantize_int8_on_a_gguf_requantizes_every_projection(tiny_gguf, tmp_pat
     assert kinds == {"int8"} and "int8 (per channel)" in loaded.model.resident
     layer = loaded.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.down_proj, QuantizedLinear)
+
+
+def test_the_packed_cache_reader_reads_what_safetensors_wrote(tmp_path):
+    from safetensors.torch import save_file
+
+    from opentgi.models.checkpoints.packed_cache import read_safetensors
+
+    tensors = {"a.packed": torch.arange(300, dtype=torch.int32).reshape(3, 100),
+               "a.scales": torch.randn(7, 5, 2).to(torch.bfloat16), "a.group_size": torch.tensor(32),
+               "b": torch.zeros(0, 4, dtype=torch.uint8)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    got = read_safetensors(tmp_path / "t.safetensors")
+    assert got.keys() == tensors.keys()
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in tensors.items())
+    assert got["a.packed"].untyped_storage().data_ptr() != got["a.scales"].untyped_storage().data_ptr()
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="ends inside"):
+        read_safetensors(tmp_path / "cut.safetensors")
