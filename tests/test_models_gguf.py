@@ -5,6 +5,7 @@ match transformers' own (dequantizing) GGUF import; nothing is converted on disk
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -199,3 +200,22 @@ def test_the_packed_cache_reader_reads_what_safetensors_wrote(tmp_path):
     (tmp_path / "cut.safetensors").write_bytes(data[:-10])
     with pytest.raises(ValueError, match="ends inside"):
         read_safetensors(tmp_path / "cut.safetensors")
+
+
+def test_the_packed_cache_is_read_in_a_thread_while_the_header_loads(tiny_gguf, tmp_path, monkeypatch):
+    from opentgi.models.checkpoints import packed_cache
+
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))  # writes it
+    threads = []
+    read = packed_cache.read_safetensors
+
+    def reading(path):
+        threads.append(threading.current_thread().name)
+        return read(path)
+
+    monkeypatch.setattr(packed_cache, "read_safetensors", reading)
+    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    assert len(threads) == 1 and threads[0].startswith("opentgi-packed-cache")
+    assert "int4" in second.model.resident
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path), dequantize=True))
+    assert len(threads) == 1  # layers served dense: the cache is not read

@@ -18,6 +18,7 @@ import logging
 import os
 import struct
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -58,13 +59,24 @@ class PackedCache:
         key = hashlib.sha256(f"{_VERSION}:{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:"
                              f"{torch.__version__}".encode()).hexdigest()[:12]
         self.path = cache_root / "packed" / f"{gguf_path.stem}-{key}.safetensors"
+        self._reading: Future | None = None  # `prefetch`'s read
+
+    def prefetch(self) -> None:
+        """Start reading the file in a thread of its own, for `load` to take: start-up imports
+        transformers and reads the GGUF's header meanwhile (Python work, while the read waits on
+        the file system without the GIL)."""
+        if self._reading is None and self.path.is_file():
+            pool = ThreadPoolExecutor(1, thread_name_prefix="opentgi-packed-cache")
+            self._reading = pool.submit(read_safetensors, self.path)
+            pool.shutdown(wait=False)
 
     def load(self) -> dict[str, Int4Weight]:
         """name -> Int4Weight, or {} when there is no usable file."""
-        if not self.path.is_file():
+        reading, self._reading = self._reading, None
+        if reading is None and not self.path.is_file():
             return {}
         try:
-            tensors = read_safetensors(self.path)
+            tensors = reading.result() if reading is not None else read_safetensors(self.path)
             names = {name.rsplit(".", 1)[0] for name in tensors}
             return {name: Int4Weight.from_packed(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"],
                                                  int(tensors[f"{name}.group_size"]), torch.device("cpu"))
