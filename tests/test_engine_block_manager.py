@@ -214,8 +214,8 @@ def test_lowest_free_block_first_so_the_written_pool_stays_the_working_set():
     check_invariants(bm, [b, c])
 
 
-def test_cached_blocks_are_evicted_before_a_never_written_block_is_used():
-    bm = BlockManager(num_blocks=16, block_size=2)
+def test_past_the_cache_growth_limit_cached_blocks_are_evicted_before_a_never_written_block_is_used():
+    bm = BlockManager(num_blocks=16, block_size=2, cache_growth_limit=3)
     a = make_seq([1, 2, 3, 4, 5])  # blocks 0, 1 full (cached when freed), 2 partial
     run_prefill(bm, a)
     bm.free(a)
@@ -228,3 +228,19 @@ def test_cached_blocks_are_evicted_before_a_never_written_block_is_used():
     run_prefill(bm, c)
     assert c.block_table == [3, 4] and bm.num_touched_blocks == 5
     check_invariants(bm, [b, c])
+
+
+def test_below_the_cache_growth_limit_cached_prefixes_stay_and_the_pool_grows():
+    bm = BlockManager(num_blocks=16, block_size=2, cache_growth_limit=8)
+    a = make_seq([1, 2, 3, 4, 5])  # blocks 0, 1 cached when freed, 2 partial
+    run_prefill(bm, a)
+    bm.free(a)
+    b = make_seq([7, 8, 9, 9, 9])  # the written free block 2, then never-used 3, 4 (written: 5 < 8)
+    run_prefill(bm, b)
+    assert b.block_table == [2, 3, 4] and sorted(bm.evictable) == [0, 1]
+    bm.free(b)
+    c = make_seq([11, 12, 13, 14, 15, 16, 17, 18, 19])  # 5 blocks: 4 (written), 5, 6, 7, then evict a's tail (LRU)
+    run_prefill(bm, c)
+    assert c.block_table == [4, 5, 6, 7, 1] and bm.num_touched_blocks == 8
+    assert bm.match_prefix([7, 8, 9, 9, 9], 4)[0] == [2, 3]  # b's prefix still cached
+    check_invariants(bm, [c])

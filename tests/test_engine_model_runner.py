@@ -95,3 +95,17 @@ def test_cpu_kv_pool_is_zero_and_resident_only_where_written():
     assert 0.05 < _resident_fraction(k) < 0.1 and _resident_fraction(v) == 0.0
     assert k.data_ptr() != v.data_ptr() and not bool(k[64:].any()) and not bool(v.any())
     assert bool(k[5].all()) and not bool(caches[1][0][5].any())
+
+
+def test_cached_prefixes_may_grow_the_resident_cpu_pool_by_a_budget_only():
+    from opentgi.config import Settings
+    from opentgi.engine.execution.kv_cache import bytes_per_block, cache_growth_limit
+
+    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=16, num_kv_heads=8, head_dim=64, vocab_size=32,
+                     max_position_embeddings=128, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert bytes_per_block(spec, 16) == 512 << 10  # a 1B Llama: 32 KiB a token
+    assert cache_growth_limit(Settings(), spec, 16, num_blocks=4096) == 256  # 128 MiB: 4,096 tokens
+    assert cache_growth_limit(Settings(kv_cache_cpu_prefix_bytes=1 << 20), spec, 16, 4096) == 2
+    assert cache_growth_limit(Settings(), spec, 16, num_blocks=100) == 100
+    on_gpu = ModelSpec(**{**spec.__dict__, "device": torch.device("cuda")})  # resident from the start
+    assert cache_growth_limit(Settings(), on_gpu, 16, num_blocks=4096) == 4096

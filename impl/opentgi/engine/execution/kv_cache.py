@@ -51,6 +51,16 @@ def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int, max_usef
     return max(1, num_blocks)
 
 
+def cache_growth_limit(settings: Settings, spec: ModelSpec, block_size: int, num_blocks: int) -> int:
+    """How many blocks the written part of the pool may reach to keep cached prefixes (block
+    manager): on CPU, where a block costs memory only once written, `kv_cache_cpu_prefix_bytes`
+    worth (128 MiB: 4,096 tokens of a 1B Llama, ~5,800 of the default model); elsewhere, where the
+    pool is resident from the start, the whole pool."""
+    if torch.device(spec.device).type != "cpu":
+        return num_blocks
+    return min(num_blocks, settings.kv_cache_cpu_prefix_bytes // bytes_per_block(spec, block_size))
+
+
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The pool, zero. On CPU each tensor is an anonymous memory map: the operating system hands
     out zero pages on first write, so the pool costs resident memory only for the blocks in use.

@@ -9,10 +9,11 @@ a shared block: only full blocks are shared, and a prefix match always leaves th
 token to compute.
 
 Allocation hands out the lowest free block id first and reuses a block already written before it
-evicts a cached one or reaches into a block never used: the CPU pool's pages become resident only
-when first written (kv_cache.py), so the written part of the pool stays the peak working set.
-Cached prefixes live in blocks already written; the pool grows for sequences that need room, never
-to keep a cache.
+reaches into a block never used: the CPU pool's pages become resident only when first written
+(kv_cache.py), so the written part of the pool stays the working set plus the cache. To keep cached
+prefixes, the written part may grow up to `cache_growth_limit` blocks; past it a cached block is
+evicted (least recently freed first) before a block never used is taken, so the pool grows further
+only for sequences that need room.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def root_hash(seq: Sequence) -> int | None:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_growth_limit: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks}x{block_size})")
         self.num_blocks = num_blocks
@@ -54,6 +56,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: list[int] = list(range(num_blocks))  # a heap: empty, no reusable content
         self.num_touched_blocks = 0  # ids below it have been handed out (written) at least once
+        # how far cached prefixes may grow the written part of the pool (None: the whole pool)
+        self.cache_growth_limit = num_blocks if cache_growth_limit is None else cache_growth_limit
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; LRU first
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
@@ -161,10 +165,12 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_free_block(self) -> int:
-        """The lowest free block already written; else the least recently freed cached block; else
-        the lowest block never used."""
+        """The lowest free block already written; else the lowest block never used while the
+        written part is below `cache_growth_limit`; else the least recently freed cached block;
+        else the lowest block never used."""
         free = self.free_block_ids
-        if free and (free[0] < self.num_touched_blocks or not self.evictable):
+        if free and (free[0] < self.num_touched_blocks or not self.evictable
+                     or self.num_touched_blocks < self.cache_growth_limit):
             block_id = heapq.heappop(free)
             self.num_touched_blocks = max(self.num_touched_blocks, block_id + 1)
         else:
