@@ -47,6 +47,29 @@ def pytest_addoption(parser):
                      help="run the live-server tests against this running server instead of starting one")
 
 
+def pytest_collection_modifyitems(items):
+    """schemathesis names each operation's test `test_tgi[POST /generate]`, but under pytest 9 every
+    operation of a document gets the document's one node id. pytest-xdist keys tests by node id (it
+    would run one operation per document) and so do `-k`/`--deselect`: give each its own."""
+    for item in items:
+        if getattr(item, "operation_label", None) and not item.nodeid.endswith("]"):
+            item._nodeid = f"{item.parent.nodeid}::{item.name}"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown, and unused, without it
+def pytest_xdist_make_scheduler(config, log):
+    """With `-n`: a module's tests stay on one worker (its module-scoped engine is built once), but
+    each schemathesis operation is a unit of its own, so the longest module spreads over the workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrOperation(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module, _, test = nodeid.partition("::")
+            return nodeid if module.endswith("test_schemathesis_tgi.py") else module
+
+    return ModuleOrOperation(config, log)
+
+
 @pytest.fixture(scope="session")
 def live_server(request, live_settings: Settings) -> Iterator[str]:
     url = request.config.getoption("--server-url")

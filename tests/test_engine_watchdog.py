@@ -32,6 +32,7 @@ class Die(BaseException):
     """Not an Exception: nothing in the loop catches it, so the loop thread ends."""
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # it dies on purpose
 async def test_a_dead_loop_thread_fails_requests_in_flight_and_refuses_new_ones(llama, monkeypatch):
     engine = await started(llama)
     try:
