@@ -12,11 +12,19 @@ With `prompt_blocks_only` (a model whose kernels follow the row kind, batch-inva
 docs/determinism.md) only blocks of prompt tokens are registered and matched: a generated token's
 k/v comes from the generated rows' kernel, and a later prompt holding the same tokens computes them
 with the prompt rows' kernel, so serving one for the other would change that prompt's numbers.
+
+Allocation hands out the lowest free block id first and reuses a block already written before it
+reaches into a block never used: the CPU pool's pages become resident only when first written
+(kv_cache.py), so the written part of the pool stays the working set plus the cache. To keep cached
+prefixes, the written part may grow up to `cache_growth_limit` blocks; past it a cached block is
+evicted (least recently freed first) before a block never used is taken, so the pool grows further
+only for sequences that need room.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 
 from opentgi.engine.scheduling.sequence import Sequence
 
@@ -44,7 +52,7 @@ def root_hash(seq: Sequence) -> int | None:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 prompt_blocks_only: bool = False):
+                 cache_growth_limit: int | None = None, prompt_blocks_only: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks}x{block_size})")
         self.num_blocks = num_blocks
@@ -52,7 +60,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prompt_blocks_only = prompt_blocks_only
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # empty, no reusable content
+        self.free_block_ids: list[int] = list(range(num_blocks))  # a heap: empty, no reusable content
+        self.num_touched_blocks = 0  # ids below it have been handed out (written) at least once
+        # how far cached prefixes may grow the written part of the pool (None: the whole pool)
+        self.cache_growth_limit = num_blocks if cache_growth_limit is None else cache_growth_limit
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; LRU first
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
@@ -163,8 +174,14 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_free_block(self) -> int:
-        if self.free_block_ids:
-            block_id = self.free_block_ids.popleft()
+        """The lowest free block already written; else the lowest block never used while the
+        written part is below `cache_growth_limit`; else the least recently freed cached block;
+        else the lowest block never used."""
+        free = self.free_block_ids
+        if free and (free[0] < self.num_touched_blocks or not self.evictable
+                     or self.num_touched_blocks < self.cache_growth_limit):
+            block_id = heapq.heappop(free)
+            self.num_touched_blocks = max(self.num_touched_blocks, block_id + 1)
         else:
             block_id, _ = self.evictable.popitem(last=False)  # least recently freed
             self._forget(self.blocks[block_id])
@@ -189,7 +206,7 @@ class BlockManager:
                 self.evictable[block.block_id] = None
             else:
                 self._forget(block)
-                self.free_block_ids.append(block.block_id)
+                heapq.heappush(self.free_block_ids, block.block_id)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more computed tokens. False (nothing taken) when the pool
@@ -210,7 +227,7 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, "trim of a shared or cached block"
             block.ref_count = 0
-            self.free_block_ids.append(block_id)
+            heapq.heappush(self.free_block_ids, block_id)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its blocks go to the LRU list (hashed) or the free list.

@@ -81,7 +81,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, layout: DecoderLayout, backend: AttentionBackend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built on the meta device and loaded from the checkpoint: an empty weight skips the random
+        # initialisation, whose first call on the meta device took ~1 s of a start
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(config, layout, backend, i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = make_norm(layout.parts.norm, config.hidden_size, layout.eps)
