@@ -33,11 +33,9 @@ PROMPT_COPY_MAX_BYTES = 256 << 20
 def _unpack_cpu_blocks(weight: Int4Weight) -> torch.Tensor:
     """The 4-bit values [N, K] (uint8) of torch's CPU block layout (int4.py `_pack_for_cpu_blocks`)."""
     n, k = weight.out_features, weight.in_features
-    packed = weight.packed.view(n // 64, k, 32)
-    out = torch.empty(n // 64, 2, 32, k, dtype=torch.uint8)
-    torch.bitwise_and(packed, 15, out=out[:, 0].transpose(1, 2))
-    torch.bitwise_right_shift(packed, 4, out=out[:, 1].transpose(1, 2))
-    return out.view(n, k)
+    packed = weight.packed.view(n // 64, k, 1, 32)
+    both = torch.cat([packed & 15, packed >> 4], dim=2)  # [N / 64, K, 2, 32]
+    return both.permute(0, 2, 3, 1).reshape(n, k)
 
 
 def _through_kernel(weight: Int4Weight, columns: int, dtype: torch.dtype) -> torch.Tensor:
@@ -53,7 +51,8 @@ def dequantize_int4(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         return _through_kernel(weight, k, dtype).contiguous()
     values = _unpack_cpu_blocks(weight).view(n, k // g, g).float()
     sz = weight.scales_and_zeros.float()  # [K / g, N, 2]
-    dense = ((values - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]).reshape(n, k).to(dtype)
+    scale = sz[..., 0].T[..., None]
+    dense = values.sub_(8).mul_(scale).add_(sz[..., 1].T[..., None]).view(n, k).to(dtype)
     probe = min(k, 2 * g)
     if not torch.equal(dense[:, :probe], _through_kernel(weight, probe, dtype)):
         return _through_kernel(weight, k, dtype).contiguous()
@@ -76,11 +75,18 @@ def add_prompt_copies(module: nn.Module, dtype: torch.dtype, row_invariant: bool
     if need > max_bytes:
         return 0
     held = 0
+    threads = torch.get_num_threads()
     for sub in linears:
         fmt = sub.weight_format
         with torch.inference_mode():
-            dense = dequantize_int4(fmt, dtype)
-            copy = OneDNNLinear(dense)
+            # elementwise work on one thread: 0.2-0.6 s for the default model, where 2 threads took
+            # 4-8 s on a 2-core machine with other work on the other core
+            torch.set_num_threads(1)
+            try:
+                dense = dequantize_int4(fmt, dtype)
+                copy = OneDNNLinear(dense)
+            finally:
+                torch.set_num_threads(threads)
             if row_invariant:
                 copy.make_row_invariant(dense)
         del dense
