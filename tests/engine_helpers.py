@@ -11,7 +11,7 @@ from opentgi.engine.engine import Engine
 
 @contextlib.asynccontextmanager
 async def running(loaded, observer=None, **settings):
-    settings.setdefault("max_batch_total_tokens", 4096)  # the CPU default (2 GiB) is slow to zero
+    settings.setdefault("max_batch_total_tokens", 4096)  # a small pool: tests need no more
     engine = Engine(loaded, Settings(**settings), observer=observer)
     await engine.start()
     try:

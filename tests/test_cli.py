@@ -105,6 +105,48 @@ def test_serve_freezes_what_start_up_built_before_serving(monkeypatch):
     assert seen["frozen"] > 1000
 
 
+
+def test_serve_loads_the_model_while_it_imports_the_http_side(monkeypatch):
+    """The engine is built in another thread while serve's own thread imports the HTTP stack."""
+    import threading
+    from types import SimpleNamespace
+
+    import opentgi.api.app
+    import opentgi.api.server.shutdown
+    from opentgi import cli
+    from opentgi.config import Settings
+    from opentgi.engine.engine import Engine
+
+    imported = threading.Event()
+    seen = {}
+    import_http_side = cli._import_http_side
+
+    def importing():
+        import_http_side()
+        imported.set()
+
+    def loading(settings, observer=None):
+        seen["overlapped"] = imported.wait(10)  # serve's thread imports meanwhile
+        seen["thread"] = threading.current_thread().name
+        return SimpleNamespace(info=SimpleNamespace(model_id="fake"))
+
+    class FakeServer:
+        def __init__(self, config, drain, shutdown_timeout):
+            pass
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(cli, "_import_http_side", importing)
+    monkeypatch.setattr(Engine, "from_settings", staticmethod(loading))
+    monkeypatch.setattr(opentgi.api.app, "create_app",
+                        lambda settings, engine, metrics=None: SimpleNamespace(server_state=SimpleNamespace(drain=None)))
+    monkeypatch.setattr(opentgi.api.server.shutdown, "GracefulServer", FakeServer)
+    monkeypatch.setattr(cli, "freeze_startup_objects", lambda: None)
+    cli.serve(Settings(model_id="unused"))
+    assert seen == {"overlapped": True, "thread": seen["thread"]}
+    assert seen["thread"] != threading.main_thread().name
+
 def test_chat_flags(tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("k1\n\n k2 \n", encoding="utf-8")

@@ -191,3 +191,56 @@ def test_identical_prompts_computed_side_by_side_keep_one_findable_block():
     sibling = make_seq([1, 1, 1])
     assert bm.admit(sibling) == 2
     assert sibling.block_table == b.block_table[:1]
+
+
+def test_lowest_free_block_first_so_the_written_pool_stays_the_working_set():
+    """The CPU pool's pages become resident only when written: allocation reuses the lowest freed
+    block instead of walking on through the pool (a FIFO free list reached every block in turn)."""
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    for _ in range(20):  # one short request after another
+        s = make_seq(list(range(10)))
+        run_prefill(bm, s)
+        assert s.block_table == [0, 1, 2]
+        bm.free(s)
+    assert bm.num_touched_blocks == 3
+    a, b = make_seq(list(range(10))), make_seq(list(range(20, 30)))
+    run_prefill(bm, a)
+    run_prefill(bm, b)
+    assert (a.block_table, b.block_table) == ([0, 1, 2], [3, 4, 5]) and bm.num_touched_blocks == 6
+    bm.free(a)
+    c = make_seq(list(range(4)))
+    run_prefill(bm, c)
+    assert c.block_table == [0]
+    check_invariants(bm, [b, c])
+
+
+def test_past_the_cache_growth_limit_cached_blocks_are_evicted_before_a_never_written_block_is_used():
+    bm = BlockManager(num_blocks=16, block_size=2, cache_growth_limit=3)
+    a = make_seq([1, 2, 3, 4, 5])  # blocks 0, 1 full (cached when freed), 2 partial
+    run_prefill(bm, a)
+    bm.free(a)
+    assert sorted(bm.evictable) == [0, 1] and bm.num_touched_blocks == 3
+    b = make_seq([7, 8, 9, 9, 9])  # 3 blocks: the written free one (2), then evictions (LRU: 1, 0)
+    bm.admit(b)
+    assert bm.allocate_slots(b, 5)
+    assert b.block_table == [2, 1, 0] and bm.num_touched_blocks == 3 and not bm.evictable
+    c = make_seq([11, 12, 13])  # nothing written is free any more: the pool grows
+    run_prefill(bm, c)
+    assert c.block_table == [3, 4] and bm.num_touched_blocks == 5
+    check_invariants(bm, [b, c])
+
+
+def test_below_the_cache_growth_limit_cached_prefixes_stay_and_the_pool_grows():
+    bm = BlockManager(num_blocks=16, block_size=2, cache_growth_limit=8)
+    a = make_seq([1, 2, 3, 4, 5])  # blocks 0, 1 cached when freed, 2 partial
+    run_prefill(bm, a)
+    bm.free(a)
+    b = make_seq([7, 8, 9, 9, 9])  # the written free block 2, then never-used 3, 4 (written: 5 < 8)
+    run_prefill(bm, b)
+    assert b.block_table == [2, 3, 4] and sorted(bm.evictable) == [0, 1]
+    bm.free(b)
+    c = make_seq([11, 12, 13, 14, 15, 16, 17, 18, 19])  # 5 blocks: 4 (written), 5, 6, 7, then evict a's tail (LRU)
+    run_prefill(bm, c)
+    assert c.block_table == [4, 5, 6, 7, 1] and bm.num_touched_blocks == 8
+    assert bm.match_prefix([7, 8, 9, 9, 9], 4)[0] == [2, 3]  # b's prefix still cached
+    check_invariants(bm, [c])

@@ -462,3 +462,15 @@ async def test_stop_token_ids_min_new_tokens_and_sensitive_words(llama, prompts,
     assert word not in seq.text
     full_text = tok.decode(ref)
     assert seq.text == full_text[:full_text.index(word)]
+
+
+async def test_the_engine_bounds_how_far_cached_prefixes_grow_the_cpu_pool(llama, prompts):
+    async with running(llama, kv_cache_cpu_prefix_bytes=0) as engine:
+        bm = engine.block_manager
+        assert bm.cache_growth_limit == 0 < bm.num_blocks
+        for p in prompts[:3]:  # one at a time: each reuses the blocks the one before wrote
+            await generate(engine, greedy(p, max_new=4))
+        longest = max(bm.blocks_for(len(p) + 4) for p in prompts[:3])
+        assert bm.num_touched_blocks <= longest + 1
+    async with running(llama) as engine:
+        assert engine.block_manager.cache_growth_limit == engine.block_manager.num_blocks  # tiny blocks

@@ -81,16 +81,31 @@ def _resident_fraction(t: torch.Tensor) -> float:
     return sum(b & 1 for b in vec) / pages
 
 
-def test_cpu_kv_pool_is_resident_and_zero_from_the_start():
+def test_cpu_kv_pool_is_zero_and_resident_only_where_written():
     from opentgi.engine.execution.kv_cache import allocate_kv_caches
 
     spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=4, num_kv_heads=2, head_dim=64, vocab_size=32,
                      max_position_embeddings=128, dtype=torch.bfloat16, device=torch.device("cpu"))
     caches = allocate_kv_caches(spec, num_blocks=1024, block_size=16)  # 4 x 2 x 4 MiB = 32 MiB
     assert len(caches) == 4 and caches[0][0].shape == (1024, 16, 2, 64) and caches[3][1].dtype == torch.bfloat16
-    # written through at once: no step later stalls on faulting in fresh pages
-    assert all(_resident_fraction(c) == 1.0 for pair in caches for c in pair)
+    # no page is resident before a block is written: the pool costs memory only for blocks in use
+    assert all(_resident_fraction(c) == 0.0 for pair in caches for c in pair)
     k, v = caches[2]
-    assert k.data_ptr() != v.data_ptr() and not bool(k.any()) and not bool(v.any())
-    k[5] = 1.0
-    assert bool(k[5].all()) and not bool(v[5].any()) and not bool(caches[1][0][5].any())
+    k[:64] = 1.0  # 64 of 1024 blocks
+    assert 0.05 < _resident_fraction(k) < 0.1 and _resident_fraction(v) == 0.0
+    assert k.data_ptr() != v.data_ptr() and not bool(k[64:].any()) and not bool(v.any())
+    assert bool(k[5].all()) and not bool(caches[1][0][5].any())
+
+
+def test_cached_prefixes_may_grow_the_resident_cpu_pool_by_a_budget_only():
+    from opentgi.config import Settings
+    from opentgi.engine.execution.kv_cache import bytes_per_block, cache_growth_limit
+
+    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=16, num_kv_heads=8, head_dim=64, vocab_size=32,
+                     max_position_embeddings=128, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert bytes_per_block(spec, 16) == 512 << 10  # a 1B Llama: 32 KiB a token
+    assert cache_growth_limit(Settings(), spec, 16, num_blocks=4096) == 256  # 128 MiB: 4,096 tokens
+    assert cache_growth_limit(Settings(kv_cache_cpu_prefix_bytes=1 << 20), spec, 16, 4096) == 2
+    assert cache_growth_limit(Settings(), spec, 16, num_blocks=100) == 100
+    on_gpu = ModelSpec(**{**spec.__dict__, "device": torch.device("cuda")})  # resident from the start
+    assert cache_growth_limit(Settings(), on_gpu, 16, num_blocks=4096) == 4096

@@ -5,6 +5,7 @@ match transformers' own (dequantizing) GGUF import; nothing is converted on disk
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -180,3 +181,41 @@ def test_quantize_int8_on_a_gguf_requantizes_every_projection(tiny_gguf, tmp_pat
     assert kinds == {"int8"} and "int8 (per channel)" in loaded.model.resident
     layer = loaded.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.down_proj, QuantizedLinear)
+
+
+def test_the_packed_cache_reader_reads_what_safetensors_wrote(tmp_path):
+    from safetensors.torch import save_file
+
+    from opentgi.models.checkpoints.packed_cache import read_safetensors
+
+    tensors = {"a.packed": torch.arange(300, dtype=torch.int32).reshape(3, 100),
+               "a.scales": torch.randn(7, 5, 2).to(torch.bfloat16), "a.group_size": torch.tensor(32),
+               "b": torch.zeros(0, 4, dtype=torch.uint8)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    got = read_safetensors(tmp_path / "t.safetensors")
+    assert got.keys() == tensors.keys()
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in tensors.items())
+    assert got["a.packed"].untyped_storage().data_ptr() != got["a.scales"].untyped_storage().data_ptr()
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="ends inside"):
+        read_safetensors(tmp_path / "cut.safetensors")
+
+
+def test_the_packed_cache_is_read_in_a_thread_while_the_header_loads(tiny_gguf, tmp_path, monkeypatch):
+    from opentgi.models.checkpoints import packed_cache
+
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))  # writes it
+    threads = []
+    read = packed_cache.read_safetensors
+
+    def reading(path):
+        threads.append(threading.current_thread().name)
+        return read(path)
+
+    monkeypatch.setattr(packed_cache, "read_safetensors", reading)
+    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    assert len(threads) == 1 and threads[0].startswith("opentgi-packed-cache")
+    assert "int4" in second.model.resident
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path), dequantize=True))
+    assert len(threads) == 1  # layers served dense: the cache is not read

@@ -46,9 +46,11 @@ def chain_hashes(token_ids: list[int], num_blocks: int, block_size: int) -> list
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(2, 12), block_size=st.integers(1, 4), prefix_caching=st.booleans())
-    def setup(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    @initialize(num_blocks=st.integers(2, 12), block_size=st.integers(1, 4), prefix_caching=st.booleans(),
+                growth=st.one_of(st.none(), st.integers(0, 12)))
+    def setup(self, num_blocks: int, block_size: int, prefix_caching: bool, growth: int | None) -> None:
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                               cache_growth_limit=growth)
         self.running: list[Sequence] = []  # hold blocks
         self.waiting: list[Sequence] = []  # preempted: no blocks, tokens kept, to be admitted again
         self.kv: dict[int, dict[int, int]] = {}  # shadow k/v: block id -> slot -> token written there
@@ -172,10 +174,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule(size=st.integers(1, 12))
     def evict(self, size: int) -> None:
-        """A prompt of fresh tokens takes blocks (evicting cached ones once the free list is empty)."""
+        """A prompt of fresh tokens takes blocks: free blocks already written (lowest first), then
+        blocks never written while the written part is below the cache growth limit, then cached
+        ones (evicted), then blocks never written again."""
         bm = self.bm
         cached_before = set(bm.evictable)
-        free_before = len(bm.free_block_ids)
+        written_free_before = sorted(b for b in bm.free_block_ids if b < bm.num_touched_blocks)
+        unwritten_before = sorted(b for b in bm.free_block_ids if b >= bm.num_touched_blocks)
+        touched_before = bm.num_touched_blocks
         seq = make_seq(list(range(self.fresh, self.fresh + size * bm.block_size)))
         self.fresh += size * bm.block_size
         if not self._admit(seq):
@@ -183,7 +189,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         taken = set(seq.block_table)
         evicted = taken & cached_before
-        assert len(evicted) == max(0, len(taken) - free_before)  # empty blocks go first
+        n_written = min(len(taken), len(written_free_before))
+        n_grown = min(len(taken) - n_written, len(unwritten_before),
+                      max(0, bm.cache_growth_limit - touched_before))  # new blocks below the limit
+        n_evicted = min(len(cached_before), len(taken) - n_written - n_grown)
+        assert len(evicted) == n_evicted
+        assert taken - cached_before == set(written_free_before[:n_written]) \
+            | set(unwritten_before[:len(taken) - n_written - n_evicted])
         for block_id in evicted:  # evicted: its hash no longer leads to it
             assert bm.blocks[block_id].hash is None and block_id not in bm.hash_to_block.values()
         self.running.append(seq)

@@ -313,10 +313,8 @@ def freeze_startup_objects() -> None:
 
 
 def serve(settings: Settings) -> None:
-    import uvicorn
+    from concurrent.futures import ThreadPoolExecutor
 
-    from opentgi.api.app import create_app
-    from opentgi.api.server.shutdown import GracefulServer
     from opentgi.engine.engine import Engine
     from opentgi.engine.execution import torch_threads
     from opentgi.metrics import Metrics
@@ -339,10 +337,18 @@ def serve(settings: Settings) -> None:
                 raise SystemExit(sharding.run_external_worker(settings))
             shards = sharding.start_group(settings)
             engine = shards.start(observer=metrics.observer)
-        else:
-            engine = Engine.from_settings(settings, observer=metrics.observer)
+        else:  # the model loads while this thread imports the HTTP side
+            with ThreadPoolExecutor(1, thread_name_prefix="opentgi-start") as pool:
+                loading = pool.submit(Engine.from_settings, settings, observer=metrics.observer)
+                _import_http_side()
+                engine = loading.result()
     except ModelLoadError as exc:  # a missing model or a bad adapter: say why, no traceback
         raise SystemExit(f"opentgi: {exc}") from None
+    import uvicorn
+
+    from opentgi.api.app import create_app
+    from opentgi.api.server.shutdown import GracefulServer
+
     app = create_app(settings, engine, metrics=metrics)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
     log.info("%s", inference_mode_line(engine.info))
@@ -362,6 +368,13 @@ def serve(settings: Settings) -> None:
         shards.close()
     if shards.failure:
         raise SystemExit(1)
+
+
+def _import_http_side() -> None:
+    import uvicorn  # noqa: F401
+
+    import opentgi.api.app  # noqa: F401
+    import opentgi.api.server.shutdown  # noqa: F401
 
 
 def inference_mode_line(info) -> str:

@@ -68,6 +68,7 @@ class Settings:
     block_size: int | None = None  # None = the attention backend's preference (16 CPU, 256 flash-attn)
     cuda_memory_fraction: float = 1.0  # CUDA: fraction of the device's memory the server may use
     kv_cache_cpu_bytes: int = 2 << 30  # CPU: KV pool budget when max_batch_total_tokens is unset
+    kv_cache_cpu_prefix_bytes: int = 128 << 20  # CPU: how far cached prefixes may grow the resident pool
     speculate: int | None = None  # n-gram drafts verified per decode step (TGI's --speculate); None/0 = off
     # False (default): batch-invariant numerics, a request's tokens and logprobs do not depend on
     # the rest of the batch nor on how its prompt was split (docs/determinism.md)

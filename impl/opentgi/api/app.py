@@ -12,6 +12,8 @@ request validation, or routing (404 / 405).
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import importlib
 import itertools
 import logging
@@ -117,13 +119,22 @@ def _import(target: str) -> Callable:
 
 
 def _load_document(dialect: Dialect) -> dict:
+    """The dialect's document, a copy of its own to change (parsed once per process: start-up
+    reads each several times, and pure-Python YAML took seconds of it)."""
+    return copy.deepcopy(_parsed_document(dialect.document))
+
+
+@functools.cache
+def _parsed_document(name: str) -> dict:
     import json
 
     import yaml
 
-    path = spec_path(dialect.document)
+    path = spec_path(name)
     with open(path, encoding="utf-8") as handle:
-        return json.load(handle) if path.suffix == ".json" else yaml.safe_load(handle)
+        if path.suffix == ".json":
+            return json.load(handle)
+        return yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - safe loaders only
 
 
 def _document_paths(dialect: Dialect) -> list[str]:
@@ -276,7 +287,7 @@ def create_app(settings: Settings, engine, *, metrics=None,
         primary = mount.dialect.name == settings.api
         at_root_beside_primary = mount.base_path == "" and not primary
         app.add_api(
-            spec_path(mount.dialect.document) if mount.paths is None else _document_subset(mount),
+            _load_document(mount.dialect) if mount.paths is None else _document_subset(mount),
             base_path=mount.base_path or None,
             resolver=DialectResolver(mount.dialect.module),
             swagger_ui_options=SwaggerUIOptions(

@@ -34,6 +34,7 @@ from opentgi.engine.errors import (
     ValidationError,
 )
 from opentgi.engine.execution import torch_threads
+from opentgi.engine.execution.kv_cache import cache_growth_limit
 from opentgi.engine.execution.setup import build_info, build_runner
 from opentgi.engine.execution.thread_governor import ThreadGovernor
 from opentgi.engine.handle import RequestHandle
@@ -97,7 +98,11 @@ class Engine:
         self.spec = spec
         self.info: EngineInfo = build_info(loaded, settings, spec, num_blocks, block_size, runner.kind)
         info = self.info
-        self.block_manager = BlockManager(num_blocks, block_size, settings.enable_prefix_caching)
+        # kernels by row kind: generated tokens' k/v must not serve a later prompt (docs/determinism.md)
+        prompt_blocks_only = info.deterministic and getattr(runner, "kernels_by_row_kind", False)
+        self.block_manager = BlockManager(num_blocks, block_size, settings.enable_prefix_caching,
+                                          cache_growth_limit(settings, spec, block_size, num_blocks),
+                                          prompt_blocks_only=prompt_blocks_only)
         chunked = settings.chunked_prefill_tokens is not None
         budget = info.max_batch_prefill_tokens
         if settings.chunked_prefill_tokens is not None:

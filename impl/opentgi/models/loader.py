@@ -231,12 +231,16 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     if folder.suffix == ".gguf":
         if sharded:
             raise ModelLoadError("--num-shard with a GGUF file is not supported; serve it with one shard")
-        checkpoint, config, tokenizer, eos = _open_gguf(folder, settings.cache_dir)
-        checkpoint.keep_int4 = not settings.dequantize
-        if device.type == "cpu":
+        packed_cache = None
+        if device.type == "cpu" and folder.is_file():
             from opentgi.models.checkpoints.packed_cache import PackedCache
 
-            checkpoint.packed_cache = PackedCache(folder, default_model.default_cache_dir(settings.cache_dir), dtype)
+            packed_cache = PackedCache(folder, default_model.default_cache_dir(settings.cache_dir), dtype)
+            if not settings.dequantize and (quantize is None or not quantize.at_load):
+                packed_cache.prefetch()  # read while the GGUF's header and transformers load
+        checkpoint, config, tokenizer, eos = _open_gguf(folder, settings.cache_dir)
+        checkpoint.keep_int4 = not settings.dequantize
+        checkpoint.packed_cache = packed_cache
     else:
         from transformers import AutoConfig, AutoTokenizer
 
@@ -253,6 +257,10 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     reason = paged_unsupported_reason(config)
     if reason is None:
         backend = select_backend(device, dtype)
+        if device.type == "cpu":  # row-invariant forms measured on an earlier start are read back
+            from opentgi.models.layers.linear import _formulation_cache
+
+            _formulation_cache.attach(default_model.default_cache_dir(settings.cache_dir))
         try:
             model = build_paged_model(checkpoint or folder, config, backend, dtype, device, tp=tp,
                                       quantize=quantize, batch_invariant=not settings.nondeterministic)

@@ -8,6 +8,9 @@ memory), and on CPU as many as `kv_cache_cpu_bytes` buys.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from opentgi.config import Settings
@@ -48,13 +51,34 @@ def num_kv_blocks(settings: Settings, spec: ModelSpec, block_size: int, max_usef
     return max(1, num_blocks)
 
 
+def cache_growth_limit(settings: Settings, spec: ModelSpec, block_size: int, num_blocks: int) -> int:
+    """How many blocks the written part of the pool may reach to keep cached prefixes (block
+    manager): on CPU, where a block costs memory only once written, `kv_cache_cpu_prefix_bytes`
+    worth (128 MiB: 4,096 tokens of a 1B Llama, ~5,800 of the default model); elsewhere, where the
+    pool is resident from the start, the whole pool."""
+    if torch.device(spec.device).type != "cpu":
+        return num_blocks
+    return min(num_blocks, settings.kv_cache_cpu_prefix_bytes // bytes_per_block(spec, block_size))
+
+
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The pool, written (zeros) at once, so that every page of it is resident from the start. A
-    pool whose pages the operating system hands out on first write (calloc) costs nothing until
-    used, but then the first write into fresh memory stalls a step: on the 2-core virtual machine,
-    a decode step of 64 rows of the default model took ~20 ms longer (52 against 72 ms) whenever a
-    third of its rows entered a new block, one step in five, until the pool had been written once
-    through. CPU and GPU alike."""
+    """The pool, zero. On CPU each tensor is an anonymous memory map: the operating system hands
+    out zero pages on first write, so the pool costs resident memory only for the blocks in use.
+    The block manager hands out the lowest free block first and reuses written blocks before fresh
+    ones, so the written part stays the peak working set and a step faults in fresh pages only
+    while that peak grows (a pool handed out in FIFO order faulted in a new block in one decode step
+    of five until it had been written once through: ~20 ms of a 52 ms step of 64 rows on the
+    default model). On GPU, zeros written at once."""
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
-             torch.zeros(shape, dtype=spec.dtype, device=spec.device)) for _ in range(spec.num_layers)]
+    if torch.device(spec.device).type != "cpu":
+        return [(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
+                 torch.zeros(shape, dtype=spec.dtype, device=spec.device)) for _ in range(spec.num_layers)]
+    return [(_untouched_zeros(shape, spec.dtype), _untouched_zeros(shape, spec.dtype)) for _ in range(spec.num_layers)]
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor none of whose pages is resident until written (an anonymous mmap; the
+    tensor keeps the map alive)."""
+    nbytes = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    buffer = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)

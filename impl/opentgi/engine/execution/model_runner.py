@@ -3,7 +3,10 @@ the forward over the packed ("varlen") batch and returns the logits the engine n
 
 Sequence b feeds tokens token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens[b]]
 (with speculative decoding: its last token, then its draft_token_ids); their k/v go to the slots of
-its block_table; its attention reads its first context_lens[b] tokens.
+its block_table; its attention reads its first context_lens[b] tokens. Where the model picks a
+kernel by row kind (`kernels_by_row_kind`: int4 layers with dense copies for prompt rows, prompt
+attention in its own batch-invariant form), the forward runs with the step's row kinds
+(models/layers/row_kinds.py) and the attention metadata says how many new tokens are prompt tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from opentgi.engine.execution.kv_cache import allocate_kv_caches
 from opentgi.engine.scheduling.sequence import Sequence
 from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.layers.row_kinds import RowKinds, step_row_kinds
 
 
 @dataclass
@@ -47,6 +51,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, block_size)
         self._pad_block = -1 if self.device.type == "cpu" else 0
         self.lora = getattr(model, "lora", None)  # models/lora.py LoraState when adapters are loaded
+        self.kernels_by_row_kind = bool(getattr(model, "kernels_by_row_kind", False))
 
     def free(self, seq: Sequence) -> None:
         """Nothing to drop: the paged cache belongs to the block manager."""
@@ -97,8 +102,22 @@ class ModelRunner:
             context_lens=t(context_lens, torch.int32),
             block_tables=t(block_tables, torch.int32),
             decode_only=all(n == 1 for n in num_new_tokens),
+            prompt_new_tokens=self._prompt_new_tokens(seqs, num_new_tokens) if self.kernels_by_row_kind else None,
         )
         return t(input_ids, torch.int64), t(positions, torch.int64), attn, cu_q
+
+    @staticmethod
+    def _prompt_new_tokens(seqs: list[Sequence], num_new_tokens: list[int]) -> list[int]:
+        """How many of each sequence's new tokens are prompt tokens: those before its prompt end."""
+        return [max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+                for s, n in zip(seqs, num_new_tokens)]
+
+    def row_kinds(self, seqs: list[Sequence], num_new_tokens: list[int]) -> RowKinds | None:
+        """The step's prompt and generated rows (None where the model does not tell them apart):
+        a token before its sequence's prompt end is a prompt token."""
+        if not self.kernels_by_row_kind:
+            return None
+        return RowKinds(self._prompt_new_tokens(seqs, num_new_tokens), num_new_tokens, self.device)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
@@ -107,7 +126,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:
-            hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
+            with step_row_kinds(self.row_kinds(seqs, num_new_tokens)):
+                hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
         finally:
             if self.lora is not None:
                 self.lora.end_step()

@@ -7,11 +7,24 @@ its hash (when prefix caching is on) and waits in an LRU list: a later prompt wi
 takes it back, and allocation evicts the least recently freed one first. Sequences never write into
 a shared block: only full blocks are shared, and a prefix match always leaves the prompt's last
 token to compute.
+
+With `prompt_blocks_only` (a model whose kernels follow the row kind, batch-invariant:
+docs/determinism.md) only blocks of prompt tokens are registered and matched: a generated token's
+k/v comes from the generated rows' kernel, and a later prompt holding the same tokens computes them
+with the prompt rows' kernel, so serving one for the other would change that prompt's numbers.
+
+Allocation hands out the lowest free block id first and reuses a block already written before it
+reaches into a block never used: the CPU pool's pages become resident only when first written
+(kv_cache.py), so the written part of the pool stays the working set plus the cache. To keep cached
+prefixes, the written part may grow up to `cache_growth_limit` blocks; past it a cached block is
+evicted (least recently freed first) before a block never used is taken, so the pool grows further
+only for sequences that need room.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 
 from opentgi.engine.scheduling.sequence import Sequence
 
@@ -38,14 +51,19 @@ def root_hash(seq: Sequence) -> int | None:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_growth_limit: int | None = None, prompt_blocks_only: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks}x{block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prompt_blocks_only = prompt_blocks_only
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # empty, no reusable content
+        self.free_block_ids: list[int] = list(range(num_blocks))  # a heap: empty, no reusable content
+        self.num_touched_blocks = 0  # ids below it have been handed out (written) at least once
+        # how far cached prefixes may grow the written part of the pool (None: the whole pool)
+        self.cache_growth_limit = num_blocks if cache_growth_limit is None else cache_growth_limit
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, hashed; LRU first
         self.hash_to_block: dict[int, int] = {}
         self.prefix_hit_tokens = 0
@@ -106,7 +124,8 @@ class BlockManager:
         number of tokens found cached."""
         assert not seq.block_table, "admit() of a sequence that holds blocks"
         n = len(seq.token_ids)
-        block_ids, hashes = self.match_prefix(seq.token_ids, n - 1, root_hash(seq)) if use_prefix_cache else ([], [])
+        limit = min(n - 1, seq.num_prompt_tokens) if self.prompt_blocks_only else n - 1
+        block_ids, hashes = self.match_prefix(seq.token_ids, limit, root_hash(seq)) if use_prefix_cache else ([], [])
         for block_id in block_ids:
             self._ref(block_id)
         seq.block_table = block_ids
@@ -126,6 +145,8 @@ class BlockManager:
         sequence holds it."""
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        if self.prompt_blocks_only:
+            num_full = min(num_full, seq.num_prompt_tokens // bs)
         parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
         for i in range(seq.num_hashed_blocks, num_full):
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -153,8 +174,14 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_free_block(self) -> int:
-        if self.free_block_ids:
-            block_id = self.free_block_ids.popleft()
+        """The lowest free block already written; else the lowest block never used while the
+        written part is below `cache_growth_limit`; else the least recently freed cached block;
+        else the lowest block never used."""
+        free = self.free_block_ids
+        if free and (free[0] < self.num_touched_blocks or not self.evictable
+                     or self.num_touched_blocks < self.cache_growth_limit):
+            block_id = heapq.heappop(free)
+            self.num_touched_blocks = max(self.num_touched_blocks, block_id + 1)
         else:
             block_id, _ = self.evictable.popitem(last=False)  # least recently freed
             self._forget(self.blocks[block_id])
@@ -179,7 +206,7 @@ class BlockManager:
                 self.evictable[block.block_id] = None
             else:
                 self._forget(block)
-                self.free_block_ids.append(block.block_id)
+                heapq.heappush(self.free_block_ids, block.block_id)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more computed tokens. False (nothing taken) when the pool
@@ -200,7 +227,7 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, "trim of a shared or cached block"
             block.ref_count = 0
-            self.free_block_ids.append(block_id)
+            heapq.heappush(self.free_block_ids, block_id)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its blocks go to the LRU list (hashed) or the free list.

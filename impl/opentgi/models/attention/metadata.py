@@ -25,6 +25,10 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # int32 [B]: tokens in the KV after this step (cached + new)
     block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with -1 (CPU) / 0 (flash)
     decode_only: bool  # every sequence has exactly one new token
+    # how many of each sequence's new tokens are prompt tokens (they come first): a backend may
+    # attend prompt tokens in another batch-invariant form than generated ones (torch_backend.py);
+    # None: not told, every token in the generated tokens' form
+    prompt_new_tokens: list[int] | None = None
     # Per-step data a backend derives from the fields above once and reuses in every layer (e.g.
     # the torch backend's gathered block ids and masks). The model runner leaves it empty.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)

@@ -121,7 +121,7 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
     model = model.to(dtype).to_empty(device=device)  # allocated in dtype at once
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    cache = getattr(weights, "packed_cache", None) if device.type == "cpu" else None
+    cache = getattr(weights, "packed_cache", None) if device.type == "cpu" and int4 & quantized.keys() else None
     cached = {name: fmt for name, fmt in (cache.load() if cache else {}).items() if name in int4 & quantized.keys()}
     for name, fmt in cached.items():
         quantized[name].weight_format = fmt

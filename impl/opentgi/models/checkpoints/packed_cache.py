@@ -4,15 +4,21 @@ Decoding Q4 blocks and packing them for `_weight_int4pack_mm_for_cpu` is most of
 (seconds for a 1B model). The packed bytes and bfloat16 scales are written once to one safetensors
 file under `--cache-dir`, keyed by the GGUF's path, size and modification time, the serving dtype
 and torch's version; later starts read them back. The file is written only where it is no larger
-than the GGUF itself, and a partial or unreadable one is ignored.
+than the GGUF itself, and a partial or unreadable one is ignored. Each tensor is read straight
+into memory of its own (`read_safetensors`): one copy resident, and measured on the 1B GGUF's 580 MiB
+file 0.56 s against 2.8 s for copying each out of safetensors' memory map (whose source pages fault
+in one by one).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import struct
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,6 +29,28 @@ log = logging.getLogger(__name__)
 _VERSION = 1  # bump when the packed layout or what is stored changes
 
 
+_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+           "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (the dtypes above), each read into a CPU tensor of its
+    own (a later `del` of one frees it alone)."""
+    tensors: dict[str, torch.Tensor] = {}
+    with open(path, "rb", buffering=0) as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_size))
+        header.pop("__metadata__", None)
+        base = 8 + header_size
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            start, stop = info["data_offsets"]
+            data = torch.empty(stop - start, dtype=torch.uint8)
+            if stop > start and os.preadv(f.fileno(), [memoryview(data.numpy())], base + start) != stop - start:
+                raise ValueError(f"{path} ends inside tensor {name!r}")
+            tensors[name] = data.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return tensors
+
+
 class PackedCache:
     def __init__(self, gguf_path: Path, cache_root: Path, dtype: torch.dtype):
         gguf_path = gguf_path.resolve()
@@ -31,15 +59,24 @@ class PackedCache:
         key = hashlib.sha256(f"{_VERSION}:{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}:"
                              f"{torch.__version__}".encode()).hexdigest()[:12]
         self.path = cache_root / "packed" / f"{gguf_path.stem}-{key}.safetensors"
+        self._reading: Future | None = None  # `prefetch`'s read
+
+    def prefetch(self) -> None:
+        """Start reading the file in a thread of its own, for `load` to take: start-up imports
+        transformers and reads the GGUF's header meanwhile (Python work, while the read waits on
+        the file system without the GIL)."""
+        if self._reading is None and self.path.is_file():
+            pool = ThreadPoolExecutor(1, thread_name_prefix="opentgi-packed-cache")
+            self._reading = pool.submit(read_safetensors, self.path)
+            pool.shutdown(wait=False)
 
     def load(self) -> dict[str, Int4Weight]:
         """name -> Int4Weight, or {} when there is no usable file."""
-        if not self.path.is_file():
+        reading, self._reading = self._reading, None
+        if reading is None and not self.path.is_file():
             return {}
-        from safetensors.torch import load_file
-
-        try:  # copied out of safetensors' memory map, which is then closed: one copy resident
-            tensors = {name: tensor.clone() for name, tensor in load_file(str(self.path)).items()}
+        try:
+            tensors = reading.result() if reading is not None else read_safetensors(self.path)
             names = {name.rsplit(".", 1)[0] for name in tensors}
             return {name: Int4Weight.from_packed(tensors[f"{name}.packed"], tensors[f"{name}.scales_and_zeros"],
                                                  int(tensors[f"{name}.group_size"]), torch.device("cpu"))

@@ -20,6 +20,7 @@ from torch import nn
 
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.attention.torch_backend import prompt_form_invariant
 from opentgi.models.base import ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
@@ -34,6 +35,7 @@ from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.layers.norm import make_norm
 from opentgi.models.layers.rotary import RotaryEmbedding, local_rope_config
+from opentgi.models.quantization.prompt_copy import add_prompt_copies
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,10 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, layout: DecoderLayout, backend: AttentionBackend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built on the meta device and loaded from the checkpoint: an empty weight skips the random
+        # initialisation, whose first call on the meta device took ~1 s of a start
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(config, layout, backend, i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = make_norm(layout.parts.norm, config.hidden_size, layout.eps)
@@ -111,6 +116,8 @@ class PagedDecoder(nn.Module):
         # the LM head in oneDNN's layout (CPU float32/bfloat16), or row-tiled (batch invariance)
         self.logits_proj: OneDNNLinear | RowTiledLinear | None = None
         self.batch_invariant = False  # set by `materialize`
+        # some int4 layers multiply prompt rows through a dense copy (models/quantization/prompt_copy.py)
+        self.kernels_by_row_kind = False
 
     def materialize(self, batch_invariant: bool = False) -> None:
         """After the weights are loaded: fuse projections (quantized ones too, where their formats
@@ -136,6 +143,8 @@ class PagedDecoder(nn.Module):
                 head_weight = embedding if tied else self.lm_head.weight
         if onednn_linear_usable(device, self.spec.dtype):
             pack_linears(self.model.layers, row_invariant=self.batch_invariant)
+            held = add_prompt_copies(self.model.layers, self.spec.dtype, self.batch_invariant)
+            self.kernels_by_row_kind = held > 0
             if head_weight is not None and copy_worth_it:
                 self.logits_proj = OneDNNLinear(head_weight)
                 if self.batch_invariant:
@@ -146,6 +155,12 @@ class PagedDecoder(nn.Module):
             self.logits_proj = RowTiledLinear(head_weight)  # shares the weight's storage
         if self.logits_proj is not None and not self.tie_word_embeddings:
             del self.lm_head
+        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form
+            spec = self.spec
+            group = self.config.num_attention_heads // spec.num_kv_heads
+            backend.prompt_form = prompt_form_invariant(spec.num_kv_heads, group, spec.head_dim, spec.dtype)
+            self.kernels_by_row_kind = self.kernels_by_row_kind or backend.prompt_form
 
     def _set_batch_invariant(self, wanted: bool) -> None:
         """Batch invariance is built and measured on the CPU path only (the torch attention

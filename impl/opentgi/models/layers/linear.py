@@ -35,13 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentgi.models.layers.measured_forms import MeasuredForms
+
 log = logging.getLogger(__name__)
 
 _PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
 _MIN_ROWS = 2  # a lone row takes another kernel than 2..512 rows (module docstring)
 _K_SLICE = 1024  # float32: reductions longer than this are cut into slices added in order
 _PROBE_ROW_COUNTS = (1, 2, 3, 5, 7, 16, 17, 64)  # row counts a probe compares
-_formulation_cache: dict[tuple, str | None] = {}
+_formulation_cache = MeasuredForms()  # per shape; kept between starts once attached (measured_forms.py)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -82,5 +82,5 @@ def dense(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
     if qtype == Q.Q8_0:  # d * q, as gguf-py computes it, without its per-chunk Python loop
         blocks = raw.reshape(-1, 34)
         q = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:]).view(np.int8))
-        return (q.float() * _f16(blocks, 0)[:, None]).reshape(shape)
+        return q.float().mul_(_f16(blocks, 0)[:, None]).reshape(shape)  # in place: one float32 copy
     return torch.from_numpy(dequantize(np.asarray(raw), qtype)).reshape(shape)

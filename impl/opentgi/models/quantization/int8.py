@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from opentgi.models.quantization.serial_copy import cat_serially
+
 
 def int8_kernel_available(device: torch.device) -> bool:
     return hasattr(torch, "_weight_int8pack_mm")
@@ -41,7 +43,7 @@ class Int8Weight:
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight:
         first = parts[0]
-        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+        return Int8Weight(cat_serially([p.q for p in parts]), cat_serially([p.scale for p in parts]),
                           first.scale.dtype, first.device)
 
     def dequantize(self) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """A linear layer whose weight is a quantized format (int4 groups, int8 per channel, fp8), fusing
 such layers, and the one-line account of what a model holds resident.
 
-A weight is its format: `QuantizedLinear` multiplies every row of every step through its format's
-kernel, prompt rows and generated rows alike, so a row's numbers never depend on how many rows
-share the step (the kernels compute rows independently; tests/test_quantization_formats.py).
+A weight is its format: `QuantizedLinear` multiplies rows through its format's kernel, whose rows
+never depend on how many rows share the step (tests/test_quantization_formats.py). A CPU int4
+layer may also hold a dense copy for prompt rows (models/quantization/prompt_copy.py): then a
+row's kernel follows its kind (models/layers/row_kinds.py), never the step's size.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+
+from opentgi.models.layers.row_kinds import GENERATED, PROMPT, current_row_kinds
 
 
 class QuantizedLinear(nn.Module):
@@ -23,14 +26,27 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight_format = None
         self.bias = None if bias is None else bias.detach().clone()
+        self.prompt_linear: nn.Module | None = None  # the dense copy for prompt rows, if any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.weight_format.matmul(x)
+        kinds = current_row_kinds() if self.prompt_linear is not None else None
+        rows = x.reshape(-1, self.in_features)
+        if kinds is None or kinds.kind == GENERATED or kinds.num_rows != rows.shape[0]:
+            out = self.weight_format.matmul(x)  # every row a generated one (also without kinds)
+        elif kinds.kind == PROMPT:
+            out = self.prompt_linear(rows).view(*x.shape[:-1], self.out_features)
+        else:  # a mixed step: each kind through its own kernel
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            out.index_copy_(0, kinds.prompt_index, self.prompt_linear(rows.index_select(0, kinds.prompt_index)))
+            out.index_copy_(0, kinds.generated_index,
+                            self.weight_format.matmul(rows.index_select(0, kinds.generated_index)))
+            out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out.add_(self.bias)
 
     def extra_repr(self) -> str:
         kind = self.weight_format.description if self.weight_format is not None else "unpacked"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+        copy = ", dense copy for prompt rows" if self.prompt_linear is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{copy}"
 
 
 class ConcatLinear(nn.Module):
@@ -91,6 +107,12 @@ def resident_summary(model: nn.Module) -> str:
     for sub in model.modules():
         if isinstance(sub, QuantizedLinear):
             add(sub.weight_format.description, sub.weight_format.nbytes(), True)
+            copy = sub.prompt_linear
+            if copy is not None:  # counted here, under its own name, and not again as a linear
+                parts = [copy.packed] if copy.packed is not None else list(copy.k_slices)
+                seen.update(id(p) for p in parts)
+                add(f"{str(parts[0].dtype).replace('torch.', '')} prompt copies (oneDNN)",
+                    sum(_tensor_bytes(p) for p in parts), False)
             if sub.bias is not None:
                 add(str(sub.bias.dtype).replace("torch.", ""), _tensor_bytes(sub.bias), False)
             continue

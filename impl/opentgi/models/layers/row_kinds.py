@@ -1,0 +1,60 @@
+"""Which rows of a step are prompt tokens and which are generated ones.
+
+A layer may pick its kernel by a row's kind, never by the step's row count (docs/determinism.md):
+a quantized layer multiplies prompt rows through a dense copy of its weight and generated rows
+(decode and speculative verify rows) through its quantized kernel (models/quantization/linear.py).
+A token's kind is fixed by its position: before the prompt's end it is a prompt token, however the
+prompt is split (chunks, a prefix-cache hit); from there on it is a generated token, also when
+recomputed after a preemption.
+
+The model runner sets the kinds around one forward (`step_row_kinds`); a forward without them
+(the logits heads, other callers) multiplies every row as a generated one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+PROMPT, GENERATED, MIXED = "prompt", "generated", "mixed"
+
+
+class RowKinds:
+    """The kinds of a step's T flat rows; for a mixed step the row indices of each kind."""
+
+    def __init__(self, prompt_rows_per_seq: Sequence[int], rows_per_seq: Sequence[int], device: torch.device):
+        """Sequence b feeds rows_per_seq[b] rows, its first prompt_rows_per_seq[b] of them prompt
+        tokens (a sequence's prompt tokens come before its generated ones)."""
+        self.num_rows = sum(rows_per_seq)
+        num_prompt = sum(prompt_rows_per_seq)
+        self.kind = PROMPT if num_prompt == self.num_rows else GENERATED if num_prompt == 0 else MIXED
+        self.prompt_index = self.generated_index = None
+        if self.kind == MIXED:
+            prompt: list[int] = []
+            generated: list[int] = []
+            start = 0
+            for p, n in zip(prompt_rows_per_seq, rows_per_seq, strict=True):
+                prompt.extend(range(start, start + p))
+                generated.extend(range(start + p, start + n))
+                start += n
+            self.prompt_index = torch.tensor(prompt, dtype=torch.int64, device=device)
+            self.generated_index = torch.tensor(generated, dtype=torch.int64, device=device)
+
+
+_CURRENT: ContextVar[RowKinds | None] = ContextVar("opentgi_row_kinds", default=None)
+
+
+@contextmanager
+def step_row_kinds(kinds: RowKinds | None) -> Iterator[None]:
+    token = _CURRENT.set(kinds)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_row_kinds() -> RowKinds | None:
+    return _CURRENT.get()

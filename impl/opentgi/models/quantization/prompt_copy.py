@@ -1,0 +1,95 @@
+"""Dense copies of int4 weights for prompt rows.
+
+torch's CPU int4 kernel computes each row alike for any row count, but its cost grows with the
+rows: on the default model (120 int4 linears, 1 thread, side by side) 12 ms for 1 row against
+32 ms dense, 66 against 38 for 16 rows, 1000 against 428 for 256 rows. A prompt is many rows, a
+decode step few. So a row's kernel follows its kind (models/layers/row_kinds.py): generated rows
+take the int4 kernel, prompt rows a dense copy of the same weight in the serving dtype, multiplied
+by the row-invariant oneDNN form (models/layers/linear.py). Each kernel is row-invariant and a
+token's kind never changes, so a row's numbers stay independent of its step.
+
+The copy holds the kernel's own weights, rounded once to the serving dtype: `dequantize_int4`
+unpacks the CPU layout and computes `(k - 8) * scale + zero` in float32 from the scales and zeros
+as the kernel holds them, checked against the kernel itself (the weight times an identity) at
+start-up. Dequantizing per step instead was measured too slow (the default model's 106 M int4
+weights: ~0.4 s a step on 1 thread, the cost of ~170 prompt rows), so the copies are kept, when
+all of them fit in `PROMPT_COPY_MAX_BYTES`: the default model's (202 MiB) do; a 1B model's
+(~2 GiB) do not, and it keeps one copy of each weight (its resident memory stays within 1.5x
+llama.cpp's on the same file, docs/benchmarks.md), its prompt rows through the int4 kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from opentgi.models.layers.linear import OneDNNLinear
+from opentgi.models.quantization.int4 import Int4Weight, _cpu_block_layout_matches
+from opentgi.models.quantization.linear import QuantizedLinear
+
+PROMPT_COPY_MAX_BYTES = 256 << 20
+
+
+def _unpack_cpu_blocks(weight: Int4Weight) -> torch.Tensor:
+    """The 4-bit values [N, K] (uint8) of torch's CPU block layout (int4.py `_pack_for_cpu_blocks`)."""
+    n, k = weight.out_features, weight.in_features
+    packed = weight.packed.view(n // 64, k, 1, 32)
+    both = torch.cat([packed & 15, packed >> 4], dim=2)  # [N / 64, K, 2, 32]
+    return both.permute(0, 2, 3, 1).reshape(n, k)
+
+
+def _through_kernel(weight: Int4Weight, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's weights of the first `columns` inputs, [N, columns]: an identity through it."""
+    eye = torch.eye(columns, weight.in_features, dtype=dtype)
+    return weight.matmul(eye).T
+
+
+def dequantize_int4(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weights [N, K] the CPU int4 kernel multiplies by, rounded to `dtype`."""
+    n, k, g = weight.out_features, weight.in_features, weight.group_size
+    if n % 64 or not _cpu_block_layout_matches():  # another layout: the kernel itself, K rows
+        return _through_kernel(weight, k, dtype).contiguous()
+    values = _unpack_cpu_blocks(weight).view(n, k // g, g).float()
+    sz = weight.scales_and_zeros.float()  # [K / g, N, 2]
+    scale = sz[..., 0].T[..., None]
+    dense = values.sub_(8).mul_(scale).add_(sz[..., 1].T[..., None]).view(n, k).to(dtype)
+    probe = min(k, 2 * g)
+    if not torch.equal(dense[:, :probe], _through_kernel(weight, probe, dtype)):
+        return _through_kernel(weight, k, dtype).contiguous()
+    return dense
+
+
+def _copy_bytes(linear: OneDNNLinear) -> int:
+    parts = [linear.packed] if linear.packed is not None else list(linear.k_slices or ())
+    return sum(p.numel() * p.element_size() for p in parts)
+
+
+def add_prompt_copies(module: nn.Module, dtype: torch.dtype, row_invariant: bool,
+                      max_bytes: int = PROMPT_COPY_MAX_BYTES) -> int:
+    """Give every CPU int4 linear inside `module` a dense copy for prompt rows, if all the copies
+    fit in `max_bytes` (else none: one copy of each weight).
+    Returns the bytes held."""
+    linears = [sub for sub in module.modules() if isinstance(sub, QuantizedLinear)
+               and isinstance(sub.weight_format, Int4Weight) and sub.weight_format.device.type == "cpu"]
+    need = sum(s.out_features * s.in_features for s in linears) * torch.finfo(dtype).bits // 8
+    if need > max_bytes:
+        return 0
+    held = 0
+    threads = torch.get_num_threads()
+    for sub in linears:
+        fmt = sub.weight_format
+        with torch.inference_mode():
+            # elementwise work on one thread: 0.2-0.6 s for the default model, where 2 threads took
+            # 4-8 s on a 2-core machine with other work on the other core
+            torch.set_num_threads(1)
+            try:
+                dense = dequantize_int4(fmt, dtype)
+                copy = OneDNNLinear(dense)
+            finally:
+                torch.set_num_threads(threads)
+            if row_invariant:
+                copy.make_row_invariant(dense)
+        del dense
+        sub.prompt_linear = copy
+        held += _copy_bytes(copy)
+    return held
