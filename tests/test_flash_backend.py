@@ -330,7 +330,8 @@ def test_paged_model_on_flash_backend_matches_the_torch_backend(flash_backend):
         runners.append(ModelRunner(model, num_blocks=4096 // block_size, block_size=block_size))
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 4000) for _ in range(n)] for n in (300, 20)]
-    seqs = [[SimpleNamespace(token_ids=list(p), num_computed_tokens=0, block_table=[], draft_token_ids=[]) for p in prompts]
+    seqs = [[SimpleNamespace(token_ids=list(p), num_computed_tokens=0, num_prompt_tokens=len(p),
+                             block_table=[], draft_token_ids=[]) for p in prompts]
             for _ in runners]
     plan = [[200, 20], [100, 1], [1, 1], [1, 1]]  # chunked prefill, then a mixed step, then decodes
     for step in plan:
