@@ -53,7 +53,18 @@ def pytest_collection_modifyitems(items):
     would run one operation per document) and so do `-k`/`--deselect`: give each its own."""
     for item in items:
         if getattr(item, "operation_label", None) and not item.nodeid.endswith("]"):
-            item._nodeid = f"{item.parent.nodeid}::{item.name}"
+            wanted = f"{item.parent.nodeid}::{item.name}"
+            if hasattr(item, "_id"):  # pytest 9 keeps a parsed NodeId
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(wanted)
+            else:
+                item._nodeid = wanted
+            assert item.nodeid == wanted, (item.nodeid, wanted)
+    seen: set[str] = set()
+    repeated = sorted({item.nodeid for item in items if item.nodeid in seen or seen.add(item.nodeid)})
+    if repeated:  # xdist would run one of each silently
+        raise pytest.UsageError(f"tests share node ids: {repeated[:5]}")
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown, and unused, without it

@@ -29,7 +29,7 @@ from opentgi.models.quantization.prompt_copy import _through_kernel, add_prompt_
 from tests import tiny_models
 from tests.engine_helpers import generate, running
 from tests.hypothesis_profiles import examples
-from tests.test_determinism import OTHERS, TARGET, greedy, outcome, run_target
+from tests.test_determinism import OTHERS, TARGET, alone, greedy, outcome, run_target
 from tests.test_engine_block_manager import make_seq
 
 torch.set_num_threads(1)
@@ -145,16 +145,6 @@ def gguf():
     loaded = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype="bfloat16"))
     assert loaded.model.batch_invariant and loaded.model.kernels_by_row_kind
     return loaded
-
-
-_ALONE: dict = {}
-
-
-def alone(loaded, target):
-    key = (id(loaded), tuple(target))
-    if key not in _ALONE:
-        _ALONE[key] = asyncio.run(run_target(loaded, target))
-    return _ALONE[key]
 
 
 def test_int4_layers_keep_the_contract(gguf):
