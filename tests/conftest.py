@@ -56,23 +56,15 @@ def llama(tiny_llama):
 def engine(tiny_llama):
     """(settings, engine) behind `client`: the tiny Llama, prompts of at most APP_MAX_INPUT tokens
     (tests/engine_helpers.py), APP_MAX_TOTAL in all."""
-    from opentgi.config import Settings
-    from opentgi.engine.engine import Engine
     from tests.engine_helpers import APP_MAX_INPUT, APP_MAX_TOTAL
 
-    settings = Settings(model_id=str(tiny_llama), device="cpu", max_input_tokens=APP_MAX_INPUT,
-                        max_total_tokens=APP_MAX_TOTAL, max_batch_total_tokens=1024)
-    return settings, Engine.from_settings(settings)
+    return _engine(tiny_llama, APP_MAX_INPUT, APP_MAX_TOTAL, 1024)
 
 
 @pytest.fixture(scope="module")
 def client(engine):
     """A test client of the whole app (every dialect) over `engine`, started by its lifespan."""
-    from opentgi.api.app import create_app
-
-    settings, eng = engine
-    with create_app(settings, eng).test_client() as test_client:
-        yield test_client
+    yield from _test_client(engine)
 
 
 @pytest.fixture(scope="session")
@@ -103,21 +95,12 @@ def tiny_fim_llama() -> Path:
 @pytest.fixture(scope="module")
 def think_engine():
     """The tiny thinking model (`<think>`, Hermes `<tool_call>`) behind an engine: (settings, engine)."""
-    from opentgi.config import Settings
-    from opentgi.engine.engine import Engine
-
-    settings = Settings(model_id=str(tiny_models.tiny_think_llama_path()), device="cpu", max_input_tokens=400,
-                        max_total_tokens=512, max_batch_total_tokens=2048)
-    return settings, Engine.from_settings(settings)
+    return _engine(tiny_models.tiny_think_llama_path(), 400, 512, 2048)
 
 
 @pytest.fixture(scope="module")
 def app_client(think_engine):
-    from opentgi.api.app import create_app
-
-    settings, engine = think_engine
-    with create_app(settings, engine).test_client() as client:
-        yield client
+    yield from _test_client(think_engine)
 
 
 @pytest.fixture
@@ -128,3 +111,21 @@ def plan(think_engine, monkeypatch):
 
     return install_plan(think_engine[1], monkeypatch)
 
+
+def _engine(model: Path, max_input_tokens: int, max_total_tokens: int, max_batch_total_tokens: int):
+    """(settings, engine) for a tiny model folder on CPU with these limits; the app starts the engine."""
+    from opentgi.config import Settings
+    from opentgi.engine.engine import Engine
+
+    settings = Settings(model_id=str(model), device="cpu", max_input_tokens=max_input_tokens,
+                        max_total_tokens=max_total_tokens, max_batch_total_tokens=max_batch_total_tokens)
+    return settings, Engine.from_settings(settings)
+
+
+def _test_client(settings_and_engine):
+    """A test client of the whole app (every dialect) over an engine, started by its lifespan."""
+    from opentgi.api.app import create_app
+
+    settings, engine = settings_and_engine
+    with create_app(settings, engine).test_client() as client:
+        yield client
