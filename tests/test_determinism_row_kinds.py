@@ -93,17 +93,20 @@ def test_a_tokens_kind_is_its_position_also_when_recomputed():
     """Prompt tokens before the prompt's end, generated ones after it: a chunk, a prefix-hit tail,
     a decode row, a verify row, and a sequence recomputed after a preemption (its generated tokens
     fed again with its prompt)."""
-    runner = SimpleNamespace(kernels_by_row_kind=True, device=torch.device("cpu"),
-                             _prompt_new_tokens=ModelRunner._prompt_new_tokens)
+    runner = SimpleNamespace(device=torch.device("cpu"))
     seqs = [SimpleNamespace(num_computed_tokens=c, num_prompt_tokens=p) for c, p in
             [(0, 30), (16, 30), (40, 30), (41, 30), (0, 30)]]
-    kinds = ModelRunner.row_kinds(runner, seqs, [10, 14, 1, 5, 35])
+
+    def row_kinds(seqs, num_new_tokens):
+        return ModelRunner.row_kinds(runner, ModelRunner._prompt_new_tokens(seqs, num_new_tokens), num_new_tokens)
+
+    kinds = row_kinds(seqs, [10, 14, 1, 5, 35])
     assert kinds.kind == MIXED
     assert kinds.prompt_index.tolist() == list(range(0, 24)) + list(range(30, 60))
     assert kinds.generated_index.tolist() == list(range(24, 30)) + list(range(60, 65))
-    assert ModelRunner.row_kinds(runner, seqs[:2], [10, 14]).kind == PROMPT
-    assert ModelRunner.row_kinds(runner, seqs[2:4], [1, 5]).kind == GENERATED
-    assert ModelRunner.row_kinds(SimpleNamespace(kernels_by_row_kind=False), seqs, [1] * 5) is None
+    assert row_kinds(seqs[:2], [10, 14]).kind == PROMPT
+    assert row_kinds(seqs[2:4], [1, 5]).kind == GENERATED
+    assert ModelRunner.row_kinds(runner, None, [1] * 5) is None  # a model that does not tell them apart
 
 
 def test_only_prompt_blocks_enter_the_prefix_cache_when_kernels_follow_the_row_kind():

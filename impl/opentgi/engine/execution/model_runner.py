@@ -112,12 +112,12 @@ class ModelRunner:
         return [max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
                 for s, n in zip(seqs, num_new_tokens)]
 
-    def row_kinds(self, seqs: list[Sequence], num_new_tokens: list[int]) -> RowKinds | None:
-        """The step's prompt and generated rows (None where the model does not tell them apart):
-        a token before its sequence's prompt end is a prompt token."""
-        if not self.kernels_by_row_kind:
+    def row_kinds(self, prompt_new_tokens: list[int] | None, num_new_tokens: list[int]) -> RowKinds | None:
+        """The step's prompt and generated rows, from the counts `prepare` put in the attention
+        metadata (None where the model does not tell them apart)."""
+        if prompt_new_tokens is None:
             return None
-        return RowKinds(self._prompt_new_tokens(seqs, num_new_tokens), num_new_tokens, self.device)
+        return RowKinds(prompt_new_tokens, num_new_tokens, self.device)
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
@@ -126,7 +126,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:
-            with step_row_kinds(self.row_kinds(seqs, num_new_tokens)):
+            with step_row_kinds(self.row_kinds(attn.prompt_new_tokens, num_new_tokens)):
                 hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
         finally:
             if self.lora is not None:

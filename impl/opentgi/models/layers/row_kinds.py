@@ -32,16 +32,13 @@ class RowKinds:
         num_prompt = sum(prompt_rows_per_seq)
         self.kind = PROMPT if num_prompt == self.num_rows else GENERATED if num_prompt == 0 else MIXED
         self.prompt_index = self.generated_index = None
-        if self.kind == MIXED:
-            prompt: list[int] = []
-            generated: list[int] = []
-            start = 0
-            for p, n in zip(prompt_rows_per_seq, rows_per_seq, strict=True):
-                prompt.extend(range(start, start + p))
-                generated.extend(range(start + p, start + n))
-                start += n
-            self.prompt_index = torch.tensor(prompt, dtype=torch.int64, device=device)
-            self.generated_index = torch.tensor(generated, dtype=torch.int64, device=device)
+        if self.kind == MIXED:  # a row is a prompt row while its offset in its sequence is below the count
+            counts = torch.tensor(rows_per_seq, dtype=torch.int64)
+            prompt = torch.tensor(prompt_rows_per_seq, dtype=torch.int64)
+            offset = torch.arange(self.num_rows) - (counts.cumsum(0) - counts).repeat_interleave(counts)
+            is_prompt = offset < prompt.repeat_interleave(counts)
+            self.prompt_index = is_prompt.nonzero().squeeze(1).to(device)
+            self.generated_index = (~is_prompt).nonzero().squeeze(1).to(device)
 
 
 _CURRENT: ContextVar[RowKinds | None] = ContextVar("opentgi_row_kinds", default=None)
