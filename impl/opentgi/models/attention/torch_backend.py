@@ -68,6 +68,7 @@ MAX_BATCHED_PROMPT = 128  # fresh prompts up to this many tokens are attended in
 SEGMENT_TOKENS = 64  # batch invariance: tokens of one sequence attended per call, sharing one key gather
 ROW_BLOCK = 32  # prompt form: query rows padded to whole blocks of this many (sdpa's for < 192 rows)
 PROMPT_ROWS = 160  # prompt form: the most query rows a call (under 192, where sdpa cuts in 64s)
+SOFTCAP_KEY_CHUNK = 128  # soft-capped attention: keys per matmul of the probabilities and values
 
 
 @dataclass
@@ -364,23 +365,61 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dty
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
             softcap: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
-    """`scaled_dot_product_attention`; with `softcap`, the logits become tanh(s * scale / cap) * cap
-    before the mask and the softmax (Gemma 2), which sdpa cannot do: then in plain ops, as
-    transformers' eager attention (softmax in float32), in the model dtype whatever the batch (in
-    float32 a group of 16 decode rows over 320 keys took 5x longer here, the 4-D broadcast matmul;
-    one row over 64 keys took half the time, but a row's numbers must not depend on its batch)."""
+    """`scaled_dot_product_attention`, or with `softcap` (Gemma 2) `_softcapped`."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale / softcap).tanh_().mul_(softcap)
     if is_causal:  # top-left aligned, as sdpa's is_causal
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
-    if mask is not None:
-        scores = scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask)
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_()
+    return _softcapped(q, k, v, mask, scale, softcap)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                cap: float) -> torch.Tensor:
+    """Attention whose logits are soft-capped, cap * tanh(s * scale / cap), before the mask and the
+    softmax (Gemma 2), which sdpa cannot do. q [..., n, D], k and v [..., L, D] (the same leading
+    dims, any strides); mask additive or bool, broadcast to [..., n, L].
+
+    cap * tanh(z) = 2 cap * sigmoid(2 z) - cap, and a softmax ignores a constant added to all its
+    logits: the probabilities are softmax(2 cap * sigmoid(2 s * scale / cap) + mask), computed in
+    float32 (as transformers' softmax; a bfloat16 sigmoid near 0.5 would lose the logits'
+    precision), the matmuls in the model dtype (in bfloat16 oneDNN's, 2-4x faster than float32's
+    with the conversions at 16 rows; tanh took 2-3x the time of sigmoid here). The probabilities
+    meet the values in matmuls over exactly `SOFTCAP_KEY_CHUNK` keys (zero padded), their products
+    summed in order in float32: one matmul's reduction over a few hundred keys was cut differently
+    with the key count (float32: a row over 130 keys alone and padded to 512 gave other bits;
+    bfloat16: 700 and 1040). So a row's bits depend neither on the rows beside it nor on its
+    masked key padding (tests/test_softcap_attention.py)."""
+    *lead, n, d = q.shape
+    keys, batch = k.shape[-2], q.numel() // (n * d)
+    s = torch.bmm(q.reshape(batch, n, d), k.reshape(batch, keys, d).transpose(1, 2)).view(*lead, n, keys)
+    s = s.to(torch.float32).mul_(2 * scale / cap).sigmoid_()
+    if mask is None:
+        s = s.mul_(2 * cap)
+    elif mask.dtype == torch.bool:
+        s = s.mul_(2 * cap).masked_fill_(~mask, float("-inf"))
+    else:
+        s = torch.add(mask, s, alpha=2 * cap)  # mask broadcast to s's shape
+    p = torch.softmax(s, dim=-1).to(v.dtype).reshape(batch, n, keys)
+    chunk = SOFTCAP_KEY_CHUNK
+    padded = -(-keys // chunk) * chunk
+    vp = torch.zeros(batch, padded, d, dtype=v.dtype, device=v.device)
+    vp.view(*lead, padded, d)[..., :keys, :].copy_(v)  # any strides (a stride-0 expand too)
+    if padded != keys:
+        p = F.pad(p, (0, padded - keys))
+    chunks = padded // chunk
+    if chunks == 1:
+        return torch.bmm(p, vp).view(*lead, n, d)
+    # [batch * chunks, n, chunk] @ [batch * chunks, chunk, d], the chunks' products summed in order
+    parts = torch.bmm(p.view(batch, n, chunks, chunk).transpose(1, 2).reshape(-1, n, chunk),
+                      vp.view(-1, chunk, d)).view(batch, chunks, n, d)
+    out = parts[:, 0].to(torch.float32, copy=True)
+    for i in range(1, chunks):
+        out += parts[:, i]
+    return out.view(*lead, n, d).to(v.dtype)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

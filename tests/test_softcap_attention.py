@@ -1,0 +1,96 @@
+"""Soft-capped attention (Gemma 2) in the torch backend: the numbers of transformers' formula, and
+the batch-invariance contract (docs/determinism.md): a row's bits depend neither on the rows
+attended beside it nor on the masked keys its group pads it with, and a Gemma 2 request's tokens
+and logprobs through the engine are those it gets alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from opentgi.config import Settings
+from opentgi.models.attention.torch_backend import _softcapped
+from opentgi.models.loader import load_model
+from tests import tiny_models
+from tests.test_determinism import OTHERS, TARGET, run_target
+
+torch.set_num_threads(1)
+
+
+def transformers_formula(q, k, v, mask, scale, cap):
+    """Gemma 2's eager attention: cap * tanh(s * scale / cap), the mask, a softmax (float64 here)."""
+    s = torch.matmul(q.double(), k.double().transpose(-2, -1)) * scale
+    s = torch.tanh(s / cap) * cap + mask.double()
+    return torch.matmul(torch.softmax(s, dim=-1), v.double())
+
+
+@pytest.mark.parametrize("keys", [40, 300])
+def test_the_logits_are_soft_capped_as_transformers_does(keys):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 3, 3, 64, generator=gen) * 4  # logits beyond the cap, where capping matters
+    k, v = torch.randn(2, 4, 3, keys, 64, generator=gen)
+    mask = torch.zeros(4, 1, 1, keys)
+    mask[1, ..., keys // 2:] = float("-inf")
+    want = transformers_formula(q, k, v, mask, 0.125, 5.0)
+    torch.testing.assert_close(_softcapped(q, k, v, mask, 0.125, 5.0).double(), want, atol=1e-5, rtol=1e-5)
+    bool_mask = mask == 0  # the bool form (prefill rows' causal masks)
+    torch.testing.assert_close(_softcapped(q, k, v, bool_mask, 0.125, 5.0).double(), want, atol=1e-5, rtol=1e-5)
+    # bfloat16: the matmuls in bfloat16, the rest in float32
+    got = _softcapped(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), 0.125, 5.0)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 64), (2, 2, 16)])
+def test_a_rows_bits_do_not_depend_on_its_batch_or_its_key_padding(shape, dtype, threads):
+    """As a decode group attends it: a row beside others, its keys padded with masked ones to the
+    group's longest context in whole blocks. In float32 a row over 130 keys alone and padded to
+    512 got other bits from one matmul over all keys (hence the fixed key chunks)."""
+    num_kv_heads, group, head_dim = shape
+    gen = torch.Generator().manual_seed(1)
+    most = 1040
+    keys = torch.randn(most, num_kv_heads, head_dim, generator=gen).to(dtype)
+    values = torch.randn(most, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(1, num_kv_heads, group, head_dim, generator=gen) * 3).to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for context in (5, 130, 257, 300, 700):
+            def attend(length: int, batch: int) -> torch.Tensor:
+                # [batch, kv_heads, length, D] views of [length, kv_heads, D] rows, as gathered
+                k = keys[:length].unsqueeze(0).transpose(1, 2).expand(batch, -1, -1, -1)
+                v = values[:length].unsqueeze(0).transpose(1, 2).expand(batch, -1, -1, -1)
+                mask = torch.zeros(batch, 1, 1, length, dtype=dtype)
+                mask[..., context:] = float("-inf")
+                return _softcapped(q.expand(batch, -1, -1, -1), k, v, mask, head_dim ** -0.5, 2.0)[0]
+
+            alone = attend(-(-context // 16) * 16, 1)
+            for length in (-(-context // 16) * 16, 512, 528, 1040):
+                for batch in (1, 2, 7):
+                    if length >= context:
+                        assert torch.equal(attend(length, batch), alone), (context, length, batch)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def gemma2(request):
+    # 3 query heads per kv head and 64-dim heads, as the default model's shape
+    path = tiny_models.tiny_family_path("gemma2", num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                                        intermediate_size=256)
+    loaded = load_model(Settings(model_id=str(path), dtype=request.param))
+    assert loaded.model.batch_invariant and loaded.model.layout.attn_softcap
+    return loaded
+
+
+def test_a_gemma2_request_computes_the_same_bits_whatever_the_batch(gemma2):
+    alone = asyncio.run(run_target(gemma2, TARGET))
+    assert asyncio.run(run_target(gemma2, TARGET, OTHERS, position=7, stagger=True)) == alone
+    assert asyncio.run(run_target(gemma2, TARGET, warmup=TARGET[:33] + [77])) == alone
+    assert asyncio.run(run_target(gemma2, TARGET, OTHERS[:6], position=3, chunked_prefill_tokens=23)) == alone
+    assert asyncio.run(run_target(gemma2, TARGET, OTHERS[:6], position=2, speculate=4)) == alone
+
