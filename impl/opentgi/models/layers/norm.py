@@ -1,10 +1,14 @@
-"""The decoder's norms, computed exactly as their Hugging Face models compute them.
+"""The decoder's norms: the functions their Hugging Face models compute (Gemma's by another route).
 
 - `RMSNorm` (Llama, Qwen, Mistral, Phi-3): variance in float32, weight applied in the input dtype,
   with the intermediate steps in place (the same numbers, fewer allocations).
 - `GemmaRMSNorm` (Gemma 1/2/3): the weight is stored as an offset from 1 and applied as
-  `(1 + w)` in float32 before the cast back; one `F.rms_norm` in float32 (measured 1.5x faster
-  than the steps one by one for a decode row).
+  `(1 + w)` in float32 before the cast back. Computed as a LayerNorm over [x, -x] (mean 0, so its
+  variance is x's mean square) with (1 + w) as its float32 weight, the first half kept: two ops
+  (a `cat` and torch's fused `layer_norm`, which computes a bfloat16 row in float32 and rounds
+  once) and a copy of the kept half, where `F.rms_norm` on CPU is a composite of about eight, with
+  two dtype conversions around it (a decode row: ~14 against ~22 us; Gemma 2 has four a layer).
+  Rows are normed independently.
 - `LayerNorm` (StarCoder2): torch's, with its bias.
 """
 
@@ -40,8 +44,10 @@ class GemmaRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._scale is None or self._scale[0] != self.weight._version:
-            self._scale = (self.weight._version, self.weight.detach().float() + 1.0)
-        return F.rms_norm(x.float(), self.weight.shape[-1:], self._scale[1], self.eps).to(x.dtype)
+            scale = self.weight.detach().float() + 1.0
+            self._scale = (self.weight._version, torch.cat([scale, scale]))
+        size = self.weight.shape[-1]
+        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), self._scale[1], None, self.eps)[..., :size].contiguous()
 
 
 class HeadsNorm(torch.nn.Module):
