@@ -203,6 +203,16 @@ def test_info(client, engine):
     assert set(body) == set(DOCUMENT["components"]["schemas"]["Info"]["properties"])
 
 
+def test_info_names_the_architecture_and_those_of_the_paged_path(client, engine):
+    """opentgi additions: the served model's architecture and the architectures served natively."""
+    from opentgi.models.registry import PAGED_ARCHITECTURES
+
+    body = client.get("/info").json()
+    assert body["model_architecture"] == "LlamaForCausalLM"  # the tiny test model
+    assert body["supported_architectures"] == list(PAGED_ARCHITECTURES)
+    assert {"Gemma2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"} <= set(body["supported_architectures"])
+
+
 def test_tokenize_offsets_slice_back(client):
     """start/stop are UTF-8 byte offsets, as TGI's Rust tokenizer reports them."""
     text = "Hello wörld, ünïcode ok"

@@ -38,6 +38,7 @@ class EngineInfo:
     adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded at start-up, in order
     speculate: int = 0  # n-gram drafts per decode step (--speculate; 0 when off or not possible)
     deterministic: bool = True  # batch-invariant numerics (False with --nondeterministic)
+    supported_architectures: list[str] = field(default_factory=list)  # those of the paged path
 
 
 @dataclass

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 574bf294884b7fa6) by codegen with
+# GENERATED from openapi/tgi.json (sha256 ded4b2df0060f431) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -111,6 +111,16 @@ class Info(BaseModel):
         None,
         description="true (the default): batch-invariant inference, a request's tokens and logprobs do not depend on the other requests in its batch nor on how its prompt was computed (prefix-cache hit, chunked prefill); false when started with --nondeterministic (an opentgi addition)",
         examples=[True],
+    )
+    model_architecture: str | None = Field(
+        None,
+        description="The served model's architecture, a transformers class name (an opentgi addition)",
+        examples=['LlamaForCausalLM'],
+    )
+    supported_architectures: list[str] | None = Field(
+        None,
+        description='The architectures served natively on the paged path (paged KV cache, prefix cache, every engine feature); a model of another architecture runs on the generic transformers path (an opentgi addition)',
+        examples=[['LlamaForCausalLM', 'Gemma2ForCausalLM']],
     )
 
 

@@ -231,6 +231,8 @@ async def get_model_info() -> Response:
         "docker_label": None,
         "adapters": list(info.adapters),
         "deterministic": bool(getattr(info, "deterministic", True)),
+        "model_architecture": info.architecture,
+        "supported_architectures": list(info.supported_architectures),
     })
 
 

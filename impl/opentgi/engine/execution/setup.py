@@ -19,6 +19,7 @@ from opentgi.engine.execution.host_memory import keep_freed_memory
 from opentgi.engine.execution.kv_cache import num_kv_blocks
 from opentgi.engine.info import EngineInfo
 from opentgi.models.base import ModelSpec
+from opentgi.models.registry import PAGED_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,7 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
         adapters=list(getattr(loaded, "adapters", None) or []),
         speculate=speculate_tokens(settings, runner_kind),
         deterministic=batch_invariant(loaded),
+        supported_architectures=list(PAGED_ARCHITECTURES),
     )
 
 
