@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from opentgi.config import Settings
+from opentgi.models.attention import torch_backend
 from opentgi.models.attention.torch_backend import _softcapped
 from opentgi.models.loader import load_model
 from tests import tiny_models
@@ -94,3 +95,16 @@ def test_a_gemma2_request_computes_the_same_bits_whatever_the_batch(gemma2):
     assert asyncio.run(run_target(gemma2, TARGET, OTHERS[:6], position=3, chunked_prefill_tokens=23)) == alone
     assert asyncio.run(run_target(gemma2, TARGET, OTHERS[:6], position=2, speculate=4)) == alone
 
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 64, torch.bfloat16), (3, 3, 64, torch.float32), (2, 2, 16, torch.bfloat16),
+                                   (2, 4, 64, torch.float32)])
+def test_prompt_tokens_get_the_same_soft_capped_bits_in_any_segment(shape):
+    """The prompt form with soft-capping (the start-up probe): a token alone, or in segments of any
+    size and offset with extra masked keys, gets the same bits."""
+    torch_backend._PROBE_CACHE.clear()
+    assert torch_backend.prompt_form_invariant(*shape, softcap=2.0)
+
+
+def test_a_gemma2_model_attends_prompt_tokens_in_the_prompt_form(gemma2):
+    assert gemma2.model.model.layers[0].self_attn.backend.prompt_form

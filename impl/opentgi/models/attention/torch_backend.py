@@ -455,7 +455,7 @@ class TorchAttentionBackend:
         plan = meta.scratch.get(plan_key)
         if plan is None:
             plan = meta.scratch[plan_key] = _make_plan(meta, k_cache.shape[1], sliding_window, q.dtype, group,
-                                                       self.batch_invariant, self.prompt_form and softcap is None)
+                                                       self.batch_invariant, self.prompt_form)
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, plan.has_skips)
         if plan.tails is not None:  # zeros, so that masked keys are finite (-inf + nan is nan)
             k_cache.view(-1, *k_cache.shape[2:]).index_fill_(0, plan.tails, 0)
@@ -496,7 +496,8 @@ class TorchAttentionBackend:
             out[seg.start:seg.end] = self._segment(q, k_cache, v_cache, seg, scale, softcap)
         for seg in plan.prompt_segments:
             mask = seg.mask(seg.blocks.shape[0] * block_size, q.dtype)
-            out[seg.start:seg.end] = _prompt_segment(q[seg.start:seg.end], k_cache, v_cache, seg.blocks, mask, scale)
+            out[seg.start:seg.end] = _prompt_segment(q[seg.start:seg.end], k_cache, v_cache, seg.blocks, mask, scale,
+                                                      softcap)
         for batch in plan.prompts:
             rows, length = batch.rows, batch.length
             q_b = q.index_select(0, batch.gather).view(rows, length, num_kv_heads, group, head_dim)
@@ -537,7 +538,7 @@ class TorchAttentionBackend:
 
 
 def _prompt_segment(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-                    mask: torch.Tensor, scale: float) -> torch.Tensor:
+                    mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
     """A prompt segment (module docstring): q [n, H, D] -> [n, H, D], its rows (token, query head of
     a kv head) on one batch entry's query axis, padded to the mask's rows with the last one."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -550,7 +551,10 @@ def _prompt_segment(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_rows = q.view(n, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv_heads, rows, head_dim)
     if padded > rows:
         q_rows = torch.cat([q_rows, q_rows[:, :, -1:].expand(1, num_kv_heads, padded - rows, head_dim)], dim=2)
-    o = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=scale)
+    else:
+        o = _softcapped(q_rows, keys, values, mask, scale, softcap)
     o = o[0, :, :rows].reshape(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)
     return o.reshape(n, num_heads, head_dim)
 
@@ -559,10 +563,11 @@ _PROBE_CACHE: dict[tuple, bool] = {}
 
 
 def prompt_form_invariant(num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
-                          block_size: int = 16) -> bool:
+                          block_size: int = 16, softcap: float | None = None) -> bool:
     """Whether the prompt form gives random tokens the same bits in segments of several sizes and
-    offsets, with extra key padding, as each token alone (module docstring); measured once per shape."""
-    key = (num_kv_heads, group, head_dim, dtype, block_size, torch.get_num_threads())
+    offsets, with extra key padding, as each token alone (module docstring); measured once per shape
+    (and soft-capping: then `_softcapped` instead of sdpa)."""
+    key = (num_kv_heads, group, head_dim, dtype, block_size, torch.get_num_threads(), softcap)
     if key in _PROBE_CACHE:
         return _PROBE_CACHE[key]
     gen = torch.Generator().manual_seed(0)
@@ -582,7 +587,7 @@ def prompt_form_invariant(num_kv_heads: int, group: int, head_dim: int, dtype: t
         for seg in _prompt_segments(meta, 0, start, count, start + count, block_size, None, group):
             blocks = torch.cat([seg.blocks, torch.arange(num_blocks - extra_blocks, num_blocks)])
             mask = seg.mask(blocks.shape[0] * block_size, dtype)  # the extra blocks lie past every token's keys
-            outs.append(_prompt_segment(q[seg.start:seg.end], k_cache, v_cache, blocks, mask, scale))
+            outs.append(_prompt_segment(q[seg.start:seg.end], k_cache, v_cache, blocks, mask, scale, softcap))
         return torch.cat(outs)
 
     with torch.inference_mode(), _one_thread(dtype == torch.float32):  # as the backend attends

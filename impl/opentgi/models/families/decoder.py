@@ -159,7 +159,8 @@ class PagedDecoder(nn.Module):
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form
             spec = self.spec
             group = self.config.num_attention_heads // spec.num_kv_heads
-            backend.prompt_form = prompt_form_invariant(spec.num_kv_heads, group, spec.head_dim, spec.dtype)
+            backend.prompt_form = prompt_form_invariant(spec.num_kv_heads, group, spec.head_dim, spec.dtype,
+                                                        softcap=self.layout.attn_softcap)
             self.kernels_by_row_kind = self.kernels_by_row_kind or backend.prompt_form
 
     def _set_batch_invariant(self, wanted: bool) -> None:
