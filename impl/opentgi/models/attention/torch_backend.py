@@ -46,6 +46,10 @@ some rows differ. A 1,000-token prompt's attention: 42 ms a layer against 125 in
 form (1 thread; one causal call: 37). Generated tokens keep the decode row's form, so a token's
 form follows its kind and the prefix cache serves only prompt blocks to prompts
 (docs/determinism.md).
+
+**Soft-capped logits** (Gemma 2) take every one of these forms, with `_softcapped` (two matmuls
+around the capped softmax, keys and values met in fixed chunks) where sdpa would be; the probe
+then checks the prompt form with soft-capping.
 """
 
 from __future__ import annotations
