@@ -390,13 +390,15 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     cap * tanh(z) = 2 cap * sigmoid(2 z) - cap, and a softmax ignores a constant added to all its
     logits: the probabilities are softmax(2 cap * sigmoid(2 s * scale / cap) + mask), computed in
     float32 (as transformers' softmax; a bfloat16 sigmoid near 0.5 would lose the logits'
-    precision), the matmuls in the model dtype (in bfloat16 oneDNN's, 2-4x faster than float32's
-    with the conversions at 16 rows; tanh took 2-3x the time of sigmoid here). The probabilities
-    meet the values in matmuls over exactly `SOFTCAP_KEY_CHUNK` keys (zero padded), their products
-    summed in order in float32: one matmul's reduction over a few hundred keys was cut differently
-    with the key count (float32: a row over 130 keys alone and padded to 512 gave other bits;
-    bfloat16: 700 and 1040). So a row's bits depend neither on the rows beside it nor on its
-    masked key padding (tests/test_softcap_attention.py)."""
+    precision; tanh took 2-3x the time of sigmoid here). q.k in the model dtype (in bfloat16
+    oneDNN's `bmm`, 2-3x faster than float32's with the key conversion at 16 rows), the
+    probabilities times the values in float32 (the values converted as they are padded; a
+    bfloat16 `bmm` of one decode row cost ~25 us here, a float32 one ~6; measured over a whole
+    decode step, one stream 0.89x -> 0.91x of Llama, 16 streams 0.89x -> 0.91x), in matmuls over
+    exactly `SOFTCAP_KEY_CHUNK` keys (zero padded), summed in order: one matmul's reduction over
+    a few hundred keys was cut differently with the key count (float32: a row over 130 keys alone
+    and padded to 512 gave other bits; bfloat16: 700 and 1040). So a row's bits depend neither on
+    the rows beside it nor on its masked key padding (tests/test_softcap_attention.py)."""
     *lead, n, d = q.shape
     keys, batch = k.shape[-2], q.numel() // (n * d)
     s = torch.bmm(q.reshape(batch, n, d), k.reshape(batch, keys, d).transpose(1, 2)).view(*lead, n, keys)
@@ -407,23 +409,23 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         s = s.mul_(2 * cap).masked_fill_(~mask, float("-inf"))
     else:
         s = torch.add(mask, s, alpha=2 * cap)  # mask broadcast to s's shape
-    p = torch.softmax(s, dim=-1).to(v.dtype).reshape(batch, n, keys)
+    p = torch.softmax(s, dim=-1).reshape(batch, n, keys)
     chunk = SOFTCAP_KEY_CHUNK
     padded = -(-keys // chunk) * chunk
-    vp = torch.zeros(batch, padded, d, dtype=v.dtype, device=v.device)
-    vp.view(*lead, padded, d)[..., :keys, :].copy_(v)  # any strides (a stride-0 expand too)
+    vp = torch.zeros(batch, padded, d, dtype=torch.float32, device=v.device)
+    vp.view(*lead, padded, d)[..., :keys, :].copy_(v)  # any strides (a stride-0 expand too), to float32
     if padded != keys:
         p = F.pad(p, (0, padded - keys))
     chunks = padded // chunk
     if chunks == 1:
-        return torch.bmm(p, vp).view(*lead, n, d)
+        return torch.bmm(p, vp).view(*lead, n, d).to(q.dtype)
     # [batch * chunks, n, chunk] @ [batch * chunks, chunk, d], the chunks' products summed in order
     parts = torch.bmm(p.view(batch, n, chunks, chunk).transpose(1, 2).reshape(-1, n, chunk),
                       vp.view(-1, chunk, d)).view(batch, chunks, n, d)
-    out = parts[:, 0].to(torch.float32, copy=True)
+    out = parts[:, 0].clone()
     for i in range(1, chunks):
         out += parts[:, i]
-    return out.view(*lead, n, d).to(v.dtype)
+    return out.view(*lead, n, d).to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
