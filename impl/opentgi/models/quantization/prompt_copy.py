@@ -22,7 +22,9 @@ kernel cannot be made fast for many rows without other bits (docs/determinism.md
 each output as one float32 multiply-add after another over the whole input, ~2x the bfloat16
 kernel's time from 16 rows on). `--nondeterministic` (`row_invariant` False) buys that back: a
 step of more than `NONDETERMINISTIC_INT4_MAX_ROWS` rows takes the dense copies for every row, as
-the server did before batch invariance.
+the server did before batch invariance. With `--speculate N` the int4 kernel keeps steps of up to
+N + 1 rows (`keep_int4_up_to`), so that a lone sequence's verify step computes what decoding its
+tokens one per step does.
 """
 
 from __future__ import annotations
@@ -103,3 +105,11 @@ def add_prompt_copies(module: nn.Module, dtype: torch.dtype, row_invariant: bool
         sub.dense_above_rows = None if row_invariant else NONDETERMINISTIC_INT4_MAX_ROWS
         held += _copy_bytes(copy)
     return held
+
+
+def keep_int4_up_to(module: nn.Module, rows: int) -> None:
+    """Where the dense copies take large steps (--nondeterministic), leave steps of up to `rows`
+    rows to the int4 kernel (--speculate N: a lone sequence's verify step, N + 1 rows)."""
+    for sub in module.modules():
+        if isinstance(sub, QuantizedLinear) and sub.dense_above_rows is not None:
+            sub.dense_above_rows = max(sub.dense_above_rows, rows)
