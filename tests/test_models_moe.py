@@ -67,11 +67,13 @@ def test_router_takes_no_matmul_kernel_and_gives_a_row_the_same_bits_for_every_r
                 assert torch.equal(block.gate(x[start:start + count]), logits[start:start + count])
 
 
+@pytest.mark.parametrize("top_k", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_lone_token_gets_the_bits_the_batched_path_gives_it(dtype):
-    """3 of 4 experts a token: their float32 sum depends on its order, and a lone token's path
-    (no sort, no scatter) must add them as the batched `index_add_` does."""
-    block = _block(dtype)
+def test_a_lone_token_gets_the_bits_the_batched_path_gives_it(dtype, top_k):
+    """A lone token's path (no sort, no scatter) must add its k expert outputs as the batched
+    `index_add_` does: 3 of 4 experts a token, whose float32 sum depends on its order, and 2 (one
+    add in the model dtype)."""
+    block = _block(dtype, top_k=top_k)
     block.fuse_projections()
     pack_linears(block, row_invariant=True)
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)

@@ -119,10 +119,14 @@ class SparseMoE(nn.Module):
         hidden = self.act(gate).mul_(up)
         out_rows = torch.cat([expert.down_proj(hidden[j:j + 1]) for j, expert in enumerate(picked)])
         # weighted in x's dtype, as there; summed in float32 in expert order, rounded once
-        out_rows = out_rows.mul_(weights.unsqueeze(1)).float()
-        order = sorted(range(len(ids)), key=ids.__getitem__)
-        total = out_rows[order[0]]
-        for j in order[1:]:
-            total = total + out_rows[j]
-        out = total.unsqueeze(0).to(x.dtype)
+        out_rows.mul_(weights.unsqueeze(1))
+        if len(ids) == 2:  # torch adds two values of x's dtype in float32 and rounds once: as below
+            out = out_rows[:1] + out_rows[1:]
+        else:
+            wide = out_rows.float()
+            order = sorted(range(len(ids)), key=ids.__getitem__)
+            total = wide[order[0]]
+            for j in order[1:]:
+                total = total + wide[j]
+            out = total.unsqueeze(0).to(x.dtype)
         return out if self.tp is None else self.tp.all_reduce(out)
