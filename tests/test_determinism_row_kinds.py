@@ -25,7 +25,12 @@ from opentgi.models.layers.row_kinds import GENERATED, MIXED, PROMPT, RowKinds, 
 from opentgi.models.loader import load_model
 from opentgi.models.quantization.int4 import Int4Groups
 from opentgi.models.quantization.linear import QuantizedLinear
-from opentgi.models.quantization.prompt_copy import _through_kernel, add_prompt_copies, dequantize_int4
+from opentgi.models.quantization.prompt_copy import (
+    NONDETERMINISTIC_INT4_MAX_ROWS,
+    _through_kernel,
+    add_prompt_copies,
+    dequantize_int4,
+)
 from tests import tiny_models
 from tests.engine_helpers import generate, running
 from tests.hypothesis_profiles import examples
@@ -87,6 +92,29 @@ def test_a_quantized_layer_picks_its_kernel_by_row_kind_never_by_row_count():
         for row in range(10):
             with step_row_kinds(RowKinds([int(row in prompt)], [1], x.device)):
                 assert torch.equal(linear(x[row:row + 1])[0], mixed[row])
+
+
+def test_nondeterministic_steps_above_four_rows_take_the_dense_copy_for_every_row():
+    linear = QuantizedLinear(256, 128)
+    linear.weight_format = random_int4(128, 256, torch.bfloat16, seed=1)
+    assert add_prompt_copies(linear, torch.bfloat16, row_invariant=False) > 0
+    assert linear.dense_above_rows == NONDETERMINISTIC_INT4_MAX_ROWS == 4
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        dense, int4 = linear.prompt_linear(x), linear.weight_format.matmul(x)
+        assert not torch.equal(dense, int4)
+        with step_row_kinds(RowKinds([0] * 6, [1] * 6, x.device)):  # 6 generated rows: dense
+            assert torch.equal(linear(x), dense)
+        with step_row_kinds(RowKinds([0] * 5, [1] * 5, x.device)):
+            assert torch.equal(linear(x[:5]), dense[:5])
+        with step_row_kinds(RowKinds([0] * 4, [1] * 4, x.device)):  # 4 generated rows: int4
+            assert torch.equal(linear(x[:4]), int4[:4])
+        assert torch.equal(linear(x[:1]), int4[:1])  # no kinds, one row
+        assert torch.equal(linear(x), dense)  # no kinds, six rows
+        with step_row_kinds(RowKinds([1, 0], [1, 2], x.device)):  # a small mixed step: by kind
+            assert torch.equal(linear(x[:3]), torch.cat([dense[:1], int4[1:3]]))
+    # the default (batch-invariant) copies never follow the row count
+    assert quantized_with_copy().dense_above_rows is None
 
 
 def test_a_tokens_kind_is_its_position_also_when_recomputed():
@@ -157,6 +185,36 @@ def test_int4_layers_keep_the_contract(gguf):
     assert asyncio.run(run_target(gguf, TARGET, warmup=TARGET[:33] + [77])) == reference
     assert asyncio.run(run_target(gguf, TARGET, OTHERS[:6], position=3, chunked_prefill_tokens=23)) == reference
     assert asyncio.run(run_target(gguf, TARGET, OTHERS, position=5, speculate=4)) == reference
+
+
+def int4_with_copies(loaded) -> list[QuantizedLinear]:
+    return [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear) and m.prompt_linear is not None]
+
+
+def test_a_nondeterministic_gguf_serves_large_steps_through_the_dense_copies(gguf):
+    opted_out = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype="bfloat16",
+                                    nondeterministic=True))
+    for loaded, expected in ((gguf, None), (opted_out, NONDETERMINISTIC_INT4_MAX_ROWS)):
+        assert int4_with_copies(loaded) and {m.dense_above_rows for m in int4_with_copies(loaded)} == {expected}
+
+
+def test_nondeterministic_speculation_still_equals_plain_decoding_alone():
+    """--speculate 4: a lone sequence's verify step (5 rows) stays on the int4 kernel, as its
+    plain decode rows do, so its tokens and logprobs are plain decoding's."""
+    loaded = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype="bfloat16",
+                                 nondeterministic=True, speculate=4))
+    assert {m.dense_above_rows for m in int4_with_copies(loaded)} == {5}
+    text = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 3"
+    prompt = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def decode(speculate):
+        async with running(loaded, speculate=speculate) as engine:
+            out = await generate(engine, greedy(prompt, 24))
+            return outcome(out.sequences[0]), engine.scheduler.accepted_tokens_total
+
+    (plain, _), (speculated, accepted) = asyncio.run(decode(0)), asyncio.run(decode(4))
+    assert accepted > 0  # verify steps of several rows really ran
+    assert speculated == plain
 
 
 async def follow_up_after(loaded, first_prompt, new_tokens):

@@ -44,6 +44,30 @@ def test_a_row_is_the_same_whatever_the_row_count(name, dtype):
         assert torch.equal(fmt.matmul(x[:m]), alone[:m]), f"{name}: rows differ with {m} rows"
 
 
+def test_the_cpu_int4_kernel_adds_float32_products_in_sequence():
+    """What a bfloat16 row gets from torch's CPU int4 kernel: per output, one float32 multiply-add
+    after another over the inputs in order (the weight dequantized in float32), rounded to bfloat16
+    once. Any kernel that is to give a row the same bits must do that (docs/determinism.md, "The
+    int4 kernel at many rows"); float32 GEMMs that split or block the sum do not."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 16, 2048, 1024  # enough outputs that another order shows in the bfloat16 bits
+    groups = Int4Groups.from_values(torch.randint(0, 16, (n, k), generator=gen),
+                                    (torch.rand(n, k // 32, generator=gen) * 0.02).bfloat16().float(),
+                                    (torch.randn(n, k // 32, generator=gen) * 0.01).bfloat16().float(), 32)
+    x = torch.randn(m, k, generator=gen).bfloat16().double()
+    w = groups.dequantize().double()  # exact: (q - 8) * scale has few bits, + zero rounds once
+
+    def in_order(order):  # a bfloat16 times a float32 is exact in float64; one rounding to float32
+        acc = torch.zeros(m, n)
+        for j in order:
+            acc = (x[:, j:j + 1] * w[:, j] + acc.double()).float()
+        return acc.bfloat16()
+
+    kernel = groups.to_format(torch.bfloat16, CPU).matmul(x.bfloat16())
+    assert torch.equal(kernel, in_order(range(k)))
+    assert not torch.equal(kernel, in_order(reversed(range(k))))  # the check tells orders apart
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_rtn_int4_is_nearest_on_its_grid_and_the_kernel_multiplies_by_it(group):
     w = weight()

@@ -23,6 +23,7 @@ from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.base import ModelSpec
 from opentgi.models.checkpoints import default_model, text_tower
 from opentgi.models.quantization.methods import QuantizeError, parse_quantize
+from opentgi.models.quantization.prompt_copy import keep_int4_up_to
 from opentgi.models.registry import architecture_of, build_paged_model, paged_unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -269,6 +270,8 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         finally:
             if checkpoint is not None:
                 checkpoint.close()
+        if settings.speculate:  # --nondeterministic: a verify step as one decode row (prompt_copy.py)
+            keep_int4_up_to(model, settings.speculate + 1)
         _release_free_heap()
         log.info("%s", model.resident)
         kind, spec, backend_name = "paged", model.spec, backend.name

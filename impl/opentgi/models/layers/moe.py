@@ -1,19 +1,27 @@
 """A sparse mixture-of-experts block (Mixtral, Qwen3-MoE) in one grouped pass.
 
-Routing as the checkpoints' own code does it: softmax of the router logits in float32, the top k
-experts per token, their weights renormalised to sum to one (Mixtral always; Qwen3-MoE when
-`norm_topk_prob`), cast back to the model dtype. The step's (token, expert) pairs are then sorted
-by expert (one stable argsort), the expert counts read once, and every expert the step uses runs
-one `GatedMLP` over all of its tokens (a contiguous slice of the sorted rows); the weighted outputs
-are scatter-added back to their tokens (`index_add_`). The Python loop is over the experts a step
-uses, never over tokens. A lone token (a single-stream decode step) skips the sort and the scatter:
-its k experts' weighted outputs are summed as `index_add_` sums them (on CPU: in float32, in the
-order of the sorted rows, that is by expert, rounded to the model dtype once).
+Routing as the checkpoints' own code does it: the router's logits (in the model dtype), softmax
+in float32, the top k experts per token, their weights renormalised to sum to one (Mixtral always;
+Qwen3-MoE when `norm_topk_prob`), cast back to the model dtype. Renormalised, the weights are the
+softmax of the top k logits (the same numbers, to float32 rounding: two small ops instead of four).
+The router is tiny (experts x hidden): its logits are float32 sums of a row's products with each
+expert's weights, one elementwise product and one reduction (`RouterLogits`), rounded to the model
+dtype as a linear layer rounds them; as a oneDNN call it cost ~16 us of fixed overhead a layer.
+
+The step's (token, expert) pairs are then sorted by expert (one stable argsort), the expert counts
+read once, and every expert the step uses runs its gate/up projection over all of its tokens (a
+contiguous slice of the sorted rows); the activation runs once over every expert's rows, then each
+expert's down projection over its slice; the weighted outputs are scatter-added back to their
+tokens (`index_add_`). The Python loop is over the experts a step uses, never over tokens. A lone
+token (a single-stream decode step) skips the sort and the scatter: its k experts' weighted outputs
+are summed as `index_add_` sums them (on CPU: in float32, in the order of the sorted rows, that is
+by expert, rounded to the model dtype once).
 
 A token's result does not depend on the step's other tokens (docs/determinism.md) when each
 expert's linears compute a row alike for every row count (their row-invariant forms,
-models/layers/linear.py): routing is per token, and `index_add_` sums a token's k contributions
-alone, in expert order, whoever else the experts saw.
+models/layers/linear.py): routing is per token (the router's reduction is per row), the activation
+elementwise, and `index_add_` sums a token's k contributions alone, in expert order, whoever else
+the experts saw.
 
 With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
@@ -28,6 +36,23 @@ from torch import nn
 from opentgi.models.layers.mlp import GatedMLP
 
 
+class RouterLogits(nn.Module):
+    """`x @ W.T` of a router (no bias): a float32 product with the weight and a sum over the hidden
+    size per (row, expert), rounded to x's dtype (as a linear layer in x's dtype rounds its float32
+    accumulation). Each row's sums are its own: the same bits for every row count."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight.detach().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x.unsqueeze(1), self.weight).sum(dim=-1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  act: str, names: tuple[str, str, str]):
@@ -35,22 +60,42 @@ class SparseMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.intermediate = intermediate
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList([GatedMLP(hidden, intermediate, act, names=names)
                                       for _ in range(num_experts)])
+        self.act = self.experts[0].act
         self.tp = None  # models.parallel.TPGroup when sharded: the output is all-reduced
 
     def fuse_projections(self) -> None:
         for expert in self.experts:
             expert.fuse_projections()
+        if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
+            self.gate = RouterLogits(self.gate.weight)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64)."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        logits = self.gate(x)
+        if self.renormalize:  # the top k's softmax: their full-softmax weights renormalised, in two ops
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return F.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), experts
+        weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), experts
+
+    def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [R, hidden], sorted by expert; counts[e] of them go to expert e -> outputs [R, hidden]."""
+        used = [(self.experts[e], c) for e, c in enumerate(counts) if c]
+        parts, start = [], 0
+        for expert, count in used:
+            parts.append(expert.gate_up_proj(rows[start:start + count]))
+            start += count
+        gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
+        hidden = self.act(gate).mul_(up)  # one elementwise pass over every expert's rows
+        outs, start = [], 0
+        for expert, count in used:
+            outs.append(expert.down_proj(hidden[start:start + count]))
+            start += count
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -62,23 +107,26 @@ class SparseMoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
         token_of = order // self.top_k
-        rows = x.index_select(0, token_of)
-        outs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                outs.append(self.experts[expert](rows[start:start + count]))
-                start += count
-        out_rows = torch.cat(outs) if len(outs) > 1 else outs[0]
+        out_rows = self._run_experts(x.index_select(0, token_of), counts)
         out_rows.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
         out = torch.zeros_like(x).index_add_(0, token_of, out_rows)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         ids = experts.tolist()  # the one host sync
-        total = None
-        for j in sorted(range(len(ids)), key=ids.__getitem__):  # expert order, as the sorted rows
-            y = self.experts[ids[j]](x).mul_(weights[j]).float()  # weighted in x's dtype, as there
-            total = y if total is None else total.add_(y)
-        out = total.to(x.dtype)
+        picked = [self.experts[e] for e in ids]
+        gate, up = torch.cat([expert.gate_up_proj(x) for expert in picked]).split(self.intermediate, dim=-1)
+        hidden = self.act(gate).mul_(up)
+        out_rows = torch.cat([expert.down_proj(hidden[j:j + 1]) for j, expert in enumerate(picked)])
+        # weighted in x's dtype, as there; summed in float32 in expert order, rounded once
+        out_rows.mul_(weights.unsqueeze(1))
+        if len(ids) == 2:  # torch adds two values of x's dtype in float32 and rounds once: as below
+            out = out_rows[:1] + out_rows[1:]
+        else:
+            wide = out_rows.float()
+            order = sorted(range(len(ids)), key=ids.__getitem__)
+            total = wide[order[0]]
+            for j in order[1:]:
+                total = total + wide[j]
+            out = total.unsqueeze(0).to(x.dtype)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -4,7 +4,9 @@ such layers, and the one-line account of what a model holds resident.
 A weight is its format: `QuantizedLinear` multiplies rows through its format's kernel, whose rows
 never depend on how many rows share the step (tests/test_quantization_formats.py). A CPU int4
 layer may also hold a dense copy for prompt rows (models/quantization/prompt_copy.py): then a
-row's kernel follows its kind (models/layers/row_kinds.py), never the step's size.
+row's kernel follows its kind (models/layers/row_kinds.py), never the step's size. Only with
+`--nondeterministic` (`dense_above_rows` set) does a step of more rows than that go through the
+dense copy whatever its rows' kinds: the int4 kernel is the faster one for a few rows only.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ class QuantizedLinear(nn.Module):
         self.weight_format = None
         self.bias = None if bias is None else bias.detach().clone()
         self.prompt_linear: nn.Module | None = None  # the dense copy for prompt rows, if any
+        # --nondeterministic: a step of more rows than this takes the dense copy for every row
+        self.dense_above_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kinds = current_row_kinds() if self.prompt_linear is not None else None
         rows = x.reshape(-1, self.in_features)
-        if kinds is None or kinds.kind == GENERATED or kinds.num_rows != rows.shape[0]:
+        if self.dense_above_rows is not None and rows.shape[0] > self.dense_above_rows:
+            out = self.prompt_linear(rows).view(*x.shape[:-1], self.out_features)
+        elif kinds is None or kinds.kind == GENERATED or kinds.num_rows != rows.shape[0]:
             out = self.weight_format.matmul(x)  # every row a generated one (also without kinds)
         elif kinds.kind == PROMPT:
             out = self.prompt_linear(rows).view(*x.shape[:-1], self.out_features)

@@ -16,6 +16,15 @@ weights: ~0.4 s a step on 1 thread, the cost of ~170 prompt rows), so the copies
 all of them fit in `PROMPT_COPY_MAX_BYTES`: the default model's (202 MiB) do; a 1B model's
 (~2 GiB) do not, and it keeps one copy of each weight (its resident memory stays within 1.5x
 llama.cpp's on the same file, docs/benchmarks.md), its prompt rows through the int4 kernel.
+
+Batch invariance keeps generated rows on the int4 kernel whatever the step's size, and that
+kernel cannot be made fast for many rows without other bits (docs/determinism.md: it computes
+each output as one float32 multiply-add after another over the whole input, ~2x the bfloat16
+kernel's time from 16 rows on). `--nondeterministic` (`row_invariant` False) buys that back: a
+step of more than `NONDETERMINISTIC_INT4_MAX_ROWS` rows takes the dense copies for every row, as
+the server did before batch invariance. With `--speculate N` the int4 kernel keeps steps of up to
+N + 1 rows (`keep_int4_up_to`), so that a lone sequence's verify step computes what decoding its
+tokens one per step does.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from opentgi.models.quantization.int4 import Int4Weight, _cpu_block_layout_match
 from opentgi.models.quantization.linear import QuantizedLinear
 
 PROMPT_COPY_MAX_BYTES = 256 << 20
+NONDETERMINISTIC_INT4_MAX_ROWS = 4  # --nondeterministic: larger steps through the dense copies
 
 
 def _unpack_cpu_blocks(weight: Int4Weight) -> torch.Tensor:
@@ -67,8 +77,9 @@ def _copy_bytes(linear: OneDNNLinear) -> int:
 def add_prompt_copies(module: nn.Module, dtype: torch.dtype, row_invariant: bool,
                       max_bytes: int = PROMPT_COPY_MAX_BYTES) -> int:
     """Give every CPU int4 linear inside `module` a dense copy for prompt rows, if all the copies
-    fit in `max_bytes` (else none: one copy of each weight).
-    Returns the bytes held."""
+    fit in `max_bytes` (else none: one copy of each weight). Without `row_invariant`
+    (--nondeterministic) the copies also take every row of a step larger than
+    `NONDETERMINISTIC_INT4_MAX_ROWS`. Returns the bytes held."""
     linears = [sub for sub in module.modules() if isinstance(sub, QuantizedLinear)
                and isinstance(sub.weight_format, Int4Weight) and sub.weight_format.device.type == "cpu"]
     need = sum(s.out_features * s.in_features for s in linears) * torch.finfo(dtype).bits // 8
@@ -91,5 +102,14 @@ def add_prompt_copies(module: nn.Module, dtype: torch.dtype, row_invariant: bool
                 copy.make_row_invariant(dense)
         del dense
         sub.prompt_linear = copy
+        sub.dense_above_rows = None if row_invariant else NONDETERMINISTIC_INT4_MAX_ROWS
         held += _copy_bytes(copy)
     return held
+
+
+def keep_int4_up_to(module: nn.Module, rows: int) -> None:
+    """Where the dense copies take large steps (--nondeterministic), leave steps of up to `rows`
+    rows to the int4 kernel (--speculate N: a lone sequence's verify step, N + 1 rows)."""
+    for sub in module.modules():
+        if isinstance(sub, QuantizedLinear) and sub.dense_above_rows is not None:
+            sub.dense_above_rows = max(sub.dense_above_rows, rows)
