@@ -29,6 +29,8 @@ class FakeInfo:
     eos_token_ids: list = field(default_factory=lambda: [0])
     vocab_size: int = 100
     adapters: list = field(default_factory=list)
+    architecture: str = "LlamaForCausalLM"
+    supported_architectures: list = field(default_factory=lambda: ["LlamaForCausalLM"])
 
 
 class FakeEngine:

@@ -293,7 +293,8 @@ ADDED_FIELDS = {
     "ChatCompletion": {"object"}, "ChatCompletionChunk": {"object", "usage"},
     "Chunk": {"object", "usage"}, "CompletionFinal": {"object"},
     "FunctionDefinition": {"parameters"},
-    "Info": {"adapters", "deterministic"},  # LoRA adapters (issue 13), batch invariance (issue 24)
+    "Info": {"adapters", "deterministic",  # LoRA adapters (issue 13), batch invariance (issue 24)
+             "model_architecture", "supported_architectures"},  # the paged path's families (issue 22)
 }
 RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"], "FunctionDefinition": ["name"]}
 
