@@ -67,6 +67,20 @@ def test_router_takes_no_matmul_kernel_and_gives_a_row_the_same_bits_for_every_r
                 assert torch.equal(block.gate(x[start:start + count]), logits[start:start + count])
 
 
+def test_router_bounds_its_products_and_keeps_each_rows_bits():
+    """A long prompt's router products are formed a few rows at a time (a 128-expert model over
+    thousands of tokens would hold gigabytes at once), with the bits of all rows at once."""
+    weight = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(50, HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    whole, bounded = RouterLogits(weight), RouterLogits(weight, temp_bytes=3 * 8 * HIDDEN * 4)
+    assert whole.rows_at_once >= 50 and bounded.rows_at_once == 3
+    calls = []
+    bounded.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    with torch.inference_mode():
+        assert torch.equal(bounded(x), whole(x))
+    assert calls[-1] == 50 and max(calls[:-1]) == 3 and sum(calls[:-1]) == 50  # 17 parts, then the whole call
+
+
 @pytest.mark.parametrize("top_k", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_lone_token_gets_the_bits_the_batched_path_gives_it(dtype, top_k):

@@ -35,19 +35,26 @@ from torch import nn
 
 from opentgi.models.layers.mlp import GatedMLP
 
+ROUTER_TEMP_BYTES = 16 << 20  # the router's float32 products [rows, experts, hidden] held at once
+
 
 class RouterLogits(nn.Module):
     """`x @ W.T` of a router (no bias): a float32 product with the weight and a sum over the hidden
     size per (row, expert), rounded to x's dtype (as a linear layer in x's dtype rounds its float32
-    accumulation). Each row's sums are its own: the same bits for every row count."""
+    accumulation). Each row's sums are its own: the same bits for every row count. The products
+    are formed `rows_at_once` rows at a time (a long prompt of a 128-expert model would otherwise
+    hold gigabytes of them)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, temp_bytes: int = ROUTER_TEMP_BYTES):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.detach().float(), persistent=False)
+        self.rows_at_once = max(1, temp_bytes // (4 * self.out_features * self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.mul(x.unsqueeze(1), self.weight).sum(dim=-1).to(x.dtype)
+        if x.shape[0] <= self.rows_at_once:
+            return torch.mul(x.unsqueeze(1), self.weight).sum(dim=-1).to(x.dtype)
+        return torch.cat([self(part) for part in x.split(self.rows_at_once)])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -82,9 +89,9 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), experts
 
-    def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [R, hidden], sorted by expert; counts[e] of them go to expert e -> outputs [R, hidden]."""
-        used = [(self.experts[e], c) for e, c in enumerate(counts) if c]
+    def _run_experts(self, rows: torch.Tensor, used: list[tuple[GatedMLP, int]]) -> torch.Tensor:
+        """rows [R, hidden] -> outputs [R, hidden]: each (expert, count) of `used` takes the next
+        `count` rows; the activation runs once over all of them."""
         parts, start = [], 0
         for expert, count in used:
             parts.append(expert.gate_up_proj(rows[start:start + count]))
@@ -107,17 +114,15 @@ class SparseMoE(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
         token_of = order // self.top_k
-        out_rows = self._run_experts(x.index_select(0, token_of), counts)
+        used = [(self.experts[e], c) for e, c in enumerate(counts) if c]
+        out_rows = self._run_experts(x.index_select(0, token_of), used)
         out_rows.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
         out = torch.zeros_like(x).index_add_(0, token_of, out_rows)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         ids = experts.tolist()  # the one host sync
-        picked = [self.experts[e] for e in ids]
-        gate, up = torch.cat([expert.gate_up_proj(x) for expert in picked]).split(self.intermediate, dim=-1)
-        hidden = self.act(gate).mul_(up)
-        out_rows = torch.cat([expert.down_proj(hidden[j:j + 1]) for j, expert in enumerate(picked)])
+        out_rows = self._run_experts(x.expand(len(ids), -1), [(self.experts[e], 1) for e in ids])
         # weighted in x's dtype, as there; summed in float32 in expert order, rounded once
         out_rows.mul_(weights.unsqueeze(1))
         if len(ids) == 2:  # torch adds two values of x's dtype in float32 and rounds once: as below
