@@ -55,8 +55,13 @@ OTHER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "c_fc": ("mlp", ("c_fc",)),
     "c_proj": ("mlp", ("c_proj",)),
 }
-ACCEPTED_MODULES = TARGET_MODULES + ("qkv_proj", "gate_up_proj", "c_fc", "c_proj")
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# A routed-experts block's (`mlp` in Qwen3-MoE, `block_sparse_moe` in Mixtral): each expert's
+# projections (`experts.E.<name>`, Mixtral's w1/w3/w2 = gate/up/down) and the router (`gate`).
+EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
+ROUTER = "gate"
+ACCEPTED_MODULES = TARGET_MODULES + ("qkv_proj", "gate_up_proj", "c_fc", "c_proj", "w1", "w3", "w2", ROUTER)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.((?:experts\.\d+\.)?\w+)"
+                  r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
 class LoraAdapterError(ValueError):
@@ -76,7 +81,28 @@ class LoraAdapter:
 
     @property
     def target_modules(self) -> list[str]:
-        return sorted({module for _, module in self.weights}, key=ACCEPTED_MODULES.index)
+        """The adapted modules, experts' as `experts.<name>`."""
+        names = {shape_key(module) for _, module in self.weights}
+        return sorted(names, key=lambda m: (m.startswith("experts."), ACCEPTED_MODULES.index(m.split(".")[-1])))
+
+
+def shape_key(module: str) -> str:
+    """`experts.3.w1` -> `experts.w1` (every expert's projection has one shape); others as they are."""
+    return f"experts.{module.rsplit('.', 1)[1]}" if module.startswith("experts.") else module
+
+
+def expert_of(module: str) -> int | None:
+    """The expert index of an `experts.E.<name>` module, else None."""
+    return int(module.split(".")[1]) if module.startswith("experts.") else None
+
+
+def _known_module(owner: str, module: str) -> bool:
+    """Whether `<owner>.<module>` of a layer is something this code applies LoRA to."""
+    if module.startswith("experts."):
+        return owner != "self_attn" and module.rsplit(".", 1)[1] in EXPERT_MODULES
+    if owner == "block_sparse_moe":
+        return module == ROUTER
+    return module in ACCEPTED_MODULES and module not in ("w1", "w3", "w2")
 
 
 # --- naming and finding adapters ------------------------------------------------------------------
@@ -179,9 +205,9 @@ def load_peft_adapter(name: str, folder: Path) -> LoraAdapter:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(name, folder).items():
         match = _KEY.search(key)
-        if match is None or match.group(3) not in ACCEPTED_MODULES:
+        if match is None or not _known_module(match.group(2), match.group(3)):
             raise LoraAdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B matrix of one of "
-                                   f"{list(ACCEPTED_MODULES)}: not supported")
+                                   f"{list(ACCEPTED_MODULES)} (an expert's too): not supported")
         layer, _, module, half = match.groups()
         halves.setdefault((int(layer), module), {})[half] = tensor
     if not halves:
@@ -202,15 +228,22 @@ def load_peft_adapter(name: str, folder: Path) -> LoraAdapter:
 
 
 def module_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) of each PEFT target module of a Llama-family config."""
+    """(in, out) of each PEFT target module of a Llama-family config (an expert's by `shape_key`)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+    expert = getattr(config, "moe_intermediate_size", None) or inter
+    experts = {f"experts.{m}": (expert, hidden) if m in ("down_proj", "w2") else (hidden, expert)
+               for m in EXPERT_MODULES}
+    return {**experts, ROUTER: (hidden, num_experts(config)),"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
             "down_proj": (inter, hidden), "qkv_proj": (hidden, heads * head_dim + 2 * kv),
             "gate_up_proj": (hidden, 2 * inter), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
+
+
+def num_experts(config) -> int:
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
 def check_fits(adapter: LoraAdapter, config, model_id: str) -> None:
@@ -222,7 +255,12 @@ def check_fits(adapter: LoraAdapter, config, model_id: str) -> None:
         if layer >= config.num_hidden_layers:
             raise LoraAdapterError(f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: "
                                    f"it adapts layer {layer}, the model has {config.num_hidden_layers} layers")
-        fan_in, fan_out = shapes[module]
+        expert = expert_of(module)
+        if expert is not None and expert >= num_experts(config):
+            raise LoraAdapterError(f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: "
+                                   f"it adapts expert {expert} of layer {layer}, the model has "
+                                   f"{num_experts(config)} experts")
+        fan_in, fan_out = shapes[shape_key(module)]
         if a.shape[1] != fan_in or b.shape[0] != fan_out:
             raise LoraAdapterError(
                 f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: layer {layer} "
@@ -265,6 +303,9 @@ class LoraStep:
 
     def __init__(self, token_slots: torch.Tensor, used_slots: list[int], num_slots: int, rank: int, dtype):
         self.token_slots = token_slots
+        self.num_slots = num_slots
+        self.rank = rank
+        self.dtype = dtype
         self.all_slots = len(used_slots) == num_slots
         self.num_used = len(used_slots)
         self.used = torch.tensor(used_slots, device=token_slots.device)
@@ -272,6 +313,16 @@ class LoraStep:
         onehot = (token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(dtype)  # [T, used]
         self._slot_mask = onehot.repeat_interleave(rank, dim=1)  # [T, used*R]: columns (slot, r)
         self._masks: dict[int, torch.Tensor] = {}
+        self._slots_mask: torch.Tensor | None = None
+
+    def slots_mask(self) -> torch.Tensor:
+        """[T, slots*R], columns (slot, r) over every loaded slot (not only the step's): 1 where the
+        slot is the token's adapter. The experts' LoRA uses it (models/layers/expert_lora.py)."""
+        if self._slots_mask is None:
+            every = torch.arange(self.num_slots, device=self.token_slots.device)
+            onehot = (self.token_slots.unsqueeze(1) == every.unsqueeze(0)).to(self.dtype)
+            self._slots_mask = onehot.repeat_interleave(self.rank, dim=1)
+        return self._slots_mask
 
     def mask(self, parts: int) -> torch.Tensor:
         """[T, parts*used*R], columns (part, slot, r): 1 where the slot is the token's adapter."""
@@ -364,9 +415,9 @@ def _stack(adapters: list[LoraAdapter], layer: int, modules: tuple[str, ...], sh
     None when no adapter touches it."""
     if not any((layer, m) in ad.weights for ad in adapters for m in modules):
         return None
-    fan_in = shapes[modules[0]][0]
+    fan_in = shapes[shape_key(modules[0])][0]
     a_all = torch.zeros(len(adapters), len(modules), rank, fan_in, dtype=torch.float32)
-    b_all = [torch.zeros(len(adapters), rank, shapes[m][1], dtype=torch.float32) for m in modules]
+    b_all = [torch.zeros(len(adapters), rank, shapes[shape_key(m)][1], dtype=torch.float32) for m in modules]
     for s, adapter in enumerate(adapters):
         for p, module in enumerate(modules):
             pair = adapter.weights.get((layer, module))
@@ -397,5 +448,38 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
                 raise LoraAdapterError(f"adapter targets {'/'.join(modules)} of layer {i}, which "
                                        f"{model.spec.architecture} does not have")
             setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked))
+        _attach_expert_lora(model, i, layer, adapters, state, shapes)
     model.lora = state
     return state
+
+
+def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state: LoraState, shapes) -> None:
+    """The experts' and the router's LoRA of layer i's routed-experts block, if any adapter has some."""
+    from opentgi.models.layers.expert_lora import ExpertLora, StackedLora
+
+    wanted = sorted({m for ad in adapters for (n, m) in ad.weights if n == i and (expert_of(m) is not None
+                                                                                 or m == ROUTER)})
+    if not wanted:
+        return
+    spec = model.spec
+    block = getattr(layer, "feed_forward", None)
+    if not hasattr(block, "experts"):
+        raise LoraAdapterError(f"adapter targets {'/'.join(sorted({shape_key(m) for m in wanted}))} of layer {i}, "
+                               f"which {spec.architecture} does not have (its feed-forward block there has "
+                               "no experts)")
+    gate, up, down = block.experts[0].names  # the checkpoint's names (Mixtral's: w1, w3, w2)
+    foreign = sorted({shape_key(m) for m in wanted if m != ROUTER} - {f"experts.{n}" for n in (gate, up, down)})
+    if foreign:
+        raise LoraAdapterError(f"adapter targets {'/'.join(foreign)} of layer {i}, which {spec.architecture} "
+                               f"does not have (its experts' projections are {gate}/{up}/{down})")
+
+    def stacked(modules: tuple[str, ...]) -> StackedLora | None:
+        found = _stack(adapters, i, modules, shapes, state.rank, spec.dtype, spec.device)
+        return None if found is None else StackedLora(*found)
+
+    experts = range(len(block.experts))
+    lora = ExpertLora(state, stacked((ROUTER,)),
+                      [stacked((f"experts.{e}.{gate}", f"experts.{e}.{up}")) for e in experts],
+                      [stacked((f"experts.{e}.{down}",)) for e in experts])
+    lora.finish(torch.device(spec.device), spec.dtype, bool(getattr(model, "batch_invariant", False)))
+    block.lora = lora

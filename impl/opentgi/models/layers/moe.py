@@ -73,6 +73,7 @@ class SparseMoE(nn.Module):
                                       for _ in range(num_experts)])
         self.act = self.experts[0].act
         self.tp = None  # models.parallel.TPGroup when sharded: the output is all-reduced
+        self.lora = None  # layers.expert_lora.ExpertLora when LoRA adapters adapt this block
 
     def fuse_projections(self) -> None:
         for expert in self.experts:
@@ -80,49 +81,68 @@ class SparseMoE(nn.Module):
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64)."""
+    def route(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64); `masks`: the
+        step's LoRA masks (ExpertLora.step_masks), None without adapter rows."""
         logits = self.gate(x)
+        if masks is not None:
+            logits = self.lora.add_router(x, logits, masks)
         if self.renormalize:  # the top k's softmax: their full-softmax weights renormalised, in two ops
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return F.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), experts
         weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), experts
 
-    def _run_experts(self, rows: torch.Tensor, used: list[tuple[GatedMLP, int]]) -> torch.Tensor:
+    def _run_experts(self, rows: torch.Tensor, used: list[tuple[int, int]],
+                     masks: torch.Tensor | None = None) -> torch.Tensor:
         """rows [R, hidden] -> outputs [R, hidden]: each (expert, count) of `used` takes the next
-        `count` rows; the activation runs once over all of them."""
+        `count` rows; the activation runs once over all of them. `masks` [R, slots*rank]: each
+        row's LoRA mask (its token's adapter), None in a step without adapter rows."""
+        lora = None if masks is None else self.lora
+        masks2 = None if lora is None else masks.repeat(1, 2)  # gate's columns, then up's
         parts, start = [], 0
-        for expert, count in used:
-            parts.append(expert.gate_up_proj(rows[start:start + count]))
+        for e, count in used:
+            part = rows[start:start + count]
+            y = self.experts[e].gate_up_proj(part)
+            if lora is not None:
+                lora.add_gate_up(e, part, y, masks2[start:start + count])
+            parts.append(y)
             start += count
         gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
         hidden = self.act(gate).mul_(up)  # one elementwise pass over every expert's rows
         outs, start = [], 0
-        for expert, count in used:
-            outs.append(expert.down_proj(hidden[start:start + count]))
+        for e, count in used:
+            part = hidden[start:start + count]
+            y = self.experts[e].down_proj(part)
+            if lora is not None:
+                lora.add_down(e, part, y, masks[start:start + count])
+            outs.append(y)
             start += count
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        weights, experts = self.route(x)
+        masks = None if self.lora is None else self.lora.step_masks()
+        weights, experts = self.route(x, masks)
         if x.shape[0] == 1:
-            return self._one_token(x, weights[0], experts[0])
+            return self._one_token(x, weights[0], experts[0], masks)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
         token_of = order // self.top_k
-        used = [(self.experts[e], c) for e, c in enumerate(counts) if c]
-        out_rows = self._run_experts(x.index_select(0, token_of), used)
+        used = [(e, c) for e, c in enumerate(counts) if c]
+        row_masks = None if masks is None else masks.index_select(0, token_of)
+        out_rows = self._run_experts(x.index_select(0, token_of), used, row_masks)
         out_rows.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
         out = torch.zeros_like(x).index_add_(0, token_of, out_rows)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   masks: torch.Tensor | None = None) -> torch.Tensor:
         ids = experts.tolist()  # the one host sync
-        out_rows = self._run_experts(x.expand(len(ids), -1), [(self.experts[e], 1) for e in ids])
+        row_masks = None if masks is None else masks.expand(len(ids), -1)
+        out_rows = self._run_experts(x.expand(len(ids), -1), [(e, 1) for e in ids], row_masks)
         # weighted in x's dtype, as there; summed in float32 in expert order, rounded once
         out_rows.mul_(weights.unsqueeze(1))
         if len(ids) == 2:  # torch adds two values of x's dtype in float32 and rounds once: as below
