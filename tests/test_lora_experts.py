@@ -292,3 +292,21 @@ def test_num_shard_with_adapters_is_refused_at_start_up():
             cli_main(["serve", "--model-id", str(path), "--num-shard", "2", "--lora-adapters", f"a={a}"])
     finally:
         root.handlers[:], root.level = handlers, level
+
+
+def test_bench_adapters_on_a_mixture_of_experts_load(tmp_path):
+    """The benchmark's random adapters (opentgi.bench.runner --lora) adapt every expert and the
+    router of a routed layer, the dense projections elsewhere, and load."""
+    from transformers import AutoConfig
+
+    from opentgi.bench.runner import write_random_adapters
+
+    path = tiny_models.tiny_family_path("qwen3_moe")
+    config = AutoConfig.from_pretrained(path)
+    (folder,) = write_random_adapters(config, tmp_path, 1, 4)
+    model = load_paged(path)
+    (adapter,) = load_adapters(str(folder), model.config, str(path))
+    assert (0, "experts.3.down_proj") in adapter.weights and (0, "gate") in adapter.weights
+    assert (1, "gate_proj") in adapter.weights and (0, "gate_proj") not in adapter.weights
+    attach_lora(model, [adapter])
+    assert model.model.layers[0].mlp.lora is not None
