@@ -194,6 +194,22 @@ def test_a_step_without_adapter_rows_does_no_lora_work_and_keeps_its_bits():
         assert torch.equal(with_lora[0], block(x)) and torch.equal(with_lora[1], block(x[:1]))
 
 
+def test_only_experts_that_take_adapter_rows_do_lora_work():
+    """An expert whose rows in the step are all base rows adds no LoRA (it would add zeros)."""
+    block, state = _block_with_lora(torch.float32, 2)
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(5))
+    called = []
+    add = block.lora.add_gate_up
+    block.lora.add_gate_up = lambda e, *args: (called.append(e), add(e, *args))
+    adapters = ["y"] + [None] * 8
+    with torch.inference_mode():
+        state.begin_step(adapters, [1] * 9)
+        _, experts = block.route(x, block.lora.step_masks())  # token 0 routes as its adapter says
+        _run(block, state, x, adapters)
+    assert sorted(called) == sorted(experts[0].tolist())
+    assert set(experts.flatten().tolist()) > set(called)  # the step used other experts, without LoRA
+
+
 # --- through the Engine -------------------------------------------------------------------------------
 
 MAX_NEW = 8

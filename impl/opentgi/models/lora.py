@@ -1,13 +1,15 @@
 """LoRA adapters on the paged decoder (q/k/v/o and the dense MLP's gate/up/down of every family;
-Phi-3's checkpoint-fused qkv_proj/gate_up_proj and StarCoder2's c_fc/c_proj; not experts): PEFT
-checkpoints loaded at start-up, many adapters
-served in one batch.
+Phi-3's checkpoint-fused qkv_proj/gate_up_proj and StarCoder2's c_fc/c_proj; a mixture-of-experts
+block's experts and router): PEFT checkpoints loaded at start-up, many adapters served in one batch.
 
 Loading (`load_adapters`): each adapter is a PEFT folder (`adapter_config.json` +
 `adapter_model.safetensors`) with its own rank and alpha, on any subset of the q/k/v/o/gate/up/down
-projections. Anything this code cannot apply exactly (DoRA, `modules_to_save`, LoRA biases, rank or
-alpha patterns, embeddings, a shape that does not fit the base model) stops start-up with a message
-saying which adapter and why.
+projections, of the experts' projections (`mlp.experts.E.gate_proj/up_proj/down_proj` in Qwen3-MoE,
+`block_sparse_moe.experts.E.w1/w3/w2` in Mixtral, as PEFT names them) and of the routers
+(`mlp.gate`, `block_sparse_moe.gate`: nn.Linear layers PEFT adapts). Anything this code cannot apply
+exactly (DoRA, `modules_to_save`, LoRA biases, rank or alpha patterns, embeddings, a shape that does
+not fit the base model, experts of a dense layer or under the other family's names) stops start-up
+with a message saying which adapter and why.
 
 Serving (`attach_lora`): every adapted projection of the model (the fused `qkv_proj` and
 `gate_up_proj`, `o_proj`, `down_proj`) is wrapped in a `LoraLinear`. Per layer and projection, the
@@ -23,6 +25,14 @@ fewer than are loaded). This is punica's BGMV (a gathered A/B per row) done as d
 `bench/runner.py --lora` measures it against the per-token gather (`bgmv_delta`, kept as the reference
 the tests compare against). A step where no row uses an adapter, or a server without adapters,
 does no LoRA work at all.
+
+A routed-experts block's adapters (`_attach_expert_lora`) are served inside its grouped expert pass
+(models/layers/expert_lora.py, called from models/layers/moe.py): per expert the same
+shrink/mask/expand, on the rows the expert takes, each masked by its token's adapter; the router's
+LoRA is added to its logits before the top k are chosen, so each token routes as its adapter does.
+There the columns are every loaded adapter's (`LoraStep.slots_mask`) and the matmuls take the
+model's row-invariant forms: a row's result does not depend on the step's other rows.
+Sharding (`--num-shard`) with adapters is refused at start-up (engine/execution/shards.py).
 """
 
 from __future__ import annotations
@@ -314,6 +324,7 @@ class LoraStep:
         self._slot_mask = onehot.repeat_interleave(rank, dim=1)  # [T, used*R]: columns (slot, r)
         self._masks: dict[int, torch.Tensor] = {}
         self._slots_mask: torch.Tensor | None = None
+        self._adapter_tokens: torch.Tensor | None = None
 
     def slots_mask(self) -> torch.Tensor:
         """[T, slots*R], columns (slot, r) over every loaded slot (not only the step's): 1 where the
@@ -323,6 +334,12 @@ class LoraStep:
             onehot = (self.token_slots.unsqueeze(1) == every.unsqueeze(0)).to(self.dtype)
             self._slots_mask = onehot.repeat_interleave(self.rank, dim=1)
         return self._slots_mask
+
+    def adapter_tokens(self) -> torch.Tensor:
+        """[T] bool: the tokens whose row uses an adapter."""
+        if self._adapter_tokens is None:
+            self._adapter_tokens = self.token_slots >= 0
+        return self._adapter_tokens
 
     def mask(self, parts: int) -> torch.Tensor:
         """[T, parts*used*R], columns (part, slot, r): 1 where the slot is the token's adapter."""

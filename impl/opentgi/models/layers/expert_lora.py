@@ -71,6 +71,10 @@ class ExpertLora(nn.Module):
         step = self.state.step
         return None if step is None else step.slots_mask()
 
+    def adapter_tokens(self) -> torch.Tensor:
+        """[T] bool: the step's tokens whose row uses an adapter (only while `step_masks` is not None)."""
+        return self.state.step.adapter_tokens()
+
     def add_router(self, x: torch.Tensor, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         return logits if self.router is None else logits.add_(self.router(x, masks))
 

@@ -23,6 +23,13 @@ models/layers/linear.py): routing is per token (the router's reduction is per ro
 elementwise, and `index_add_` sums a token's k contributions alone, in expert order, whoever else
 the experts saw.
 
+LoRA adapters (`lora`, models/layers/expert_lora.py, attached by models/lora.py): in a step with
+adapter rows the router's logits get each token's adapter delta before the top k are chosen, and
+each expert's gate/up and down outputs the deltas of its rows' adapters, computed on the expert's
+contiguous slice in the same loop (every row masked by its token's adapter). Which experts take
+adapter rows is read in the same host sync as the counts; the others add nothing. A step without
+adapter rows runs exactly the code above.
+
 With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
 """
@@ -93,28 +100,29 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), experts
 
-    def _run_experts(self, rows: torch.Tensor, used: list[tuple[int, int]],
+    def _run_experts(self, rows: torch.Tensor, used: list[tuple[int, int, bool]],
                      masks: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [R, hidden] -> outputs [R, hidden]: each (expert, count) of `used` takes the next
-        `count` rows; the activation runs once over all of them. `masks` [R, slots*rank]: each
-        row's LoRA mask (its token's adapter), None in a step without adapter rows."""
+        """rows [R, hidden] -> outputs [R, hidden]: each (expert, count, adapted) of `used` takes the
+        next `count` rows; the activation runs once over all of them. `masks` [R, slots*rank]: each
+        row's LoRA mask (its token's adapter), None in a step without adapter rows; an expert adds
+        its LoRA only where `adapted` (some of its rows use an adapter: on the others it adds zeros)."""
         lora = None if masks is None else self.lora
         masks2 = None if lora is None else masks.repeat(1, 2)  # gate's columns, then up's
         parts, start = [], 0
-        for e, count in used:
+        for e, count, adapted in used:
             part = rows[start:start + count]
             y = self.experts[e].gate_up_proj(part)
-            if lora is not None:
+            if adapted:
                 lora.add_gate_up(e, part, y, masks2[start:start + count])
             parts.append(y)
             start += count
         gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
         hidden = self.act(gate).mul_(up)  # one elementwise pass over every expert's rows
         outs, start = [], 0
-        for e, count in used:
+        for e, count, adapted in used:
             part = hidden[start:start + count]
             y = self.experts[e].down_proj(part)
-            if lora is not None:
+            if adapted:
                 lora.add_down(e, part, y, masks[start:start + count])
             outs.append(y)
             start += count
@@ -129,9 +137,14 @@ class SparseMoE(nn.Module):
             return self._one_token(x, weights[0], experts[0], masks)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if masks is None:
+            used = [(e, c, False) for e, c in enumerate(counts.tolist()) if c]  # the one host sync
+        else:  # and how many rows of each expert use an adapter, in the same sync
+            adapted = torch.bincount(experts[self.lora.adapter_tokens()].flatten(), minlength=self.num_experts)
+            counts, adapted = torch.stack([counts, adapted]).tolist()
+            used = [(e, c, a > 0) for e, (c, a) in enumerate(zip(counts, adapted, strict=True)) if c]
         token_of = order // self.top_k
-        used = [(e, c) for e, c in enumerate(counts) if c]
         row_masks = None if masks is None else masks.index_select(0, token_of)
         out_rows = self._run_experts(x.index_select(0, token_of), used, row_masks)
         out_rows.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
@@ -142,7 +155,7 @@ class SparseMoE(nn.Module):
                    masks: torch.Tensor | None = None) -> torch.Tensor:
         ids = experts.tolist()  # the one host sync
         row_masks = None if masks is None else masks.expand(len(ids), -1)
-        out_rows = self._run_experts(x.expand(len(ids), -1), [(e, 1) for e in ids], row_masks)
+        out_rows = self._run_experts(x.expand(len(ids), -1), [(e, 1, masks is not None) for e in ids], row_masks)
         # weighted in x's dtype, as there; summed in float32 in expert order, rounded once
         out_rows.mul_(weights.unsqueeze(1))
         if len(ids) == 2:  # torch adds two values of x's dtype in float32 and rounds once: as below
