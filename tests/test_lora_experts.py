@@ -141,7 +141,7 @@ def _block_with_lora(dtype: torch.dtype, top_k: int) -> tuple[SparseMoE, LoraSta
     lora = ExpertLora(state, stacked(1, HIDDEN, EXPERTS),
                       [None if e == 2 else stacked(2, HIDDEN, INTERMEDIATE) for e in range(EXPERTS)],
                       [None if e == 2 else stacked(1, INTERMEDIATE, HIDDEN) for e in range(EXPERTS)])
-    lora.finish(torch.device("cpu"), dtype, row_invariant=True)
+    lora.make_row_invariant()
     block.lora = lora
     return block, state
 

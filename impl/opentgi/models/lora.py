@@ -327,11 +327,11 @@ class LoraStep:
         self._adapter_tokens: torch.Tensor | None = None
 
     def slots_mask(self) -> torch.Tensor:
-        """[T, slots*R], columns (slot, r) over every loaded slot (not only the step's): 1 where the
-        slot is the token's adapter. The experts' LoRA uses it (models/layers/expert_lora.py)."""
+        """[T, slots*R] float32, columns (slot, r) over every loaded slot (not only the step's): 1
+        where the slot is the token's adapter. The experts' LoRA uses it (models/layers/expert_lora.py)."""
         if self._slots_mask is None:
             every = torch.arange(self.num_slots, device=self.token_slots.device)
-            onehot = (self.token_slots.unsqueeze(1) == every.unsqueeze(0)).to(self.dtype)
+            onehot = (self.token_slots.unsqueeze(1) == every.unsqueeze(0)).float()
             self._slots_mask = onehot.repeat_interleave(self.rank, dim=1)
         return self._slots_mask
 
@@ -491,12 +491,13 @@ def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state
                                f"does not have (its experts' projections are {gate}/{up}/{down})")
 
     def stacked(modules: tuple[str, ...]) -> StackedLora | None:
-        found = _stack(adapters, i, modules, shapes, state.rank, spec.dtype, spec.device)
+        found = _stack(adapters, i, modules, shapes, state.rank, torch.float32, spec.device)
         return None if found is None else StackedLora(*found)
 
     experts = range(len(block.experts))
     lora = ExpertLora(state, stacked((ROUTER,)),
                       [stacked((f"experts.{e}.{gate}", f"experts.{e}.{up}")) for e in experts],
                       [stacked((f"experts.{e}.{down}",)) for e in experts])
-    lora.finish(torch.device(spec.device), spec.dtype, bool(getattr(model, "batch_invariant", False)))
+    if getattr(model, "batch_invariant", False):
+        lora.make_row_invariant()
     block.lora = lora

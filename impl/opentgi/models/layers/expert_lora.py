@@ -8,20 +8,83 @@ from up's). A row's delta is `expand(shrink(x) * mask)`, `mask` keeping the colu
 own adapter: `LoraLinear`'s dense-matmul form (models/lora.py), on the rows an expert takes in the
 block's grouped pass (each (token, expert) row masked by its token's adapter).
 
+The LoRA matmuls run in float32 (`torch.mm`, the delta added into the model-dtype output): on the
+2-core AMD EPYC this was built on (1 thread, loaded machine), a 576x32 shrink of 4 rows took 8 us
+as a float32 mm against 37 us through oneDNN's packed bfloat16 linear (a 32x1536 expand 16 against
+37 us), and the experts' LoRA of a 16-row decode step of a 576x30 8-expert model cost ~70 ms
+through oneDNN's linears, their fixed cost a call dominating.
+
 Row invariance (docs/determinism.md): the columns are those of every loaded adapter, not of the
 ones a step uses, so a row's reductions have the same length and its terms the same places
-whoever else the step holds; the two linears take the model's row-invariant forms
-(models/layers/linear.py), and the masked-out columns add exact zeros. A row's delta, and so its
-result, does not depend on the step's other rows, and a base row in a step with adapter rows keeps
-the bits it has without them. A step without adapter rows does no LoRA work.
+whoever else the step holds, and the masked-out columns add exact zeros. Each matmul takes the
+form measured at start-up to give a row the same bits for every row count (`RowInvariantMatmul`:
+fewer rows than `min_rows` padded with zero rows; torch's float32 mm there took another kernel
+below 4 rows and computed every row alike from 4 rows on, measured for every shape tried). A
+row's delta, and so its result, does not depend on the step's other rows, and a base row keeps
+the bits it has in a step without adapter rows. A step without adapter rows does no LoRA work.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.layers.linear import onednn_linear_usable, pack_linears, tile_linears
+from opentgi.models.layers.linear import _formulation_cache
+
+log = logging.getLogger(__name__)
+
+_MIN_ROWS = (1, 2, 4, 8, 16)  # candidates, smallest first
+_PROBE_ROW_COUNTS = (1, 2, 3, 5, 7, 16, 17, 64)
+
+
+class RowInvariantMatmul(nn.Module):
+    """`x @ weight` in float32 (x of any float dtype), fewer rows than `min_rows` padded with zero
+    rows (`invariant_min_rows`)."""
+
+    def __init__(self, weight: torch.Tensor, min_rows: int = 1):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().float().contiguous(), persistent=False)  # [in, out]
+        self.min_rows = min_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        x = x.float()
+        if rows >= self.min_rows:
+            return torch.mm(x, self.weight)
+        return torch.mm(F.pad(x, (0, 0, 0, self.min_rows - rows)), self.weight)[:rows]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[0]}, out_features={self.weight.shape[1]}, min_rows={self.min_rows}"
+
+
+def invariant_min_rows(fan_in: int, fan_out: int) -> int:
+    """The fewest rows a float32 mm of this shape must take for every row to get the same bits for
+    every row count, measured once per shape on random data (kept with the linears' measured forms,
+    models/layers/linear.py); the largest candidate, with a warning, if none does."""
+    key = ("lora-mm", fan_in, fan_out, "float32")
+    if key in _formulation_cache:
+        return _formulation_cache[key]
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(fan_in, fan_out, generator=gen) * fan_in ** -0.5
+    x = torch.randn(128, fan_in, generator=gen)
+    found = None
+    with torch.inference_mode():
+        for min_rows in _MIN_ROWS:
+            probe = RowInvariantMatmul(weight, min_rows)
+            reference = probe(x)
+            if all(torch.equal(probe(x[s:s + count]), reference[s:s + count])
+                   for count in _PROBE_ROW_COUNTS for s in range(0, x.shape[0] - count + 1, count)):
+                found = min_rows
+                break
+    if found is None:
+        log.warning("no row-invariant form of a %dx%d float32 LoRA matmul found: its rows may differ "
+                    "with the step's row count", fan_in, fan_out)
+        found = _MIN_ROWS[-1]
+    _formulation_cache[key] = found
+    return found
 
 
 class StackedLora(nn.Module):
@@ -32,21 +95,23 @@ class StackedLora(nn.Module):
         super().__init__()
         slots, self.parts, rank, fan_in = a.shape
         width = slots * rank
-        self.shrink = nn.Linear(fan_in, self.parts * width, bias=False, device=a.device, dtype=a.dtype)
-        self.expand = nn.Linear(self.parts * width, sum(p.shape[-1] for p in b), bias=False,
-                                device=a.device, dtype=a.dtype)
-        with torch.no_grad():
-            self.shrink.weight.copy_(a.transpose(0, 1).reshape(-1, fan_in))  # rows (part, slot, r)
-            self.expand.weight.zero_()
-            row = 0
-            for p, part in enumerate(b):
-                out = part.shape[-1]
-                self.expand.weight[row:row + out, p * width:(p + 1) * width] = part.reshape(width, out).t()
-                row += out
+        shrink = a.float().permute(3, 1, 0, 2).reshape(fan_in, -1)  # columns (part, slot, r)
+        expand = torch.zeros(self.parts * width, sum(p.shape[-1] for p in b), device=a.device)
+        col = 0
+        for p, part in enumerate(b):
+            out = part.shape[-1]
+            expand[p * width:(p + 1) * width, col:col + out] = part.float().reshape(width, out)
+            col += out
+        self.shrink = RowInvariantMatmul(shrink)
+        self.expand = RowInvariantMatmul(expand)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The delta of each row of x [n, in]; mask [n, parts*slots*R] (columns (part, slot, r))."""
+        """The float32 delta of each row of x [n, in]; mask [n, parts*slots*R] (columns (part, slot, r))."""
         return self.expand(self.shrink(x).mul_(mask))
+
+    def make_row_invariant(self) -> None:
+        for matmul in (self.shrink, self.expand):
+            matmul.min_rows = invariant_min_rows(*matmul.weight.shape)
 
 
 class ExpertLora(nn.Module):
@@ -89,9 +154,8 @@ class ExpertLora(nn.Module):
         if lora is not None:
             y.add_(lora(x, masks))
 
-    def finish(self, device: torch.device, dtype: torch.dtype, row_invariant: bool) -> None:
-        """The linears in the forms the model's own take (PagedDecoder.materialize)."""
-        if onednn_linear_usable(device, dtype):
-            pack_linears(self, row_invariant=row_invariant)
-        elif row_invariant:
-            tile_linears(self)
+    def make_row_invariant(self) -> None:
+        """Every matmul in its row-invariant form (with a batch-invariant model)."""
+        for module in self.modules():
+            if isinstance(module, StackedLora):
+                module.make_row_invariant()
