@@ -105,9 +105,21 @@ class StackedLora(nn.Module):
         self.shrink = RowInvariantMatmul(shrink)
         self.expand = RowInvariantMatmul(expand)
 
+    @property
+    def min_rows(self) -> int:
+        return max(self.shrink.min_rows, self.expand.min_rows)
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The float32 delta of each row of x [n, in]; mask [n, parts*slots*R] (columns (part, slot, r))."""
         return self.expand(self.shrink(x).mul_(mask))
+
+    def delta_of_slice(self, x: torch.Tensor, mask: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """The delta of rows [start, start + count) of x. Fewer rows than `min_rows` are multiplied
+        with their neighbours in x (a view, no copy; a row's bits do not depend on the others')
+        rather than padded, unless x itself is shorter."""
+        lo = max(0, min(start, x.shape[0] - self.min_rows))
+        hi = max(start + count, lo + self.min_rows)
+        return self(x[lo:hi], mask[lo:hi])[start - lo:start - lo + count]
 
     def make_row_invariant(self) -> None:
         for matmul in (self.shrink, self.expand):
@@ -143,16 +155,19 @@ class ExpertLora(nn.Module):
     def add_router(self, x: torch.Tensor, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         return logits if self.router is None else logits.add_(self.router(x, masks))
 
-    def add_gate_up(self, expert: int, x: torch.Tensor, y: torch.Tensor, masks2: torch.Tensor) -> None:
-        """y += the gate/up delta of `expert` for rows x; masks2: the rows' masks, repeated per part."""
+    def add_gate_up(self, expert: int, rows: torch.Tensor, masks2: torch.Tensor, start: int, count: int,
+                    y: torch.Tensor) -> None:
+        """y += the gate/up delta of `expert` for rows[start:start + count] (the expert's slice of
+        the grouped pass); masks2: every row's mask, repeated per part."""
         lora = self.gate_up[expert]
         if lora is not None:
-            y.add_(lora(x, masks2))
+            y.add_(lora.delta_of_slice(rows, masks2, start, count))
 
-    def add_down(self, expert: int, x: torch.Tensor, y: torch.Tensor, masks: torch.Tensor) -> None:
+    def add_down(self, expert: int, rows: torch.Tensor, masks: torch.Tensor, start: int, count: int,
+                 y: torch.Tensor) -> None:
         lora = self.down[expert]
         if lora is not None:
-            y.add_(lora(x, masks))
+            y.add_(lora.delta_of_slice(rows, masks, start, count))
 
     def make_row_invariant(self) -> None:
         """Every matmul in its row-invariant form (with a batch-invariant model)."""

@@ -113,7 +113,7 @@ class SparseMoE(nn.Module):
             part = rows[start:start + count]
             y = self.experts[e].gate_up_proj(part)
             if adapted:
-                lora.add_gate_up(e, part, y, masks2[start:start + count])
+                lora.add_gate_up(e, rows, masks2, start, count, y)
             parts.append(y)
             start += count
         gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
@@ -123,7 +123,7 @@ class SparseMoE(nn.Module):
             part = hidden[start:start + count]
             y = self.experts[e].down_proj(part)
             if adapted:
-                lora.add_down(e, part, y, masks[start:start + count])
+                lora.add_down(e, hidden, masks, start, count, y)
             outs.append(y)
             start += count
         return torch.cat(outs) if len(outs) > 1 else outs[0]
