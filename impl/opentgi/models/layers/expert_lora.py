@@ -1,27 +1,30 @@
 """LoRA adapters on a routed-experts block (models/layers/moe.py): every adapter's matrices on each
 expert's gate/up and down projections and on the router, served many adapters a batch.
 
-Each adapted projection is a `StackedLora`: one shrink linear holding the A matrices of every
-loaded adapter (rows (part, slot, r), ranks zero-padded to the largest) and one expand linear
+Each adapted projection is a `StackedLora`: one shrink matmul holding the A matrices of every
+loaded adapter (columns (part, slot, r), ranks zero-padded to the largest) and one expand matmul
 holding the scaled B matrices (for gate/up: block-diagonal, gate's outputs from gate's columns, up's
 from up's). A row's delta is `expand(shrink(x) * mask)`, `mask` keeping the columns of the row's
 own adapter: `LoraLinear`'s dense-matmul form (models/lora.py), on the rows an expert takes in the
 block's grouped pass (each (token, expert) row masked by its token's adapter).
 
-The LoRA matmuls run in float32 (`torch.mm`, the delta added into the model-dtype output): on the
-2-core AMD EPYC this was built on (1 thread, loaded machine), a 576x32 shrink of 4 rows took 8 us
-as a float32 mm against 37 us through oneDNN's packed bfloat16 linear (a 32x1536 expand 16 against
-37 us), and the experts' LoRA of a 16-row decode step of a 576x30 8-expert model cost ~70 ms
-through oneDNN's linears, their fixed cost a call dominating.
+The LoRA matmuls run in float32 (`torch.mm`; the delta is added into the model-dtype output):
+oneDNN's packed linears cost ~20-35 us a call whatever their size at these shapes. Side by side in
+one process (a 16-row decode step of a 576x30 Qwen3-MoE of 8 experts, bfloat16, 1 thread, one
+rank-16 adapter everywhere, machine under load), the experts' LoRA added 0.41x the time of a step
+without adapter rows this way against 0.63x through oneDNN's bfloat16 linears (the dense
+projections' LoRA 0.03x). Its float32 weights are ~13% of an expert's bfloat16 bytes at that
+shape, ~7% at Qwen3-30B-A3B's (hidden 2048), per rank-16 adapter loaded.
 
 Row invariance (docs/determinism.md): the columns are those of every loaded adapter, not of the
 ones a step uses, so a row's reductions have the same length and its terms the same places
-whoever else the step holds, and the masked-out columns add exact zeros. Each matmul takes the
-form measured at start-up to give a row the same bits for every row count (`RowInvariantMatmul`:
-fewer rows than `min_rows` padded with zero rows; torch's float32 mm there took another kernel
-below 4 rows and computed every row alike from 4 rows on, measured for every shape tried). A
-row's delta, and so its result, does not depend on the step's other rows, and a base row keeps
-the bits it has in a step without adapter rows. A step without adapter rows does no LoRA work.
+whoever else the step holds, and the masked-out columns add exact zeros. Each matmul multiplies at
+least the row count measured at start-up to give every row the same bits (`invariant_min_rows`:
+torch's float32 mm on the machine this was built on took another kernel below 4 rows, 8 for some
+shapes with 2 threads); an expert's shorter slice is multiplied with its neighbours in the grouped
+rows, a lone token's padded with zero rows. A row's delta, and so its result, does not depend on
+the step's other rows, and a base row keeps the bits it has in a step without adapter rows. A step
+without adapter rows does no LoRA work.
 """
 
 from __future__ import annotations
