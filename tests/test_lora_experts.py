@@ -15,15 +15,17 @@ import shutil
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from opentgi.config import Settings
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.models.attention.torch_backend import TorchAttentionBackend
 from opentgi.models.layers.expert_lora import ExpertLora, StackedLora
 from opentgi.models.layers.linear import pack_linears
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.loader import ModelLoadError, load_model
 from opentgi.models.lora import LoraAdapterError, LoraState, attach_lora, load_adapters
+from opentgi.models.registry import build_paged_model
 from tests import tiny_models
 from tests.engine_helpers import running
 from tests.test_models_llama import PROMPT, PagedRunner, load_paged
@@ -82,12 +84,15 @@ def test_adapters_are_read_with_their_experts_and_router(family):
     assert all(block.lora.router is not None and None not in block.lora.gate_up for block in blocks)
 
 
-@pytest.mark.parametrize("family", list(TARGETS))
-def test_two_adapters_and_base_rows_in_one_batch_match_peft(family):
+@pytest.mark.parametrize("family, batch_invariant", [("qwen3_moe", True), ("mixtral", True), ("qwen3_moe", False)])
+def test_two_adapters_and_base_rows_in_one_batch_match_peft(family, batch_invariant):
     """Rows of a, b and the base model share a prefill step and two decode steps, then b's row
-    decodes alone (the lone token's path): each row's logits are PEFT's with its own adapter."""
+    decodes alone (the lone token's path): each row's logits are PEFT's with its own adapter (also
+    with --nondeterministic's plain matmuls)."""
     path, a, b = adapters(family)
-    model = load_paged(path)
+    model = build_paged_model(path, AutoConfig.from_pretrained(path), TorchAttentionBackend(), torch.float32,
+                              torch.device("cpu"), batch_invariant=batch_invariant)
+    assert model.batch_invariant == batch_invariant
     attach_lora(model, load_adapters(f"a={a},b={b}", model.config, str(path)))
     # seq -> (adapter, its tokens, how many of them the prefill step takes); the rest are decoded
     rows = {0: ("a", PROMPT[:23], 20), 1: ("b", PROMPT[4:30] + PROMPT[:3], 26), 2: (None, PROMPT[9:29], 17)}
