@@ -30,8 +30,9 @@ A routed-experts block's adapters (`_attach_expert_lora`) are served inside its 
 (models/layers/expert_lora.py, called from models/layers/moe.py): per expert the same
 shrink/mask/expand, on the rows the expert takes, each masked by its token's adapter; the router's
 LoRA is added to its logits before the top k are chosen, so each token routes as its adapter does.
-There the columns are every loaded adapter's (`LoraStep.slots_mask`) and the matmuls take the
-model's row-invariant forms: a row's result does not depend on the step's other rows.
+There the columns are every loaded adapter's (`LoraStep.slots_mask`) and the (float32) matmuls
+take row-invariant forms with a batch-invariant model: a row's result does not depend on the
+step's other rows.
 Sharding (`--num-shard`) with adapters is refused at start-up (engine/execution/shards.py).
 """
 
@@ -246,7 +247,8 @@ def module_shapes(config) -> dict[str, tuple[int, int]]:
     expert = getattr(config, "moe_intermediate_size", None) or inter
     experts = {f"experts.{m}": (expert, hidden) if m in ("down_proj", "w2") else (hidden, expert)
                for m in EXPERT_MODULES}
-    return {**experts, ROUTER: (hidden, num_experts(config)),"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+    return {**experts, ROUTER: (hidden, num_experts(config)),
+            "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
             "down_proj": (inter, hidden), "qkv_proj": (hidden, heads * head_dim + 2 * kv),
             "gate_up_proj": (hidden, 2 * inter), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
@@ -315,7 +317,6 @@ class LoraStep:
         self.token_slots = token_slots
         self.num_slots = num_slots
         self.rank = rank
-        self.dtype = dtype
         self.all_slots = len(used_slots) == num_slots
         self.num_used = len(used_slots)
         self.used = torch.tensor(used_slots, device=token_slots.device)
