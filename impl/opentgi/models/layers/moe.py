@@ -107,23 +107,26 @@ class SparseMoE(nn.Module):
         row's LoRA mask (its token's adapter), None in a step without adapter rows; an expert adds
         its LoRA only where `adapted` (some of its rows use an adapter: on the others it adds zeros)."""
         lora = None if masks is None else self.lora
-        masks2 = None if lora is None else masks.repeat(1, 2)  # gate's columns, then up's
+        if lora is not None:  # the LoRA matmuls' float32 inputs, converted once for every expert
+            masks2, lora_rows = masks.repeat(1, 2), rows.float()  # masks2: gate's columns, then up's
         parts, start = [], 0
         for e, count, adapted in used:
             part = rows[start:start + count]
             y = self.experts[e].gate_up_proj(part)
             if adapted:
-                lora.add_gate_up(e, rows, masks2, start, count, y)
+                lora.add_gate_up(e, lora_rows, masks2, start, count, y)
             parts.append(y)
             start += count
         gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
         hidden = self.act(gate).mul_(up)  # one elementwise pass over every expert's rows
+        if lora is not None:
+            lora_rows = hidden.float()
         outs, start = [], 0
         for e, count, adapted in used:
             part = hidden[start:start + count]
             y = self.experts[e].down_proj(part)
             if adapted:
-                lora.add_down(e, hidden, masks, start, count, y)
+                lora.add_down(e, lora_rows, masks, start, count, y)
             outs.append(y)
             start += count
         return torch.cat(outs) if len(outs) > 1 else outs[0]
