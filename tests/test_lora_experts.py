@@ -291,6 +291,20 @@ def test_adapters_that_do_not_fit_the_experts_are_refused_by_name(family, edit, 
     assert message in str(caught.value)
 
 
+def test_adapter_on_parameters_is_refused(tmp_path):
+    """PEFT's `target_parameters` (LoRA on a weight tensor itself, for fused expert weights) is not
+    applied here: refused by name rather than read as a module's LoRA."""
+    import json
+
+    path, a, _ = adapters("qwen3_moe")
+    bad = tmp_path / "bad"
+    shutil.copytree(a, bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": ["experts.0.gate_proj.weight"]}))
+    with pytest.raises(ModelLoadError, match=r"adapter 'bad' adapts parameters directly \(target_parameters="):
+        load_model(Settings(model_id=str(path), dtype="float32", lora_adapters=f"bad={bad}"))
+
+
 def test_expert_adapter_on_a_model_without_experts_is_refused():
     llama = tiny_models.tiny_llama_path()
     _, a, _ = adapters("qwen3_moe")

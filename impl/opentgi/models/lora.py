@@ -170,6 +170,8 @@ def _check_config(name: str, config: dict) -> None:
         (config.get("alpha_pattern"), "has per-module alphas (alpha_pattern)"),
         (config.get("fan_in_fan_out"), "stores weights transposed (fan_in_fan_out)"),
         (config.get("layer_replication"), "replicates layers (layer_replication)"),
+        (config.get("target_parameters"),
+         f"adapts parameters directly (target_parameters={config.get('target_parameters')})"),
     ]
     for bad, why in refusals:
         if bad:
