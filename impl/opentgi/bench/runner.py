@@ -453,7 +453,11 @@ def lora_comparison(args, loaded, prompts: list[str]) -> str:
         median = statistics.median(rounds[k])
         lines.append(f"| {k} | {requests} | {tokens} | {tps:.1f} | {median:.1f} | {base_median / median:.2f}x |"
                      + (f" ({errors} errors)" if errors else ""))
-    lines += ["", f"The LoRA delta alone, every layer of one {c}-token decode step (median ms, same weights):", "",
+    from opentgi.models.lora import num_experts
+
+    dense_only = " (the dense projections' shapes; not the experts')" if num_experts(loaded.hf_config) else ""
+    lines += ["", f"The LoRA delta alone, every layer of one {c}-token decode step{dense_only} (median ms, "
+              "same weights):", "",
               "| adapters mixed | stacked shrink/expand (served) | per-token gather (punica BGMV in torch) |",
               "|---:|---:|---:|"]
     lines += [f"| {k} | {dense:.2f} | {gather:.2f} |" for k, (dense, gather) in ops.items()]
