@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from opentgi.config import Settings
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
-from opentgi.models.layers.expert_lora import ExpertLora, StackedLora
+from opentgi.models.layers.expert_lora import AdapterLora, ExpertLora
 from opentgi.models.layers.linear import pack_linears
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.loader import ModelLoadError, load_model
@@ -81,7 +81,10 @@ def test_adapters_are_read_with_their_experts_and_router(family):
     attach_lora(model, loaded)
     blocks = [layer.feed_forward for layer in model.model.layers if hasattr(layer.feed_forward, "experts")]
     assert blocks and all(isinstance(block.lora, ExpertLora) for block in blocks)
-    assert all(block.lora.router is not None and None not in block.lora.gate_up for block in blocks)
+    for block in blocks:  # a: the router and every expert; b: experts 0 and 2 only
+        assert block.lora.router[0] is not None and block.lora.router[1] is None
+        assert [[m is not None for m in per_expert] for per_expert in block.lora.gate_up] == [
+            [True, True], [True, False], [True, True], [True, False]]
 
 
 @pytest.mark.parametrize("family, batch_invariant", [("qwen3_moe", True), ("mixtral", True), ("qwen3_moe", False)])
@@ -123,7 +126,7 @@ def test_two_adapters_and_base_rows_in_one_batch_match_peft(family, batch_invari
 
 # --- the block alone: batch invariance and no work without adapter rows ------------------------------
 
-HIDDEN, INTERMEDIATE, EXPERTS, SLOTS, RANK = 64, 96, 4, 2, 4
+HIDDEN, INTERMEDIATE, EXPERTS, RANK = 64, 96, 4, 4
 
 
 def _block_with_lora(dtype: torch.dtype, top_k: int) -> tuple[SparseMoE, LoraState]:
@@ -139,13 +142,14 @@ def _block_with_lora(dtype: torch.dtype, top_k: int) -> tuple[SparseMoE, LoraSta
     state = LoraState(["x", "y"], RANK, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
 
-    def stacked(parts: int, fan_in: int, out: int) -> StackedLora:
-        a = (torch.randn(SLOTS, parts, RANK, fan_in, generator=gen) * fan_in ** -0.5).to(dtype)
-        return StackedLora(a, [(torch.randn(SLOTS, RANK, out, generator=gen) * 0.5).to(dtype) for _ in range(parts)])
+    def adapter(parts: int, fan_in: int, out: int, rank: int) -> AdapterLora:
+        a = (torch.randn(parts, rank, fan_in, generator=gen) * fan_in ** -0.5).to(dtype)
+        return AdapterLora(a, [(torch.randn(rank, out, generator=gen) * 0.5).to(dtype) for _ in range(parts)])
 
-    lora = ExpertLora(state, stacked(1, HIDDEN, EXPERTS),
-                      [None if e == 2 else stacked(2, HIDDEN, INTERMEDIATE) for e in range(EXPERTS)],
-                      [None if e == 2 else stacked(1, INTERMEDIATE, HIDDEN) for e in range(EXPERTS)])
+    ranks = (RANK, 2 * RANK)  # x, y
+    lora = ExpertLora(state, [adapter(1, HIDDEN, EXPERTS, r) for r in ranks],
+                      [[None if e == 2 else adapter(2, HIDDEN, INTERMEDIATE, r) for r in ranks] for e in range(EXPERTS)],
+                      [[None if e == 2 else adapter(1, INTERMEDIATE, HIDDEN, r) for r in ranks] for e in range(EXPERTS)])
     lora.make_row_invariant()
     block.lora = lora
     return block, state
@@ -189,7 +193,7 @@ def test_a_step_without_adapter_rows_does_no_lora_work_and_keeps_its_bits():
     block, state = _block_with_lora(torch.bfloat16, 2)
     calls = []
     for module in block.lora.modules():
-        if isinstance(module, StackedLora):
+        if isinstance(module, AdapterLora):
             module.register_forward_hook(lambda *_: calls.append(1))
     x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     with torch.inference_mode():
@@ -200,19 +204,20 @@ def test_a_step_without_adapter_rows_does_no_lora_work_and_keeps_its_bits():
 
 
 def test_only_experts_that_take_adapter_rows_do_lora_work():
-    """An expert whose rows in the step are all base rows adds no LoRA (it would add zeros)."""
+    """An expert runs the adapters of its rows only: one whose rows in the step are all base rows
+    adds no LoRA (it would add zeros), and only y's matrices run where only y's rows are."""
     block, state = _block_with_lora(torch.float32, 2)
     x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(5))
     called = []
     add = block.lora.add_gate_up
-    block.lora.add_gate_up = lambda e, *args: (called.append(e), add(e, *args))
+    block.lora.add_gate_up = lambda e, slot, *args: (called.append((e, slot)), add(e, slot, *args))
     adapters = ["y"] + [None] * 8
     with torch.inference_mode():
         state.begin_step(adapters, [1] * 9)
-        _, experts = block.route(x, block.lora.step_masks())  # token 0 routes as its adapter says
+        _, experts = block.route(x, lora=True)  # token 0 routes as its adapter says
         _run(block, state, x, adapters)
-    assert sorted(called) == sorted(experts[0].tolist())
-    assert set(experts.flatten().tolist()) > set(called)  # the step used other experts, without LoRA
+    assert sorted(called) == sorted((e, 1) for e in experts[0].tolist())  # slot 1: y
+    assert set(experts.flatten().tolist()) > {e for e, _ in called}  # the step used other experts, without LoRA
 
 
 # --- through the Engine -------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ A routed-experts block's adapters (`_attach_expert_lora`) are served inside its 
 (models/layers/expert_lora.py, called from models/layers/moe.py): per expert the same
 shrink/mask/expand, on the rows the expert takes, each masked by its token's adapter; the router's
 LoRA is added to its logits before the top k are chosen, so each token routes as its adapter does.
-There the columns are every loaded adapter's (`LoraStep.slots_mask`) and the (float32) matmuls
-take row-invariant forms with a batch-invariant model: a row's result does not depend on the
-step's other rows.
+There each adapter's matrices are apart (its own rank, no padding; an expert runs only the
+adapters of its rows) and the (float32) matmuls take row-invariant forms with a batch-invariant
+model: a row's result does not depend on the step's other rows.
 Sharding (`--num-shard`) with adapters is refused at start-up (engine/execution/shards.py).
 """
 
@@ -317,8 +317,6 @@ class LoraStep:
 
     def __init__(self, token_slots: torch.Tensor, used_slots: list[int], num_slots: int, rank: int, dtype):
         self.token_slots = token_slots
-        self.num_slots = num_slots
-        self.rank = rank
         self.all_slots = len(used_slots) == num_slots
         self.num_used = len(used_slots)
         self.used = torch.tensor(used_slots, device=token_slots.device)
@@ -326,17 +324,16 @@ class LoraStep:
         onehot = (token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(dtype)  # [T, used]
         self._slot_mask = onehot.repeat_interleave(rank, dim=1)  # [T, used*R]: columns (slot, r)
         self._masks: dict[int, torch.Tensor] = {}
-        self._slots_mask: torch.Tensor | None = None
+        self._token_masks: dict[int, torch.Tensor] = {}
         self._adapter_tokens: torch.Tensor | None = None
 
-    def slots_mask(self) -> torch.Tensor:
-        """[T, slots*R] float32, columns (slot, r) over every loaded slot (not only the step's): 1
-        where the slot is the token's adapter. The experts' LoRA uses it (models/layers/expert_lora.py)."""
-        if self._slots_mask is None:
-            every = torch.arange(self.num_slots, device=self.token_slots.device)
-            onehot = (self.token_slots.unsqueeze(1) == every.unsqueeze(0)).float()
-            self._slots_mask = onehot.repeat_interleave(self.rank, dim=1)
-        return self._slots_mask
+    def token_mask(self, slot: int) -> torch.Tensor:
+        """[T, 1] float32: 1 for the tokens of adapter `slot` (the experts' LoRA,
+        models/layers/expert_lora.py)."""
+        found = self._token_masks.get(slot)
+        if found is None:
+            found = self._token_masks[slot] = (self.token_slots == slot).float().unsqueeze(1)
+        return found
 
     def adapter_tokens(self) -> torch.Tensor:
         """[T] bool: the tokens whose row uses an adapter."""
@@ -475,7 +472,7 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
 
 def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state: LoraState, shapes) -> None:
     """The experts' and the router's LoRA of layer i's routed-experts block, if any adapter has some."""
-    from opentgi.models.layers.expert_lora import ExpertLora, StackedLora
+    from opentgi.models.layers.expert_lora import AdapterLora, ExpertLora
 
     wanted = sorted({m for ad in adapters for (n, m) in ad.weights if n == i and (expert_of(m) is not None
                                                                                  or m == ROUTER)})
@@ -493,14 +490,14 @@ def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state
         raise LoraAdapterError(f"adapter targets {'/'.join(foreign)} of layer {i}, which {spec.architecture} "
                                f"does not have (its experts' projections are {gate}/{up}/{down})")
 
-    def stacked(modules: tuple[str, ...]) -> StackedLora | None:
-        found = _stack(adapters, i, modules, shapes, state.rank, torch.float32, spec.device)
-        return None if found is None else StackedLora(*found)
+    def single(adapter: LoraAdapter, modules: tuple[str, ...]) -> AdapterLora | None:
+        found = _stack([adapter], i, modules, shapes, adapter.rank, torch.float32, spec.device)
+        return None if found is None else AdapterLora(found[0][0], [b[0] for b in found[1]])
 
     experts = range(len(block.experts))
-    lora = ExpertLora(state, stacked((ROUTER,)),
-                      [stacked((f"experts.{e}.{gate}", f"experts.{e}.{up}")) for e in experts],
-                      [stacked((f"experts.{e}.{down}",)) for e in experts])
+    lora = ExpertLora(state, [single(ad, (ROUTER,)) for ad in adapters],
+                      [[single(ad, (f"experts.{e}.{gate}", f"experts.{e}.{up}")) for ad in adapters] for e in experts],
+                      [[single(ad, (f"experts.{e}.{down}",)) for ad in adapters] for e in experts])
     if getattr(model, "batch_invariant", False):
         lora.make_row_invariant()
     block.lora = lora

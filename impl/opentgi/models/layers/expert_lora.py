@@ -1,12 +1,14 @@
 """LoRA adapters on a routed-experts block (models/layers/moe.py): every adapter's matrices on each
 expert's gate/up and down projections and on the router, served many adapters a batch.
 
-Each adapted projection is a `StackedLora`: one shrink matmul holding the A matrices of every
-loaded adapter (columns (part, slot, r), ranks zero-padded to the largest) and one expand matmul
-holding the scaled B matrices (for gate/up: block-diagonal, gate's outputs from gate's columns, up's
-from up's). A row's delta is `expand(shrink(x) * mask)`, `mask` keeping the columns of the row's
-own adapter: `LoraLinear`'s dense-matmul form (models/lora.py), on the rows an expert takes in the
-block's grouped pass (each (token, expert) row masked by its token's adapter).
+Each adapter's LoRA on one projection is an `AdapterLora`: a shrink matmul holding its A (gate's
+and up's side by side) and an expand matmul holding its scaled B (for gate/up: block-diagonal,
+gate's outputs from gate's columns, up's from up's), at the adapter's own rank. In the block's
+grouped pass an expert runs, on its contiguous slice of rows, the adapters its rows use (read with
+the expert counts, in the same host sync), each as `expand(shrink(x) * mask)` with `mask` keeping
+that adapter's rows: `LoraLinear`'s dense-matmul-and-mask form (models/lora.py), per adapter rather
+than stacked, so a step pays for the adapters its rows use, not for every adapter loaded. The
+router adds each used adapter's delta over every token, masked the same way.
 
 The LoRA matmuls run in float32 (`torch.mm`; the delta is added into the model-dtype output):
 oneDNN's packed linears cost ~20-35 us a call whatever their size at these shapes. Side by side in
@@ -14,14 +16,13 @@ one process (a 16-row decode step of a 576x30 Qwen3-MoE of 8 experts, bfloat16, 
 rank-16 adapter everywhere, machine under load), the experts' LoRA added 0.41x the time of a step
 without adapter rows this way against 0.63x through oneDNN's bfloat16 linears (the dense
 projections' LoRA 0.03x). Its float32 weights are ~13% of an expert's bfloat16 bytes at that
-shape, ~7% at Qwen3-30B-A3B's (hidden 2048), per rank-16 adapter loaded.
+shape, ~7% at Qwen3-30B-A3B's (hidden 2048), per rank-16 adapter an expert runs.
 
-Row invariance (docs/determinism.md): the columns are those of every loaded adapter, not of the
-ones a step uses, so a row's reductions have the same length and its terms the same places
-whoever else the step holds, and the masked-out columns add exact zeros. Each matmul multiplies at
-least the row count measured at start-up to give every row the same bits (`invariant_min_rows`:
-torch's float32 mm on the machine this was built on took another kernel below 4 rows, 8 for some
-shapes with 2 threads); an expert's shorter slice is multiplied with its neighbours in the grouped
+Row invariance (docs/determinism.md): a row's delta comes from its own adapter's matrices only,
+whatever other adapters the step or the expert's slice holds (theirs add exact zeros to it, masked
+out). Each matmul multiplies at least the row count measured at start-up to give every row the
+same bits (`invariant_min_rows`: torch's float32 mm on the machine this was built on took another
+kernel below 4 rows, 8 for some shapes with 2 threads); an expert's shorter slice is multiplied with its neighbours in the grouped
 rows, a lone token's padded with zero rows. A row's delta, and so its result, does not depend on
 the step's other rows, and a base row keeps the bits it has in a step without adapter rows. A step
 without adapter rows does no LoRA work.
@@ -90,21 +91,20 @@ def invariant_min_rows(fan_in: int, fan_out: int) -> int:
     return found
 
 
-class StackedLora(nn.Module):
-    """One projection's LoRA for every slot: a [slots, parts, R, in] and b per part [slots, R, out_p]
-    (B already scaled; zero where an adapter leaves a part or a rank unused)."""
+class AdapterLora(nn.Module):
+    """One adapter's LoRA on one projection, its parts fused (gate and up): a [parts, r, in] and b
+    per part [r, out_p] (B already scaled). shrink [in, parts*r] (columns (part, r)); expand
+    [parts*r, out] block-diagonal (each part's outputs from its own columns)."""
 
     def __init__(self, a: torch.Tensor, b: list[torch.Tensor]):
         super().__init__()
-        slots, self.parts, rank, fan_in = a.shape
-        width = slots * rank
-        shrink = a.float().permute(3, 1, 0, 2).reshape(fan_in, -1)  # columns (part, slot, r)
-        expand = torch.zeros(self.parts * width, sum(p.shape[-1] for p in b), device=a.device)
+        parts, rank, fan_in = a.shape
+        shrink = a.float().permute(2, 0, 1).reshape(fan_in, parts * rank)
+        expand = torch.zeros(parts * rank, sum(p.shape[-1] for p in b), device=a.device)
         col = 0
         for p, part in enumerate(b):
-            out = part.shape[-1]
-            expand[p * width:(p + 1) * width, col:col + out] = part.float().reshape(width, out)
-            col += out
+            expand[p * rank:(p + 1) * rank, col:col + part.shape[-1]] = part.float()
+            col += part.shape[-1]
         self.shrink = RowInvariantMatmul(shrink)
         self.expand = RowInvariantMatmul(expand)
 
@@ -113,7 +113,7 @@ class StackedLora(nn.Module):
         return max(self.shrink.min_rows, self.expand.min_rows)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The float32 delta of each row of x [n, in]; mask [n, parts*slots*R] (columns (part, slot, r))."""
+        """The float32 delta of each row of x [n, in]; mask [n, 1]: 1 for the rows of this adapter."""
         return self.expand(self.shrink(x).mul_(mask))
 
     def delta_of_slice(self, x: torch.Tensor, mask: torch.Tensor, start: int, count: int) -> torch.Tensor:
@@ -130,50 +130,64 @@ class StackedLora(nn.Module):
 
 
 class ExpertLora(nn.Module):
-    """The LoRA of one routed-experts block: per expert, the gate/up (2 parts) and down
-    `StackedLora` (None where no adapter touches that expert), and the router's. `state` is the
-    model's LoraState: `state.step` is None in a step without adapter rows."""
+    """The LoRA of one routed-experts block, per adapter slot: the router's (`router[s]`) and each
+    expert's gate/up (2 parts) and down (`gate_up[e][s]`, `down[e][s]`), None where the adapter
+    leaves it. `state` is the model's LoraState: `state.step` is None in a step without adapter
+    rows."""
 
-    def __init__(self, state, router: StackedLora | None, gate_up: list[StackedLora | None],
-                 down: list[StackedLora | None]):
+    def __init__(self, state, router: list[AdapterLora | None], gate_up: list[list[AdapterLora | None]],
+                 down: list[list[AdapterLora | None]]):
         super().__init__()
         self.state = state
+        self.num_slots = len(router)
         self.router = router
-        self.gate_up_layers = nn.ModuleDict({str(e): m for e, m in enumerate(gate_up) if m is not None})
-        self.down_layers = nn.ModuleDict({str(e): m for e, m in enumerate(down) if m is not None})
-        # per expert, for the grouped pass's loop (the modules above; their linears are replaced in place)
         self.gate_up = gate_up
         self.down = down
+        every = [*router, *(m for per_expert in (*gate_up, *down) for m in per_expert)]
+        self.adapters = nn.ModuleList([m for m in every if m is not None])  # registered once, for .modules()
 
-    def step_masks(self) -> torch.Tensor | None:
-        """[T, slots*R] of this step (columns (slot, r): 1 for the token's adapter), or None when no
-        row uses an adapter."""
+    def active(self) -> bool:
+        """Whether the current step has adapter rows."""
+        return self.state.step is not None
+
+    def add_router(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The router's logits plus each token's adapter's delta (each slot the step uses, over every
+        token, masked to that slot's tokens)."""
         step = self.state.step
-        return None if step is None else step.slots_mask()
+        for s in step.used_key:
+            if self.router[s] is not None:
+                logits = logits.add_(self.router[s](x, step.token_mask(s)))
+        return logits
 
-    def adapter_tokens(self) -> torch.Tensor:
-        """[T] bool: the step's tokens whose row uses an adapter (only while `step_masks` is not None)."""
-        return self.state.step.adapter_tokens()
+    def expert_slots(self, experts: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[tuple[int, ...]]]:
+        """experts [T, k], counts [num_experts] -> (the counts, per expert the slots of its rows'
+        adapters), read in one host sync."""
+        step, n = self.state.step, counts.shape[0]
+        pairs = (experts * self.num_slots + step.token_slots.unsqueeze(1))[step.adapter_tokens()].flatten()
+        both = torch.cat([counts, torch.bincount(pairs, minlength=n * self.num_slots)]).tolist()
+        slots = [tuple(s for s in range(self.num_slots) if both[n + e * self.num_slots + s]) for e in range(n)]
+        return both[:n], slots
 
-    def add_router(self, x: torch.Tensor, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        return logits if self.router is None else logits.add_(self.router(x, masks))
+    def row_masks(self, token_of: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Per slot the step uses, [R, 1] float32: 1 for the rows (token_of: each row's token) of that slot."""
+        step = self.state.step
+        return {s: step.token_mask(s).index_select(0, token_of) for s in step.used_key}
 
-    def add_gate_up(self, expert: int, rows: torch.Tensor, masks2: torch.Tensor, start: int, count: int,
-                    y: torch.Tensor) -> None:
-        """y += the gate/up delta of `expert` for rows[start:start + count] (the expert's slice of
-        the grouped pass); masks2: every row's mask, repeated per part."""
-        lora = self.gate_up[expert]
+    def add_gate_up(self, expert: int, slot: int, rows: torch.Tensor, mask: torch.Tensor, start: int,
+                    count: int, y: torch.Tensor) -> None:
+        """y += the gate/up delta of adapter `slot` on `expert` for rows[start:start + count] (the
+        expert's slice of the grouped pass, float32); mask: every row's mask for that slot."""
+        lora = self.gate_up[expert][slot]
         if lora is not None:
-            y.add_(lora.delta_of_slice(rows, masks2, start, count))
+            y.add_(lora.delta_of_slice(rows, mask, start, count))
 
-    def add_down(self, expert: int, rows: torch.Tensor, masks: torch.Tensor, start: int, count: int,
-                 y: torch.Tensor) -> None:
-        lora = self.down[expert]
+    def add_down(self, expert: int, slot: int, rows: torch.Tensor, mask: torch.Tensor, start: int,
+                 count: int, y: torch.Tensor) -> None:
+        lora = self.down[expert][slot]
         if lora is not None:
-            y.add_(lora.delta_of_slice(rows, masks, start, count))
+            y.add_(lora.delta_of_slice(rows, mask, start, count))
 
     def make_row_invariant(self) -> None:
         """Every matmul in its row-invariant form (with a batch-invariant model)."""
-        for module in self.modules():
-            if isinstance(module, StackedLora):
-                module.make_row_invariant()
+        for module in self.adapters:
+            module.make_row_invariant()

@@ -25,10 +25,10 @@ the experts saw.
 
 LoRA adapters (`lora`, models/layers/expert_lora.py, attached by models/lora.py): in a step with
 adapter rows the router's logits get each token's adapter delta before the top k are chosen, and
-each expert's gate/up and down outputs the deltas of its rows' adapters, computed on the expert's
-contiguous slice in the same loop (every row masked by its token's adapter). Which experts take
-adapter rows is read in the same host sync as the counts; the others add nothing. A step without
-adapter rows runs exactly the code above.
+each expert's gate/up and down outputs the deltas of its rows' adapters, each adapter's computed on
+the expert's contiguous slice in the same loop and masked to that adapter's rows. Which adapters
+each expert's rows use is read in the same host sync as the counts; an expert runs only those. A
+step without adapter rows runs exactly the code above.
 
 With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
@@ -88,33 +88,32 @@ class SparseMoE(nn.Module):
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
 
-    def route(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64); `masks`: the
-        step's LoRA masks (ExpertLora.step_masks), None without adapter rows."""
+    def route(self, x: torch.Tensor, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64); `lora`: the step
+        has adapter rows, whose adapters' router deltas are added."""
         logits = self.gate(x)
-        if masks is not None:
-            logits = self.lora.add_router(x, logits, masks)
+        if lora:
+            logits = self.lora.add_router(x, logits)
         if self.renormalize:  # the top k's softmax: their full-softmax weights renormalised, in two ops
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return F.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), experts
         weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), experts
 
-    def _run_experts(self, rows: torch.Tensor, used: list[tuple[int, int, bool]],
-                     masks: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [R, hidden] -> outputs [R, hidden]: each (expert, count, adapted) of `used` takes the
-        next `count` rows; the activation runs once over all of them. `masks` [R, slots*rank]: each
-        row's LoRA mask (its token's adapter), None in a step without adapter rows; an expert adds
-        its LoRA only where `adapted` (some of its rows use an adapter: on the others it adds zeros)."""
+    def _run_experts(self, rows: torch.Tensor, used: list[tuple[int, int, tuple[int, ...]]],
+                     masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """rows [R, hidden] -> outputs [R, hidden]: each (expert, count, slots) of `used` takes the
+        next `count` rows; the activation runs once over all of them. `slots`: the LoRA adapters
+        (slots) of the expert's rows, each adding its delta masked by `masks[slot]` ([R, 1]: its
+        rows); empty (and `masks` None) in a step without adapter rows."""
         lora = None if masks is None else self.lora
-        if lora is not None:  # the LoRA matmuls' float32 inputs, converted once for every expert
-            masks2, lora_rows = masks.repeat(1, 2), rows.float()  # masks2: gate's columns, then up's
+        if lora is not None:
+            lora_rows = rows.float()  # the LoRA matmuls' input, converted once for every expert
         parts, start = [], 0
-        for e, count, adapted in used:
-            part = rows[start:start + count]
-            y = self.experts[e].gate_up_proj(part)
-            if adapted:
-                lora.add_gate_up(e, lora_rows, masks2, start, count, y)
+        for e, count, slots in used:
+            y = self.experts[e].gate_up_proj(rows[start:start + count])
+            for s in slots:
+                lora.add_gate_up(e, s, lora_rows, masks[s], start, count, y)
             parts.append(y)
             start += count
         gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
@@ -122,11 +121,10 @@ class SparseMoE(nn.Module):
         if lora is not None:
             lora_rows = hidden.float()
         outs, start = [], 0
-        for e, count, adapted in used:
-            part = hidden[start:start + count]
-            y = self.experts[e].down_proj(part)
-            if adapted:
-                lora.add_down(e, lora_rows, masks, start, count, y)
+        for e, count, slots in used:
+            y = self.experts[e].down_proj(hidden[start:start + count])
+            for s in slots:
+                lora.add_down(e, s, lora_rows, masks[s], start, count, y)
             outs.append(y)
             start += count
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -134,31 +132,33 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        masks = None if self.lora is None else self.lora.step_masks()
-        weights, experts = self.route(x, masks)
+        lora = self.lora is not None and self.lora.active()
+        weights, experts = self.route(x, lora)
         if x.shape[0] == 1:
-            return self._one_token(x, weights[0], experts[0], masks)
+            return self._one_token(x, weights[0], experts[0], lora)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if masks is None:
-            used = [(e, c, False) for e, c in enumerate(counts.tolist()) if c]  # the one host sync
-        else:  # and how many rows of each expert use an adapter, in the same sync
-            adapted = torch.bincount(experts[self.lora.adapter_tokens()].flatten(), minlength=self.num_experts)
-            counts, adapted = torch.stack([counts, adapted]).tolist()
-            used = [(e, c, a > 0) for e, (c, a) in enumerate(zip(counts, adapted, strict=True)) if c]
+        if not lora:
+            used = [(e, c, ()) for e, c in enumerate(counts.tolist()) if c]  # the one host sync
+        else:  # and which adapters each expert's rows use, in the same sync
+            counts, slots = self.lora.expert_slots(experts, counts)
+            used = [(e, c, slots[e]) for e, c in enumerate(counts) if c]
         token_of = order // self.top_k
-        row_masks = None if masks is None else masks.index_select(0, token_of)
-        out_rows = self._run_experts(x.index_select(0, token_of), used, row_masks)
+        masks = self.lora.row_masks(token_of) if lora else None
+        out_rows = self._run_experts(x.index_select(0, token_of), used, masks)
         out_rows.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
         out = torch.zeros_like(x).index_add_(0, token_of, out_rows)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                   masks: torch.Tensor | None = None) -> torch.Tensor:
+                   lora: bool = False) -> torch.Tensor:
         ids = experts.tolist()  # the one host sync
-        row_masks = None if masks is None else masks.expand(len(ids), -1)
-        out_rows = self._run_experts(x.expand(len(ids), -1), [(e, 1, masks is not None) for e in ids], row_masks)
+        slots, masks = (), None
+        if lora:  # the lone token's adapter is the step's one
+            slots = self.lora.state.step.used_key
+            masks = {slots[0]: torch.ones(len(ids), 1, device=x.device)}
+        out_rows = self._run_experts(x.expand(len(ids), -1), [(e, 1, slots) for e in ids], masks)
         # weighted in x's dtype, as there; summed in float32 in expert order, rounded once
         out_rows.mul_(weights.unsqueeze(1))
         if len(ids) == 2:  # torch adds two values of x's dtype in float32 and rounds once: as below
