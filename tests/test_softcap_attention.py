@@ -113,7 +113,7 @@ def test_a_gemma2_model_attends_prompt_tokens_in_the_prompt_form(gemma2):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_each_rows_capped_logits_have_the_bits_it_gets_alone_at_any_place_in_a_large_step(threads):
-    """The sigmoid of the capped logits runs in whole vectors (`_whole_vector_runs`): unpadded, the
+    """The sigmoid of the capped logits runs in whole vectors (models/layers/elementwise.py): unpadded, the
     scalar tail of a run (the last row's last keys) and the cut between two threads' shares (past
     32768 values) fell inside rows, whose bits then depended on the rows before them."""
     gen = torch.Generator().manual_seed(3)

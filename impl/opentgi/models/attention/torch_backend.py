@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.layers.elementwise import whole_vectors
 
 # A decode group's fixed cost (one scaled_dot_product_attention call and two block gathers per
 # layer) in key rows (one row's one key): SmolLM2-135M's shapes (9 heads, 3 kv heads, head_dim 64),
@@ -431,41 +432,13 @@ def _capped_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, 
     cap * tanh(z) = 2 cap * sigmoid(2 z) - cap, and a softmax ignores a constant added to all its
     logits: 2 cap * sigmoid(2 s * scale / cap), in float32 (a bfloat16 sigmoid near 0.5 would lose
     the logits' precision; tanh took 2-3x the time of sigmoid here), s = q.k in q's dtype (`_logits`)."""
-    s = _logits(q, k)
-    n = s.numel()
-    flat = torch.empty(_whole_vector_runs(n), dtype=torch.float32, device=s.device)
-    logits = flat[:n].view(s.shape)
-    torch.mul(s, torch.tensor([2 * scale / cap], dtype=torch.float32, device=s.device), out=logits)
-    flat[n:].zero_()
-    flat.sigmoid_()  # in whole vectors only (`_whole_vector_runs`)
+    logits = whole_vectors(_logits(q, k), lambda run: run.mul_(2 * scale / cap).sigmoid_(), dtype=torch.float32)
     logits.mul_(2 * cap)
     if mask is not None and mask.dtype == torch.bool:
         return logits.masked_fill_(~mask, float("-inf"))
     if mask is not None:
         return logits + mask  # the mask broadcast to the logits' shape
     return logits
-
-
-VECTOR_RUN = 64  # float32 values: a multiple of any CPU's vectorized loop step (2 vectors; AVX-512: 32)
-ELEMENTWISE_GRAIN = 32768  # torch's `at::internal::GRAIN_SIZE`: elementwise ops split their range past it
-
-
-def _whole_vector_runs(n: int) -> int:
-    """The least length >= n of a contiguous float32 run whose elementwise ops (sigmoid here) meet
-    only whole vectors. torch's vectorized CPU loops do the last values of a run that does not fill
-    a vector pair in scalar code, whose `exp` gives other bits than the vector one; and past
-    ELEMENTWISE_GRAIN values a run is cut into one share a thread (`at::parallel_for`: k = min(threads,
-    ceil(length / grain)) shares of ceil(length / k)), each its own run. So the bits of a value
-    would depend on where the rows beside it end the run. Padded to this length, every share is a
-    whole number of VECTOR_RUN values and every value is done by the vector code."""
-    threads = torch.get_num_threads()
-    length = -(-n // VECTOR_RUN) * VECTOR_RUN
-    while True:
-        shares = 1 if length < ELEMENTWISE_GRAIN or threads == 1 else min(threads, -(-length // ELEMENTWISE_GRAIN))
-        padded = -(-length // (VECTOR_RUN * shares)) * VECTOR_RUN * shares
-        if padded == length:
-            return length
-        length = padded
 
 
 def _logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
