@@ -131,22 +131,3 @@ def test_each_rows_capped_logits_have_the_bits_it_gets_alone_at_any_place_in_a_l
             assert torch.equal(together[r:r + 1], alone), r
     finally:
         torch.set_num_threads(previous)
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_decode_rows_logits_against_all_its_kv_heads_keys_keep_its_bits_across_steps(threads):
-    """`_logits`' bfloat16 decode form (one matmul a row against every kv head's keys, the diagonal
-    blocks kept) gives each row the bits of one matmul per kv head, whatever the rows beside it and
-    its key padding."""
-    dtype = torch.bfloat16
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(4)
-    keys = torch.randn(7, 1040, 3, 64, generator=gen).to(dtype)
-    q = (torch.randn(7, 3, 3, 64, generator=gen) * 3).to(dtype)
-    per_head = torch.matmul(q[:1], keys[:1, :300].transpose(1, 2).transpose(-1, -2))
-    for length in (304, 512, 1040):
-        for rows in (1, 2, 7):
-            s = torch_backend._logits(q[:rows], keys[:rows, :length].transpose(1, 2))
-            assert s.stride(-1) != 1  # the all-heads form (a diagonal view)
-            assert torch.equal(s[:1, ..., :300], per_head), (length, rows, threads)
-    torch.set_num_threads(1)

@@ -47,9 +47,9 @@ form (1 thread; one causal call: 37). Generated tokens keep the decode row's for
 form follows its kind and the prefix cache serves only prompt blocks to prompts
 (docs/determinism.md).
 
-**Soft-capped logits** (Gemma 2) take every one of these forms, with `_softcapped` where sdpa would
-be: the capped logits computed first, then the same sdpa call given them as its mask (a query of
-zeros); the probe then checks the prompt form with soft-capping.
+**Soft-capped logits** (Gemma 2) take every one of these forms, with `_softcapped` (two matmuls
+around the capped softmax, keys and values met in fixed chunks) where sdpa would be; the probe
+then checks the prompt form with soft-capping.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ MAX_BATCHED_PROMPT = 128  # fresh prompts up to this many tokens are attended in
 SEGMENT_TOKENS = 64  # batch invariance: tokens of one sequence attended per call, sharing one key gather
 ROW_BLOCK = 32  # prompt form: query rows padded to whole blocks of this many (sdpa's for < 192 rows)
 PROMPT_ROWS = 160  # prompt form: the most query rows a call (under 192, where sdpa cuts in 64s)
-SOFTCAP_KEY_CHUNK = 128  # soft-capped attention: keys per matmul of the probabilities and values (float32)
-SDPA_SOFTCAP_ROWS = 8  # soft-capped attention through sdpa: at most this many query rows a kv head (decode rows)
+SOFTCAP_KEY_CHUNK = 128  # soft-capped attention: keys per matmul of the probabilities and values
 
 
 @dataclass
@@ -386,28 +385,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                 cap: float) -> torch.Tensor:
     """Attention whose logits are soft-capped, cap * tanh(s * scale / cap), before the mask and the
-    softmax (Gemma 2), which sdpa cannot do by itself. q [..., n, D], k and v [..., L, D] (the same
-    leading dims, any strides); mask additive or bool, broadcast to [..., n, L].
+    softmax (Gemma 2), which sdpa cannot do. q [..., n, D], k and v [..., L, D] (the same leading
+    dims, any strides); mask additive or bool, broadcast to [..., n, L].
 
-    Decode rows (at most `SDPA_SOFTCAP_ROWS` query rows a kv head, in bfloat16) give the capped
-    logits (`_capped_logits`) to `scaled_dot_product_attention` as its float32 additive mask, with
-    a query of zeros and scale 1: sdpa's own q.k is then exactly 0, so its softmax and its
-    probabilities times the values are those of the capped logits, in the very kernel (and so with
-    the same batch invariance) that attends every other family's decode rows. One bfloat16 decode
-    row took ~140 us instead of ~210 in the form below (1 thread); a decode step of 16 streams went
-    from ~0.72x to ~0.87x of Llama's (`bench --engine-steps`, medians of alternating runs under load).
-    Otherwise the probabilities meet the values in float32 matmuls over exactly `SOFTCAP_KEY_CHUNK`
-    keys (zero padded), summed in order: sdpa's float32 kernel cuts a row's keys differently with
-    their count (a row over 257 keys alone and padded to 512 got other bits), and its prompt form
-    with head dims of 128 and 256 (Gemma 2's) was not batch invariant where this one is (the probe,
-    `prompt_form_invariant`).
-    """
-    logits = _capped_logits(q, k, mask, scale, cap)
-    if q.dtype != torch.float32 and q.shape[-2] <= SDPA_SOFTCAP_ROWS:
-        return F.scaled_dot_product_attention(torch.zeros_like(q), k, v, attn_mask=logits, scale=1.0)
+    The capped logits (`_capped_logits`) go through a float32 softmax (as transformers'), and the
+    probabilities times the values in float32 (the values converted as they are padded; a bfloat16
+    `bmm` of one decode row cost ~25 us here, a float32 one ~6), in matmuls over exactly
+    `SOFTCAP_KEY_CHUNK` keys (zero padded), summed in order: one matmul's reduction over a few
+    hundred keys was cut differently with the key count (float32: a row over 130 keys alone and
+    padded to 512 gave other bits; bfloat16: 700 and 1040). So a row's bits depend neither on the
+    rows beside it nor on its masked key padding (tests/test_softcap_attention.py). Measured no
+    faster (1 thread, decode groups of 1-16 rows): giving the capped logits to sdpa as its mask
+    with a zero query (165-1120 us a group against 210-1035 here; sdpa's prompt form with head dims
+    of 128 and 256 is not batch invariant either), and a decode row's q.k as one matmul against
+    all its kv heads' keys (no copy of the keys, but three times the products: faster for one row
+    only)."""
     *lead, n, d = q.shape
     keys, batch = k.shape[-2], q.numel() // (n * d)
-    p = torch.softmax(logits, dim=-1).reshape(batch, n, keys)
+    p = torch.softmax(_capped_logits(q, k, mask, scale, cap), dim=-1).reshape(batch, n, keys)
     chunk = SOFTCAP_KEY_CHUNK
     padded = -(-keys // chunk) * chunk
     vp = torch.zeros(batch, padded, d, dtype=torch.float32, device=v.device)
@@ -431,35 +426,20 @@ def _capped_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, 
     """float32 [..., n, L]: the soft-capped logits plus the mask, up to a constant a row.
     cap * tanh(z) = 2 cap * sigmoid(2 z) - cap, and a softmax ignores a constant added to all its
     logits: 2 cap * sigmoid(2 s * scale / cap), in float32 (a bfloat16 sigmoid near 0.5 would lose
-    the logits' precision; tanh took 2-3x the time of sigmoid here), s = q.k in q's dtype (`_logits`)."""
-    logits = whole_vectors(_logits(q, k), lambda run: run.mul_(2 * scale / cap).sigmoid_(), dtype=torch.float32)
+    the logits' precision; tanh took 2-3x the time of sigmoid here), the sigmoid over whole vectors
+    (models/layers/elementwise.py: a run's scalar tail, the last row's last keys, gave them other
+    bits). s = q.k in q's dtype (in bfloat16 oneDNN's `bmm`, 2-3x faster than float32's with the
+    key conversion at 16 rows)."""
+    *lead, n, d = q.shape
+    keys, batch = k.shape[-2], q.numel() // (n * d)
+    s = torch.bmm(q.reshape(batch, n, d), k.reshape(batch, keys, d).transpose(1, 2)).view(*lead, n, keys)
+    logits = whole_vectors(s, lambda run: run.mul_(2 * scale / cap).sigmoid_(), dtype=torch.float32)
     logits.mul_(2 * cap)
     if mask is not None and mask.dtype == torch.bool:
         return logits.masked_fill_(~mask, float("-inf"))
     if mask is not None:
-        return logits + mask  # the mask broadcast to the logits' shape
+        return logits.add_(mask)  # the mask broadcast to the logits' shape
     return logits
-
-
-def _logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [..., n, D] @ k [..., L, D]^T -> [..., n, L] in q's dtype. A decode row's keys are a
-    transposed view of its gathered blocks ([B, L, kv_heads, D]): with few query rows a kv head,
-    one matmul per batch entry against all its kv heads' keys at once ([B, heads * n, D] @ [B, D,
-    L * kv_heads], the diagonal blocks kept) needs no copy of the keys per head and a third of the
-    matmuls (one decode row, 336 keys: ~28 us instead of ~67), for the same bits in bfloat16
-    (oneDNN; tests/test_softcap_attention.py). In float32 (MKL) a row's bits in that form changed
-    with the step's row count on 2 threads: float32, and every other case, one matmul a kv head."""
-    *lead, n, d = q.shape
-    keys = k.shape[-2]
-    if q.dtype != torch.float32 and q.dim() == 4 and n <= SDPA_SOFTCAP_ROWS and k.shape[1] == q.shape[1] > 1:
-        b, heads = q.shape[0], q.shape[1]
-        blocks = k.transpose(1, 2)  # [B, L, kv_heads, D]
-        if blocks.stride(3) == 1 and blocks.stride(2) == d and blocks.stride(1) == heads * d:
-            s = torch.bmm(q.reshape(b, heads * n, d), blocks.reshape(b, keys * heads, d).transpose(1, 2))
-            return s.view(b, heads, n, keys, heads).diagonal(dim1=1, dim2=4).permute(0, 3, 1, 2)
-    batch = q.numel() // (n * d)
-    s = torch.bmm(q.reshape(batch, n, d), k.reshape(batch, keys, d).transpose(1, 2))
-    return s.view(*lead, n, keys)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
