@@ -20,7 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from opentgi.config import Settings
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
-from opentgi.models.layers.expert_lora import AdapterLora, ExpertLora
+from opentgi.models.layers.adapter_lora import AdapterLora
+from opentgi.models.layers.expert_lora import ExpertLora
 from opentgi.models.layers.linear import pack_linears
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.loader import ModelLoadError, load_model

@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from opentgi.models.layers.adapter_lora import AdapterLora
+
 log = logging.getLogger(__name__)
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -315,17 +317,29 @@ def bgmv_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: t
 class LoraStep:
     """One step's adapter assignment: the slots it uses and, per token, the mask of its slot."""
 
-    def __init__(self, token_slots: torch.Tensor, used_slots: list[int], num_slots: int, rank: int, dtype):
+    def __init__(self, token_slots: torch.Tensor, used_slots: list[int], num_slots: int, rank: int, dtype,
+                 one_slot: bool = False):
         self.token_slots = token_slots
         self.all_slots = len(used_slots) == num_slots
         self.num_used = len(used_slots)
         self.used = torch.tensor(used_slots, device=token_slots.device)
         self.used_key = tuple(used_slots)
-        onehot = (token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(dtype)  # [T, used]
-        self._slot_mask = onehot.repeat_interleave(rank, dim=1)  # [T, used*R]: columns (slot, r)
+        self.one_slot = one_slot  # every token of the step uses the one adapter used
+        self.rank, self.dtype = rank, dtype
+        self._slot_mask: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}
         self._token_masks: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor | None] = {}
         self._adapter_tokens: torch.Tensor | None = None
+
+    def rows_of(self, slot: int) -> torch.Tensor | None:
+        """The indices of the tokens of adapter `slot`; None when every token of the step is one."""
+        if self.one_slot:
+            return None
+        found = self._rows.get(slot)
+        if found is None:
+            found = self._rows[slot] = (self.token_slots == slot).nonzero().squeeze(1)
+        return found
 
     def token_mask(self, slot: int) -> torch.Tensor:
         """[T, 1] float32: 1 for the tokens of adapter `slot` (the experts' LoRA,
@@ -345,6 +359,9 @@ class LoraStep:
         """[T, parts*used*R], columns (part, slot, r): 1 where the slot is the token's adapter."""
         found = self._masks.get(parts)
         if found is None:
+            if self._slot_mask is None:
+                onehot = (self.token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(self.dtype)  # [T, used]
+                self._slot_mask = onehot.repeat_interleave(self.rank, dim=1)  # [T, used*R]: columns (slot, r)
             found = self._masks[parts] = self._slot_mask.repeat(1, parts)
         return found
 
@@ -369,29 +386,47 @@ class LoraState:
             return
         token_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
                                               torch.tensor(num_new_tokens, dtype=torch.int64)).to(self.device)
-        self.step = LoraStep(token_slots, used, len(self.names), self.rank, self.dtype)
+        self.step = LoraStep(token_slots, used, len(self.names), self.rank, self.dtype,
+                             one_slot=len(set(slots)) == 1)
 
     def end_step(self) -> None:
         self.step = None
 
 
 class LoraLinear(nn.Module):
-    """A projection (one or several fused parts, e.g. q/k/v) with the stacked LoRA matrices of every
-    adapter: base(x) plus, for the tokens of rows using an adapter, that adapter's scaled B(A(x)).
+    """A projection (one or several fused parts, e.g. q/k/v) with the LoRA matrices of every adapter:
+    base(x) plus, for the tokens of rows using an adapter, that adapter's scaled B(A(x)).
 
     a: [slots, parts, R, in]; b: per part [slots, R, out_p] (already scaled; zero rows pad smaller
-    ranks, zero matrices stand for parts an adapter does not adapt). Kept as shrink [in, parts*slots*R]
-    (columns (part, slot, r), transposed: measured 1.7x faster than multiplying by A.T on CPU) and one
-    expand [slots*R, out_p] per part, each adding into its own output columns."""
+    ranks, zero matrices stand for parts an adapter does not adapt).
 
-    def __init__(self, base: nn.Module, state: LoraState, a: torch.Tensor, b: list[torch.Tensor]):
+    `row_invariant` (the default with a batch-invariant model): one `AdapterLora` per adapter, at its
+    own rank (`ranks`), in float32 row-invariant matmuls (models/layers/adapter_lora.py); each
+    adapter's delta is computed on its own rows only (gathered unless they are all the step's) and
+    added into them, so a row's bits do not depend on the other rows, and a base row is never
+    touched. Otherwise (--nondeterministic) the stacked form: shrink [in, parts*slots*R] (columns
+    (part, slot, r), transposed: measured 1.7x faster than multiplying by A.T on CPU) and one expand
+    [slots*R, out_p] per part in the model's dtype, over every token of the step, masked."""
+
+    def __init__(self, base: nn.Module, state: LoraState, a: torch.Tensor, b: list[torch.Tensor],
+                 row_invariant: bool = False, ranks: list[int] | None = None):
         super().__init__()
         self.base = base
         self.state = state
         self.num_slots, self.parts, self.rank, fan_in = a.shape
+        self.out_sizes = [part.shape[-1] for part in b]
+        self.adapters: list[AdapterLora | None] | None = None
+        if row_invariant:
+            ranks = ranks or [self.rank] * self.num_slots
+            self.adapters = [AdapterLora(a[s, :, :r], [part[s, :r] for part in b]) if a[s].any() else None
+                             for s, r in enumerate(ranks)]
+            self.per_adapter = nn.ModuleList([m for m in self.adapters if m is not None])  # for .modules()
+            for module in self.per_adapter:
+                module.make_row_invariant()
+            return
+        a, b = a.to(state.dtype), [part.to(state.dtype) for part in b]
         self.shrink = a.permute(3, 1, 0, 2).reshape(fan_in, -1).contiguous()
         self.expand = [part.reshape(-1, part.shape[-1]).contiguous() for part in b]
-        self.out_sizes = [part.shape[-1] for part in b]
         self._subset_cache: tuple | None = None  # (used slots, shrink, expand) of the last subset
 
     def _subset(self, step: LoraStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -412,6 +447,8 @@ class LoraLinear(nn.Module):
         step = self.state.step
         if step is None:
             return y
+        if self.adapters is not None:
+            return self._add_per_adapter(x, y, step)
         shrink, expand = self.shrink, self.expand
         if not step.all_slots:  # only the adapters this step uses
             shrink, expand = self._subset(step)
@@ -423,6 +460,21 @@ class LoraLinear(nn.Module):
         for p, size in enumerate(self.out_sizes):
             y[:, col:col + size].addmm_(h[:, p * width:(p + 1) * width], expand[p])
             col += size
+        return y
+
+    def _add_per_adapter(self, x: torch.Tensor, y: torch.Tensor, step: LoraStep) -> torch.Tensor:
+        """y's rows of each adapter the step uses plus that adapter's float32 delta (rounded once,
+        into y's dtype)."""
+        for slot in step.used_key:
+            lora = self.adapters[slot]
+            if lora is None:
+                continue
+            rows = step.rows_of(slot)
+            if rows is None:  # every token of the step is this adapter's
+                y.add_(lora(x))
+            else:
+                own = y.index_select(0, rows).float().add_(lora(x.index_select(0, rows)))
+                y.index_copy_(0, rows, own.to(y.dtype))
         return y
 
 
@@ -455,16 +507,18 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
     rank = max(a.rank for a in adapters)
     state = LoraState([a.name for a in adapters], rank, spec.dtype, torch.device(spec.device))
     shapes = module_shapes(model.config)
+    row_invariant = bool(getattr(model, "batch_invariant", False))
+    ranks = [a.rank for a in adapters]
     for i, layer in enumerate(model.model.layers):
         for attr, (owner, modules) in [*GROUPS.items(), *OTHER_GROUPS.items()]:
-            stacked = _stack(adapters, i, modules, shapes, rank, spec.dtype, spec.device)
+            stacked = _stack(adapters, i, modules, shapes, rank, torch.float32, spec.device)
             if stacked is None:
                 continue
             parent = getattr(layer, owner, None)  # Mixtral's layers have block_sparse_moe, no mlp
             if not isinstance(getattr(parent, attr, None), nn.Module):
                 raise LoraAdapterError(f"adapter targets {'/'.join(modules)} of layer {i}, which "
                                        f"{model.spec.architecture} does not have")
-            setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked))
+            setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked, row_invariant, ranks))
         _attach_expert_lora(model, i, layer, adapters, state, shapes)
     model.lora = state
     return state
@@ -472,7 +526,7 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
 
 def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state: LoraState, shapes) -> None:
     """The experts' and the router's LoRA of layer i's routed-experts block, if any adapter has some."""
-    from opentgi.models.layers.expert_lora import AdapterLora, ExpertLora
+    from opentgi.models.layers.expert_lora import ExpertLora
 
     wanted = sorted({m for ad in adapters for (n, m) in ad.weights if n == i and (expert_of(m) is not None
                                                                                  or m == ROUTER)})
