@@ -130,6 +130,7 @@ async def _target(loaded, adapter, others=(), position=0, **engine_settings):
     """The target's (tokens, logprobs) with `adapter`, at `position` among `others` (prompt,
     max_new, adapter)."""
     async with running(loaded, **engine_settings) as engine:
+        assert engine.info.deterministic  # /info's `deterministic`, adapters loaded or not
         requests = [_request(p, ad, n) for p, n, ad in others]
         requests.insert(position, _request(TARGET, adapter))
         handles = [await engine.submit(r) for r in requests]

@@ -364,10 +364,12 @@ def write_random_adapters(config, folder: Path, count: int, rank: int) -> list[P
     return paths
 
 
-def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int, repeats: int = 20) -> tuple[float, float]:
+def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int,
+                    repeats: int = 20) -> tuple[float, float, float]:
     """Median ms of every layer's LoRA deltas for one step of `num_tokens` tokens spread over
-    `num_adapters` adapters: (stacked shrink/expand pair as LoraLinear does it, per-token gather
-    as punica's BGMV), side by side on the same random weights."""
+    `num_adapters` adapters, side by side on the same random weights: (LoraLinear's row-invariant
+    form, served by default; its stacked form, served with --nondeterministic; the per-token gather
+    as punica's BGMV)."""
     import torch
 
     from opentgi.models.lora import GROUPS, LoraLinear, LoraState, bgmv_delta, module_shapes
@@ -375,7 +377,7 @@ def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int, repea
     shapes = module_shapes(config)
     gen = torch.Generator().manual_seed(0)
     names = [f"l{i}" for i in range(num_adapters)]
-    state = LoraState(names, rank, torch.float32, torch.device("cpu"))
+    state = LoraState(names, rank, torch.bfloat16, torch.device("cpu"))
     state.begin_step([names[i % num_adapters] for i in range(num_tokens)], [1] * num_tokens)
     slots = state.step.token_slots
     layers = []
@@ -383,24 +385,27 @@ def lora_op_timings(config, num_adapters: int, rank: int, num_tokens: int, repea
         fan_in, outs = shapes[modules[0]][0], [shapes[m][1] for m in modules]
         a = torch.randn(num_adapters, len(modules), rank, fan_in, generator=gen) / fan_in ** 0.5
         b = [torch.randn(num_adapters, rank, out, generator=gen) * 0.01 for out in outs]
-        stacked = LoraLinear(lambda x, n=sum(outs): x.new_zeros(x.shape[0], n), state, a, b)
-        layers.append((stacked, a, b, torch.randn(num_tokens, fan_in, generator=gen)))
+        base = lambda x, n=sum(outs): x.new_zeros(x.shape[0], n)  # noqa: E731 - the delta alone
+        layers.append((LoraLinear(base, state, a, b, row_invariant=True), LoraLinear(base, state, a, b),
+                       a.bfloat16(), [p.bfloat16() for p in b],
+                       torch.randn(num_tokens, fan_in, generator=gen).bfloat16()))
 
     def timed(fn) -> float:
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(config.num_hidden_layers):
-                for stacked, a, b, x in layers:
-                    fn(stacked, a, b, x)
+                for layer in layers:
+                    fn(*layer)
             runs.append(time.perf_counter() - start)
         return statistics.median(runs) * 1e3
 
     with torch.inference_mode():
-        dense = timed(lambda stacked, a, b, x: stacked(x))
-        gather = timed(lambda stacked, a, b, x: torch.cat([bgmv_delta(x, a[:, p], b[p], slots)
-                                                           for p in range(len(b))], dim=1))
-    return dense, gather
+        invariant = timed(lambda inv, stacked, a, b, x: inv(x))
+        stacked = timed(lambda inv, stacked, a, b, x: stacked(x))
+        gather = timed(lambda inv, stacked, a, b, x: torch.cat([bgmv_delta(x, a[:, p], b[p], slots)
+                                                                for p in range(len(b))], dim=1))
+    return invariant, stacked, gather
 
 
 def lora_comparison(args, loaded, prompts: list[str]) -> str:
@@ -458,9 +463,11 @@ def lora_comparison(args, loaded, prompts: list[str]) -> str:
     dense_only = " (the dense projections' shapes; not the experts')" if num_experts(loaded.hf_config) else ""
     lines += ["", f"The LoRA delta alone, every layer of one {c}-token decode step{dense_only} (median ms, "
               "same weights):", "",
-              "| adapters mixed | stacked shrink/expand (served) | per-token gather (punica BGMV in torch) |",
-              "|---:|---:|---:|"]
-    lines += [f"| {k} | {dense:.2f} | {gather:.2f} |" for k, (dense, gather) in ops.items()]
+              "| adapters mixed | per adapter, row-invariant (served) | stacked (--nondeterministic) "
+              "| per-token gather (punica BGMV in torch) |",
+              "|---:|---:|---:|---:|"]
+    lines += [f"| {k} | {invariant:.2f} | {stacked:.2f} | {gather:.2f} |"
+              for k, (invariant, stacked, gather) in ops.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -12,28 +12,40 @@ not fit the base model, experts of a dense layer or under the other family's nam
 with a message saying which adapter and why.
 
 Serving (`attach_lora`): every adapted projection of the model (the fused `qkv_proj` and
-`gate_up_proj`, `o_proj`, `down_proj`) is wrapped in a `LoraLinear`. Per layer and projection, the
-A matrices of all adapters are stacked into one shrink matrix [in, parts*slots*R] and the B matrices
-(scaled by alpha/r) into one expand matrix [slots*R, out] per fused part, ranks zero-padded to the
-largest R. A step whose rows use adapters computes, for every token,
+`gate_up_proj`, `o_proj`, `down_proj`) is wrapped in a `LoraLinear`. With a batch-invariant model
+(the default, docs/determinism.md) it holds one `AdapterLora` per adapter (models/layers/adapter_lora.py,
+shared with the experts' LoRA): the adapter's A of every fused part as one shrink matrix and its
+scaled B as one block-diagonal expand matrix, at its own rank, in float32. A step computes, for
+each adapter its rows use, on those rows only (gathered, unless they are all the step's),
+
+    y[rows] = y[rows] + (x[rows] @ shrink) @ expand       (float32 `torch.mm`, rounded once into y)
+
+Each matmul multiplies at least the row count measured at start-up to give every row the same
+bits (`invariant_min_rows`; fewer rows are zero-padded), so a row's result depends on its own
+input and adapter only: not on the step's other rows, their adapters, the row count or its
+position; a base row is never touched, keeping the bits of a step without adapters. A step pays
+for the adapters its rows use, not for every one loaded.
+
+With `--nondeterministic` the stacked form is kept: per layer and projection the A matrices of
+all adapters are stacked into one shrink matrix [in, parts*slots*R] and the B matrices (scaled by
+alpha/r) into one expand matrix [slots*R, out] per fused part, ranks zero-padded to the largest R,
+in the model's dtype, over every token of the step:
 
     y = base(x) + ((x @ shrink) * mask) @ expand        (per part, into that part's columns)
 
 where `mask` keeps, for each token, only the columns of its row's adapter (built once per step and
-shared by every layer). Only the adapters the step uses are stacked in (`index_select` when it uses
-fewer than are loaded). This is punica's BGMV (a gathered A/B per row) done as dense matmuls:
-`bench/runner.py --lora` measures it against the per-token gather (`bgmv_delta`, kept as the reference
-the tests compare against). A step where no row uses an adapter, or a server without adapters,
-does no LoRA work at all.
+shared by every layer), and only the adapters the step uses are stacked in (`index_select`). Its
+row's delta can depend on the step's row count and adapters (seen in float32 at ranks 4 to 128,
+in bfloat16 at rank 128 over 1536 inputs: tests/test_determinism_lora.py). Both are punica's BGMV (a gathered A/B per row) done
+as dense matmuls: `bench/runner.py --lora` measures them against the per-token gather
+(`bgmv_delta`, kept as the reference the tests compare against). A step where no row uses an
+adapter, or a server without adapters, does no LoRA work at all.
 
 A routed-experts block's adapters (`_attach_expert_lora`) are served inside its grouped expert pass
-(models/layers/expert_lora.py, called from models/layers/moe.py): per expert the same
-shrink/mask/expand, on the rows the expert takes, each masked by its token's adapter; the router's
-LoRA is added to its logits before the top k are chosen, so each token routes as its adapter does.
-There each adapter's matrices are apart (its own rank, no padding; an expert runs only the
-adapters of its rows) and the (float32) matmuls take row-invariant forms with a batch-invariant
-model: a row's result does not depend on the step's other rows.
-Sharding (`--num-shard`) with adapters is refused at start-up (engine/execution/shards.py).
+(models/layers/expert_lora.py, called from models/layers/moe.py): per expert the adapters of its
+rows, `AdapterLora`s again, on the rows the expert takes, each masked by its token's adapter; the
+router's LoRA is added to its logits before the top k are chosen, so each token routes as its
+adapter does. Sharding (`--num-shard`) with adapters is refused at start-up (engine/execution/shards.py).
 """
 
 from __future__ import annotations
