@@ -2,7 +2,8 @@
 keep their bits whatever the step's other rows, their adapters (or none), its row count and a row's
 position, in bfloat16 and float32 on 1 and 2 threads; a base row keeps the bits of a step without
 adapter rows; through the engine, a request with an adapter gets the same tokens and logprobs alone
-and among 16 others with mixed adapters, and `/info` says the server is deterministic."""
+and among 16 others with mixed adapters (chunked, speculated, after a prefix-cache hit too), and
+`/info` says the server is deterministic."""
 
 from __future__ import annotations
 
@@ -98,16 +99,16 @@ def _check_row_invariance(dtype: torch.dtype) -> None:
 
 def test_the_row_invariant_form_computes_the_per_row_gather():
     """The per-adapter float32 form computes what punica's per-row gather (bgmv_delta) does."""
-    layer, state = _projection(torch.float32)
+    base = _projection(torch.float32)[0].base
     gen = torch.Generator().manual_seed(4)
     a = torch.randn(2, len(OUTS), max(RANKS), FAN_IN, generator=gen)
     b = [torch.randn(2, max(RANKS), out, generator=gen) for out in OUTS]
     state = lora.LoraState(["x", "y"], max(RANKS), torch.float32, torch.device("cpu"))
-    layer = lora.LoraLinear(layer.base, state, a, b, row_invariant=True)
+    layer = lora.LoraLinear(base, state, a, b, row_invariant=True)
     x = torch.randn(9, FAN_IN, generator=gen)
     ids = ["y", None, "x", "x", None, "y", "y", "x", None]
     slots = torch.tensor([-1 if i is None else state.slot_of[i] for i in ids])
-    expected = layer.base(x) + torch.cat([lora.bgmv_delta(x, a[:, p], b[p], slots) for p in range(len(OUTS))], 1)
+    expected = base(x) + torch.cat([lora.bgmv_delta(x, a[:, p], b[p], slots) for p in range(len(OUTS))], 1)
     with torch.inference_mode():
         torch.testing.assert_close(_run(layer, state, x, ids), expected, rtol=1e-3, atol=1e-3)
 
@@ -126,11 +127,13 @@ def _request(ids, adapter, max_new=6) -> GenerationRequest:
                              adapter_id=adapter)
 
 
-async def _target(loaded, adapter, others=(), position=0, **engine_settings):
+async def _target(loaded, adapter, others=(), position=0, warmup=None, **engine_settings):
     """The target's (tokens, logprobs) with `adapter`, at `position` among `others` (prompt,
-    max_new, adapter)."""
+    max_new, adapter), after an optional warm-up request with the same adapter (prefix-cache hits)."""
     async with running(loaded, **engine_settings) as engine:
         assert engine.info.deterministic  # /info's `deterministic`, adapters loaded or not
+        if warmup is not None:
+            await (await engine.submit(_request(warmup, adapter, 1))).result()
         requests = [_request(p, ad, n) for p, n, ad in others]
         requests.insert(position, _request(TARGET, adapter))
         handles = [await engine.submit(r) for r in requests]
@@ -145,12 +148,15 @@ MIXED = [(prompt, new, ("a", "b", None)[i % 3]) for i, (prompt, new) in enumerat
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("adapter", ["a", "b", None])
 def test_a_request_with_an_adapter_among_16_others_with_mixed_adapters(model_path, dtype, adapter):  # noqa: F811
-    """Alone and among 16 others (adapters a, b and none, mixed), at two positions: the same
-    tokens and logprobs; a base request's are those of a server without adapters."""
+    """Alone and among 16 others (adapters a, b and none, mixed), at four positions, with chunked
+    prefill, with --speculate 4 and after a prefix-cache hit: the same tokens and logprobs; a base request's are those of a
+    server without adapters."""
     loaded = _loaded(model_path, dtype)
     assert loaded.model.batch_invariant and batch_invariant(loaded)
     alone = asyncio.run(_target(loaded, adapter))
     assert asyncio.run(_target(loaded, adapter, MIXED, position=7)) == alone
     assert asyncio.run(_target(loaded, adapter, MIXED, position=16, chunked_prefill_tokens=23)) == alone
+    assert asyncio.run(_target(loaded, adapter, MIXED, position=5, speculate=4)) == alone
+    assert asyncio.run(_target(loaded, adapter, MIXED, position=3, warmup=TARGET[:33] + [77])) == alone
     plain = asyncio.run(_target(loaded_model(model_path, dtype), None))
     assert (alone == plain) == (adapter is None)
