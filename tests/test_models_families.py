@@ -172,7 +172,7 @@ def test_longrope_takes_the_long_factors_from_the_original_length_on():
 
 
 LORA_TARGETS = {"gemma2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],  # its MLP is experts
+                "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],  # experts: tests/test_lora_experts.py
                 "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # fused in the checkpoint
                 "starcoder2": ["q_proj", "v_proj", "c_fc", "c_proj"]}
 

@@ -27,10 +27,11 @@ def transformers_formula(q, k, v, mask, scale, cap):
     return torch.matmul(torch.softmax(s, dim=-1), v.double())
 
 
+@pytest.mark.parametrize("rows", [3, 20])  # a decode row's query rows a kv head (sdpa), a prompt's
 @pytest.mark.parametrize("keys", [40, 300])
-def test_the_logits_are_soft_capped_as_transformers_does(keys):
+def test_the_logits_are_soft_capped_as_transformers_does(keys, rows):
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(4, 3, 3, 64, generator=gen) * 4  # logits beyond the cap, where capping matters
+    q = torch.randn(4, 3, rows, 64, generator=gen) * 4  # logits beyond the cap, where capping matters
     k, v = torch.randn(2, 4, 3, keys, 64, generator=gen)
     mask = torch.zeros(4, 1, 1, keys)
     mask[1, ..., keys // 2:] = float("-inf")
@@ -46,7 +47,7 @@ def test_the_logits_are_soft_capped_as_transformers_does(keys):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 64), (2, 2, 16)])
+@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 64), (2, 2, 16), (4, 2, 256)])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_its_key_padding(shape, dtype, threads):
     """As a decode group attends it: a row beside others, its keys padded with masked ones to the
     group's longest context in whole blocks. In float32 a row over 130 keys alone and padded to
@@ -108,3 +109,25 @@ def test_prompt_tokens_get_the_same_soft_capped_bits_in_any_segment(shape):
 
 def test_a_gemma2_model_attends_prompt_tokens_in_the_prompt_form(gemma2):
     assert gemma2.model.model.layers[0].self_attn.backend.prompt_form
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_rows_capped_logits_have_the_bits_it_gets_alone_at_any_place_in_a_large_step(threads):
+    """The sigmoid of the capped logits runs in whole vectors (models/layers/elementwise.py): unpadded, the
+    scalar tail of a run (the last row's last keys) and the cut between two threads' shares (past
+    32768 values) fell inside rows, whose bits then depended on the rows before them."""
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, group, head_dim, length = 3, 3, 64, 304  # 9 * 304 values a row: not whole vectors
+    rows = 25  # 68,400 values: past twice torch's grain, cut in 2 or 3 shares
+    keys = torch.randn(rows, length, num_kv_heads, head_dim, generator=gen).bfloat16()
+    q = (torch.randn(rows, num_kv_heads, group, head_dim, generator=gen) * 3).bfloat16()
+    mask = torch.zeros(rows, 1, 1, length, dtype=torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = torch_backend._capped_logits(q, keys.transpose(1, 2), mask, 0.125, 2.0)
+        for r in range(rows):
+            alone = torch_backend._capped_logits(q[r:r + 1], keys[r:r + 1].transpose(1, 2), mask[r:r + 1], 0.125, 2.0)
+            assert torch.equal(together[r:r + 1], alone), r
+    finally:
+        torch.set_num_threads(previous)

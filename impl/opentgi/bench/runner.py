@@ -325,30 +325,40 @@ def report(levels: list[LevelResult], hf_tps: float, bare_tps: float, cold: floa
 
 
 def write_random_adapters(config, folder: Path, count: int, rank: int) -> list[Path]:
-    """`count` random PEFT LoRA adapters of `rank` on all seven projections of every layer, written
-    in PEFT's own format (adapter_config.json + adapter_model.safetensors)."""
+    """`count` random PEFT LoRA adapters of `rank` on all seven projections of every layer (a
+    mixture-of-experts layer: q/k/v/o, every expert's gate/up/down and the router), written in
+    PEFT's own format (adapter_config.json + adapter_model.safetensors)."""
     import torch
     from safetensors.torch import save_file
 
-    from opentgi.models.lora import TARGET_MODULES, module_shapes
+    from opentgi.models.families.layout import DecoderLayout
+    from opentgi.models.families.parts import FAMILIES
+    from opentgi.models.lora import ROUTER, TARGET_MODULES, module_shapes, num_experts, shape_key
+    from opentgi.models.registry import PAGED_ARCHITECTURES, architecture_of
 
     shapes = module_shapes(config)
-    owners = {"o_proj": "self_attn", "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
+    parts = FAMILIES[PAGED_ARCHITECTURES[architecture_of(config)][0]]
+    moe = DecoderLayout.of(config, parts).moe
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    experts = [f"experts.{e}.{name}" for e in range(num_experts(config)) for name in parts.expert_names]
+    targets = list(TARGET_MODULES) + ([*parts.expert_names, ROUTER] if any(moe) else [])
     paths = []
     for i in range(count):
         gen = torch.Generator().manual_seed(1000 + i)
         tensors = {}
         for layer in range(config.num_hidden_layers):
-            for module in TARGET_MODULES:
-                fan_in, fan_out = shapes[module]
-                key = f"base_model.model.model.layers.{layer}.{owners.get(module, 'mlp')}.{module}"
+            modules = [*attention, *experts, ROUTER] if moe[layer] else list(TARGET_MODULES)
+            for module in modules:
+                fan_in, fan_out = shapes[shape_key(module)]
+                owner = "self_attn" if module in attention else parts.mlp_attr
+                key = f"base_model.model.model.layers.{layer}.{owner}.{module}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
                 tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
         out = folder / f"lora{i}"
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "adapter_model.safetensors"))
         (out / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGET_MODULES),
+            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(set(targets)),
             "bias": "none", "base_model_name_or_path": getattr(config, "_name_or_path", None)}))
         paths.append(out)
     return paths
@@ -426,7 +436,8 @@ def lora_comparison(args, loaded, prompts: list[str]) -> str:
         f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — LoRA adapters mixed, {loaded.model_id}",
         "",
         f"Machine: {machine_line(args.num_threads)}.",
-        (f"One server with {max(counts)} random rank-{args.lora_rank} adapters on all seven projections loaded; "
+        (f"One server with {max(counts)} random rank-{args.lora_rank} adapters on every projection (q/k/v/o, "
+         "gate/up/down; in a mixture-of-experts layer each expert's and the router) loaded; "
          f"concurrency {c}, greedy, {args.new_tokens} new tokens, prompts of "
          f"{'/'.join(map(str, PROMPT_TOKENS))} tokens each with a fresh prefix (no prefix-cache hits), "
          f"requests cycling through the first k adapters (k = 0: the base model); {args.lora_rounds} "
@@ -442,7 +453,11 @@ def lora_comparison(args, loaded, prompts: list[str]) -> str:
         median = statistics.median(rounds[k])
         lines.append(f"| {k} | {requests} | {tokens} | {tps:.1f} | {median:.1f} | {base_median / median:.2f}x |"
                      + (f" ({errors} errors)" if errors else ""))
-    lines += ["", f"The LoRA delta alone, every layer of one {c}-token decode step (median ms, same weights):", "",
+    from opentgi.models.lora import num_experts
+
+    dense_only = " (the dense projections' shapes; not the experts')" if num_experts(loaded.hf_config) else ""
+    lines += ["", f"The LoRA delta alone, every layer of one {c}-token decode step{dense_only} (median ms, "
+              "same weights):", "",
               "| adapters mixed | stacked shrink/expand (served) | per-token gather (punica BGMV in torch) |",
               "|---:|---:|---:|"]
     lines += [f"| {k} | {dense:.2f} | {gather:.2f} |" for k, (dense, gather) in ops.items()]

@@ -1,13 +1,15 @@
 """LoRA adapters on the paged decoder (q/k/v/o and the dense MLP's gate/up/down of every family;
-Phi-3's checkpoint-fused qkv_proj/gate_up_proj and StarCoder2's c_fc/c_proj; not experts): PEFT
-checkpoints loaded at start-up, many adapters
-served in one batch.
+Phi-3's checkpoint-fused qkv_proj/gate_up_proj and StarCoder2's c_fc/c_proj; a mixture-of-experts
+block's experts and router): PEFT checkpoints loaded at start-up, many adapters served in one batch.
 
 Loading (`load_adapters`): each adapter is a PEFT folder (`adapter_config.json` +
 `adapter_model.safetensors`) with its own rank and alpha, on any subset of the q/k/v/o/gate/up/down
-projections. Anything this code cannot apply exactly (DoRA, `modules_to_save`, LoRA biases, rank or
-alpha patterns, embeddings, a shape that does not fit the base model) stops start-up with a message
-saying which adapter and why.
+projections, of the experts' projections (`mlp.experts.E.gate_proj/up_proj/down_proj` in Qwen3-MoE,
+`block_sparse_moe.experts.E.w1/w3/w2` in Mixtral, as PEFT names them) and of the routers
+(`mlp.gate`, `block_sparse_moe.gate`: nn.Linear layers PEFT adapts). Anything this code cannot apply
+exactly (DoRA, `modules_to_save`, LoRA biases, rank or alpha patterns, embeddings, a shape that does
+not fit the base model, experts of a dense layer or under the other family's names) stops start-up
+with a message saying which adapter and why.
 
 Serving (`attach_lora`): every adapted projection of the model (the fused `qkv_proj` and
 `gate_up_proj`, `o_proj`, `down_proj`) is wrapped in a `LoraLinear`. Per layer and projection, the
@@ -23,6 +25,15 @@ fewer than are loaded). This is punica's BGMV (a gathered A/B per row) done as d
 `bench/runner.py --lora` measures it against the per-token gather (`bgmv_delta`, kept as the reference
 the tests compare against). A step where no row uses an adapter, or a server without adapters,
 does no LoRA work at all.
+
+A routed-experts block's adapters (`_attach_expert_lora`) are served inside its grouped expert pass
+(models/layers/expert_lora.py, called from models/layers/moe.py): per expert the same
+shrink/mask/expand, on the rows the expert takes, each masked by its token's adapter; the router's
+LoRA is added to its logits before the top k are chosen, so each token routes as its adapter does.
+There each adapter's matrices are apart (its own rank, no padding; an expert runs only the
+adapters of its rows) and the (float32) matmuls take row-invariant forms with a batch-invariant
+model: a row's result does not depend on the step's other rows.
+Sharding (`--num-shard`) with adapters is refused at start-up (engine/execution/shards.py).
 """
 
 from __future__ import annotations
@@ -55,8 +66,13 @@ OTHER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "c_fc": ("mlp", ("c_fc",)),
     "c_proj": ("mlp", ("c_proj",)),
 }
-ACCEPTED_MODULES = TARGET_MODULES + ("qkv_proj", "gate_up_proj", "c_fc", "c_proj")
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# A routed-experts block's (`mlp` in Qwen3-MoE, `block_sparse_moe` in Mixtral): each expert's
+# projections (`experts.E.<name>`, Mixtral's w1/w3/w2 = gate/up/down) and the router (`gate`).
+EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")
+ROUTER = "gate"
+ACCEPTED_MODULES = TARGET_MODULES + ("qkv_proj", "gate_up_proj", "c_fc", "c_proj", "w1", "w3", "w2", ROUTER)
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.((?:experts\.\d+\.)?\w+)"
+                  r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
 class LoraAdapterError(ValueError):
@@ -76,7 +92,28 @@ class LoraAdapter:
 
     @property
     def target_modules(self) -> list[str]:
-        return sorted({module for _, module in self.weights}, key=ACCEPTED_MODULES.index)
+        """The adapted modules, experts' as `experts.<name>`."""
+        names = {shape_key(module) for _, module in self.weights}
+        return sorted(names, key=lambda m: (m.startswith("experts."), ACCEPTED_MODULES.index(m.split(".")[-1])))
+
+
+def shape_key(module: str) -> str:
+    """`experts.3.w1` -> `experts.w1` (every expert's projection has one shape); others as they are."""
+    return f"experts.{module.rsplit('.', 1)[1]}" if module.startswith("experts.") else module
+
+
+def expert_of(module: str) -> int | None:
+    """The expert index of an `experts.E.<name>` module, else None."""
+    return int(module.split(".")[1]) if module.startswith("experts.") else None
+
+
+def _known_module(owner: str, module: str) -> bool:
+    """Whether `<owner>.<module>` of a layer is something this code applies LoRA to."""
+    if module.startswith("experts."):
+        return owner != "self_attn" and module.rsplit(".", 1)[1] in EXPERT_MODULES
+    if owner == "block_sparse_moe":
+        return module == ROUTER
+    return module in ACCEPTED_MODULES and module not in ("w1", "w3", "w2")
 
 
 # --- naming and finding adapters ------------------------------------------------------------------
@@ -133,6 +170,8 @@ def _check_config(name: str, config: dict) -> None:
         (config.get("alpha_pattern"), "has per-module alphas (alpha_pattern)"),
         (config.get("fan_in_fan_out"), "stores weights transposed (fan_in_fan_out)"),
         (config.get("layer_replication"), "replicates layers (layer_replication)"),
+        (config.get("target_parameters"),
+         f"adapts parameters directly (target_parameters={config.get('target_parameters')})"),
     ]
     for bad, why in refusals:
         if bad:
@@ -179,9 +218,9 @@ def load_peft_adapter(name: str, folder: Path) -> LoraAdapter:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(name, folder).items():
         match = _KEY.search(key)
-        if match is None or match.group(3) not in ACCEPTED_MODULES:
+        if match is None or not _known_module(match.group(2), match.group(3)):
             raise LoraAdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B matrix of one of "
-                                   f"{list(ACCEPTED_MODULES)}: not supported")
+                                   f"{list(ACCEPTED_MODULES)} (an expert's too): not supported")
         layer, _, module, half = match.groups()
         halves.setdefault((int(layer), module), {})[half] = tensor
     if not halves:
@@ -202,15 +241,23 @@ def load_peft_adapter(name: str, folder: Path) -> LoraAdapter:
 
 
 def module_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) of each PEFT target module of a Llama-family config."""
+    """(in, out) of each PEFT target module of a Llama-family config (an expert's by `shape_key`)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+    expert = getattr(config, "moe_intermediate_size", None) or inter
+    experts = {f"experts.{m}": (expert, hidden) if m in ("down_proj", "w2") else (hidden, expert)
+               for m in EXPERT_MODULES}
+    return {**experts, ROUTER: (hidden, num_experts(config)),
+            "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
             "down_proj": (inter, hidden), "qkv_proj": (hidden, heads * head_dim + 2 * kv),
             "gate_up_proj": (hidden, 2 * inter), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
+
+
+def num_experts(config) -> int:
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
 
 
 def check_fits(adapter: LoraAdapter, config, model_id: str) -> None:
@@ -222,7 +269,12 @@ def check_fits(adapter: LoraAdapter, config, model_id: str) -> None:
         if layer >= config.num_hidden_layers:
             raise LoraAdapterError(f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: "
                                    f"it adapts layer {layer}, the model has {config.num_hidden_layers} layers")
-        fan_in, fan_out = shapes[module]
+        expert = expert_of(module)
+        if expert is not None and expert >= num_experts(config):
+            raise LoraAdapterError(f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: "
+                                   f"it adapts expert {expert} of layer {layer}, the model has "
+                                   f"{num_experts(config)} experts")
+        fan_in, fan_out = shapes[shape_key(module)]
         if a.shape[1] != fan_in or b.shape[0] != fan_out:
             raise LoraAdapterError(
                 f"adapter {adapter.name!r} does not fit base model {model_id!r}{trained_for}: layer {layer} "
@@ -272,6 +324,22 @@ class LoraStep:
         onehot = (token_slots.unsqueeze(1) == self.used.unsqueeze(0)).to(dtype)  # [T, used]
         self._slot_mask = onehot.repeat_interleave(rank, dim=1)  # [T, used*R]: columns (slot, r)
         self._masks: dict[int, torch.Tensor] = {}
+        self._token_masks: dict[int, torch.Tensor] = {}
+        self._adapter_tokens: torch.Tensor | None = None
+
+    def token_mask(self, slot: int) -> torch.Tensor:
+        """[T, 1] float32: 1 for the tokens of adapter `slot` (the experts' LoRA,
+        models/layers/expert_lora.py)."""
+        found = self._token_masks.get(slot)
+        if found is None:
+            found = self._token_masks[slot] = (self.token_slots == slot).float().unsqueeze(1)
+        return found
+
+    def adapter_tokens(self) -> torch.Tensor:
+        """[T] bool: the tokens whose row uses an adapter."""
+        if self._adapter_tokens is None:
+            self._adapter_tokens = self.token_slots >= 0
+        return self._adapter_tokens
 
     def mask(self, parts: int) -> torch.Tensor:
         """[T, parts*used*R], columns (part, slot, r): 1 where the slot is the token's adapter."""
@@ -364,9 +432,9 @@ def _stack(adapters: list[LoraAdapter], layer: int, modules: tuple[str, ...], sh
     None when no adapter touches it."""
     if not any((layer, m) in ad.weights for ad in adapters for m in modules):
         return None
-    fan_in = shapes[modules[0]][0]
+    fan_in = shapes[shape_key(modules[0])][0]
     a_all = torch.zeros(len(adapters), len(modules), rank, fan_in, dtype=torch.float32)
-    b_all = [torch.zeros(len(adapters), rank, shapes[m][1], dtype=torch.float32) for m in modules]
+    b_all = [torch.zeros(len(adapters), rank, shapes[shape_key(m)][1], dtype=torch.float32) for m in modules]
     for s, adapter in enumerate(adapters):
         for p, module in enumerate(modules):
             pair = adapter.weights.get((layer, module))
@@ -397,5 +465,39 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
                 raise LoraAdapterError(f"adapter targets {'/'.join(modules)} of layer {i}, which "
                                        f"{model.spec.architecture} does not have")
             setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked))
+        _attach_expert_lora(model, i, layer, adapters, state, shapes)
     model.lora = state
     return state
+
+
+def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state: LoraState, shapes) -> None:
+    """The experts' and the router's LoRA of layer i's routed-experts block, if any adapter has some."""
+    from opentgi.models.layers.expert_lora import AdapterLora, ExpertLora
+
+    wanted = sorted({m for ad in adapters for (n, m) in ad.weights if n == i and (expert_of(m) is not None
+                                                                                 or m == ROUTER)})
+    if not wanted:
+        return
+    spec = model.spec
+    block = getattr(layer, "feed_forward", None)
+    if not hasattr(block, "experts"):
+        raise LoraAdapterError(f"adapter targets {'/'.join(sorted({shape_key(m) for m in wanted}))} of layer {i}, "
+                               f"which {spec.architecture} does not have (its feed-forward block there has "
+                               "no experts)")
+    gate, up, down = block.experts[0].names  # the checkpoint's names (Mixtral's: w1, w3, w2)
+    foreign = sorted({shape_key(m) for m in wanted if m != ROUTER} - {f"experts.{n}" for n in (gate, up, down)})
+    if foreign:
+        raise LoraAdapterError(f"adapter targets {'/'.join(foreign)} of layer {i}, which {spec.architecture} "
+                               f"does not have (its experts' projections are {gate}/{up}/{down})")
+
+    def single(adapter: LoraAdapter, modules: tuple[str, ...]) -> AdapterLora | None:
+        found = _stack([adapter], i, modules, shapes, adapter.rank, torch.float32, spec.device)
+        return None if found is None else AdapterLora(found[0][0], [b[0] for b in found[1]])
+
+    experts = range(len(block.experts))
+    lora = ExpertLora(state, [single(ad, (ROUTER,)) for ad in adapters],
+                      [[single(ad, (f"experts.{e}.{gate}", f"experts.{e}.{up}")) for ad in adapters] for e in experts],
+                      [[single(ad, (f"experts.{e}.{down}",)) for ad in adapters] for e in experts])
+    if getattr(model, "batch_invariant", False):
+        lora.make_row_invariant()
+    block.lora = lora

@@ -15,7 +15,7 @@ from opentgi.models.checkpoints.weights import load_weights
 from opentgi.models.families.decoder import PagedDecoder
 from opentgi.models.families.layout import DecoderLayout
 from opentgi.models.families.parts import FAMILIES
-from opentgi.models.layers.mlp import ACTIVATIONS
+from opentgi.models.layers.elementwise import ACTIVATIONS
 from opentgi.models.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
 from opentgi.models.quantization.linear import resident_summary
 from opentgi.models.quantization.methods import Quantize

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.layers.elementwise import whole_vectors
 
 # A decode group's fixed cost (one scaled_dot_product_attention call and two block gathers per
 # layer) in key rows (one row's one key): SmolLM2-135M's shapes (9 heads, 3 kv heads, head_dim 64),
@@ -387,29 +388,21 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     softmax (Gemma 2), which sdpa cannot do. q [..., n, D], k and v [..., L, D] (the same leading
     dims, any strides); mask additive or bool, broadcast to [..., n, L].
 
-    cap * tanh(z) = 2 cap * sigmoid(2 z) - cap, and a softmax ignores a constant added to all its
-    logits: the probabilities are softmax(2 cap * sigmoid(2 s * scale / cap) + mask), computed in
-    float32 (as transformers' softmax; a bfloat16 sigmoid near 0.5 would lose the logits'
-    precision; tanh took 2-3x the time of sigmoid here). q.k in the model dtype (in bfloat16
-    oneDNN's `bmm`, 2-3x faster than float32's with the key conversion at 16 rows), the
-    probabilities times the values in float32 (the values converted as they are padded; a
-    bfloat16 `bmm` of one decode row cost ~25 us here, a float32 one ~6; measured over a whole
-    decode step, one stream 0.89x -> 0.91x of Llama, 16 streams 0.89x -> 0.91x), in matmuls over
-    exactly `SOFTCAP_KEY_CHUNK` keys (zero padded), summed in order: one matmul's reduction over
-    a few hundred keys was cut differently with the key count (float32: a row over 130 keys alone
-    and padded to 512 gave other bits; bfloat16: 700 and 1040). So a row's bits depend neither on
-    the rows beside it nor on its masked key padding (tests/test_softcap_attention.py)."""
+    The capped logits (`_capped_logits`) go through a float32 softmax (as transformers'), and the
+    probabilities times the values in float32 (the values converted as they are padded; a bfloat16
+    `bmm` of one decode row cost ~25 us here, a float32 one ~6), in matmuls over exactly
+    `SOFTCAP_KEY_CHUNK` keys (zero padded), summed in order: one matmul's reduction over a few
+    hundred keys was cut differently with the key count (float32: a row over 130 keys alone and
+    padded to 512 gave other bits; bfloat16: 700 and 1040). So a row's bits depend neither on the
+    rows beside it nor on its masked key padding (tests/test_softcap_attention.py). Measured no
+    faster (1 thread, decode groups of 1-16 rows): giving the capped logits to sdpa as its mask
+    with a zero query (165-1120 us a group against 210-1035 here; sdpa's prompt form with head dims
+    of 128 and 256 is not batch invariant either), and a decode row's q.k as one matmul against
+    all its kv heads' keys (no copy of the keys, but three times the products: faster for one row
+    only)."""
     *lead, n, d = q.shape
     keys, batch = k.shape[-2], q.numel() // (n * d)
-    s = torch.bmm(q.reshape(batch, n, d), k.reshape(batch, keys, d).transpose(1, 2)).view(*lead, n, keys)
-    s = s.to(torch.float32).mul_(2 * scale / cap).sigmoid_()
-    if mask is None:
-        s = s.mul_(2 * cap)
-    elif mask.dtype == torch.bool:
-        s = s.mul_(2 * cap).masked_fill_(~mask, float("-inf"))
-    else:
-        s = torch.add(mask, s, alpha=2 * cap)  # mask broadcast to s's shape
-    p = torch.softmax(s, dim=-1).reshape(batch, n, keys)
+    p = torch.softmax(_capped_logits(q, k, mask, scale, cap), dim=-1).reshape(batch, n, keys)
     chunk = SOFTCAP_KEY_CHUNK
     padded = -(-keys // chunk) * chunk
     vp = torch.zeros(batch, padded, d, dtype=torch.float32, device=v.device)
@@ -426,6 +419,27 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     for i in range(1, chunks):
         out += parts[:, i]
     return out.view(*lead, n, d).to(q.dtype)
+
+
+def _capped_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                   cap: float) -> torch.Tensor:
+    """float32 [..., n, L]: the soft-capped logits plus the mask, up to a constant a row.
+    cap * tanh(z) = 2 cap * sigmoid(2 z) - cap, and a softmax ignores a constant added to all its
+    logits: 2 cap * sigmoid(2 s * scale / cap), in float32 (a bfloat16 sigmoid near 0.5 would lose
+    the logits' precision; tanh took 2-3x the time of sigmoid here), the sigmoid over whole vectors
+    (models/layers/elementwise.py: a run's scalar tail, the last row's last keys, gave them other
+    bits). s = q.k in q's dtype (in bfloat16 oneDNN's `bmm`, 2-3x faster than float32's with the
+    key conversion at 16 rows)."""
+    *lead, n, d = q.shape
+    keys, batch = k.shape[-2], q.numel() // (n * d)
+    s = torch.bmm(q.reshape(batch, n, d), k.reshape(batch, keys, d).transpose(1, 2)).view(*lead, n, keys)
+    logits = whole_vectors(s, lambda run: run.mul_(2 * scale / cap).sigmoid_(), dtype=torch.float32)
+    logits.mul_(2 * cap)
+    if mask is not None and mask.dtype == torch.bool:
+        return logits.masked_fill_(~mask, float("-inf"))
+    if mask is not None:
+        return logits.add_(mask)  # the mask broadcast to the logits' shape
+    return logits
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from opentgi.models.attention.torch_backend import prompt_form_invariant
 from opentgi.models.base import ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
+from opentgi.models.layers.elementwise import whole_vectors
 from opentgi.models.layers.linear import (
     OneDNNLinear,
     RowTiledLinear,
@@ -192,17 +193,19 @@ class PagedDecoder(nn.Module):
         if self.is_reward_model:
             raise TypeError("a reward model has no language-model head: use compute_score")
         if self.logits_proj is not None:
-            logits = self.logits_proj(hidden).float()
+            logits = self.logits_proj(hidden)
         elif not self.tie_word_embeddings:
-            logits = self.lm_head(hidden).float()  # nn.Linear, or a QuantizedLinear
+            logits = self.lm_head(hidden)  # nn.Linear, or a QuantizedLinear
         else:
-            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
         cap = self.layout.final_softcap
         if cap is None:
-            return logits
+            return logits.float()
         # cap * tanh(x / cap) as 2 cap * sigmoid(2 x / cap) - cap: torch's CPU tanh took ~10x the
-        # time of sigmoid over a row of SmolLM2's 49152 logits (0.45 ms against 0.045)
-        return logits.mul_(2 / cap).sigmoid_().mul_(2 * cap).sub_(cap)
+        # time of sigmoid over a row of SmolLM2's 49152 logits (0.45 ms against 0.045); the sigmoid
+        # over whole vectors (layers/elementwise.py), on the float32 copy every row needs anyway
+        capped = whole_vectors(logits, lambda run: run.mul_(2 / cap).sigmoid_(), dtype=torch.float32)
+        return capped.mul_(2 * cap).sub_(cap)
 
     @torch.inference_mode()
     def compute_score(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,20 +9,11 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from opentgi.models.layers.elementwise import ACTIVATIONS
 from opentgi.models.quantization.linear import fuse_linears
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-}
 
 
 def fused_linear(parts: list[nn.Module]) -> nn.Module:

@@ -23,6 +23,13 @@ models/layers/linear.py): routing is per token (the router's reduction is per ro
 elementwise, and `index_add_` sums a token's k contributions alone, in expert order, whoever else
 the experts saw.
 
+LoRA adapters (`lora`, models/layers/expert_lora.py, attached by models/lora.py): in a step with
+adapter rows the router's logits get each token's adapter delta before the top k are chosen, and
+each expert's gate/up and down outputs the deltas of its rows' adapters, each adapter's computed on
+the expert's contiguous slice in the same loop and masked to that adapter's rows. Which adapters
+each expert's rows use is read in the same host sync as the counts; an expert runs only those. A
+step without adapter rows runs exactly the code above.
+
 With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
 """
@@ -73,6 +80,7 @@ class SparseMoE(nn.Module):
                                       for _ in range(num_experts)])
         self.act = self.experts[0].act
         self.tp = None  # models.parallel.TPGroup when sharded: the output is all-reduced
+        self.lora = None  # layers.expert_lora.ExpertLora when LoRA adapters adapt this block
 
     def fuse_projections(self) -> None:
         for expert in self.experts:
@@ -80,49 +88,77 @@ class SparseMoE(nn.Module):
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64)."""
+    def route(self, x: torch.Tensor, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64); `lora`: the step
+        has adapter rows, whose adapters' router deltas are added."""
         logits = self.gate(x)
+        if lora:
+            logits = self.lora.add_router(x, logits)
         if self.renormalize:  # the top k's softmax: their full-softmax weights renormalised, in two ops
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return F.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), experts
         weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return weights.to(x.dtype), experts
 
-    def _run_experts(self, rows: torch.Tensor, used: list[tuple[GatedMLP, int]]) -> torch.Tensor:
-        """rows [R, hidden] -> outputs [R, hidden]: each (expert, count) of `used` takes the next
-        `count` rows; the activation runs once over all of them."""
+    def _run_experts(self, rows: torch.Tensor, used: list[tuple[int, int, tuple[int, ...]]],
+                     masks: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """rows [R, hidden] -> outputs [R, hidden]: each (expert, count, slots) of `used` takes the
+        next `count` rows; the activation runs once over all of them. `slots`: the LoRA adapters
+        (slots) of the expert's rows, each adding its delta masked by `masks[slot]` ([R, 1]: its
+        rows); empty (and `masks` None) in a step without adapter rows."""
+        lora = None if masks is None else self.lora
+        if lora is not None:
+            lora_rows = rows.float()  # the LoRA matmuls' input, converted once for every expert
         parts, start = [], 0
-        for expert, count in used:
-            parts.append(expert.gate_up_proj(rows[start:start + count]))
+        for e, count, slots in used:
+            y = self.experts[e].gate_up_proj(rows[start:start + count])
+            for s in slots:
+                lora.add_gate_up(e, s, lora_rows, masks[s], start, count, y)
+            parts.append(y)
             start += count
         gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
         hidden = self.act(gate).mul_(up)  # one elementwise pass over every expert's rows
+        if lora is not None:
+            lora_rows = hidden.float()
         outs, start = [], 0
-        for expert, count in used:
-            outs.append(expert.down_proj(hidden[start:start + count]))
+        for e, count, slots in used:
+            y = self.experts[e].down_proj(hidden[start:start + count])
+            for s in slots:
+                lora.add_down(e, s, lora_rows, masks[s], start, count, y)
+            outs.append(y)
             start += count
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        weights, experts = self.route(x)
+        lora = self.lora is not None and self.lora.active()
+        weights, experts = self.route(x, lora)
         if x.shape[0] == 1:
-            return self._one_token(x, weights[0], experts[0])
+            return self._one_token(x, weights[0], experts[0], lora)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if not lora:
+            used = [(e, c, ()) for e, c in enumerate(counts.tolist()) if c]  # the one host sync
+        else:  # and which adapters each expert's rows use, in the same sync
+            counts, slots = self.lora.expert_slots(experts, counts)
+            used = [(e, c, slots[e]) for e, c in enumerate(counts) if c]
         token_of = order // self.top_k
-        used = [(self.experts[e], c) for e, c in enumerate(counts) if c]
-        out_rows = self._run_experts(x.index_select(0, token_of), used)
+        masks = self.lora.row_masks(token_of) if lora else None
+        out_rows = self._run_experts(x.index_select(0, token_of), used, masks)
         out_rows.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
         out = torch.zeros_like(x).index_add_(0, token_of, out_rows)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   lora: bool = False) -> torch.Tensor:
         ids = experts.tolist()  # the one host sync
-        out_rows = self._run_experts(x.expand(len(ids), -1), [(self.experts[e], 1) for e in ids])
+        slots, masks = (), None
+        if lora:  # the lone token's adapter is the step's one
+            slots = self.lora.state.step.used_key
+            masks = {slots[0]: torch.ones(len(ids), 1, device=x.device)}
+        out_rows = self._run_experts(x.expand(len(ids), -1), [(e, 1, slots) for e in ids], masks)
         # weighted in x's dtype, as there; summed in float32 in expert order, rounded once
         out_rows.mul_(weights.unsqueeze(1))
         if len(ids) == 2:  # torch adds two values of x's dtype in float32 and rounds once: as below
