@@ -164,14 +164,38 @@ def test_a_linear_gives_a_row_the_same_bits_for_every_row_count(dtype):
     weight = (torch.randn(64, 1536) * 0.03).to(dtype)
     x = torch.randn(96, 1536).to(dtype)
     plain, invariant = OneDNNLinear(weight), OneDNNLinear(weight)
+    plain.min_rows = 1  # the kernel as it is, every row count
     assert invariant.make_row_invariant(weight) is not None
     with torch.inference_mode():
         reference = invariant(x)
-        for count in (1, 2, 3, 5, 8, 17, 64):
+        for count in (1, 2, 3, 4, 5, 8, 17, 64):
             for start in range(0, 96 - count + 1, count):
                 assert torch.equal(invariant(x[start:start + count]), reference[start:start + count])
         if dtype == torch.float32:  # without it, a lone row differs (a test that can fail)
             assert not torch.equal(plain(x[:1]), plain(x[:2])[:1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_lone_decode_row_is_multiplied_as_four_and_keeps_its_bits(model_path, family, monkeypatch):
+    """A single stream decodes one row a step: every oneDNN linear (a mixture's experts and the LM
+    head too) multiplies it as four rows, the faster kernel (models/layers/linear.py), and the
+    request's tokens and logprobs stay bitwise those it gets among 16 others, in bfloat16."""
+    if family == "llama":
+        loaded = loaded_model(model_path, "bfloat16")
+    else:
+        if family not in _MOE:
+            _MOE[family] = load_model(Settings(model_id=str(tiny_models.tiny_family_path(family)), dtype="bfloat16"))
+        loaded = _MOE[family]
+    among_others = asyncio.run(run_target(loaded, TARGET, OTHERS, position=7, stagger=True))
+    real, rows = torch.ops.mkldnn._linear_pointwise, []
+
+    def record(x, *args):
+        rows.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", record)
+    assert asyncio.run(run_target(loaded, TARGET)) == among_others
+    assert rows.count(4) >= NEW_TOKENS and min(rows) == 4
 
 
 def test_the_mode_is_the_default_and_nondeterministic_opts_out(model_path):

@@ -10,7 +10,9 @@ from torch import nn
 from transformers import AutoConfig
 
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
+from opentgi.models.layers import linear as linear_module
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear, onednn_linear_usable, pack_linears
+from opentgi.models.layers.measured_forms import MeasuredForms
 from opentgi.models.registry import build_paged_model
 
 torch.set_num_threads(1)
@@ -76,3 +78,60 @@ def test_paged_llama_on_cpu_float32_uses_onednn(tiny_llama):
                              torch.float16, torch.device("cpu"))
     assert isinstance(fp16.model.layers[0].self_attn.qkv_proj, RowTiledLinear)
     assert isinstance(fp16.logits_proj, RowTiledLinear)
+
+
+def _recording_kernel(monkeypatch) -> list[int]:
+    """The row counts oneDNN's linear kernel is called with from now on."""
+    real, seen = torch.ops.mkldnn._linear_pointwise, []
+
+    def record(x, *args):
+        seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", record)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_than_four_rows_are_multiplied_as_four(monkeypatch, dtype):
+    """oneDNN's kernel was measured faster for 4 rows than for 1 (models/layers/linear.py): 1 to 3
+    rows are multiplied as 4, and keep the bits they get inside a product of 4 or 16 rows."""
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(72, 40, generator=gen).to(dtype), torch.randn(16, 40, generator=gen).to(dtype)
+    linear = OneDNNLinear(weight)
+    seen = _recording_kernel(monkeypatch)
+    with torch.inference_mode():
+        four, sixteen = linear(x[:4]), linear(x)
+        for rows in (1, 2, 3):
+            out = linear(x[:rows])
+            assert seen[-1] == 4 and out.shape == (rows, 72)
+            assert torch.equal(out, four[:rows]) and torch.equal(out, sixteen[:rows])
+        assert linear(x[:2].view(1, 2, 40)).shape == (1, 2, 72) and seen[-1] == 4  # rows across leading dims
+        linear.min_rows = 1  # the kernel as it is
+        linear(x[:1])
+        assert seen[-1] == 1
+
+
+def test_the_probe_covers_the_padded_row_count(monkeypatch):
+    """A kernel whose 4-row products differ from other row counts' would make the padded form (and
+    the plain one) give a row other bits: the probe multiplies 4 rows too and accepts neither."""
+    assert linear_module.row_invariant_formulation(64, 40, torch.bfloat16) == "padded"
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def skewed(x, *args):
+        out = real(x, *args)
+        return out.add_(0.5) if x.shape[0] == 4 else out
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", skewed)
+    assert linear_module.row_invariant_formulation(64, 40, torch.bfloat16) is None
+
+
+def test_a_form_measured_with_another_padding_is_measured_again(monkeypatch):
+    """The padded row count is part of a measured form's key: an entry kept from a start that
+    padded to another count is not reused."""
+    forms = MeasuredForms()
+    monkeypatch.setattr(linear_module, "_formulation_cache", forms)
+    weight = torch.randn(24, 16).bfloat16()
+    forms[(24, 16, torch.bfloat16, False)] = "plain"  # the key of a start before the padding
+    assert OneDNNLinear(weight).make_row_invariant(weight) == "padded"
+    assert forms[(24, 16, torch.bfloat16, False, 4)] == "padded"

@@ -51,7 +51,8 @@ def whole_vectors(x: torch.Tensor, op: Callable[[torch.Tensor], object],
     default) padded to `whole_vector_runs`: every value goes through the vector code (module
     docstring). Returns the copy, x's shape."""
     n = x.numel()
-    flat = torch.empty(whole_vector_runs(n), dtype=dtype or x.dtype, device=x.device)
+    length = whole_vector_runs(n) if x.device.type == "cpu" else n  # CUDA kernels have no scalar tail
+    flat = torch.empty(length, dtype=dtype or x.dtype, device=x.device)
     out = flat[:n].view(x.shape)
     out.copy_(x)
     flat[n:].zero_()
@@ -68,9 +69,9 @@ def one_run_a_row(x: torch.Tensor) -> bool:
 def _activation(fn: Callable[[torch.Tensor], torch.Tensor],
                 fn_: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], torch.Tensor]:
     """act(x) as a new tensor: `fn` itself where x runs in one share of whole rows (a decode step's
-    gate rows), else `fn_` (in place) over a padded copy."""
+    gate rows) or on CUDA, else `fn_` (in place) over a padded copy."""
     def act(x: torch.Tensor) -> torch.Tensor:
-        return fn(x) if one_run_a_row(x) else whole_vectors(x, fn_)
+        return fn(x) if x.device.type != "cpu" or one_run_a_row(x) else whole_vectors(x, fn_)
     return act
 
 

@@ -15,16 +15,22 @@ the 3072x576 gate/up projection of SmolLM2-135M 287 -> 218 us, the 576x1536 down
 Used only where it computes what `F.linear` computes: CPU, float32 or bfloat16, and a probe at
 start-up that compares the two (results differ only by summation order and rounding).
 
+**Fewer than four rows are multiplied as four** (the last row repeated, its extra products
+dropped): out of cache (30 layers' distinct weights, SmolLM2-135M's shapes, bfloat16, side by side)
+oneDNN's kernels took less time for 4 rows than for 1: a layer's four projections 628 -> 561 us on
+1 thread, 408 -> 354 us on 2, the LM head 4.6 -> 3.9 ms; 2 rows cost more than 1, 8 more than 4.
+A single-stream decode step has one row, so every family's lone decode row takes the faster kernel.
+
 **Row invariance** (the default, docs/determinism.md): a row's product must not depend on how many
 rows the step multiplies. Measured with oneDNN 3.12 on an AMD EPYC (avx512_bf16), 1 and 2 threads:
 every row count from 2 to 512 computes each row bit for bit alike, but a lone row takes another
 kernel once the reduction is longer than 1024 (SmolLM2's down projection, K = 1536: about one
 output row in ten differs in bfloat16); in float32 those weights also give rows of an even and an
-odd position in the batch different sums. So where a weight shape needs it, a lone row is
-multiplied as two (the row twice: the same time, measured 47 us either way for the down
-projection), and in float32 a weight with K > 1024 is held as slices of 1024 inputs whose products
-are added in order. `row_invariant_formulation` picks, per weight shape at start-up, the first
-form (as is, padded, sliced) that gives random rows the same bits for row counts 1 to 64.
+odd position in the batch different sums. The padding above keeps a lone row off its own kernel,
+and in float32 a weight with K > 1024 is held as slices of 1024 inputs whose products are added in
+order. `row_invariant_formulation` picks, per weight shape at start-up, the first form (padded to
+four rows, as is, sliced) that gives random rows the same bits for row counts 1 to 64, the padded
+count among them.
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ from opentgi.models.layers.measured_forms import MeasuredForms
 log = logging.getLogger(__name__)
 
 _PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
-_MIN_ROWS = 2  # a lone row takes another kernel than 2..512 rows (module docstring)
+_MIN_ROWS = 4  # fewer rows are multiplied as this many: faster, and a lone row's own kernel avoided
 _K_SLICE = 1024  # float32: reductions longer than this are cut into slices added in order
-_PROBE_ROW_COUNTS = (1, 2, 3, 5, 7, 16, 17, 64)  # row counts a probe compares
+_PROBE_ROW_COUNTS = (1, 2, 3, 4, 5, 7, 16, 17, 64)  # row counts a probe compares
 _formulation_cache = MeasuredForms()  # per shape; kept between starts once attached (measured_forms.py)
 
 
@@ -58,13 +64,25 @@ class OneDNNLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
-        self.min_rows = 1  # row invariance: fewer rows are padded to this many (`make_row_invariant`)
+        self.min_rows = _MIN_ROWS  # fewer rows are padded to this many (module docstring)
         self.k_slices: list[torch.Tensor] | None = None  # float32 row invariance: packed input slices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self._rows_of(x)
         rows = x.shape[0]
-        if rows < self.min_rows:
-            return self.forward(x.repeat(-(-self.min_rows // rows), 1))[:rows]
+        if rows >= self.min_rows or rows == 0:
+            return self._product(x)
+        # the last row repeated, by one cat of whole rows (an expanded or `repeat`ed copy: 15-20 us
+        # more a call, measured; this path ~4 us)
+        padded = torch.cat((x,) * self.min_rows) if rows == 1 else torch.cat((x, *(x[-1:],) * (self.min_rows - rows)))
+        return self._product(padded)[:rows]
+
+    def _rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] of another rank than 2: its rows flattened (and padded) as one matrix."""
+        return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_slices is not None:
             return self._sliced_forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -80,13 +98,13 @@ class OneDNNLinear(nn.Module):
     def make_row_invariant(self, weight: torch.Tensor) -> str | None:
         """Switch to the form that computes each row alike for every row count (module
         docstring); `weight` is the dense weight this linear packed. Returns the form's name, or
-        None where no form was measured invariant (the plain one stays)."""
-        key = (self.out_features, self.in_features, weight.dtype, self.bias is not None)
+        None where no form was measured invariant (the padded one stays)."""
+        # the padded row count is part of the key: a form measured with another one is measured again
+        key = (self.out_features, self.in_features, weight.dtype, self.bias is not None, _MIN_ROWS)
         if key not in _formulation_cache:
             _formulation_cache[key] = row_invariant_formulation(*key[:3])
         form = _formulation_cache[key]
-        if form in ("padded", "k-slices"):
-            self.min_rows = _MIN_ROWS
+        self.min_rows = 1 if form == "plain" else _MIN_ROWS
         if form == "k-slices":
             self.k_slices = _k_slices(weight)
             self.packed = None
@@ -112,9 +130,10 @@ def _rows_alike(linear: OneDNNLinear, x: torch.Tensor) -> bool:
 
 
 def row_invariant_formulation(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
-    """"plain" (as is), "padded" (a lone row multiplied as two) or "k-slices" (float32, also the
-    reduction cut into slices of 1024 added in order): the first measured to give every row the
-    same bits for row counts 1 to 64 on random data of this shape; None if none does."""
+    """"padded" (fewer than `_MIN_ROWS` rows multiplied as that many), "plain" (every row count as
+    it is) or "k-slices" (float32, padded, the reduction cut into slices of 1024 added in order):
+    the first measured to give every row the same bits for row counts 1 to 64 on random data of
+    this shape; None if none does (the padded form stays: the faster one)."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
     # bfloat16 outputs round most differences away: enough rows that some 2**16 outputs are compared
@@ -122,12 +141,12 @@ def row_invariant_formulation(out_features: int, in_features: int, dtype: torch.
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     probe = OneDNNLinear(weight)
     with torch.inference_mode():
-        # a lone row's other kernel was seen only past K = 1024: shorter reductions may stay as they are
-        if in_features <= _K_SLICE and _rows_alike(probe, x):
-            return "plain"
-        probe.min_rows = _MIN_ROWS
         if _rows_alike(probe, x):
             return "padded"
+        probe.min_rows = 1
+        if _rows_alike(probe, x):
+            return "plain"
+        probe.min_rows = _MIN_ROWS
         if dtype == torch.float32 and in_features > _K_SLICE:
             probe.k_slices, probe.packed = _k_slices(weight), None
             if _rows_alike(probe, x):
