@@ -131,3 +131,28 @@ def test_each_rows_capped_logits_have_the_bits_it_gets_alone_at_any_place_in_a_l
             assert torch.equal(together[r:r + 1], alone), r
     finally:
         torch.set_num_threads(previous)
+
+
+def test_soft_capped_decode_rows_run_on_one_thread_and_prompt_rows_on_all(monkeypatch):
+    """SOFTCAP_ONE_THREAD_ROWS: a decode row's dozen small ops lose more to a second thread's
+    wake-ups than they gain (docs/benchmarks.md); a prompt's many query rows keep every thread."""
+    seen = []
+    real = torch_backend._softcapped
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(torch_backend, "_softcapped", spy)
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 2, 3, 64, 64, generator=gen).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (3, 40):
+            q = torch.randn(2, 3, rows, 64, generator=gen).bfloat16()
+            torch_backend._attend(q, k, v, None, 0.125, 50.0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [1, 2]

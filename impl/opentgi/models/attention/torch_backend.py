@@ -74,6 +74,12 @@ SEGMENT_TOKENS = 64  # batch invariance: tokens of one sequence attended per cal
 ROW_BLOCK = 32  # prompt form: query rows padded to whole blocks of this many (sdpa's for < 192 rows)
 PROMPT_ROWS = 160  # prompt form: the most query rows a call (under 192, where sdpa cuts in 64s)
 SOFTCAP_KEY_CHUNK = 128  # soft-capped attention: keys per matmul of the probabilities and values
+# Soft-capped calls of at most this many query rows a kv head (decode rows, tokens attended as
+# decode rows) run on one thread: their dozen small ops gained ~5% from a second thread in one
+# call (330 against 347 us, 5 rows x 288 keys) and lost more to its wake-ups inside engine steps
+# (Gemma 2's decode step against Llama's, 3 alternating runs: c=16 0.54-0.68x -> 0.69-0.82x,
+# c=1 0.73-0.84x -> 0.87-1.07x).
+SOFTCAP_ONE_THREAD_ROWS = 8
 
 
 @dataclass
@@ -379,6 +385,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     if is_causal:  # top-left aligned, as sdpa's is_causal
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_()
+    if q.shape[-2] <= SOFTCAP_ONE_THREAD_ROWS:  # decode rows: a dozen small ops, on one thread
+        with _one_thread(True):
+            return _softcapped(q, k, v, mask, scale, softcap)
     return _softcapped(q, k, v, mask, scale, softcap)
 
 
@@ -450,7 +459,8 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _one_thread(on: bool):
-    """Batch invariance in float32: the attention calls on one thread (module docstring)."""
+    """The attention calls on one thread: float32's batch invariance (module docstring), and
+    soft-capped decode rows' speed (SOFTCAP_ONE_THREAD_ROWS)."""
     threads = torch.get_num_threads() if on else 1
     if threads == 1:
         yield
