@@ -210,8 +210,14 @@ def test_only_experts_that_take_adapter_rows_do_lora_work():
     block, state = _block_with_lora(torch.float32, 2)
     x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(5))
     called = []
-    add = block.lora.add_gate_up
-    block.lora.add_gate_up = lambda e, slot, *args: (called.append((e, slot)), add(e, slot, *args))
+    add = block.lora.add_delta
+
+    def spy(projection, e, slot, *args):
+        if projection == "gate_up_proj":
+            called.append((e, slot))
+        return add(projection, e, slot, *args)
+
+    block.lora.add_delta = spy
     adapters = ["y"] + [None] * 8
     with torch.inference_mode():
         state.begin_step(adapters, [1] * 9)

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from opentgi.models.layers.adapter_lora import AdapterLora
+from opentgi.models.layers.expert_lora import ExpertLora
 
 log = logging.getLogger(__name__)
 
@@ -538,8 +539,6 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
 
 def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state: LoraState, shapes) -> None:
     """The experts' and the router's LoRA of layer i's routed-experts block, if any adapter has some."""
-    from opentgi.models.layers.expert_lora import ExpertLora
-
     wanted = sorted({m for ad in adapters for (n, m) in ad.weights if n == i and (expert_of(m) is not None
                                                                                  or m == ROUTER)})
     if not wanted:

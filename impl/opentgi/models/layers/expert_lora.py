@@ -79,17 +79,12 @@ class ExpertLora(nn.Module):
         step = self.state.step
         return {s: step.token_mask(s).index_select(0, token_of) for s in step.used_key}
 
-    def add_gate_up(self, expert: int, slot: int, rows: torch.Tensor, mask: torch.Tensor, start: int,
-                    count: int, y: torch.Tensor) -> None:
-        """y += the gate/up delta of adapter `slot` on `expert` for rows[start:start + count] (the
-        expert's slice of the grouped pass, float32); mask: every row's mask for that slot."""
-        lora = self.gate_up[expert][slot]
-        if lora is not None:
-            y.add_(lora.delta_of_slice(rows, mask, start, count))
-
-    def add_down(self, expert: int, slot: int, rows: torch.Tensor, mask: torch.Tensor, start: int,
-                 count: int, y: torch.Tensor) -> None:
-        lora = self.down[expert][slot]
+    def add_delta(self, projection: str, expert: int, slot: int, rows: torch.Tensor, mask: torch.Tensor,
+                  start: int, count: int, y: torch.Tensor) -> None:
+        """y += the delta of adapter `slot` on `expert`'s `projection` ("gate_up_proj" or
+        "down_proj") for rows[start:start + count] (the expert's slice of the grouped pass,
+        float32); mask: every row's mask for that slot."""
+        lora = (self.gate_up if projection == "gate_up_proj" else self.down)[expert][slot]
         if lora is not None:
             y.add_(lora.delta_of_slice(rows, mask, start, count))
 

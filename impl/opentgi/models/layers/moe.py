@@ -106,25 +106,20 @@ class SparseMoE(nn.Module):
         next `count` rows; the activation runs once over all of them. `slots`: the LoRA adapters
         (slots) of the expert's rows, each adding its delta masked by `masks[slot]` ([R, 1]: its
         rows); empty (and `masks` None) in a step without adapter rows."""
-        lora = None if masks is None else self.lora
-        if lora is not None:
-            lora_rows = rows.float()  # the LoRA matmuls' input, converted once for every expert
-        parts, start = [], 0
-        for e, count, slots in used:
-            y = self.experts[e].gate_up_proj(rows[start:start + count])
-            for s in slots:
-                lora.add_gate_up(e, s, lora_rows, masks[s], start, count, y)
-            parts.append(y)
-            start += count
-        gate, up = (torch.cat(parts) if len(parts) > 1 else parts[0]).split(self.intermediate, dim=-1)
+        gate, up = self._each_expert("gate_up_proj", rows, used, masks).split(self.intermediate, dim=-1)
         hidden = self.act(gate).mul_(up)  # one elementwise pass over every expert's rows
-        if lora is not None:
-            lora_rows = hidden.float()
+        return self._each_expert("down_proj", hidden, used, masks)
+
+    def _each_expert(self, projection: str, rows: torch.Tensor, used: list[tuple[int, int, tuple[int, ...]]],
+                     masks: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """Each expert of `used` multiplies its next rows by its `projection`, plus its rows'
+        adapters' deltas (from the rows converted to float32 once for every expert)."""
+        lora_rows = None if masks is None else rows.float()
         outs, start = [], 0
         for e, count, slots in used:
-            y = self.experts[e].down_proj(hidden[start:start + count])
+            y = getattr(self.experts[e], projection)(rows[start:start + count])
             for s in slots:
-                lora.add_down(e, s, lora_rows, masks[s], start, count, y)
+                self.lora.add_delta(projection, e, s, lora_rows, masks[s], start, count, y)
             outs.append(y)
             start += count
         return torch.cat(outs) if len(outs) > 1 else outs[0]
