@@ -1,0 +1,186 @@
+"""LoRA adapters under tensor parallelism (`--num-shard`, models/parallel.py `slice_lora`): 2 ranks
+(gloo, spawned processes) serve the logits of 1 rank, through the sharded runner (each row's
+adapter sent to every rank with the step), for rows of two adapters and base rows in one batch
+(prefill, decodes, a lone row's decode): Llama (also with --nondeterministic's stacked form),
+Phi-3 with q/k/v and gate/up fused in the checkpoint and 3 key/value heads split 2 + 1, StarCoder2
+(biases on the row-parallel projections) and Qwen3-MoE (every expert's projections and the
+router); every forward all-reduces exactly as often as without adapters. A bad adapter stops a
+sharded start-up once, before any rank starts."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoConfig
+
+from opentgi.engine.execution.model_runner import ModelRunner
+from opentgi.engine.execution.sharded_runner import ShardedModelRunner
+from opentgi.engine.output.stop_checker import StopChecker
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.engine.scheduling.sequence import Sequence
+from opentgi.models.attention.torch_backend import TorchAttentionBackend
+from opentgi.models.lora import load_adapters
+from opentgi.models.registry import build_paged_model
+from tests import tiny_models
+from tests.test_models_llama import PROMPT
+
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+BLOCK_SIZE, BLOCKS_PER_ROW = 16, 3
+# family (and config overrides) -> targets of adapter a (rank 4) and of adapter b (rank 8, rsLoRA)
+CASES = {
+    "llama": ("llama", {}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+              ["q_proj", "v_proj", "down_proj"]),
+    "phi3": ("phi3", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
+             ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "down_proj"]),
+    "starcoder2": ("starcoder2", {}, ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"],
+                   ["o_proj", "c_proj"]),
+    "qwen3_moe": ("qwen3_moe", {}, ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"],
+                  r".*\.experts\.[02]\.(gate_proj|up_proj|down_proj)"),
+}
+# (case, batch invariant)
+RUNS = [("llama", True), ("llama", False), ("phi3", True), ("starcoder2", True), ("qwen3_moe", True)]
+# row -> (adapter, tokens, how many the prefill step takes); then two decodes of every row and one of row 1
+ROWS = [("a", PROMPT[:23], 20), ("b", PROMPT[4:33], 26), (None, PROMPT[9:29], 17)]
+
+
+@functools.cache
+def case(name: str):
+    family, overrides, a_targets, b_targets = CASES[name]
+    path = tiny_models.tiny_llama_path() if family == "llama" else tiny_models.tiny_family_path(family, **overrides)
+    a = tiny_models.tiny_lora_path(path, seed=5, r=4, alpha=8, targets=a_targets)
+    b = tiny_models.tiny_lora_path(path, seed=6, r=8, alpha=4, use_rslora=True, targets=b_targets)
+    return path, f"a={a},b={b}"
+
+
+def _model(name: str, batch_invariant: bool, tp=None):
+    path, spec = case(name)
+    config = AutoConfig.from_pretrained(path)
+    model = build_paged_model(path, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"), tp=tp,
+                              batch_invariant=batch_invariant)
+    from opentgi.models.lora import attach_lora
+
+    attach_lora(model, load_adapters(spec, config, str(path)))  # checked against the whole model's shapes
+    return model
+
+
+def _seq(adapter: str | None, tokens: list[int], row: int) -> Sequence:
+    req = GenerationRequest(list(tokens), SamplingParams(), StoppingParams(max_new_tokens=4), adapter_id=adapter)
+    seq = Sequence(req, 0, seed=None, detokenizer=None, stop_checker=StopChecker(req.stopping, [], 99),
+                   processors=[])
+    seq.block_table = list(range(row * BLOCKS_PER_ROW, (row + 1) * BLOCKS_PER_ROW))
+    return seq
+
+
+def _drive(runner) -> list[torch.Tensor]:
+    """The steps of ROWS through a runner: the prefill's every position's logits, then each decode's."""
+    seqs = [_seq(adapter, tokens, row) for row, (adapter, tokens, _) in enumerate(ROWS)]
+    out = []
+
+    def step(rows: list[int], new: list[int], logits: bool = False) -> None:
+        chosen = [seqs[r] for r in rows]
+        result = runner.execute(chosen, new, sample_rows=list(range(len(rows))),
+                                logit_rows=list(range(len(rows))) if logits else ())
+        out.extend(result.position_logits[i] for i in sorted(result.position_logits))
+        out.append(result.sample_logits)
+        for seq, n in zip(chosen, new, strict=True):
+            seq.num_computed_tokens += n
+
+    step([0, 1, 2], [prefill for _, _, prefill in ROWS], logits=True)
+    step([0, 1, 2], [1, 1, 1])
+    step([0, 1, 2], [1, 1, 1])
+    step([1], [1])
+    return out
+
+
+def _rank(rank: int, world: int, init: str, result: str) -> None:
+    import torch.distributed as dist
+
+    from opentgi.models.parallel import TPGroup
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    tp, got = TPGroup(rank, world), {}
+    reduces: list[int] = []
+    every_reduce = tp.all_reduce
+
+    def counted(x):
+        reduces[-1] += 1
+        return every_reduce(x)
+
+    tp.all_reduce = counted
+    for name, invariant in RUNS:
+        model = _model(name, invariant, tp)
+        forward = model.forward
+
+        def counting_forward(*args, forward=forward):
+            reduces.append(0)
+            return forward(*args)
+
+        model.forward = counting_forward
+        runner = ShardedModelRunner(model, BLOCKS_PER_ROW * len(ROWS), BLOCK_SIZE, tp)
+        if rank == 0:
+            got[(name, invariant)] = _drive(runner)
+            runner.stop()
+        else:
+            runner.serve_forever()
+        layers = model.spec.num_layers
+        # the embedding's, then per layer the attention's and the feed-forward block's: none for LoRA
+        got[(name, invariant, "all-reduces")] = sorted(set(reduces)) == [1 + 2 * layers]
+        reduces.clear()
+    if rank == 0:
+        torch.save(got, result)
+    else:
+        assert all(v for k, v in got.items() if k[-1] == "all-reduces"), got
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_one(tmp_path):
+    for name in CASES:  # built before the ranks start, so that they do not race to build
+        case(name)
+    result = tmp_path / "logits.pt"
+    mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(result)), nprocs=2, join=True)
+    sharded = torch.load(result)
+    for name, invariant in RUNS:
+        assert sharded[(name, invariant, "all-reduces")], name
+        single = _drive(ModelRunner(_model(name, invariant), BLOCKS_PER_ROW * len(ROWS), BLOCK_SIZE))
+        got = sharded[(name, invariant)]
+        assert [g.shape for g in got] == [s.shape for s in single]
+        for g, s in zip(got, single, strict=True):
+            msg = f"{name}, batch invariant {invariant}"
+            torch.testing.assert_close(g, s, **TOL, msg=msg)
+            torch.testing.assert_close(g.log_softmax(-1), s.log_softmax(-1), **TOL, msg=msg)
+            assert g.argmax(-1).tolist() == s.argmax(-1).tolist(), msg
+
+
+def test_adapters_change_the_rows_they_serve():
+    """The comparison above means something: each adapter's rows differ from the base model's."""
+    name = "qwen3_moe"
+    with_adapters = _drive(ModelRunner(_model(name, True), BLOCKS_PER_ROW * len(ROWS), BLOCK_SIZE))
+    path, _ = case(name)
+    base = build_paged_model(path, AutoConfig.from_pretrained(path), TorchAttentionBackend(), torch.float32,
+                             torch.device("cpu"))
+    without = _drive(ModelRunner(base, BLOCKS_PER_ROW * len(ROWS), BLOCK_SIZE))
+    # the prefill's position logits of a's row, b's row and the base row
+    assert not torch.allclose(with_adapters[0], without[0], atol=1e-2)
+    assert not torch.allclose(with_adapters[1], without[1], atol=1e-2)
+    torch.testing.assert_close(with_adapters[2], without[2], atol=0, rtol=0)
+
+
+def test_a_bad_adapter_stops_a_sharded_start_up_before_any_rank_starts(tmp_path):
+    from opentgi.cli import main as cli_main
+
+    path, _ = case("llama")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with pytest.raises(SystemExit, match=r"^opentgi: adapter 'x': '/nonexistent/x' is not a local folder"):
+            cli_main(["serve", "--model-id", str(path), "--num-shard", "2", "--lora-adapters", "x=/nonexistent/x"])
+        _, other = case("phi3")  # adapters of another model: their shapes do not fit this one
+        with pytest.raises(SystemExit, match=r"^opentgi: adapter 'a' does not fit base model"):
+            cli_main(["serve", "--model-id", str(path), "--num-shard", "2", "--lora-adapters", other])
+    finally:
+        root.handlers[:], root.level = handlers, level
