@@ -4,19 +4,27 @@ adapter sent to every rank with the step), for rows of two adapters and base row
 (prefill, decodes, a lone row's decode): Llama (also with --nondeterministic's stacked form),
 Phi-3 with q/k/v and gate/up fused in the checkpoint and 3 key/value heads split 2 + 1, StarCoder2
 (biases on the row-parallel projections) and Qwen3-MoE (every expert's projections and the
-router); every forward all-reduces exactly as often as without adapters. A bad adapter stops a
-sharded start-up once, before any rank starts."""
+router); every forward all-reduces exactly as often as without adapters. A live `--num-shard 2`
+server answers each request with its adapter's tokens, as one shard does, and says so in /info.
+A bad adapter stops a sharded start-up once, before any rank starts."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import os
+import signal
+import subprocess
 
+import httpx
 import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoConfig
 
+from conformance.live import free_port, serve
+from opentgi.config import Settings
 from opentgi.engine.execution.model_runner import ModelRunner
 from opentgi.engine.execution.sharded_runner import ShardedModelRunner
 from opentgi.engine.output.stop_checker import StopChecker
@@ -27,6 +35,7 @@ from opentgi.models.lora import load_adapters
 from opentgi.models.registry import build_paged_model
 from tests import tiny_models
 from tests.test_models_llama import PROMPT
+from tests.test_sharding import SERVER_FLAGS, _spawn_server, _wait_ready
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 BLOCK_SIZE, BLOCKS_PER_ROW = 16, 3
@@ -168,6 +177,45 @@ def test_adapters_change_the_rows_they_serve():
     assert not torch.allclose(with_adapters[0], without[0], atol=1e-2)
     assert not torch.allclose(with_adapters[1], without[1], atol=1e-2)
     torch.testing.assert_close(with_adapters[2], without[2], atol=0, rtol=0)
+
+
+def _greedy(url: str, prompt: str, adapter: str | None) -> list[int]:
+    parameters = {"max_new_tokens": 12, "details": True, **({"adapter_id": adapter} if adapter else {})}
+    response = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": parameters}, timeout=120)
+    assert response.status_code == 200, response.text
+    return [t["id"] for t in response.json()["details"]["tokens"]]
+
+
+def test_a_two_shard_server_serves_each_requests_adapter():
+    """Requests of a, b and the base model at once (batched together, the long prompt chunked):
+    the tokens of one shard, each adapter's own; /info lists the adapters as one shard does."""
+    path, spec = case("qwen3_moe")
+    prompts = ["The quick brown fox jumps over the lazy dog, and then it runs far away into the forest.", "Hi"]
+    work = [(p, adapter) for p in prompts for adapter in ("a", "b", None)]
+
+    def answers(url: str) -> list[list[int]]:
+        with concurrent.futures.ThreadPoolExecutor(len(work)) as pool:
+            return list(pool.map(lambda job: _greedy(url, *job), work))
+
+    port = free_port()
+    proc = _spawn_server(path, port, "--num-shard", "2", "--lora-adapters", spec, *SERVER_FLAGS)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(proc, url)
+        got, info = answers(url), httpx.get(f"{url}/info").json()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    settings = Settings(model_id=str(path), hostname="127.0.0.1", port=free_port(), num_threads=1,
+                        chunked_prefill_tokens=16, max_batch_total_tokens=4096, dtype="float32", lora_adapters=spec)
+    with serve(settings) as single:
+        assert got == answers(single)
+        assert info["adapters"] == httpx.get(f"{single}/info").json()["adapters"] == ["a", "b"]
+    assert got[0] != got[2] and got[1] != got[2]  # each adapter's tokens are its own
 
 
 def test_a_bad_adapter_stops_a_sharded_start_up_before_any_rank_starts(tmp_path):
