@@ -4,7 +4,8 @@ adapter sent to every rank with the step), for rows of two adapters and base row
 (prefill, decodes, a lone row's decode): Llama (also with --nondeterministic's stacked form),
 Phi-3 with q/k/v and gate/up fused in the checkpoint and 3 key/value heads split 2 + 1, StarCoder2
 (biases on the row-parallel projections) and Qwen3-MoE (every expert's projections and the
-router); every forward all-reduces exactly as often as without adapters. A live `--num-shard 2`
+router); every forward all-reduces exactly as often as without adapters, and on 2 ranks a row
+keeps its bits whether its batch holds the other rows or not. A live `--num-shard 2`
 server answers each request with its adapter's tokens, as one shard does, and says so in /info.
 A bad adapter stops a sharded start-up once, before any rank starts."""
 
@@ -31,7 +32,7 @@ from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.engine.scheduling.sequence import Sequence
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
-from opentgi.models.lora import load_adapters
+from opentgi.models.lora import attach_lora, load_adapters
 from opentgi.models.registry import build_paged_model
 from tests import tiny_models
 from tests.test_models_llama import PROMPT
@@ -70,8 +71,6 @@ def _model(name: str, batch_invariant: bool, tp=None):
     config = AutoConfig.from_pretrained(path)
     model = build_paged_model(path, config, TorchAttentionBackend(), torch.float32, torch.device("cpu"), tp=tp,
                               batch_invariant=batch_invariant)
-    from opentgi.models.lora import attach_lora
-
     attach_lora(model, load_adapters(spec, config, str(path)))  # checked against the whole model's shapes
     return model
 
@@ -84,24 +83,28 @@ def _seq(adapter: str | None, tokens: list[int], row: int) -> Sequence:
     return seq
 
 
-def _drive(runner) -> list[torch.Tensor]:
-    """The steps of ROWS through a runner: the prefill's every position's logits, then each decode's."""
-    seqs = [_seq(adapter, tokens, row) for row, (adapter, tokens, _) in enumerate(ROWS)]
-    out = []
+def _drive(runner, together: bool = True) -> dict[int, list[torch.Tensor]]:
+    """The steps of ROWS through a runner, all rows in one batch or each alone: per row, its
+    prefill's every position's logits, then each step's sampled logits."""
+    out: dict[int, list[torch.Tensor]] = {r: [] for r in range(len(ROWS))}
+    for group in [list(out)] if together else [[r] for r in out]:
+        seqs = {r: _seq(ROWS[r][0], ROWS[r][1], r) for r in group}
 
-    def step(rows: list[int], new: list[int], logits: bool = False) -> None:
-        chosen = [seqs[r] for r in rows]
-        result = runner.execute(chosen, new, sample_rows=list(range(len(rows))),
-                                logit_rows=list(range(len(rows))) if logits else ())
-        out.extend(result.position_logits[i] for i in sorted(result.position_logits))
-        out.append(result.sample_logits)
-        for seq, n in zip(chosen, new, strict=True):
-            seq.num_computed_tokens += n
+        def step(rows: list[int], new: list[int], logits: bool = False) -> None:
+            chosen = [seqs[r] for r in rows]
+            result = runner.execute(chosen, new, sample_rows=list(range(len(rows))),
+                                    logit_rows=list(range(len(rows))) if logits else ())
+            for i, (r, seq, n) in enumerate(zip(rows, chosen, new, strict=True)):
+                if logits:
+                    out[r].append(result.position_logits[i])
+                out[r].append(result.sample_logits[i:i + 1])
+                seq.num_computed_tokens += n
 
-    step([0, 1, 2], [prefill for _, _, prefill in ROWS], logits=True)
-    step([0, 1, 2], [1, 1, 1])
-    step([0, 1, 2], [1, 1, 1])
-    step([1], [1])
+        step(group, [ROWS[r][2] for r in group], logits=True)
+        step(group, [1] * len(group))
+        step(group, [1] * len(group))
+        if 1 in group:
+            step([1], [1])
     return out
 
 
@@ -132,7 +135,7 @@ def _rank(rank: int, world: int, init: str, result: str) -> None:
         model.forward = counting_forward
         runner = ShardedModelRunner(model, BLOCKS_PER_ROW * len(ROWS), BLOCK_SIZE, tp)
         if rank == 0:
-            got[(name, invariant)] = _drive(runner)
+            got[(name, invariant)] = _drive(runner), _drive(runner, together=False)
             runner.stop()
         else:
             runner.serve_forever()
@@ -156,13 +159,16 @@ def test_two_ranks_match_one(tmp_path):
     for name, invariant in RUNS:
         assert sharded[(name, invariant, "all-reduces")], name
         single = _drive(ModelRunner(_model(name, invariant), BLOCKS_PER_ROW * len(ROWS), BLOCK_SIZE))
-        got = sharded[(name, invariant)]
-        assert [g.shape for g in got] == [s.shape for s in single]
-        for g, s in zip(got, single, strict=True):
-            msg = f"{name}, batch invariant {invariant}"
-            torch.testing.assert_close(g, s, **TOL, msg=msg)
-            torch.testing.assert_close(g.log_softmax(-1), s.log_softmax(-1), **TOL, msg=msg)
-            assert g.argmax(-1).tolist() == s.argmax(-1).tolist(), msg
+        together, alone = sharded[(name, invariant)]
+        for row, expected in single.items():
+            msg = f"{name}, batch invariant {invariant}, row {row}"
+            got = torch.cat(together[row])
+            assert got.shape == torch.cat(expected).shape, msg
+            torch.testing.assert_close(got, torch.cat(expected), **TOL, msg=msg)
+            torch.testing.assert_close(got.log_softmax(-1), torch.cat(expected).log_softmax(-1), **TOL, msg=msg)
+            assert got.argmax(-1).tolist() == torch.cat(expected).argmax(-1).tolist(), msg
+            if invariant:  # every rank keeps a row's bits whatever else its batch holds
+                torch.testing.assert_close(got, torch.cat(alone[row]), atol=0, rtol=0, msg=msg)
 
 
 def test_adapters_change_the_rows_they_serve():
@@ -173,10 +179,10 @@ def test_adapters_change_the_rows_they_serve():
     base = build_paged_model(path, AutoConfig.from_pretrained(path), TorchAttentionBackend(), torch.float32,
                              torch.device("cpu"))
     without = _drive(ModelRunner(base, BLOCKS_PER_ROW * len(ROWS), BLOCK_SIZE))
-    # the prefill's position logits of a's row, b's row and the base row
-    assert not torch.allclose(with_adapters[0], without[0], atol=1e-2)
-    assert not torch.allclose(with_adapters[1], without[1], atol=1e-2)
-    torch.testing.assert_close(with_adapters[2], without[2], atol=0, rtol=0)
+    # a's row, b's row and the base row
+    assert not torch.allclose(torch.cat(with_adapters[0]), torch.cat(without[0]), atol=1e-2)
+    assert not torch.allclose(torch.cat(with_adapters[1]), torch.cat(without[1]), atol=1e-2)
+    torch.testing.assert_close(torch.cat(with_adapters[2]), torch.cat(without[2]), atol=0, rtol=0)
 
 
 def _greedy(url: str, prompt: str, adapter: str | None) -> list[int]:
