@@ -7,7 +7,8 @@ Phi-3 with q/k/v and gate/up fused in the checkpoint and 3 key/value heads split
 router); every forward all-reduces exactly as often as without adapters, and on 2 ranks a row
 keeps its bits whether its batch holds the other rows or not. A live `--num-shard 2`
 server answers each request with its adapter's tokens, as one shard does, and says so in /info.
-A bad adapter stops a sharded start-up once, before any rank starts."""
+A bad adapter (the LM head's LoRA too, served by no shard count) stops a sharded start-up once,
+before any rank starts."""
 
 from __future__ import annotations
 
@@ -236,5 +237,10 @@ def test_a_bad_adapter_stops_a_sharded_start_up_before_any_rank_starts(tmp_path)
         _, other = case("phi3")  # adapters of another model: their shapes do not fit this one
         with pytest.raises(SystemExit, match=r"^opentgi: adapter 'a' does not fit base model"):
             cli_main(["serve", "--model-id", str(path), "--num-shard", "2", "--lora-adapters", other])
+        # the LM head's and the embedding's LoRA are served by no shard count: refused by name
+        untied, _ = case("qwen3_moe")
+        head = tiny_models.tiny_lora_path(untied, seed=7, r=4, alpha=8, targets=["q_proj", "lm_head"])
+        with pytest.raises(SystemExit, match=r"^opentgi: adapter 'h' targets \['lm_head'\]: only"):
+            cli_main(["serve", "--model-id", str(untied), "--num-shard", "2", "--lora-adapters", f"h={head}"])
     finally:
         root.handlers[:], root.level = handlers, level
