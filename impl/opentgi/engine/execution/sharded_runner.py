@@ -6,8 +6,8 @@ the single-shard runner does and broadcasts them: a fixed header of sizes, then 
 adapter slot (-1: the base model; models/lora.py), the positions to sample from (each sample
 row's last one, and with speculative decoding its drafts'), and the rows to return position
 logits for and to score). Every rank runs its shard of the forward pass on them, each row with
-its adapter's slices; the LM head's vocabulary slices are gathered on rank 0, which samples. The other ranks run
-`serve_forever`, which receives steps until the driver says stop.
+its adapter's slices; the LM head's vocabulary slices are gathered on rank 0, which samples. The
+other ranks run `serve_forever`, which receives steps until the driver says stop.
 
 While the driver is idle it sends a no-op header every few seconds, so the ranks waiting for the
 next step never reach the process group's timeout; a rank that is gone or stuck makes the
@@ -92,7 +92,8 @@ class ShardedModelRunner(ModelRunner):
         dist.broadcast(payload, 0, group=self.tp.group)
 
     # --- every rank ------------------------------------------------------------------------------
-    def _run(self, input_ids, positions, attn: AttentionMetadata, adapters: list[int], rows) -> StepOutput | None:
+    def _run(self, input_ids, positions, attn: AttentionMetadata, adapters: list[int],
+             rows) -> StepOutput | None:
         sample_at, logit_rows, score_rows = rows
         cu_q = attn.cu_seqlens_q.tolist()
         if self.lora is not None:  # every rank: the rows' adapters, as the driver's slots say
@@ -130,7 +131,8 @@ class ShardedModelRunner(ModelRunner):
                 return
             if cmd != _STEP:
                 continue
-            sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq + 1, n_seq, n_seq * max_blocks, n_seq, n_s, n_l, n_sc]
+            sizes = [n_tok, n_tok, n_tok, n_seq + 1, n_seq + 1, n_seq, n_seq * max_blocks, n_seq,
+                     n_s, n_l, n_sc]
             payload = torch.empty(sum(sizes), dtype=torch.int64, device=dev)
             dist.broadcast(payload, 0, group=self.tp.group)
             ids, pos, slots, cu_q, cu_k, ctx, bt, adapters, s_rows, l_rows, sc_rows = payload.split(sizes)
