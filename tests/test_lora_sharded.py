@@ -164,7 +164,7 @@ def test_two_ranks_match_one(tmp_path):
     mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", str(result)), nprocs=2, join=True)
     sharded, other = torch.load(f"{result}.0"), torch.load(f"{result}.1")
     for run in RUNS:
-        name, invariant, dtype = run
+        _, invariant, dtype = run
         assert sharded[(*run, "all-reduces")] and other[(*run, "all-reduces")], run
         # every rank attends a step's prompt tokens in the form the driver does (the driver's counts)
         assert other[(*run, "row kinds")] == sharded[(*run, "row kinds")], run
