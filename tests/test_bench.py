@@ -182,3 +182,34 @@ def test_architecture_comparison_warms_each_new_server_with_a_round_at_every_lev
     qwen3 = [call for call in calls if call[0] == "url:qwen3"]
     assert qwen3[:2] == [("url:qwen3", 1, 64), ("url:qwen3", 16, 64)]  # the warm-up round
     assert qwen3[2:] == [("url:qwen3", 1, 64), ("url:qwen3", 16, 64)]  # the measured one
+
+
+def test_lora_comparison_on_a_sharded_server(monkeypatch, tiny_llama):
+    """`--lora K,... --shards N` runs the LoRA comparison on an N-shard server (one --shards value)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from opentgi.bench import runner
+
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--lora", "0,1", "--shards", "1,2"])
+    args = runner.parse_args(["--lora", "0,1", "--shards", "2", "--lora-rounds", "1", "--lora-concurrency", "2"])
+    started = []
+
+    @contextlib.contextmanager
+    def fake_server(server_args):
+        started.append(server_args.server_arg)
+        yield "http://127.0.0.1:1"
+
+    async def fake_level(url, prompts, concurrency, num_requests, new_tokens, time_limit_s, adapters=()):
+        return runner.LevelResult(concurrency, num_requests, 10 * num_requests, 1.0, [], [], 0)
+
+    monkeypatch.setattr(runner, "local_server", fake_server)
+    monkeypatch.setattr(runner, "run_level", fake_level)
+    monkeypatch.setattr(runner, "lora_op_timings", lambda *a, **k: (1.0, 1.0, 1.0))
+    loaded = SimpleNamespace(hf_config=AutoConfig.from_pretrained(tiny_llama), model_id="tiny")
+    text = runner.lora_comparison(args, loaded, ["a prompt"])
+    assert len(started) == 1 and started[0][-2:] == ["--num-shard", "2"] and "--lora-adapters" in started[0]
+    assert "LoRA adapters mixed, tiny, --num-shard 2" in text

@@ -2,14 +2,13 @@
 Mixtral with PEFT adapters on every expert's projections, the router and attention, against
 transformers + PEFT (prefill, decodes, a lone token's step; two adapters and base rows in one
 batch; greedy tokens through the Engine); the block's rows keep their bits whatever else the step
-holds; adapters that do not fit the experts are refused by name; sharding with adapters is refused
-at start-up."""
+holds; adapters that do not fit the experts are refused by name (2 ranks against 1:
+tests/test_lora_sharded.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import shutil
 
 import pytest
@@ -323,22 +322,6 @@ def test_expert_adapter_on_a_model_without_experts_is_refused():
     model = load_paged(llama)
     with pytest.raises(LoraAdapterError, match="it adapts expert 0 of layer 0, the model has 0 experts"):
         attach_lora(model, load_adapters(f"a={a}", model.config, str(llama)))
-
-
-def test_num_shard_with_adapters_is_refused_at_start_up():
-    """Tensor parallelism splits every expert's features over the ranks; LoRA (dense and experts')
-    is served with one shard, and `--num-shard` with adapters stops start-up with the reason."""
-    from opentgi.cli import main as cli_main
-
-    path, a, _ = adapters("mixtral")
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        with pytest.raises(SystemExit, match="--num-shard 2: LoRA adapters are not sharded yet; serve them "
-                                             "with one shard"):
-            cli_main(["serve", "--model-id", str(path), "--num-shard", "2", "--lora-adapters", f"a={a}"])
-    finally:
-        root.handlers[:], root.level = handlers, level
 
 
 def test_bench_adapters_on_a_mixture_of_experts_load(tmp_path):

@@ -11,7 +11,8 @@ In one run, on one machine:
 5. with `--peer NAME=URL` (repeatable): the same `/v1/completions` load against opentgi and each
    peer in turn, with tokens/s, resident memory and opentgi's ratios (`bench/peers.py`);
 then prints the numbers and the ratios as markdown tables (`--output FILE` also appends them to FILE).
-Separate modes: `--lora K,...` (adapters mixed), `--shards K,...` (tensor parallelism),
+Separate modes: `--lora K,...` (adapters mixed; with `--shards N`, one value, on an N-shard
+server), `--shards K,...` (tensor parallelism),
 `--architectures A,...` (each family at the default model's shape beside Llama:
 `bench/architectures.py`) and `--speculate N` (speculative decoding on a
 code-editing workload, single stream, side by side with a plain server: `bench/speculate.py`).
@@ -413,11 +414,13 @@ def lora_comparison(args, loaded, prompts: list[str]) -> str:
     adapter loaded), in interleaved rounds; returns the markdown table."""
     counts = [int(x) for x in args.lora.split(",")]
     c = args.lora_concurrency
+    shards = int(args.shards) if args.shards else 1  # parse_args allows one value with --lora
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_random_adapters(loaded.hf_config, Path(tmp), max(counts), args.lora_rank)
         names = [p.name for p in paths]
         server_args = argparse.Namespace(**vars(args))
-        server_args.server_arg = [*args.server_arg, "--lora-adapters", ",".join(f"{p.name}={p}" for p in paths)]
+        server_args.server_arg = [*args.server_arg, "--lora-adapters", ",".join(f"{p.name}={p}" for p in paths),
+                                  *(["--num-shard", str(shards)] if shards > 1 else [])]
         totals = {k: [0, 0.0, 0, 0] for k in counts}  # tokens, wall, requests, errors
         rounds: dict[int, list[float]] = {k: [] for k in counts}
         with local_server(server_args) as url:
@@ -438,7 +441,8 @@ def lora_comparison(args, loaded, prompts: list[str]) -> str:
     base_median = statistics.median(rounds[counts[0]])
     ops = {k: lora_op_timings(loaded.hf_config, k, args.lora_rank, c) for k in counts if k}
     lines = [
-        f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — LoRA adapters mixed, {loaded.model_id}",
+        f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} — LoRA adapters mixed, {loaded.model_id}"
+        + (f", --num-shard {shards}" if shards > 1 else ""),
         "",
         f"Machine: {machine_line(args.num_threads)}.",
         (f"One server with {max(counts)} random rank-{args.lora_rank} adapters on every projection (q/k/v/o, "
@@ -539,7 +543,8 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=16, help="rank of the random adapters (--lora)")
     p.add_argument("--lora-rounds", type=int, default=5, help="interleaved rounds (--lora)")
     p.add_argument("--shards", help="only the tensor-parallel comparison: comma-separated --num-shard "
-                   "values, e.g. 1,2 (at each --concurrency level)")
+                   "values, e.g. 1,2 (at each --concurrency level); with --lora one value: the LoRA "
+                   "comparison on a server of that many shards")
     p.add_argument("--architectures", help="only the architecture comparison: comma-separated families at "
                    "the default model's shape with random weights, beside Llama, e.g. qwen3,gemma2 "
                    "(bench/architectures.py)")
@@ -550,7 +555,10 @@ def parse_args(argv=None):
                    "workload, single stream, a plain server beside one with --speculate N (bench/speculate.py)")
     p.add_argument("--speculate-new-tokens", type=int, default=256, help="new tokens at most (--speculate)")
     p.add_argument("--speculate-rounds", type=int, default=4, help="interleaved rounds (--speculate)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.lora and args.shards and not args.shards.strip().isdigit():
+        p.error("--shards with --lora takes one --num-shard value (the LoRA comparison's server)")
+    return args
 
 
 def _levels(text: str) -> list[int]:

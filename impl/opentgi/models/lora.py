@@ -45,11 +45,21 @@ A routed-experts block's adapters (`_attach_expert_lora`) are served inside its 
 (models/layers/expert_lora.py, called from models/layers/moe.py): per expert the adapters of its
 rows, `AdapterLora`s again, on the rows the expert takes, each masked by its token's adapter; the
 router's LoRA is added to its logits before the top k are chosen, so each token routes as its
-adapter does. Sharding (`--num-shard`) with adapters is refused at start-up (engine/execution/shards.py).
+adapter does.
+
+Tensor parallelism (`--num-shard`, models/parallel.py): each rank keeps only its slices of every
+adapter (`ShardPlan.slice_lora`; the adapter file is read whole, a few MB, as TGI and vLLM read
+it): A replicated and B sliced by the rank's output rows on a column-parallel projection (q/k/v,
+gate/up, fused or not, each expert's gate/up), A sliced by its input columns and B replicated on a
+row-parallel one (o, down, each expert's down), the router's whole. A row-parallel projection's
+`LoraLinear` sits inside its `RowParallel` (an experts block's deltas inside the block), so the
+rank's partial delta is summed by the layer's one all-reduce, and a bias (rank 0's) is added once.
+The step's per-row adapters travel to every rank with the step (engine/execution/sharded_runner.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -62,6 +72,7 @@ from torch import nn
 
 from opentgi.models.layers.adapter_lora import AdapterLora
 from opentgi.models.layers.expert_lora import ExpertLora
+from opentgi.models.parallel import RowParallel
 
 log = logging.getLogger(__name__)
 
@@ -390,9 +401,17 @@ class LoraState:
         self.device = device
         self.step: LoraStep | None = None
 
+    def slots_of(self, adapter_ids: list[str | None]) -> list[int]:
+        """Rows' adapters (None = base) -> their slots (-1 = base)."""
+        return [-1 if a is None else self.slot_of[a] for a in adapter_ids]
+
     def begin_step(self, adapter_ids: list[str | None], num_new_tokens: list[int]) -> None:
         """Rows' adapters (None = base) and token counts, in the varlen order of the step."""
-        slots = [-1 if a is None else self.slot_of[a] for a in adapter_ids]
+        self.begin_step_slots(self.slots_of(adapter_ids), num_new_tokens)
+
+    def begin_step_slots(self, slots: list[int], num_new_tokens: list[int]) -> None:
+        """As `begin_step`, the rows' adapters given by slot (-1 = base): how a tensor-parallel
+        rank gets them from the driver."""
         used = sorted({s for s in slots if s >= 0})
         if not used:
             self.step = None
@@ -516,6 +535,9 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
     adapters the model is left exactly as it was."""
     if not adapters:
         return None
+    plan = getattr(model, "shard_plan", None)  # models/parallel.py: this rank's slices only
+    if plan is not None:
+        adapters = [_sliced(adapter, plan) for adapter in adapters]
     spec = model.spec
     rank = max(a.rank for a in adapters)
     state = LoraState([a.name for a in adapters], rank, spec.dtype, torch.device(spec.device))
@@ -531,10 +553,21 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
             if not isinstance(getattr(parent, attr, None), nn.Module):
                 raise LoraAdapterError(f"adapter targets {'/'.join(modules)} of layer {i}, which "
                                        f"{model.spec.architecture} does not have")
-            setattr(parent, attr, LoraLinear(getattr(parent, attr), state, *stacked, row_invariant, ranks))
+            base = getattr(parent, attr)
+            if isinstance(base, RowParallel):  # the delta joins the partial product before the all-reduce
+                base.linear = LoraLinear(base.linear, state, *stacked, row_invariant, ranks)
+            else:
+                setattr(parent, attr, LoraLinear(base, state, *stacked, row_invariant, ranks))
         _attach_expert_lora(model, i, layer, adapters, state, shapes)
     model.lora = state
     return state
+
+
+def _sliced(adapter: LoraAdapter, plan) -> LoraAdapter:
+    """The adapter's matrices this tensor-parallel rank holds (models/parallel.py `slice_lora`)."""
+    weights = {(layer, module): plan.slice_lora(f"model.layers.{layer}.{module}.weight", a, b)
+               for (layer, module), (a, b) in adapter.weights.items()}
+    return dataclasses.replace(adapter, weights=weights)
 
 
 def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state: LoraState, shapes) -> None:

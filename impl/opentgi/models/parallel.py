@@ -18,6 +18,13 @@ K | N and N | H, and each kv head is replicated on N/K ranks (as vLLM does). The
 features and the vocabulary are split as evenly as possible. `ShardPlan.slice` gives each
 checkpoint tensor's slice for this rank, so a rank reads only its slices (safetensors get_slice).
 
+LoRA adapters (models/lora.py) follow their base layers' slices (`ShardPlan.slice_lora`, as vLLM's
+and TGI's column/row-parallel LoRA layers do): on a column-parallel projection A is replicated and
+B sliced by the output rows this rank's weight holds (fused parts and uneven key/value groups
+alike, through `slice`); on a row-parallel one A is sliced by the input columns this rank's weight
+holds and B replicated, so each rank's partial delta joins its partial product before the one
+all-reduce (`RowParallel` wraps the LoRA-wrapped linear); the router's LoRA is replicated.
+
 With one rank none of this is built: the single-shard model has no collectives.
 """
 
@@ -76,6 +83,12 @@ def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(total, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+# the projections `ShardPlan.slice` splits by output rows (column-parallel) and by input columns
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "c_fc",
+                   "w1", "w3")
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj", "w2")
 
 
 class ShardingError(ValueError):
@@ -184,6 +197,17 @@ class ShardPlan:
             return part
         return read(slice(None))
 
+    def slice_lora(self, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA pair on the projection whose weight is `name` (a [r, in], b
+        [out, r]): on a column-parallel projection B's rows of this rank's weight rows, on a
+        row-parallel one A's columns of its weight columns; anything else (the router) whole."""
+        module = name.rsplit(".", 2)[-2]
+        if module in ROW_PARALLEL:
+            return self.slice(name, tuple(a.shape), a.__getitem__).clone(), b
+        if module in COLUMN_PARALLEL:
+            return a, self.slice(name, tuple(b.shape), b.__getitem__).clone()
+        return a, b
+
 
 class RowParallel(nn.Module):
     """A row-parallel linear: this rank's partial product, summed over ranks by one all-reduce."""
@@ -229,3 +253,4 @@ def parallelize(model: nn.Module, plan: ShardPlan, tp: TPGroup) -> None:
             setattr(block, out, RowParallel(getattr(block, out), tp))
     embed = model.model.embed_tokens
     model.model.embed_tokens = VocabParallelEmbedding(embed.weight.data, plan.vocab_start, tp)
+    model.shard_plan = plan  # LoRA adapters attached later take their slices by it (models/lora.py)

@@ -317,8 +317,9 @@ def dist_backend_name() -> str:
 
 
 def check_shardable(settings: Settings) -> None:
-    """Before any rank starts: the model exists, the paged code serves it, and it splits
-    `num_shard` ways (raises SystemExit with the reason, so it is said once)."""
+    """Before any rank starts: the model exists, the paged code serves it, it splits `num_shard`
+    ways, and its LoRA adapters load and fit it (raises SystemExit with the reason, so it is said
+    once)."""
     from transformers import AutoConfig
 
     from opentgi.models.loader import ModelLoadError, resolve_device, resolve_model_folder
@@ -326,8 +327,6 @@ def check_shardable(settings: Settings) -> None:
     from opentgi.models.registry import paged_unsupported_reason
 
     n = settings.num_shard
-    if settings.lora_adapters:
-        raise SystemExit(f"opentgi: --num-shard {n}: LoRA adapters are not sharded yet; serve them with one shard")
     try:
         folder, model_id, _sha = resolve_model_folder(settings)
         config = AutoConfig.from_pretrained(folder, trust_remote_code=settings.trust_remote_code)
@@ -342,6 +341,15 @@ def check_shardable(settings: Settings) -> None:
             ShardPlan.of(config, rank, n)
     except ShardingError as exc:
         raise SystemExit(f"opentgi: --num-shard {n}: {exc}") from None
+    if settings.lora_adapters:  # every rank reads them; a bad one is said once, before any starts
+        from opentgi.models.checkpoints import text_tower
+        from opentgi.models.lora import LoraAdapterError, load_adapters
+
+        try:
+            load_adapters(settings.lora_adapters,
+                          text_tower.text_config(config) if text_tower.is_text_tower(config) else config, model_id)
+        except LoraAdapterError as exc:
+            raise SystemExit(f"opentgi: {exc}") from None
     device = resolve_device(settings)
     if settings.shard_rank is None and device.type == "cuda" and torch.cuda.device_count() < n:
         raise SystemExit(f"opentgi: --num-shard {n} needs {n} CUDA devices; "
