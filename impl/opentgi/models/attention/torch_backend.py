@@ -414,10 +414,16 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     p = torch.softmax(_capped_logits(q, k, mask, scale, cap), dim=-1).reshape(batch, n, keys)
     chunk = SOFTCAP_KEY_CHUNK
     padded = -(-keys // chunk) * chunk
-    vp = torch.zeros(batch, padded, d, dtype=torch.float32, device=v.device)
+    # the values in float32 and the probabilities, zero padded to whole chunks: each written once
+    # (a zero-filled buffer, or F.pad, writes the whole of it twice: ~4% of a decode group's call)
+    vp = torch.empty(batch, padded, d, dtype=torch.float32, device=v.device)
     vp.view(*lead, padded, d)[..., :keys, :].copy_(v)  # any strides (a stride-0 expand too), to float32
     if padded != keys:
-        p = F.pad(p, (0, padded - keys))
+        vp[:, keys:].zero_()
+        p_padded = torch.empty(batch, n, padded, dtype=p.dtype, device=p.device)
+        p_padded[..., :keys].copy_(p)
+        p = p_padded
+        p[..., keys:].zero_()
     chunks = padded // chunk
     if chunks == 1:
         return torch.bmm(p, vp).view(*lead, n, d).to(q.dtype)
