@@ -73,7 +73,10 @@ MAX_BATCHED_PROMPT = 128  # fresh prompts up to this many tokens are attended in
 SEGMENT_TOKENS = 64  # batch invariance: tokens of one sequence attended per call, sharing one key gather
 ROW_BLOCK = 32  # prompt form: query rows padded to whole blocks of this many (sdpa's for < 192 rows)
 PROMPT_ROWS = 160  # prompt form: the most query rows a call (under 192, where sdpa cuts in 64s)
-SOFTCAP_KEY_CHUNK = 128  # soft-capped attention: keys per matmul of the probabilities and values
+SOFTCAP_KEY_CHUNK = 128  # soft-capped attention in float32: keys per matmul of the probabilities and values
+# soft-capped attention in bfloat16: keys per matmul of the probabilities and values (oneDNN's
+# bfloat16 `bmm` reduces up to 1,024 keys alike whatever their zero padding: tests/test_softcap_attention.py)
+SOFTCAP_BF16_KEY_CHUNK = 1024
 # Soft-capped calls of at most this many query rows a kv head (decode rows, tokens attended as
 # decode rows) run on one thread: their dozen small ops gained ~5% from a second thread in one
 # call (330 against 347 us, 5 rows x 288 keys) and lost more to its wake-ups inside engine steps
@@ -397,13 +400,17 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     softmax (Gemma 2), which sdpa cannot do. q [..., n, D], k and v [..., L, D] (the same leading
     dims, any strides); mask additive or bool, broadcast to [..., n, L].
 
-    The capped logits (`_capped_logits`) go through a float32 softmax (as transformers'), and the
-    probabilities times the values in float32 (the values converted as they are padded; a bfloat16
-    `bmm` of one decode row cost ~25 us here, a float32 one ~6), in matmuls over exactly
-    `SOFTCAP_KEY_CHUNK` keys (zero padded), summed in order: one matmul's reduction over a few
-    hundred keys was cut differently with the key count (float32: a row over 130 keys alone and
-    padded to 512 gave other bits; bfloat16: 700 and 1040). So a row's bits depend neither on the
-    rows beside it nor on its masked key padding (tests/test_softcap_attention.py). Measured no
+    The capped logits (`_capped_logits`) go through a float32 softmax (as transformers'). In
+    bfloat16 the probabilities, rounded to bfloat16 as sdpa rounds them, times the values go
+    through oneDNN's bfloat16 `bmm` over at most `SOFTCAP_BF16_KEY_CHUNK` keys a matmul (float32
+    sums of the chunks' products, in order): its reduction gives a row the same bits for every key
+    count up to 1,024 (a row over 700 keys alone and padded to 1040 did not), so a row's bits depend
+    neither on the rows beside it nor on its masked key padding (tests/test_softcap_attention.py).
+    Against the float32 form below, the same error against a float64 reference and 1.5-3x faster
+    for decode groups of 5-16 rows (1 thread; one row: the same). In other dtypes, the products in
+    float32 (the values converted as they are padded), in matmuls over exactly `SOFTCAP_KEY_CHUNK`
+    keys (zero padded), summed in order: float32's reduction was cut differently with the key count
+    (a row over 130 keys alone and padded to 512 gave other bits). Measured no
     faster (1 thread, decode groups of 1-16 rows): giving the capped logits to sdpa as its mask
     with a zero query (165-1120 us a group against 210-1035 here; sdpa's prompt form with head dims
     of 128 and 256 is not batch invariant either), and a decode row's q.k as one matmul against
@@ -412,6 +419,8 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     *lead, n, d = q.shape
     keys, batch = k.shape[-2], q.numel() // (n * d)
     p = torch.softmax(_capped_logits(q, k, mask, scale, cap), dim=-1).reshape(batch, n, keys)
+    if v.dtype == torch.bfloat16:
+        return _bf16_probs_times_values(p, v.reshape(batch, keys, d)).view(*lead, n, d)
     chunk = SOFTCAP_KEY_CHUNK
     padded = -(-keys // chunk) * chunk
     # the values in float32 and the probabilities, zero padded to whole chunks: each written once
@@ -434,6 +443,20 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     for i in range(1, chunks):
         out += parts[:, i]
     return out.view(*lead, n, d).to(q.dtype)
+
+
+def _bf16_probs_times_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float32 probabilities [B, n, L] times bfloat16 values [B, L, D] -> bfloat16 [B, n, D], in
+    bfloat16 matmuls over at most SOFTCAP_BF16_KEY_CHUNK keys, their products summed in float32 in
+    order (`_softcapped`)."""
+    p = p.to(torch.bfloat16)
+    keys, chunk = p.shape[-1], SOFTCAP_BF16_KEY_CHUNK
+    if keys <= chunk:
+        return torch.bmm(p, v)
+    out = torch.bmm(p[..., :chunk], v[:, :chunk]).float()
+    for start in range(chunk, keys, chunk):
+        out += torch.bmm(p[..., start:start + chunk], v[:, start:start + chunk])
+    return out.to(torch.bfloat16)
 
 
 def _capped_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
