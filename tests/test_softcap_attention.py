@@ -189,3 +189,26 @@ def test_soft_capped_decode_rows_run_on_one_thread_and_prompt_rows_on_all(monkey
     finally:
         torch.set_num_threads(previous)
     assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 64), (4, 2, 256)])
+def test_a_soft_capped_rows_bits_do_not_depend_on_the_thread_count(shape):
+    """Which thread count a soft-capped call runs on may follow its group's size
+    (SOFTCAP_ONE_THREAD_ROWS): a row's bits must not."""
+    num_kv_heads, group, head_dim = shape
+    gen = torch.Generator().manual_seed(2)
+    previous = torch.get_num_threads()
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows, n, keys in ((1, group, 96), (16, group, 320), (5, group, 1100), (1, 40, 200)):
+                q = (torch.randn(rows, num_kv_heads, n, head_dim, generator=gen) * 3).to(dtype)
+                k, v = (torch.randn(2, rows, num_kv_heads, keys, head_dim, generator=gen)).to(dtype)
+                mask = torch.zeros(rows, 1, 1, keys, dtype=dtype)
+                mask[0, ..., keys // 3:] = float("-inf")
+                outs = []
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    outs.append(_softcapped(q, k, v, mask, head_dim ** -0.5, 30.0))
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), (dtype, rows, n, keys)
+    finally:
+        torch.set_num_threads(previous)
