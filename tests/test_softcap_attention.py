@@ -51,17 +51,18 @@ def test_the_logits_are_soft_capped_as_transformers_does(keys, rows):
 def test_a_rows_bits_do_not_depend_on_its_batch_or_its_key_padding(shape, dtype, threads):
     """As a decode group attends it: a row beside others, its keys padded with masked ones to the
     group's longest context in whole blocks. In float32 a row over 130 keys alone and padded to
-    512 got other bits from one matmul over all keys (hence the fixed key chunks)."""
+    512 got other bits from one matmul over all keys, in bfloat16 over 700 keys and padded to 1040
+    (hence the fixed key chunks: 128 keys in float32, 1,024 in bfloat16)."""
     num_kv_heads, group, head_dim = shape
     gen = torch.Generator().manual_seed(1)
-    most = 1040
+    most = 2096
     keys = torch.randn(most, num_kv_heads, head_dim, generator=gen).to(dtype)
     values = torch.randn(most, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = (torch.randn(1, num_kv_heads, group, head_dim, generator=gen) * 3).to(dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for context in (5, 130, 257, 300, 700):
+        for context in (5, 130, 257, 300, 700, 1030, 2050):
             def attend(length: int, batch: int) -> torch.Tensor:
                 # [batch, kv_heads, length, D] views of [length, kv_heads, D] rows, as gathered
                 k = keys[:length].unsqueeze(0).transpose(1, 2).expand(batch, -1, -1, -1)
@@ -71,10 +72,42 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_its_key_padding(shape, dtype,
                 return _softcapped(q.expand(batch, -1, -1, -1), k, v, mask, head_dim ** -0.5, 2.0)[0]
 
             alone = attend(-(-context // 16) * 16, 1)
-            for length in (-(-context // 16) * 16, 512, 528, 1040):
+            for length in (-(-context // 16) * 16, 512, 528, 1040, 2096):
                 for batch in (1, 2, 7):
                     if length >= context:
                         assert torch.equal(attend(length, batch), alone), (context, length, batch)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 64), (2, 2, 16), (4, 2, 256)])
+def test_a_bfloat16_rows_bits_do_not_depend_on_its_padding_past_1024_keys(shape, threads):
+    """One bfloat16 matmul of the probabilities and values over all keys gives some of these rows
+    other bits once the padded key count passes 1,024 (contexts of 752-1,024 keys at these caps);
+    chunks of 1,024 keys do not."""
+    num_kv_heads, group, head_dim = shape
+    gen = torch.Generator().manual_seed(1)
+    most = 2096
+    keys = torch.randn(most, num_kv_heads, head_dim, generator=gen).bfloat16()
+    values = torch.randn(most, num_kv_heads, head_dim, generator=gen).bfloat16()
+    q = (torch.randn(1, num_kv_heads, group, head_dim, generator=gen) * 3).bfloat16()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for cap in (8.0, 30.0):
+            for context in (752, 800, 1000, 1024, 1030, 2050):
+                def attend(length: int) -> torch.Tensor:
+                    k = keys[:length].unsqueeze(0).transpose(1, 2)
+                    v = values[:length].unsqueeze(0).transpose(1, 2)
+                    mask = torch.zeros(1, 1, 1, length, dtype=torch.bfloat16)
+                    mask[..., context:] = float("-inf")
+                    return _softcapped(q, k, v, mask, head_dim ** -0.5, cap)
+
+                alone = attend(-(-context // 16) * 16)
+                for length in (1040, 1056, 2096):
+                    if length >= context:
+                        assert torch.equal(attend(length), alone), (cap, context, length)
     finally:
         torch.set_num_threads(previous)
 
@@ -156,3 +189,26 @@ def test_soft_capped_decode_rows_run_on_one_thread_and_prompt_rows_on_all(monkey
     finally:
         torch.set_num_threads(previous)
     assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 64), (4, 2, 256)])
+def test_a_soft_capped_rows_bits_do_not_depend_on_the_thread_count(shape):
+    """Which thread count a soft-capped call runs on may follow its group's size
+    (SOFTCAP_ONE_THREAD_ROWS): a row's bits must not."""
+    num_kv_heads, group, head_dim = shape
+    gen = torch.Generator().manual_seed(2)
+    previous = torch.get_num_threads()
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows, n, keys in ((1, group, 96), (16, group, 320), (5, group, 1100), (1, 40, 200)):
+                q = (torch.randn(rows, num_kv_heads, n, head_dim, generator=gen) * 3).to(dtype)
+                k, v = (torch.randn(2, rows, num_kv_heads, keys, head_dim, generator=gen)).to(dtype)
+                mask = torch.zeros(rows, 1, 1, keys, dtype=dtype)
+                mask[0, ..., keys // 3:] = float("-inf")
+                outs = []
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    outs.append(_softcapped(q, k, v, mask, head_dim ** -0.5, 30.0))
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), (dtype, rows, n, keys)
+    finally:
+        torch.set_num_threads(previous)

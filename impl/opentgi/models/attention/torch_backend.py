@@ -55,7 +55,7 @@ then checks the prompt form with soft-capping.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,16 @@ MAX_BATCHED_PROMPT = 128  # fresh prompts up to this many tokens are attended in
 SEGMENT_TOKENS = 64  # batch invariance: tokens of one sequence attended per call, sharing one key gather
 ROW_BLOCK = 32  # prompt form: query rows padded to whole blocks of this many (sdpa's for < 192 rows)
 PROMPT_ROWS = 160  # prompt form: the most query rows a call (under 192, where sdpa cuts in 64s)
-SOFTCAP_KEY_CHUNK = 128  # soft-capped attention: keys per matmul of the probabilities and values
+SOFTCAP_KEY_CHUNK = 128  # soft-capped attention in float32: keys per matmul of the probabilities and values
+# soft-capped attention in bfloat16: keys per matmul of the probabilities and values (oneDNN's
+# bfloat16 `bmm` reduces up to 1,024 keys alike whatever their zero padding: tests/test_softcap_attention.py)
+SOFTCAP_BF16_KEY_CHUNK = 1024
+# Soft-capped decode groups of at most this many key rows (rows x padded keys) gather their keys and
+# values per (row, kv head) position, contiguous for the matmuls, rather than in whole blocks and
+# then a transposing copy. The same bits; 1 thread, Gemma 2 at the default model's shape, a layer's
+# decode attention: 186 -> 171 us at 1 row, 756 -> 688 us at 16, but 4050 -> 4264 us at 64 rows
+# (~400 keys each: past L2, the many 128-byte rows gather slower than whole blocks).
+HEAD_MAJOR_MAX_KEYS = 4096
 # Soft-capped calls of at most this many query rows a kv head (decode rows, tokens attended as
 # decode rows) run on one thread: their dozen small ops gained ~5% from a second thread in one
 # call (330 against 347 us, 5 rows x 288 keys) and lost more to its wake-ups inside engine steps
@@ -158,6 +167,19 @@ class _Plan:
     prompts: list[_PromptBatch]
     segments: list[_Segment]
     prompt_segments: list[_PromptSegment]
+    # soft-capped decode groups: each group's (row, kv head, position) cache rows, built by the
+    # step's first layer (`_head_major_index`)
+    head_index: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _head_major_index(blocks: torch.Tensor, rows: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """A decode group's block ids [rows * num_blocks] -> int64 [rows * kv_heads * L]: the row of
+    each (row, kv head, position) in the cache viewed as [slots * kv_heads, D], so that one
+    `index_select` gathers a group's keys as contiguous [rows, kv_heads, L, D]."""
+    offsets = torch.arange(block_size, device=blocks.device)
+    slots = (blocks.view(rows, -1, 1) * block_size + offsets).view(rows, 1, -1)  # [rows, 1, L]
+    heads = torch.arange(num_kv_heads, device=blocks.device).view(1, num_kv_heads, 1)
+    return (slots * num_kv_heads + heads).reshape(-1)
 
 
 def _causal_mask(q_len: int, context_len: int, window: int | None) -> torch.Tensor:
@@ -397,13 +419,17 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     softmax (Gemma 2), which sdpa cannot do. q [..., n, D], k and v [..., L, D] (the same leading
     dims, any strides); mask additive or bool, broadcast to [..., n, L].
 
-    The capped logits (`_capped_logits`) go through a float32 softmax (as transformers'), and the
-    probabilities times the values in float32 (the values converted as they are padded; a bfloat16
-    `bmm` of one decode row cost ~25 us here, a float32 one ~6), in matmuls over exactly
-    `SOFTCAP_KEY_CHUNK` keys (zero padded), summed in order: one matmul's reduction over a few
-    hundred keys was cut differently with the key count (float32: a row over 130 keys alone and
-    padded to 512 gave other bits; bfloat16: 700 and 1040). So a row's bits depend neither on the
-    rows beside it nor on its masked key padding (tests/test_softcap_attention.py). Measured no
+    The capped logits (`_capped_logits`) go through a float32 softmax (as transformers'). In
+    bfloat16 the probabilities, rounded to bfloat16 as sdpa rounds them, times the values go
+    through oneDNN's bfloat16 `bmm` over at most `SOFTCAP_BF16_KEY_CHUNK` keys a matmul (float32
+    sums of the chunks' products, in order): its reduction gives a row the same bits for every key
+    count up to 1,024 (a row over 700 keys alone and padded to 1040 did not), so a row's bits depend
+    neither on the rows beside it nor on its masked key padding (tests/test_softcap_attention.py).
+    Against the float32 form below, the same error against a float64 reference and 1.5-3x faster
+    for decode groups of 5-16 rows (1 thread; one row: the same). In other dtypes, the products in
+    float32 (the values converted as they are padded), in matmuls over exactly `SOFTCAP_KEY_CHUNK`
+    keys (zero padded), summed in order: float32's reduction was cut differently with the key count
+    (a row over 130 keys alone and padded to 512 gave other bits). Measured no
     faster (1 thread, decode groups of 1-16 rows): giving the capped logits to sdpa as its mask
     with a zero query (165-1120 us a group against 210-1035 here; sdpa's prompt form with head dims
     of 128 and 256 is not batch invariant either), and a decode row's q.k as one matmul against
@@ -412,12 +438,20 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     *lead, n, d = q.shape
     keys, batch = k.shape[-2], q.numel() // (n * d)
     p = torch.softmax(_capped_logits(q, k, mask, scale, cap), dim=-1).reshape(batch, n, keys)
+    if v.dtype == torch.bfloat16:
+        return _bf16_probs_times_values(p, v.reshape(batch, keys, d)).view(*lead, n, d)
     chunk = SOFTCAP_KEY_CHUNK
     padded = -(-keys // chunk) * chunk
-    vp = torch.zeros(batch, padded, d, dtype=torch.float32, device=v.device)
+    # the values in float32 and the probabilities, zero padded to whole chunks: each written once
+    # (a zero-filled buffer, or F.pad, writes the whole of it twice: ~4% of a decode group's call)
+    vp = torch.empty(batch, padded, d, dtype=torch.float32, device=v.device)
     vp.view(*lead, padded, d)[..., :keys, :].copy_(v)  # any strides (a stride-0 expand too), to float32
     if padded != keys:
-        p = F.pad(p, (0, padded - keys))
+        vp[:, keys:].zero_()
+        p_padded = torch.empty(batch, n, padded, dtype=p.dtype, device=p.device)
+        p_padded[..., :keys].copy_(p)
+        p = p_padded
+        p[..., keys:].zero_()
     chunks = padded // chunk
     if chunks == 1:
         return torch.bmm(p, vp).view(*lead, n, d).to(q.dtype)
@@ -428,6 +462,20 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     for i in range(1, chunks):
         out += parts[:, i]
     return out.view(*lead, n, d).to(q.dtype)
+
+
+def _bf16_probs_times_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float32 probabilities [B, n, L] times bfloat16 values [B, L, D] -> bfloat16 [B, n, D], in
+    bfloat16 matmuls over at most SOFTCAP_BF16_KEY_CHUNK keys, their products summed in float32 in
+    order (`_softcapped`)."""
+    p = p.to(torch.bfloat16)
+    keys, chunk = p.shape[-1], SOFTCAP_BF16_KEY_CHUNK
+    if keys <= chunk:
+        return torch.bmm(p, v)
+    out = torch.bmm(p[..., :chunk], v[:, :chunk]).float()
+    for start in range(chunk, keys, chunk):
+        out += torch.bmm(p[..., start:start + chunk], v[:, start:start + chunk])
+    return out.to(torch.bfloat16)
 
 
 def _capped_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -510,8 +558,18 @@ class TorchAttentionBackend:
                 # whole blocks (block_size * kv_heads * D values a row), a group at a time so that
                 # attention reads them while they are still in cache; [rows, kv_heads, L, D] views
                 shape = (rows, dec.num_blocks * block_size, num_kv_heads, head_dim)
-                keys = k_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
-                values = v_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
+                if softcap is None or rows * shape[1] > HEAD_MAJOR_MAX_KEYS:
+                    keys = k_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
+                    values = v_cache.view(num_blocks, -1).index_select(0, blocks).view(shape).transpose(1, 2)
+                else:  # the soft-capped form's matmuls want each (row, kv head)'s keys contiguous:
+                    # gathered so, the same values in the same layout as the transposing copy it saves
+                    index = plan.head_index.get(dec.start)
+                    if index is None:
+                        index = plan.head_index[dec.start] = _head_major_index(blocks, rows, block_size,
+                                                                               num_kv_heads)
+                    head_major = (rows, num_kv_heads, dec.num_blocks * block_size, head_dim)
+                    keys = k_cache.view(-1, head_dim).index_select(0, index).view(head_major)
+                    values = v_cache.view(-1, head_dim).index_select(0, index).view(head_major)
                 outs.append(_attend(q_dec[dec.start:dec.end], keys.to(q.dtype), values.to(q.dtype), dec.mask,
                                     scale, softcap))
             o_dec = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(-1, num_heads, head_dim)
