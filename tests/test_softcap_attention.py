@@ -166,35 +166,10 @@ def test_each_rows_capped_logits_have_the_bits_it_gets_alone_at_any_place_in_a_l
         torch.set_num_threads(previous)
 
 
-def test_soft_capped_decode_rows_run_on_one_thread_and_prompt_rows_on_all(monkeypatch):
-    """SOFTCAP_ONE_THREAD_ROWS: a decode row's dozen small ops lose more to a second thread's
-    wake-ups than they gain (docs/benchmarks.md); a prompt's many query rows keep every thread."""
-    seen = []
-    real = torch_backend._softcapped
-
-    def spy(*args):
-        seen.append(torch.get_num_threads())
-        return real(*args)
-
-    monkeypatch.setattr(torch_backend, "_softcapped", spy)
-    gen = torch.Generator().manual_seed(5)
-    k, v = torch.randn(2, 2, 3, 64, 64, generator=gen).bfloat16()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for rows in (3, 40):
-            q = torch.randn(2, 3, rows, 64, generator=gen).bfloat16()
-            torch_backend._attend(q, k, v, None, 0.125, 50.0)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(previous)
-    assert seen == [1, 2]
-
-
 @pytest.mark.parametrize("shape", [(3, 3, 64), (4, 2, 256)])
 def test_a_soft_capped_rows_bits_do_not_depend_on_the_thread_count(shape):
-    """Which thread count a soft-capped call runs on may follow its group's size
-    (SOFTCAP_ONE_THREAD_ROWS): a row's bits must not."""
+    """A soft-capped call runs on the step's threads, which the thread governor changes with the
+    machine's load (engine/execution/thread_governor.py): a row's bits must not follow them."""
     num_kv_heads, group, head_dim = shape
     gen = torch.Generator().manual_seed(2)
     previous = torch.get_num_threads()

@@ -83,12 +83,6 @@ SOFTCAP_BF16_KEY_CHUNK = 1024
 # decode attention: 186 -> 171 us at 1 row, 756 -> 688 us at 16, but 4050 -> 4264 us at 64 rows
 # (~400 keys each: past L2, the many 128-byte rows gather slower than whole blocks).
 HEAD_MAJOR_MAX_KEYS = 4096
-# Soft-capped calls of at most this many query rows a kv head (decode rows, tokens attended as
-# decode rows) run on one thread: their dozen small ops gained ~5% from a second thread in one
-# call (330 against 347 us, 5 rows x 288 keys) and lost more to its wake-ups inside engine steps
-# (Gemma 2's decode step against Llama's, 3 alternating runs: c=16 0.54-0.68x -> 0.69-0.82x,
-# c=1 0.73-0.84x -> 0.87-1.07x).
-SOFTCAP_ONE_THREAD_ROWS = 8
 
 
 @dataclass
@@ -407,9 +401,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     if is_causal:  # top-left aligned, as sdpa's is_causal
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_()
-    if q.shape[-2] <= SOFTCAP_ONE_THREAD_ROWS:  # decode rows: a dozen small ops, on one thread
-        with _one_thread(True):
-            return _softcapped(q, k, v, mask, scale, softcap)
+    # on every thread: decode rows ran on one alone while their values went through float32
+    # (docs/benchmarks.md); in bfloat16 matmuls a second thread pays (Gemma 2's decode step, 2
+    # threads against 1 for these calls: c=16 0.87x, c=64 0.88x the time, c=1 the same)
     return _softcapped(q, k, v, mask, scale, softcap)
 
 
@@ -507,8 +501,7 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _one_thread(on: bool):
-    """The attention calls on one thread: float32's batch invariance (module docstring), and
-    soft-capped decode rows' speed (SOFTCAP_ONE_THREAD_ROWS)."""
+    """The attention calls on one thread: float32's batch invariance (module docstring)."""
     threads = torch.get_num_threads() if on else 1
     if threads == 1:
         yield
