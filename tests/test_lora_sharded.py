@@ -16,9 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import os
-import signal
-import subprocess
 
 import httpx
 import pytest
@@ -38,7 +35,7 @@ from opentgi.models.lora import attach_lora, load_adapters
 from opentgi.models.registry import build_paged_model
 from tests import tiny_models
 from tests.test_models_llama import PROMPT
-from tests.test_sharding import SERVER_FLAGS, _spawn_server, _wait_ready
+from tests.test_sharding import SERVER_FLAGS, _spawn_server, _stop, _wait_ready
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 BLOCK_SIZE, BLOCKS_PER_ROW = 16, 3
@@ -222,12 +219,7 @@ def test_a_two_shard_server_serves_each_requests_adapter():
         _wait_ready(proc, url)
         got, info = answers(url), httpx.get(f"{url}/info").json()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
     settings = Settings(model_id=str(path), hostname="127.0.0.1", port=free_port(), num_threads=1,
                         chunked_prefill_tokens=16, max_batch_total_tokens=4096, dtype="float32", lora_adapters=spec)
     with serve(settings) as single:

@@ -178,12 +178,17 @@ def sharded(tiny_llama):
         _wait_ready(proc, url)
         yield SimpleNamespace(proc=proc, url=url)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """A server still running gets SIGINT, then its process group SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
