@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentgi.models.base import DirectCall
+
 
 class TPGroup:
     """This rank's place in the tensor-parallel group and its collectives (torch.distributed)."""
@@ -209,7 +211,7 @@ class ShardPlan:
         return a, b
 
 
-class RowParallel(nn.Module):
+class RowParallel(DirectCall, nn.Module):
     """A row-parallel linear: this rank's partial product, summed over ranks by one all-reduce."""
 
     def __init__(self, linear: nn.Module, tp: TPGroup):

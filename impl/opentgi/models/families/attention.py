@@ -14,13 +14,14 @@ from torch import nn
 
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.base import DirectCall
 from opentgi.models.families.layout import DecoderLayout
 from opentgi.models.layers.mlp import fused_linear
 from opentgi.models.layers.norm import HeadsNorm, make_norm
 from opentgi.models.layers.rotary import apply_rotary
 
 
-class DecoderAttention(nn.Module):
+class DecoderAttention(DirectCall, nn.Module):
     def __init__(self, layout: DecoderLayout, backend: AttentionBackend, sliding_window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads

@@ -21,7 +21,7 @@ from torch import nn
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.torch_backend import prompt_form_invariant
-from opentgi.models.base import ModelSpec
+from opentgi.models.base import DirectCall, ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
 from opentgi.models.layers.elementwise import whole_vectors
@@ -51,7 +51,7 @@ def _feed_forward(config, layout: DecoderLayout, index: int) -> nn.Module:
     return GatedMLP(layout.hidden, config.intermediate_size, layout.act, layout.mlp_bias, parts.mlp_names)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(DirectCall, nn.Module):
     def __init__(self, config, layout: DecoderLayout, backend: AttentionBackend, index: int):
         super().__init__()
         parts = layout.parts

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentgi.models.base import DirectCall
 from opentgi.models.layers.measured_forms import MeasuredForms
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS)
 
 
-class OneDNNLinear(nn.Module):
+class OneDNNLinear(DirectCall, nn.Module):
     """`y = x @ W.T + b` with W held in oneDNN's layout (inference only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -181,7 +182,7 @@ def onednn_linear_usable(device: torch.device, dtype: torch.dtype) -> bool:
 _TILES = (64, 16, 4, 1)
 
 
-class RowTiledLinear(nn.Module):
+class RowTiledLinear(DirectCall, nn.Module):
     """Row invariance where oneDNN's packed linear is not usable (a CPU without a oneDNN kernel
     for the dtype): `F.linear` on at most `tile` rows a call, a lone row multiplied as two (as
     OneDNNLinear), `tile` the largest of 64, 16, 4 and 1 measured at start-up to give every row

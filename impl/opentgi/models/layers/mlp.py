@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from opentgi.models.base import DirectCall
 from opentgi.models.layers.elementwise import ACTIVATIONS
 from opentgi.models.quantization.linear import fuse_linears
 
@@ -22,7 +23,7 @@ def fused_linear(parts: list[nn.Module]) -> nn.Module:
     return fuse_linears(parts)
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(DirectCall, nn.Module):
     """names: the checkpoint's (gate, up, down) names, or ("gate_up_proj", None, down) when the
     checkpoint stores gate and up as one tensor (gate rows first)."""
 
@@ -56,7 +57,7 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate).mul_(up))
 
 
-class PlainMLP(nn.Module):
+class PlainMLP(DirectCall, nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = True):
         super().__init__()
         self.act = ACTIVATIONS[act]

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentgi.models.base import DirectCall
 from opentgi.models.layers.mlp import GatedMLP
 
 ROUTER_TEMP_BYTES = 16 << 20  # the router's float32 products [rows, experts, hidden] held at once
@@ -67,7 +68,7 @@ class RouterLogits(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(DirectCall, nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  act: str, names: tuple[str, str, str]):
         super().__init__()

@@ -16,10 +16,11 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from opentgi.models.base import DirectCall
 from opentgi.models.layers.row_kinds import GENERATED, PROMPT, current_row_kinds
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(DirectCall, nn.Module):
     """`y = x @ W.T + b` with W held in a quantized format (`Int4Weight`, `Int8Weight`, `Fp8Weight`),
     set by the loader (models/checkpoints/loading.py)."""
 
@@ -55,7 +56,7 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{copy}"
 
 
-class ConcatLinear(nn.Module):
+class ConcatLinear(DirectCall, nn.Module):
     """Projections that cannot be stacked into one weight (different formats), run one after the
     other and concatenated along the output, as one fused projection would."""
 
