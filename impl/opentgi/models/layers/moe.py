@@ -46,7 +46,7 @@ from opentgi.models.layers.mlp import GatedMLP
 ROUTER_TEMP_BYTES = 16 << 20  # the router's float32 products [rows, experts, hidden] held at once
 
 
-class RouterLogits(nn.Module):
+class RouterLogits(DirectCall, nn.Module):
     """`x @ W.T` of a router (no bias): a float32 product with the weight and a sum over the hidden
     size per (row, expert), rounded to x's dtype (as a linear layer in x's dtype rounds its float32
     accumulation). Each row's sums are its own: the same bits for every row count. The products
