@@ -81,8 +81,10 @@ SOFTCAP_BF16_KEY_CHUNK = 1024
 # values per (row, kv head) position, contiguous for the matmuls, rather than in whole blocks and
 # then a transposing copy. The same bits; 1 thread, Gemma 2 at the default model's shape, a layer's
 # decode attention: 186 -> 171 us at 1 row, 756 -> 688 us at 16, but 4050 -> 4264 us at 64 rows
-# (~400 keys each: past L2, the many 128-byte rows gather slower than whole blocks).
-HEAD_MAJOR_MAX_KEYS = 4096
+# (~400 keys each: past L2, the many 128-byte rows gather slower than whole blocks). In the model's
+# decode step on 2 threads (25 rounds in turns, medians) the cut at 1,024 key rows against 4,096:
+# 1 row the same (26.51 / 26.44 ms), 16 rows 50.10 / 51.81 ms, 64 rows 143.2 / 149.4 ms.
+HEAD_MAJOR_MAX_KEYS = 1024
 
 
 @dataclass
