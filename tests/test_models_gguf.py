@@ -119,6 +119,23 @@ def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, tmp_pa
     assert second.model.resident == first.model.resident
 
 
+def test_a_dense_tensor_is_never_dequantized_whole_into_its_weight(tiny_gguf, tmp_path, monkeypatch):
+    """The embedding (49152 x 256) and the dense layers go into their weights a chunk of rows at a
+    time: no float32 copy of a whole tensor beside its weight at start-up; the same model."""
+    from opentgi.models.quantization import ggml
+
+    prompt = [1, 504, 3113, 28, 2823]
+    whole = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    monkeypatch.setattr(ggml, "DENSE_CHUNK_BYTES", 64 << 10)  # 64 rows of the embedding at once
+    rows = []
+    dense = ggml.dense
+    monkeypatch.setattr(ggml, "dense", lambda raw, qtype, shape: rows.append(shape[0]) or dense(raw, qtype, shape))
+    chunked = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    assert len(rows) > 49152 // 64 and max(rows) <= 256  # 1-D norms whole (256 values); 2-D in chunks
+    logits = [m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (whole, chunked)]
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
     """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
     copy; batch invariance row-tiles that product over the embedding's own storage), with the same

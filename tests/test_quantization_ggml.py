@@ -64,6 +64,28 @@ def test_other_types_come_back_dense(qtype):
     assert torch.equal(ggml.dense(raw, qtype, (n, k)), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q8_0, Q.F16, Q.F32], ids=lambda q: q.name)
+def test_a_dense_tensor_goes_into_its_weight_in_chunks_with_the_same_values(qtype, dtype, monkeypatch):
+    """`dense_into` dequantizes 3 rows at a time here (a last chunk of 1): the weight gets exactly
+    what the whole tensor converted at once gives."""
+    n, k = 7, 256
+    if qtype == Q.F32:
+        raw = np.random.default_rng(1).standard_normal((n, k)).astype(np.float32)
+    elif qtype == Q.F16:
+        raw = np.random.default_rng(1).standard_normal((n, k)).astype(np.float16)
+    else:
+        raw = random_blocks(qtype, n, k, seed=1)
+    monkeypatch.setattr(ggml, "DENSE_CHUNK_BYTES", 3 * 4 * k)
+    calls = []
+    whole = ggml.dense
+    monkeypatch.setattr(ggml, "dense", lambda part, *a: calls.append(len(part)) or whole(part, *a))
+    dest = torch.empty(n, k, dtype=dtype)
+    ggml.dense_into(dest, raw, qtype, (n, k))
+    assert calls == [3, 3, 1]
+    assert torch.equal(dest, whole(raw, qtype, (n, k)).to(dtype))
+
+
 def test_float_types_come_back_as_stored():
     values = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     assert torch.equal(ggml.dense(values, Q.F32, (4, 8)), torch.from_numpy(values))

@@ -4,8 +4,8 @@ from the memory-mapped file (gguf-py's `GGUFReader`), with no conversion and not
 The header is read by gguf_header.py (metadata and tensor index in one pass). Tensors come under
 Hugging Face's names (so the paged model loads them as it loads a safetensors
 folder). Layer projections in Q4_0, Q4_1 or Q4_K come as `Int4Groups` (served by torch's int4
-kernel, models/quantization/ggml.py); every other tensor comes dense (float32, dequantized once by
-gguf-py). llama.cpp stores a Llama's q and k rows permuted for its rotary layout; they are put back
+kernel, models/quantization/ggml.py); every other tensor comes as a `DenseTensor`, dequantized by
+gguf-py once, into its weight a chunk of rows at a time. llama.cpp stores a Llama's q and k rows permuted for its rotary layout; they are put back
 in Hugging Face's order (a permutation of output rows, which moves whole quantization blocks).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,26 @@ def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     row r of the result is row index[r] of the GGUF tensor."""
     dim = num_rows // num_heads // 2
     return torch.arange(num_rows).view(num_heads, dim, 2).transpose(1, 2).reshape(num_rows)
+
+
+@dataclass
+class DenseTensor:
+    """A tensor of the file served dense, not dequantized yet: `copy_into` a weight (a chunk of
+    rows at a time, models/quantization/ggml.py), or `tensor()` whole in float32."""
+    raw: np.ndarray
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    order: torch.Tensor | None = None  # rows put back in Hugging Face's order (llama.cpp's q/k permutation)
+
+    def tensor(self) -> torch.Tensor:
+        value = ggml.dense(self.raw, self.qtype, self.shape)
+        return value if self.order is None else value[self.order]
+
+    def copy_into(self, dest: torch.Tensor) -> None:
+        if self.order is not None:  # a permuted q or k: one layer's, copied whole
+            dest.copy_(self.tensor())
+        else:
+            ggml.dense_into(dest, self.raw, self.qtype, self.shape)
 
 
 class GGUFCheckpoint:
@@ -154,8 +175,8 @@ class GGUFCheckpoint:
         return counts
 
     def iter_tensors(self, int4_names: set[str], skip: set[str] = frozenset()) -> Iterator[tuple[str, object]]:
-        """(Hugging Face name, float32 tensor or Int4Groups) for every tensor the model has but
-        those in `skip`; names in `int4_names` come as Int4Groups."""
+        """(Hugging Face name, DenseTensor or Int4Groups) for every tensor the model has but those
+        in `skip`; names in `int4_names` come as Int4Groups."""
         config = self.config()
         permuted = _ARCHITECTURES[self.arch][2]
         for name, tensor in self.tensors.items():
@@ -175,8 +196,7 @@ class GGUFCheckpoint:
                 groups = ggml.int4_groups(np.asarray(tensor.data), tensor.tensor_type, shape)
                 yield hf, groups if order is None else groups.rows(order)
             else:
-                value = ggml.dense(tensor.data, tensor.tensor_type, shape)
-                yield hf, value if order is None else value[order]
+                yield hf, DenseTensor(tensor.data, tensor.tensor_type, shape, order)
 
     def close(self) -> None:
         """Drop the memory map (the served weights are copies)."""

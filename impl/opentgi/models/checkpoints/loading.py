@@ -130,6 +130,8 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
         weights.iter_tensors(int4 & quantized.keys())
     with torch.no_grad():
         for name, value in tensors:
+            if hasattr(value, "copy_into") and not (name in params and name not in quantized):
+                value = value.tensor()  # a GGUF's dense tensor (DenseTensor) needed whole
             if name in quantized:
                 linear = quantized[name]
                 if isinstance(value, torch.Tensor):
@@ -145,7 +147,10 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
                 if params[name].shape != value.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
                                      f"shape {tuple(params[name].shape)}")
-                params[name].copy_(value)
+                if hasattr(value, "copy_into"):  # into the weight a chunk of rows at a time
+                    value.copy_into(params[name])
+                else:
+                    params[name].copy_(value)
                 loaded.add(name)
             elif not (name.endswith(ignore_unexpected) or name.endswith("rotary_emb.inv_freq")):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
