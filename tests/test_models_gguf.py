@@ -219,6 +219,22 @@ def test_the_packed_cache_reader_reads_what_safetensors_wrote(tmp_path):
         read_safetensors(tmp_path / "cut.safetensors")
 
 
+def test_the_packed_cache_writer_writes_what_safetensors_reads(tmp_path):
+    """A tensor at a time from its own memory (no whole-file copy), read back by safetensors itself
+    and by the cache's reader."""
+    from safetensors.torch import load_file
+
+    from opentgi.models.checkpoints.packed_cache import read_safetensors, write_safetensors
+
+    tensors = {"a.packed": torch.arange(300, dtype=torch.int32).reshape(3, 100),
+               "a.scales": torch.randn(7, 5, 2).to(torch.bfloat16), "a.group_size": torch.tensor(32),
+               "b": torch.zeros(0, 4, dtype=torch.uint8), "c": torch.randn(4, 6)[:, ::2]}
+    write_safetensors(tmp_path / "t.safetensors", tensors)
+    for got in (load_file(str(tmp_path / "t.safetensors")), read_safetensors(tmp_path / "t.safetensors")):
+        assert got.keys() == tensors.keys()
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in tensors.items())
+
+
 def test_the_packed_cache_is_read_in_a_thread_while_the_header_loads(tiny_gguf, tmp_path, monkeypatch):
     from opentgi.models.checkpoints import packed_cache
 

@@ -4,7 +4,11 @@ Decoding Q4 blocks and packing them for `_weight_int4pack_mm_for_cpu` is most of
 (seconds for a 1B model). The packed bytes and bfloat16 scales are written once to one safetensors
 file under `--cache-dir`, keyed by the GGUF's path, size and modification time, the serving dtype
 and torch's version; later starts read them back. The file is written only where it is no larger
-than the GGUF itself, and a partial or unreadable one is ignored. Each tensor is read straight
+than the GGUF itself, and a partial or unreadable one is ignored. It is written a tensor at a time
+straight from the tensors' memory (`write_safetensors`; safetensors' `save_file` first copies every
+tensor into bytes of its own: an 8B-shaped file's first start peaked at 10,931 MiB with it, at
+9,377 without).
+Each tensor is read straight
 into memory of its own (`read_safetensors`): one copy resident, and measured on the 1B GGUF's 580 MiB
 file 0.56 s against 2.8 s for copying each out of safetensors' memory map (whose source pages fault
 in one by one).
@@ -51,6 +55,25 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` (CPU, the dtypes above) as a safetensors file: the header, then each tensor's
+    bytes in order, written from its own memory (no copy of the whole file)."""
+    names = {dtype: name for name, dtype in _DTYPES.items()}
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        header[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data 8-byte aligned, as safetensors writes it
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # as safetensors's
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for tensor in tensors.values():
+            if tensor.nbytes:
+                f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
 class PackedCache:
     def __init__(self, gguf_path: Path, cache_root: Path, dtype: torch.dtype):
         gguf_path = gguf_path.resolve()
@@ -86,8 +109,6 @@ class PackedCache:
             return {}
 
     def save(self, weights: dict[str, Int4Weight]) -> None:
-        from safetensors.torch import save_file
-
         tensors: dict[str, torch.Tensor] = {}
         for name, weight in weights.items():
             tensors[f"{name}.packed"] = weight.packed
@@ -99,7 +120,7 @@ class PackedCache:
         tmp = self.path.with_name(f".tmp-{self.path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(tmp))
+            write_safetensors(tmp, tensors)
             os.replace(tmp, self.path)
         except OSError:  # a read-only or full cache: the next start packs again
             log.warning("could not write the packed cache %s", self.path, exc_info=True)
