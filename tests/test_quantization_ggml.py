@@ -57,7 +57,7 @@ def test_int4_kernel_multiplies_by_the_gguf_weights(qtype, dtype):
 @pytest.mark.parametrize("n,k", [(3, 256), (5, 768)])
 @pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
 def test_other_types_come_back_dense(qtype, n, k):
-    """Q8_0 and Q6_K by torch's ops of our own (several blocks a row: 768 values), the rest by gguf-py."""
+    """Q8_0, Q5_K and Q6_K by torch's ops of our own (several blocks a row: 768 values), the rest by gguf-py."""
     raw = random_blocks(qtype, n, k)
     with pytest.raises(ValueError, match="no 4-bit form"):
         ggml.int4_groups(raw, qtype, (n, k))

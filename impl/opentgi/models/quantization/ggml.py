@@ -6,8 +6,8 @@
   scales and zeros in the serving dtype, so in bfloat16 each is rounded to the nearest bfloat16
   (as the dense path rounds each weight).
 - Every other type (Q5_K, Q6_K, Q8_0, F16, BF16, F32, ...) has no exact 4-bit form: it is
-  dequantized once to float32 (Q8_0 and Q6_K, the dense parts of most Q4_K_M files, by gguf-py's
-  steps in torch's ops, the rest by gguf-py) and served dense in the serving dtype; `dense_types`
+  dequantized once to float32 (Q8_0, Q5_K and Q6_K, the dense parts of most K-quant files, by
+  gguf-py's steps in torch's ops, the rest by gguf-py) and served dense in the serving dtype; `dense_types`
   collects their names for the start-up line. Into its weight it is dequantized a chunk of rows
   at a time (`dense_into`, at most `DENSE_CHUNK_BYTES` of float32 at once), the same values:
   whole, a random 1B file's Q8_0 embedding held 402 MB of float32 beside its 201 MB bfloat16
@@ -90,8 +90,24 @@ def _q6k(blocks: np.ndarray) -> torch.Tensor:
     return q.mul_(d[:, :, None]).reshape(n, 256)
 
 
+def _q5k(blocks: np.ndarray) -> torch.Tensor:
+    """Q5_K blocks [n, 176] -> float32 [n, 256], gguf-py's steps in torch's ops (as `_q6k`): float16
+    d and dmin, 12 bytes of 6-bit sub-block scales and mins (as Q4_K's), 32 bytes of fifth bits, 128
+    of low nibbles; w = (d * scale) * q - dmin * min."""
+    n = blocks.shape[0]
+    raw = torch.from_numpy(np.ascontiguousarray(blocks[:, 4:]))
+    sc, mn = _q4k_scales_mins(raw[:, :12])
+    d = (_f16(blocks, 0)[:, None] * sc.float()).reshape(n, 8, 1)
+    dm = (_f16(blocks, 2)[:, None] * mn.float()).reshape(n, 8, 1)
+    qh = raw[:, 12:44].reshape(n, 1, 1, 32).bitwise_right_shift(_SHIFTS_1).bitwise_and_(0x01).reshape(n, 8, 32)
+    ql = raw[:, 44:].reshape(n, 4, 1, 32).bitwise_right_shift(_SHIFTS_4).bitwise_and_(0x0F).reshape(n, 8, 32)
+    q = ql.bitwise_or_(qh.bitwise_left_shift_(4)).float()
+    return q.mul_(d).sub_(dm).reshape(n, 256)
+
+
 _SHIFTS_4 = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
 _SHIFTS_2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+_SHIFTS_1 = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
 
 
 def dense(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
@@ -108,6 +124,8 @@ def dense(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
         return q.float().mul_(_f16(blocks, 0)[:, None]).reshape(shape)  # in place: one float32 copy
     if qtype == Q.Q6_K:
         return _q6k(np.asarray(raw).reshape(-1, 210)).reshape(shape)
+    if qtype == Q.Q5_K:
+        return _q5k(np.asarray(raw).reshape(-1, 176)).reshape(shape)
     return torch.from_numpy(dequantize(np.asarray(raw), qtype)).reshape(shape)
 
 
