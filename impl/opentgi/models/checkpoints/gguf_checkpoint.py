@@ -4,9 +4,10 @@ from the memory-mapped file (gguf-py's `GGUFReader`), with no conversion and not
 The header is read by gguf_header.py (metadata and tensor index in one pass). Tensors come under
 Hugging Face's names (so the paged model loads them as it loads a safetensors
 folder). Layer projections in Q4_0, Q4_1 or Q4_K come as `Int4Groups` (served by torch's int4
-kernel, models/quantization/ggml.py); every other tensor comes as a `DenseTensor`, dequantized by
-gguf-py once, into its weight a chunk of rows at a time. llama.cpp stores a Llama's q and k rows permuted for its rotary layout; they are put back
-in Hugging Face's order (a permutation of output rows, which moves whole quantization blocks).
+kernel, models/quantization/ggml.py); every other tensor comes as a `DenseTensor`, dequantized
+once (models/quantization/ggml.py), into its weight a chunk of rows at a time. llama.cpp stores a
+Llama's q and k rows permuted for its rotary layout; they are put back in Hugging Face's order (a
+permutation of output rows, which moves whole quantization blocks).
 """
 
 from __future__ import annotations

@@ -130,8 +130,10 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
         weights.iter_tensors(int4 & quantized.keys())
     with torch.no_grad():
         for name, value in tensors:
+            # a GGUF's dense tensor (DenseTensor) goes into a weight a chunk of rows at a time
+            # (`copy_into`), and comes whole where it is quantized or is a bias
             if hasattr(value, "copy_into") and not (name in params and name not in quantized):
-                value = value.tensor()  # a GGUF's dense tensor (DenseTensor) needed whole
+                value = value.tensor()
             if name in quantized:
                 linear = quantized[name]
                 if isinstance(value, torch.Tensor):
@@ -147,7 +149,7 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
                 if params[name].shape != value.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model "
                                      f"shape {tuple(params[name].shape)}")
-                if hasattr(value, "copy_into"):  # into the weight a chunk of rows at a time
+                if hasattr(value, "copy_into"):
                     value.copy_into(params[name])
                 else:
                     params[name].copy_(value)

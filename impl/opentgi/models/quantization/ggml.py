@@ -7,8 +7,8 @@
   (as the dense path rounds each weight).
 - Every other type (Q5_K, Q6_K, Q8_0, F16, BF16, F32, ...) has no exact 4-bit form: it is
   dequantized once to float32 (Q8_0, Q5_K and Q6_K, the dense parts of most K-quant files, by
-  gguf-py's steps in torch's ops, the rest by gguf-py) and served dense in the serving dtype; `dense_types`
-  collects their names for the start-up line. Into its weight it is dequantized a chunk of rows
+  gguf-py's steps in torch's ops, the rest by gguf-py) and served dense in the serving dtype;
+  `dense_types` collects their names for the start-up line. Into its weight it is dequantized a chunk of rows
   at a time (`dense_into`, at most `DENSE_CHUNK_BYTES` of float32 at once), the same values:
   whole, a random 1B file's Q8_0 embedding held 402 MB of float32 beside its 201 MB bfloat16
   weight at start-up (the start's peak 1,388 MB against 996 MB once loaded), and an 8B Q4_K_M
@@ -82,7 +82,7 @@ def _q6k(blocks: np.ndarray) -> torch.Tensor:
     2-3x faster than its numpy on 2 threads). Per block: 128 bytes of low nibbles, 64 of 2-bit
     high parts, 16 int8 sub-block scales, the float16 d; w = (d * scale) * (q - 32)."""
     n = blocks.shape[0]
-    raw = torch.from_numpy(np.ascontiguousarray(blocks[:, :208]))
+    raw = torch.from_numpy(np.array(blocks[:, :208]))  # a writable copy (the file is mapped read-only)
     d = _f16(blocks, 208)[:, None] * raw[:, 192:208].view(torch.int8).float()  # [n, 16]
     ql = raw[:, :128].reshape(n, 2, 1, 64).bitwise_right_shift(_SHIFTS_4).bitwise_and_(0x0F).reshape(n, 8, 32)
     qh = raw[:, 128:192].reshape(n, 2, 1, 32).bitwise_right_shift(_SHIFTS_2).bitwise_and_(0x03).reshape(n, 8, 32)
@@ -95,7 +95,7 @@ def _q5k(blocks: np.ndarray) -> torch.Tensor:
     d and dmin, 12 bytes of 6-bit sub-block scales and mins (as Q4_K's), 32 bytes of fifth bits, 128
     of low nibbles; w = (d * scale) * q - dmin * min."""
     n = blocks.shape[0]
-    raw = torch.from_numpy(np.ascontiguousarray(blocks[:, 4:]))
+    raw = torch.from_numpy(np.array(blocks[:, 4:]))  # a writable copy (the file is mapped read-only)
     sc, mn = _q4k_scales_mins(raw[:, :12])
     d = (_f16(blocks, 0)[:, None] * sc.float()).reshape(n, 8, 1)
     dm = (_f16(blocks, 2)[:, None] * mn.float()).reshape(n, 8, 1)
@@ -111,7 +111,7 @@ _SHIFTS_1 = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
 
 
 def dense(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
-    """The tensor as float32 (dequantized by gguf-py for block types)."""
+    """The tensor as float32 (block types: Q8_0, Q5_K and Q6_K here, the rest by gguf-py)."""
     if qtype == Q.F32:
         return torch.from_numpy(np.array(raw, dtype=np.float32)).reshape(shape)
     if qtype == Q.F16:
