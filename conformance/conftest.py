@@ -6,7 +6,7 @@ a background thread on a free port. Its limits are small so property tests stay 
 
 `pytest conformance --server-url http://host:port` runs the live-server tests against a server
 already running instead (another build, or another implementation of the APIs); start it on the
-same model and limits as `live_settings` (the tiny Llama's folder: `python -m tests.tiny_models`).
+same model and limits as `live_settings` (the tiny Llama's folder: `python -m tests.helpers.tiny_models`).
 Tests that start servers of their own still do.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from conformance.live import free_port, serve
 from opentgi.config import Settings
-from tests import tiny_models
+from tests.helpers import tiny_models
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 

@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     model_id = args.model_id
     if model_id is None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from tests.tiny_models import tiny_llama_path
+        from tests.helpers.tiny_models import tiny_llama_path
 
         model_id = str(tiny_llama_path())
     port = free_port()

@@ -20,7 +20,7 @@ import pytest
 
 from conformance.live import free_port, serve
 from opentgi.config import Settings
-from tests import tiny_models
+from tests.helpers import tiny_models
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / ".cache" / "artifacts" / "chat-page"
 KEY = "browser-test-key"

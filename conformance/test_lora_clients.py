@@ -3,7 +3,7 @@
 `text_generation(adapter_id=...)` (the `text-generation` package, 0.7.0, has no adapter_id), raw
 HTTP for TGI's `/generate_stream` and `/` and SenseNova; `/v1/models`, `/info` and `/metrics`.
 
-The adapters' answers themselves are checked against transformers + PEFT in tests/test_lora.py;
+The adapters' answers themselves are checked against transformers + PEFT in tests/models/test_lora.py;
 here each route must pick the adapter it names and answer exactly what `/generate` with that
 adapter_id answers.
 """
@@ -22,7 +22,7 @@ from huggingface_hub import errors as hub_errors
 from conformance.live import free_port, serve
 from opentgi.config import Settings
 from opentgi.models.lora import TARGET_MODULES
-from tests import tiny_models
+from tests.helpers import tiny_models
 
 torch.set_num_threads(1)
 

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from conformance.live import free_port, serve
 from opentgi.config import Settings
-from tests import tiny_models
+from tests.helpers import tiny_models
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny test models (see tests/tiny_models.py), one thread for torch, and the
-hypothesis profiles of the property tests (tests/hypothesis_profiles.py: `ci` by default, `deep`)."""
+"""Shared fixtures: the tiny test models (see tests/helpers/tiny_models.py), one thread for torch, and the
+hypothesis profiles of the property tests (tests/helpers/hypothesis_profiles.py: `ci` by default, `deep`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import hypothesis_profiles, tiny_models  # noqa: F401 - registers the profiles
+from tests.helpers import hypothesis_profiles, tiny_models  # noqa: F401 - registers the profiles
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 
@@ -18,7 +18,7 @@ def _float32_by_default():
     """The tests compare against transformers in float32 on whatever CPU runs them: the automatic
     dtype (bfloat16 on CPUs with avx512_bf16/AMX, models/loader.py) is pinned to float32 here,
     for the whole session (module-scoped fixtures load models too).
-    tests/test_models_dtype.py tests the automatic choice and bfloat16 itself."""
+    tests/models/test_models_dtype.py tests the automatic choice and bfloat16 itself."""
     from opentgi.models import loader
 
     with pytest.MonkeyPatch.context() as patch:
@@ -55,8 +55,8 @@ def llama(tiny_llama):
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     """(settings, engine) behind `client`: the tiny Llama, prompts of at most APP_MAX_INPUT tokens
-    (tests/engine_helpers.py), APP_MAX_TOTAL in all."""
-    from tests.engine_helpers import APP_MAX_INPUT, APP_MAX_TOTAL
+    (tests/helpers/engine.py), APP_MAX_TOTAL in all."""
+    from tests.helpers.engine import APP_MAX_INPUT, APP_MAX_TOTAL
 
     return _engine(tiny_llama, APP_MAX_INPUT, APP_MAX_TOTAL, 1024)
 
@@ -106,8 +106,8 @@ def app_client(think_engine):
 @pytest.fixture
 def plan(think_engine, monkeypatch):
     """`plan.tokens = [...]` makes every sequence of the next requests write those tokens where the
-    model is free (tests/think_plan.py)."""
-    from tests.think_plan import install_plan
+    model is free (tests/helpers/think_plan.py)."""
+    from tests.helpers.think_plan import install_plan
 
     return install_plan(think_engine[1], monkeypatch)
 

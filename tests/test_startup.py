@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from conformance.live import free_port, wait_until_healthy
-from tests import tiny_models
+from tests.helpers import tiny_models
 
 ROOT = Path(__file__).resolve().parents[1]
 # `nox -s serve` installs the package alone, without httpx2 (which only the test extra's openai pulls

@@ -1,0 +1,254 @@
+"""GGUF files read as they are (models/checkpoints/gguf_checkpoint.py): config and tokenizer from
+the file's metadata, 4-bit blocks into the int4 kernel's layout, other blocks dense; the logits
+match transformers' own (dequantizing) GGUF import; nothing is converted on disk."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+
+from opentgi.config import Settings
+from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
+from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
+from opentgi.models.loader import ModelLoadError, load_model
+from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
+from tests.helpers import tiny_models
+from tests.helpers.paged import PagedRunner
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf():
+    return tiny_models.tiny_gguf_path()
+
+
+def _reference_logits(path, prompt):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def test_config_comes_from_the_metadata(tiny_gguf):
+    config = GGUFCheckpoint(tiny_gguf).config()
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size) == (256, 2, 4, 2, 512)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings
+    assert config.rope_theta == 10000.0 and config.max_position_embeddings == 4096
+
+
+def test_unpermute_rows_undoes_llama_cpp_permutation():
+    """llama.cpp's convert script: w.reshape(heads, 2, dim/heads/2, ...).swapaxes(1, 2)."""
+    heads, rows = 4, 32
+    original = torch.arange(rows)
+    permuted = original.view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(rows)
+    assert torch.equal(permuted[unpermute_rows(rows, heads)], original)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, tmp_path, dtype):
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype=dtype, cache_dir=str(tmp_path)))
+    assert loaded.kind == "paged" and loaded.eos_token_ids == [2, 0]
+    layer = loaded.model.model.layers[0]
+    # q (Q4_0) and k (Q4_1) are int4, v (Q6_K) dense: run side by side; gate (Q4_K) + up (Q4_1): one
+    # int4 weight; o (Q4_K) int4; down (Q5_K) dense
+    assert isinstance(layer.self_attn.qkv_proj, ConcatLinear)
+    assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear) and isinstance(layer.self_attn.o_proj, QuantizedLinear)
+    assert layer.mlp.gate_up_proj.weight_format.description == "int4 (groups of 32)"
+    assert not isinstance(layer.mlp.down_proj, QuantizedLinear)
+    assert "int4 (groups of 32)" in loaded.model.resident
+    # nothing converted to floats: the cache holds the tokenizer and, on CPU, the packed 4-bit
+    # layers, together smaller than the file
+    cached = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert cached < tiny_gguf.stat().st_size / 2
+    prompt = loaded.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    want = _reference_logits(tiny_gguf, prompt)[-1]
+    got = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
+    if dtype == "float32":  # the int4 kernel's float32 scales: the same weights, summed in another order
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    else:  # bfloat16 activations, scales and dense weights
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
+
+
+def test_a_broken_gguf_is_refused_clearly(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        load_model(Settings(model_id=str(bad), cache_dir=str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_default_model_is_read_from_its_gguf(tmp_path):
+    """No --model-id: SmolLM2-135M-Instruct's GGUF read as it is; the logits agree with
+    transformers' own GGUF import (float32), and a second start reuses the cached tokenizer."""
+    from opentgi.models.checkpoints.default_model import default_gguf_path
+
+    loaded = load_model(Settings(cache_dir=str(tmp_path), dtype="float32"))
+    assert loaded.kind == "paged" and loaded.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert loaded.eos_token_ids == [2, 0] and loaded.tokenizer.eos_token == "<|im_end|>"
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                                  add_generation_prompt=True)
+    want = _reference_logits(default_gguf_path(), prompt)[-1]
+    paged = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
+    torch.testing.assert_close(paged, want, atol=2e-3, rtol=2e-3)
+    again = load_model(Settings(cache_dir=str(tmp_path), dtype="float32"))
+    assert again.tokenizer(["Hello world"])["input_ids"] == loaded.tokenizer(["Hello world"])["input_ids"]
+
+
+def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, tmp_path, monkeypatch):
+    from opentgi.models.quantization import ggml
+
+    first = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    packed = list((tmp_path / "packed").glob("*.safetensors"))
+    assert len(packed) == 1 and packed[0].stat().st_size <= tiny_gguf.stat().st_size
+
+    def no_decoding(*args):
+        raise AssertionError("a cached layer was decoded again")
+
+    monkeypatch.setattr(ggml, "int4_groups", no_decoding)
+    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    prompt = first.tokenizer("Hello there, general")["input_ids"]
+    logits = [m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (first, second)]
+    assert torch.equal(logits[0], logits[1])
+    assert second.model.resident == first.model.resident
+
+
+def test_a_dense_tensor_is_never_dequantized_whole_into_its_weight(tiny_gguf, tmp_path, monkeypatch):
+    """The embedding (49152 x 256) and the dense layers go into their weights a chunk of rows at a
+    time: no float32 copy of a whole tensor beside its weight at start-up; the same model."""
+    from opentgi.models.quantization import ggml
+
+    prompt = [1, 504, 3113, 28, 2823]
+    whole = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    monkeypatch.setattr(ggml, "DENSE_CHUNK_BYTES", 64 << 10)  # 64 rows of the embedding at once
+    rows = []
+    dense = ggml.dense
+    monkeypatch.setattr(ggml, "dense", lambda raw, qtype, shape: rows.append(shape[0]) or dense(raw, qtype, shape))
+    chunked = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    assert len(rows) > 49152 // 64 and max(rows) <= 256  # 1-D norms whole (256 values); 2-D in chunks
+    logits = [m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (whole, chunked)]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
+    """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
+    copy; batch invariance row-tiles that product over the embedding's own storage), with the same
+    logits up to summation order."""
+    from opentgi.models.families import decoder
+
+    small = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    monkeypatch.setattr(decoder, "TIED_HEAD_COPY_MAX_BYTES", 1 << 20)
+    large = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    assert isinstance(small.model.logits_proj, OneDNNLinear)
+    head = large.model.logits_proj  # the embedding's own storage, not a copy
+    assert isinstance(head, RowTiledLinear)
+    assert head.weight.data_ptr() == large.model.model.embed_tokens.weight.data_ptr()
+
+    def total_mib(model) -> int:
+        return int(re.search(r"total ([\d,]+) MiB", model.resident).group(1).replace(",", ""))
+
+    assert total_mib(large.model) == total_mib(small.model) - 48  # 49152 x 256 float32
+    hidden = torch.randn(3, 256)
+    torch.testing.assert_close(large.model.compute_logits(hidden), small.model.compute_logits(hidden),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_dequantize_serves_every_layer_dense(tiny_gguf, tmp_path):
+    """--dequantize: the 4-bit layers in the serving dtype (oneDNN on CPU), the same weights."""
+    kept = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    dense = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path), dequantize=True))
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
+    assert "int4" not in dense.model.resident
+    prompt = kept.tokenizer("Once upon a time")["input_ids"]
+    got, want = (m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (dense, kept))
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
+    """gguf_header.py's one-pass reader: the same scalar metadata, array lengths and tensor bytes
+    as gguf-py's GGUFReader."""
+    import gguf
+    import numpy as np
+
+    from opentgi.models.checkpoints.gguf_header import GGUFHeader
+
+    header, reader = GGUFHeader(tiny_gguf), gguf.GGUFReader(str(tiny_gguf))
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert header.array_lengths[key] == len(field.data), key
+        elif not key.startswith("GGUF."):
+            assert header.fields[key] == field.contents(), key
+    assert set(header.tensors) == {t.name for t in reader.tensors}
+    for tensor in reader.tensors:
+        ours = header.tensors[tensor.name]
+        assert ours.tensor_type == tensor.tensor_type and ours.shape == tuple(int(d) for d in tensor.shape)
+        assert np.array_equal(ours.data, tensor.data), tensor.name
+    header.close()
+
+
+def test_quantize_int8_on_a_gguf_requantizes_every_projection(tiny_gguf, tmp_path):
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", quantize="int8", cache_dir=str(tmp_path)))
+    kinds = {m.weight_format.kind for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    assert kinds == {"int8"} and "int8 (per channel)" in loaded.model.resident
+    layer = loaded.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and isinstance(layer.mlp.down_proj, QuantizedLinear)
+
+
+def test_the_packed_cache_reader_reads_what_safetensors_wrote(tmp_path):
+    from safetensors.torch import save_file
+
+    from opentgi.models.checkpoints.packed_cache import read_safetensors
+
+    tensors = {"a.packed": torch.arange(300, dtype=torch.int32).reshape(3, 100),
+               "a.scales": torch.randn(7, 5, 2).to(torch.bfloat16), "a.group_size": torch.tensor(32),
+               "b": torch.zeros(0, 4, dtype=torch.uint8)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    got = read_safetensors(tmp_path / "t.safetensors")
+    assert got.keys() == tensors.keys()
+    assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in tensors.items())
+    assert got["a.packed"].untyped_storage().data_ptr() != got["a.scales"].untyped_storage().data_ptr()
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="ends inside"):
+        read_safetensors(tmp_path / "cut.safetensors")
+
+
+def test_the_packed_cache_writer_writes_what_safetensors_reads(tmp_path):
+    """A tensor at a time from its own memory (no whole-file copy), read back by safetensors itself
+    and by the cache's reader."""
+    from safetensors.torch import load_file
+
+    from opentgi.models.checkpoints.packed_cache import read_safetensors, write_safetensors
+
+    tensors = {"a.packed": torch.arange(300, dtype=torch.int32).reshape(3, 100),
+               "a.scales": torch.randn(7, 5, 2).to(torch.bfloat16), "a.group_size": torch.tensor(32),
+               "b": torch.zeros(0, 4, dtype=torch.uint8), "c": torch.randn(4, 6)[:, ::2]}
+    write_safetensors(tmp_path / "t.safetensors", tensors)
+    for got in (load_file(str(tmp_path / "t.safetensors")), read_safetensors(tmp_path / "t.safetensors")):
+        assert got.keys() == tensors.keys()
+        assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def test_the_packed_cache_is_read_in_a_thread_while_the_header_loads(tiny_gguf, tmp_path, monkeypatch):
+    from opentgi.models.checkpoints import packed_cache
+
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))  # writes it
+    threads = []
+    read = packed_cache.read_safetensors
+
+    def reading(path):
+        threads.append(threading.current_thread().name)
+        return read(path)
+
+    monkeypatch.setattr(packed_cache, "read_safetensors", reading)
+    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    assert len(threads) == 1 and threads[0].startswith("opentgi-packed-cache")
+    assert "int4" in second.model.resident
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path), dequantize=True))
+    assert len(threads) == 1  # layers served dense: the cache is not read

@@ -1,0 +1,148 @@
+"""AWQ and GPTQ 4-bit checkpoints (models/quantization/awq_gptq.py) and `--quantize int8 / int4`
+(round to nearest at load time): a tiny Llama packed by hand in each layout loads into the int4
+path and gives the logits of a float model holding the same (dequantized) weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from opentgi.config import Settings
+from opentgi.models.layers.linear import OneDNNLinear
+from opentgi.models.loader import ModelLoadError, load_model
+from opentgi.models.quantization.awq_gptq import AWQ_PACK_ORDER
+from opentgi.models.quantization.linear import QuantizedLinear
+from tests.helpers import tiny_models
+from tests.helpers.paged import PagedRunner
+
+torch.set_num_threads(1)
+GROUP = 32
+PROMPT = [1, 504, 3458, 282, 4649, 314, 2, 45, 9001, 77]
+
+
+def asymmetric_int4(w: torch.Tensor, group: int):
+    """q [N, K], z [N, K / group] (0..15) and fp16-exact s [N, K / group]: w ~ (q - z) * s."""
+    n, k = w.shape
+    groups = w.view(n, k // group, group)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).clamp(min=1e-6).half().float()
+    z = (-lo / s).round().clamp(0, 15)
+    q = (groups / s[..., None]).round().add(z[..., None]).clamp(0, 15)
+    return q.view(n, k).long(), z.long(), s
+
+
+def pack_words(nibbles: torch.Tensor) -> torch.Tensor:
+    """[..., 8] values 0..15 -> int32 [...]: value j in bits 4j..4j+3."""
+    words = (nibbles.long() << (4 * torch.arange(8))).sum(-1).numpy().astype(np.uint32)
+    return torch.from_numpy(words.view(np.int32))
+
+
+def gptq_tensors(q, z, s, group, zero_offset=1):
+    n, k = q.shape
+    return {"qweight": pack_words(q.T.reshape(k // 8, 8, n).transpose(1, 2)),  # [K/8, N]
+            "qzeros": pack_words((z.T - zero_offset).reshape(k // group, n // 8, 8)),  # [K/g, N/8]
+            "scales": s.T.half().contiguous(),
+            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+
+
+def awq_tensors(q, z, s):
+    order = torch.tensor(AWQ_PACK_ORDER)
+    n, k = q.shape
+    return {"qweight": pack_words(q.T.reshape(k, n // 8, 8)[..., order]),  # [K, N/8]
+            "qzeros": pack_words(z.T.reshape(-1, n // 8, 8)[..., order]),
+            "scales": s.T.half().contiguous()}
+
+
+def write_packed(tmp_path, method: str, qconfig_extra: dict | None = None):
+    """(the packed checkpoint, a float checkpoint with its dequantized weights)."""
+    base = tiny_models.tiny_llama_path()
+    packed_dir, float_dir = tmp_path / method, tmp_path / f"{method}-float"
+    for out in (packed_dir, float_dir):
+        shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
+    state = load_file(base / "model.safetensors")
+    packed, dense = {}, {}
+    for name, tensor in state.items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            q, z, s = asymmetric_int4(tensor, GROUP)
+            prefix = name[: -len(".weight")]
+            parts = awq_tensors(q, z, s) if method == "awq" else gptq_tensors(q, z, s, GROUP)
+            packed.update({f"{prefix}.{leaf}": value for leaf, value in parts.items()})
+            dense[name] = ((q - z.repeat_interleave(GROUP, 1)) * s.repeat_interleave(GROUP, 1)).float()
+        else:
+            packed[name] = dense[name] = tensor
+    save_file(packed, packed_dir / "model.safetensors")
+    save_file(dense, float_dir / "model.safetensors")
+    config = json.loads((packed_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": GROUP,
+                                     **({"version": "gemm", "zero_point": True} if method == "awq"
+                                        else {"desc_act": False, "sym": False}), **(qconfig_extra or {})}
+    (packed_dir / "config.json").write_text(json.dumps(config))
+    return packed_dir, float_dir
+
+
+def logits_of(path, **settings):
+    loaded = load_model(Settings(model_id=str(path), dtype="float32", **settings))
+    return loaded, loaded.model.compute_logits(PagedRunner(loaded.model).step({0: PROMPT}))[0]
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_packed_checkpoint_serves_its_weights_through_the_int4_path(tmp_path, method):
+    packed, reference = write_packed(tmp_path, method)
+    loaded, got = logits_of(packed)
+    layer = loaded.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear) and isinstance(layer.self_attn.o_proj, QuantizedLinear)
+    assert "int4 (groups of 32)" in loaded.model.resident
+    _, want = logits_of(reference)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the flag naming the checkpoint's method is accepted
+    _, flagged = logits_of(packed, quantize=method)
+    assert torch.equal(flagged, got)
+
+
+def test_packed_checkpoints_that_cannot_be_served_are_refused_by_name(tmp_path):
+    act_order, _ = write_packed(tmp_path / "a", "gptq", {"desc_act": True})
+    with pytest.raises(ModelLoadError, match="desc_act"):
+        load_model(Settings(model_id=str(act_order), dtype="float32"))
+    eight_bit, _ = write_packed(tmp_path / "b", "gptq", {"bits": 8})
+    with pytest.raises(ModelLoadError, match="8 bits"):
+        load_model(Settings(model_id=str(eight_bit), dtype="float32"))
+    with pytest.raises(ModelLoadError, match="--quantize awq needs an AWQ checkpoint"):
+        load_model(Settings(model_id=str(tiny_models.tiny_llama_path()), quantize="awq"))
+    with pytest.raises(ModelLoadError, match="already quantized"):
+        load_model(Settings(model_id=str(eight_bit), quantize="int8"))
+    with pytest.raises(ModelLoadError, match="--quantize bitsandbytes is not supported"):
+        load_model(Settings(model_id=str(tiny_models.tiny_llama_path()), quantize="bitsandbytes"))
+    with pytest.raises(ModelLoadError, match="fp8 needs a GPU"):
+        load_model(Settings(model_id=str(tiny_models.tiny_llama_path()), quantize="fp8"))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4", "int4-g64"])
+def test_quantize_at_load_is_round_to_nearest(tmp_path, quantize):
+    """--quantize int8 / int4: every layer projection held quantized; the logits are those of the
+    float model with the round-to-nearest weights, and close to the float model's own."""
+    from opentgi.models.checkpoints.loading import quantize_at_load
+    from opentgi.models.quantization.methods import parse_quantize
+
+    base = tiny_models.tiny_llama_path()
+    loaded, got = logits_of(base, quantize=quantize)
+    kinds = {m.weight_format.kind for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    dense = (torch.nn.Linear, OneDNNLinear)
+    # int4 layers may also hold a dense copy for prompt rows (models/quantization/prompt_copy.py)
+    copies = {id(m.prompt_linear) for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
+    assert kinds == {quantize[:4]} and not any(isinstance(m, dense) and id(m) not in copies
+                                               for m in loaded.model.model.layers.modules())
+    reference = tmp_path / "rtn"
+    shutil.copytree(base, reference, ignore=shutil.ignore_patterns("*.safetensors", ".complete"))
+    state = load_file(base / "model.safetensors")
+    method = parse_quantize(quantize)
+    save_file({name: quantize_at_load(t, method).dequantize() if ".layers." in name and name.endswith("_proj.weight")
+               else t for name, t in state.items()}, reference / "model.safetensors")
+    _, want = logits_of(reference)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _, unquantized = logits_of(base)
+    assert torch.nn.functional.cosine_similarity(got, unquantized, dim=0) > 0.95  # random weights, 4 bits
