@@ -36,7 +36,7 @@ in the model's dtype, over every token of the step:
 where `mask` keeps, for each token, only the columns of its row's adapter (built once per step and
 shared by every layer), and only the adapters the step uses are stacked in (`index_select`). Its
 row's delta can depend on the step's row count and adapters (seen in float32 at ranks 4 to 128,
-in bfloat16 at rank 128 over 1536 inputs: tests/test_determinism_lora.py). Both are punica's BGMV (a gathered A/B per row) done
+in bfloat16 at rank 128 over 1536 inputs: tests/engine/test_determinism_lora.py). Both are punica's BGMV (a gathered A/B per row) done
 as dense matmuls: `bench/runner.py --lora` measures them against the per-token gather
 (`bgmv_delta`, kept as the reference the tests compare against). A step where no row uses an
 adapter, or a server without adapters, does no LoRA work at all.

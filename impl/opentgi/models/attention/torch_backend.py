@@ -75,7 +75,7 @@ ROW_BLOCK = 32  # prompt form: query rows padded to whole blocks of this many (s
 PROMPT_ROWS = 160  # prompt form: the most query rows a call (under 192, where sdpa cuts in 64s)
 SOFTCAP_KEY_CHUNK = 128  # soft-capped attention in float32: keys per matmul of the probabilities and values
 # soft-capped attention in bfloat16: keys per matmul of the probabilities and values (oneDNN's
-# bfloat16 `bmm` reduces up to 1,024 keys alike whatever their zero padding: tests/test_softcap_attention.py)
+# bfloat16 `bmm` reduces up to 1,024 keys alike whatever their zero padding: tests/models/test_softcap_attention.py)
 SOFTCAP_BF16_KEY_CHUNK = 1024
 # Soft-capped decode groups of at most this many key rows (rows x padded keys) gather their keys and
 # values per (row, kv head) position, contiguous for the matmuls, rather than in whole blocks and
@@ -420,7 +420,7 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     through oneDNN's bfloat16 `bmm` over at most `SOFTCAP_BF16_KEY_CHUNK` keys a matmul (float32
     sums of the chunks' products, in order): its reduction gives a row the same bits for every key
     count up to 1,024 (a row over 700 keys alone and padded to 1040 did not), so a row's bits depend
-    neither on the rows beside it nor on its masked key padding (tests/test_softcap_attention.py).
+    neither on the rows beside it nor on its masked key padding (tests/models/test_softcap_attention.py).
     Against the float32 form below, the same error against a float64 reference and 1.5-3x faster
     for decode groups of 5-16 rows (1 thread; one row: the same). In other dtypes, the products in
     float32 (the values converted as they are padded), in matmuls over exactly `SOFTCAP_KEY_CHUNK`

@@ -4,7 +4,7 @@ that have FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackw
 Each step's activations are quantized to FP8 row by row (one scale per row, from the row's own
 maximum), so a row's numbers depend on that row alone. `reference_matmul` computes what the kernel
 computes, in float32, on any device: the CPU tests check the quantization and the layout through
-it, as tests/test_flash_backend.py checks flash-attn's.
+it, as tests/models/test_flash_backend.py checks flash-attn's.
 """
 
 from __future__ import annotations

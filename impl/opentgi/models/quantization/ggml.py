@@ -14,7 +14,7 @@
   weight at start-up (the start's peak 1,388 MB against 996 MB once loaded), and an 8B Q4_K_M
   file's Q6_K output head would hold 2.1 GB.
 
-The block layouts are ggml's (ggml-common.h); tests/test_quantization_ggml.py checks every mapped
+The block layouts are ggml's (ggml-common.h); tests/models/test_quantization_ggml.py checks every mapped
 type against gguf-py's `dequantize` on random blocks.
 """
 

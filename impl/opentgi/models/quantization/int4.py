@@ -8,7 +8,7 @@ Q4_0, Q4_1 and Q4_K blocks (models/quantization/ggml.py), AWQ and GPTQ checkpoin
 `Int4Groups` and are served by `Int4Weight`.
 
 A row's result does not depend on the other rows of the step: the CPU kernel computes each row with
-the same reduction order whatever the row count (tests/test_quantization_formats.py checks M=1
+the same reduction order whatever the row count (tests/models/test_quantization_formats.py checks M=1
 against M=k bit for bit), so every step, prompt or decode, multiplies through the same kernel.
 """
 

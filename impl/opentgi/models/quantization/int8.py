@@ -2,7 +2,7 @@
 
 Served by torch's `_weight_int8pack_mm` (x in the serving dtype, the weight read as int8: half the
 bytes of bfloat16). Like the int4 kernel, it computes each row alone, so a row's result does not
-depend on the step's row count (tests/test_quantization_formats.py). Where the kernel is missing
+depend on the step's row count (tests/models/test_quantization_formats.py). Where the kernel is missing
 (an old build, or a device without it), `x @ q.T` runs through `F.linear` on the fly-converted
 weight, scaled after.
 """

@@ -2,7 +2,7 @@
 such layers, and the one-line account of what a model holds resident.
 
 A weight is its format: `QuantizedLinear` multiplies rows through its format's kernel, whose rows
-never depend on how many rows share the step (tests/test_quantization_formats.py). A CPU int4
+never depend on how many rows share the step (tests/models/test_quantization_formats.py). A CPU int4
 layer may also hold a dense copy for prompt rows (models/quantization/prompt_copy.py): then a
 row's kernel follows its kind (models/layers/row_kinds.py), never the step's size. Only with
 `--nondeterministic` (`dense_above_rows` set) does a step of more rows than that go through the
