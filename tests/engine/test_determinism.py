@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from opentgi.cli import build_parser, inference_mode_line, settings_from
 from opentgi.config import Settings
-from opentgi.engine.execution.setup import batch_invariant
+from opentgi.engine.execution.assembly import batch_invariant
 from opentgi.models.families import decoder as decoder_family
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
 from opentgi.models.loader import load_model

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from opentgi.engine.execution.setup import batch_invariant
+from opentgi.engine.execution.assembly import batch_invariant
 from opentgi.engine.execution.torch_threads import call_in_own_thread
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.models import lora
 from opentgi.models.layers import adapter_lora
+from opentgi.models.layers.kernel_choices import KernelChoiceCache
 from opentgi.models.layers.linear import pack_linears
-from opentgi.models.layers.measured_forms import MeasuredForms
 from tests.helpers import tiny_models
 from tests.helpers.determinism import OTHERS, TARGET, loaded_model
 from tests.helpers.engine import running
@@ -64,7 +64,7 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_of_its_step(dtype, threads,
     """Each row with its adapter (x, y, z or none) gets the same bits alone, in every slice of the
     step, in a step of one adapter and in a step of all; a base row gets the bits of a step without
     adapter rows."""
-    monkeypatch.setattr(adapter_lora, "_formulation_cache", MeasuredForms())  # measured at this thread count
+    monkeypatch.setattr(adapter_lora, "kernel_choices", KernelChoiceCache())  # measured at this thread count
     try:
         call_in_own_thread(lambda: _check_row_invariance(dtype), threads)  # as the server runs torch
     finally:

@@ -7,9 +7,9 @@ import torch
 
 from opentgi.cli import build_parser, settings_from
 from opentgi.config import Settings
+from opentgi.engine.execution.assembly import build_runner, largest_step
 from opentgi.engine.execution.gpu_memory import MemoryProfile, NotEnoughMemoryError, StepShape
 from opentgi.engine.execution.kv_cache import bytes_per_block, num_kv_blocks
-from opentgi.engine.execution.setup import build_runner, largest_step
 from opentgi.models.loader import load_model, resolve_dtype
 
 GIB = 1 << 30

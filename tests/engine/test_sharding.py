@@ -319,7 +319,7 @@ def test_start_up_error_on_another_rank_is_reported_once(tiny_llama):
 def test_kv_pool_is_the_smallest_over_ranks(tiny_llama):
     """Each rank sizes its pool from its own memory budget; all take the minimum (agreed through
     the group: here a stand-in that says another rank can hold only 7 blocks)."""
-    from opentgi.engine.execution.setup import build_runner
+    from opentgi.engine.execution.assembly import build_runner
     from opentgi.engine.execution.sharded_runner import ShardedModelRunner
     from opentgi.models.loader import load_model
 

@@ -138,7 +138,7 @@ def run_worker(settings: Settings, rdv: Rendezvous, parent_pid: int | None = Non
     Returns the exit code."""
     import torch.distributed as dist
 
-    from opentgi.engine.execution.setup import build_runner
+    from opentgi.engine.execution.assembly import build_runner
     from opentgi.models.loader import load_model
 
     if settings.num_threads:
