@@ -92,14 +92,14 @@ async def test_health_checks_need_no_key(path):
 
 def test_bodies_come_from_each_dialects_one_error_shape():
     from opentgi.api.errors import UnauthorizedError, tgi_error
-    from opentgi.api.lightllm import handlers as lightllm
-    from opentgi.api.sensenova import handlers as sensenova
+    from opentgi.api.lightllm.errors import lightllm_error
+    from opentgi.api.sensenova.errors import sensenova_error
 
     exc = UnauthorizedError("x")
     assert tgi_error(exc).body == {"error": "x", "error_type": "unauthorized"}
-    assert lightllm.error_shape(exc).body == {"message": "x"}
-    assert sensenova.error_shape(exc).body == {"error": {"code": 16, "message": "x", "details": []}}
-    assert {tgi_error(exc).status, lightllm.error_shape(exc).status, sensenova.error_shape(exc).status} == {401}
+    assert lightllm_error(exc).body == {"message": "x"}
+    assert sensenova_error(exc).body == {"error": {"code": 16, "message": "x", "details": []}}
+    assert {tgi_error(exc).status, lightllm_error(exc).status, sensenova_error(exc).status} == {401}
 
 
 def test_empty_key_is_refused():

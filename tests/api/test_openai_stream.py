@@ -67,7 +67,7 @@ async def _collect(events) -> list:
 def _stream(encode, prepared, handles):
     """The events the request path sends for `encode` over these handles (errors in TGI's shape)."""
     gen = generation.Generation(started_at=0.0, context=prepared, handles=handles)
-    return generation._events(None, common.SHAPE, encode, gen)
+    return generation._events(None, common.ERROR_POLICY, encode, gen)
 
 
 def _chat(handle, n=1, using_tools=False, include_usage=False, logprobs=False):

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from opentgi.api.errors import RequestSchemaError
-from opentgi.api.sensenova import handlers as sensenova
+from opentgi.api.sensenova import handlers, params, shapes
+from opentgi.api.sensenova.errors import sensenova_error
 from opentgi.engine.errors import GenerationError, InputTooLongError, OverloadedError, UnhealthyError
 from opentgi.engine.events import GenerationResult, SequenceResult, Timings, TokenEvent
 from opentgi.engine.request import FinishReason
@@ -40,21 +41,21 @@ def test_defaults_follow_the_documentation():
 
 def test_generation_request_mapping():
     req = request(n=4, temperature=1.3, top_p=0.5, repetition_penalty=1.2, stop="END")
-    gen = sensenova.generation_request(req, [1, 2, 3], ["bad", "worse"])
+    gen = params.generation_request(req, [1, 2, 3], ["bad", "worse"])
     assert gen.n == 4 and gen.prompt_token_ids == [1, 2, 3]
     assert (gen.sampling.do_sample, gen.sampling.temperature, gen.sampling.top_p) == (True, 1.3, 0.5)
     assert gen.sampling.repetition_penalty == 1.2
     assert gen.stopping.max_new_tokens == 1024 and gen.stopping.stop_sequences == ["END"]
     assert gen.stopping.include_stop_str_in_output is False
     assert gen.stopping.sensitive_words == ["bad", "worse"]
-    assert sensenova.generation_request(request(), [1], []).stopping.stop_sequences == []
+    assert params.generation_request(request(), [1], []).stopping.stop_sequences == []
 
 
 def test_explicit_max_new_tokens_must_fit_the_context():
-    sensenova.check_context(request(max_new_tokens=10), 90, 100)
+    params.check_context(request(max_new_tokens=10), 90, 100)
     with pytest.raises(InputTooLongError, match=r"prompt tokens \(91\) \+ max_new_tokens \(10\) must be <= "):
-        sensenova.check_context(request(max_new_tokens=10), 91, 100)
-    sensenova.check_context(request(), 91, 100)  # the default runs into the context: `context`
+        params.check_context(request(max_new_tokens=10), 91, 100)
+    params.check_context(request(), 91, 100)  # the default runs into the context: `context`
 
 
 @pytest.mark.parametrize(
@@ -69,7 +70,7 @@ def test_explicit_max_new_tokens_must_fit_the_context():
     ],
 )
 def test_finish_reasons(reason, expected):
-    assert sensenova.sensenova_finish_reason(reason) == expected
+    assert shapes.sensenova_finish_reason(reason) == expected
 
 
 def test_completion_response_bytes():
@@ -77,7 +78,7 @@ def test_completion_response_bytes():
         request_id="r", prompt_token_ids=[1, 2, 3, 4, 5, 6], timings=Timings(queued_at=0.0),
         sequences=[sequence(1, ["x"], FinishReason.SENSITIVE), sequence(0, ["a", "b"], FinishReason.LENGTH)],
     )
-    body = sensenova.dumps(sensenova.completion_response(res, "abc"))
+    body = shapes.dumps(shapes.completion_response(res, "abc"))
     assert body == (
         '{"data":{"id":"abc","choices":[{"index":0,"text":"ab","finish_reason":"length"},'
         '{"index":1,"text":"x","finish_reason":"sensitive"}],'
@@ -86,7 +87,7 @@ def test_completion_response_bytes():
 
 
 def test_stream_chunks_bytes_usage_on_the_last_chunk_only():
-    encoder = sensenova.ChunkEncoder("123456789012345", 6, 2)
+    encoder = shapes.ChunkEncoder("123456789012345", 6, 2)
     chunks = [
         encoder.encode(event(0, "This", 1)),
         encoder.encode(event(1, "Is", 1, FinishReason.EOS_TOKEN)),
@@ -108,7 +109,7 @@ def test_stream_chunks_bytes_usage_on_the_last_chunk_only():
 
 
 def test_stream_chunk_context_reason():
-    encoder = sensenova.ChunkEncoder("i", 3, 1)
+    encoder = shapes.ChunkEncoder("i", 3, 1)
     assert json.loads(encoder.encode(event(0, "z", 1, FinishReason.CONTEXT)))["data"]["choices"][0][
         "finish_reason"
     ] == "context"
@@ -124,7 +125,7 @@ def test_stream_chunk_context_reason():
     ],
 )
 def test_errors_in_sensenova_shape(exc, status, code):
-    response = sensenova.error_response(exc)
+    response = sensenova_error(exc).response()
     assert response.status_code == status
     assert response.body.decode() == (
         f'{{"error":{{"code":{code},"message":"{exc.message}","details":[]}}}}'
@@ -133,15 +134,15 @@ def test_errors_in_sensenova_shape(exc, status, code):
 
 def test_errors_before_the_handler_are_400():
 
-    response = sensenova.request_error(RequestSchemaError("n: 5 is greater than the maximum of 4"))
+    response = sensenova_error(RequestSchemaError("n: 5 is greater than the maximum of 4")).response()
     assert response.status_code == 400
     assert response.body == (
         b'{"error":{"code":3,"message":"invalid argument: n: 5 is greater than the maximum of 4","details":[]}}'
     )
-    assert sensenova.request_error(OverloadedError("Model is overloaded")).status_code == 429
+    assert sensenova_error(OverloadedError("Model is overloaded")).status == 429
 
 
 def test_stream_error_event():
-    assert sensenova.error_event(GenerationError("boom")) == {
+    assert handlers.ERROR_POLICY.error_event(GenerationError("boom"), None) == {
         "error": {"code": 13, "message": "boom", "details": []}
     }

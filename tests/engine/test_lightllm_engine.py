@@ -15,6 +15,7 @@ import torch
 
 from opentgi.api import runtime
 from opentgi.api.lightllm import handlers as lightllm
+from opentgi.api.lightllm import shapes
 from opentgi.config import Settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -72,7 +73,7 @@ async def test_generate_greedy_matches_the_stream(llama_state):
     assert list(generated) == ["generated_text", "count_output_tokens", "finish_reason", "prompt_tokens"]
     assert generated["prompt_tokens"] == 4 and generated["count_output_tokens"] == 17
     assert generated["finish_reason"] == "length" and len(generated["generated_text"]) == 1
-    assert answer.body.decode() == lightllm.dumps(generated)  # `", "` and `": "` separators, as LightLLM
+    assert answer.body.decode() == shapes.dumps(generated)  # `", "` and `": "` separators, as LightLLM
 
     stream = await lightllm.generate_stream(body)
     assert stream.status_code == 200 and stream.media_type == "text/event-stream"
@@ -212,7 +213,7 @@ async def test_get_score_equals_the_transformers_forward(reward_state, tiny_rewa
     assert scored["prompt_tokens"] == len(ids)
     assert scored["finish_reason"] == "stop"
     assert scored["score"] == pytest.approx(expected, rel=1e-4, abs=1e-4)
-    assert response.body.decode() == lightllm.dumps(scored)
+    assert response.body.decode() == shapes.dumps(scored)
 
 
 async def test_generate_on_a_reward_model_is_a_clear_422(reward_state):

@@ -5,8 +5,8 @@ There is no route table: each document's operationIds resolve to functions of it
 
 `DIALECTS` lists the documents. `Settings.api` names the dialect that owns the root paths; every
 other dialect that would collide with it is mounted under its own prefix (`/tgi`, `/lightllm`).
-Errors map once per dialect (`Dialect.error_response`), whatever raised them: a handler, Connexion's
-request validation, or routing (404 / 405).
+Errors map once per dialect (`Dialect.error_shape`, the same function the dialect's handlers answer
+with), whatever raised them: a handler, Connexion's request validation, or routing (404 / 405).
 """
 
 from __future__ import annotations
@@ -60,20 +60,21 @@ class Dialect:
     document: str  # an OpenAPI document in openapi/ (packaged under opentgi/schemas/openapi/)
     module: str  # the handler module its operationIds resolve in
     prefix: str  # where it is mounted when it does not own the root ("" = always at the root)
-    # "module:function" mapping an OpenTGIError to this dialect's Response; None = TGI's shape.
-    error_response: str | None = None
+    # "module:function": the dialect's one error-shape function (an OpenTGIError -> status, body,
+    # headers), the same its handlers' ErrorPolicy holds; None = TGI's shape (`tgi_error`).
+    error_shape: str | None = None
 
 
 DIALECTS: tuple[Dialect, ...] = (
     Dialect("tgi", "tgi.json", "opentgi.api.tgi.handlers", prefix="/tgi"),
     Dialect("lightllm", "lightllm.yaml", "opentgi.api.lightllm.handlers", prefix="/lightllm",
-            error_response="opentgi.api.lightllm.handlers:request_error"),
+            error_shape="opentgi.api.lightllm.errors:lightllm_error"),
     Dialect("sensenova", "sensenova.yaml", "opentgi.api.sensenova.handlers", prefix="/sensenova",
-            error_response="opentgi.api.sensenova.handlers:request_error"),
+            error_shape="opentgi.api.sensenova.errors:sensenova_error"),
     Dialect("anthropic", "anthropic.yaml", "opentgi.api.anthropic.handlers", prefix="/anthropic",
-            error_response="opentgi.api.anthropic.handlers:request_error"),
+            error_shape="opentgi.api.anthropic.errors:anthropic_error"),
     Dialect("openai-responses", "openai-responses.yaml", "opentgi.api.responses.handlers",
-            prefix="/openai-responses", error_response="opentgi.api.responses.handlers:request_error"),
+            prefix="/openai-responses", error_shape="opentgi.api.responses.errors:openai_error"),
 )
 
 
@@ -185,10 +186,10 @@ class ErrorMapper:
         if isinstance(exc, HTTPException) and exc.status_code == 405 and self.allowed_methods(path):
             exc = HTTPException(405, headers={**(exc.headers or {}), "Allow": self.allowed_methods(path)})
         dialect = self.by_name.get(self.dialect_of(path))
-        if dialect is not None and dialect.error_response is not None:
+        if dialect is not None and dialect.error_shape is not None:
             own = _as_dialect_error(exc)
             if own is not None:
-                return _import(dialect.error_response)(own)
+                return _import(dialect.error_shape)(own).response()
         limits = self.limits()
         refusal = refusal_in_tgi_order(operation_id, exc, limits) if isinstance(exc, BodySchemaError) else None
         reply = tgi_error(exc if refusal is None else refusal, limits)

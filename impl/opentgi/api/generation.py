@@ -10,7 +10,7 @@ stream); this module does the rest, once:
     non-stream: results, unless the client leaves    # a client that leaves cancels the engine work
     stream:     SSE of encode(generation)            # a client that leaves closes it, which cancels
     record_success(...) / record_failure(exc)        # tgi_request_success / _failure{err}
-    errors -> shape.error(exc)                       # the dialect's one error-shape function
+    errors -> policy.error(exc)                      # the dialect's one error-shape function
 
 A client is gone when the ASGI receive channel says `http.disconnect` (uvicorn never cancels the
 handler itself): the request's handles are cancelled then, at any point after the body was read,
@@ -60,8 +60,9 @@ class ErrorShape:
 
 
 @dataclass(frozen=True)
-class Shape:
-    """What a dialect contributes to the path besides parsing and answers."""
+class ErrorPolicy:
+    """A dialect's error policy: how every failure on the path is answered (its one error-shape
+    function) and how a stream ends on one. The only thing a dialect adds besides parsing and answers."""
 
     error: Callable[[BaseException], ErrorShape]  # the dialect's error shape (status, body)
     # The data sent after a stream's error event (OpenAI's " [DONE]"), if any.
@@ -214,7 +215,7 @@ async def _start(prepare: Prepare, generation: Generation) -> None:
     record_submitted(generation.requests)
 
 
-async def generate(prepare: Prepare, shape: Shape, answer: Answer, *,
+async def generate(prepare: Prepare, policy: ErrorPolicy, answer: Answer, *,
                    generated_tokens: Callable[[list[GenerationResult]], int] = sum_generated_tokens) -> Response:
     """A non-streaming generation: `answer(generation, results)` once every request is done."""
     generation = Generation(started_at=record_start())
@@ -225,32 +226,33 @@ async def generate(prepare: Prepare, shape: Shape, answer: Answer, *,
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     except OpenTGIError as exc:
         record_failure(exc)
-        return shape.error(exc).response()
+        return policy.error(exc).response()
     finally:
         generation.cancel()
     generation.success(generated_tokens(results), results[0].timings if results else None)
     return answer(generation, results)
 
 
-async def stream(prepare: Prepare, shape: Shape, encode: Encode, *,
+async def stream(prepare: Prepare, policy: ErrorPolicy, encode: Encode, *,
                  headers: Mapping[str, str] | None = None) -> Response:
     """A streaming generation: SSE of `encode(generation)`; an error after the stream opened is its
-    last event in the dialect's shape. Before it opens, a refusal is a plain error response (unless
+    last event in the dialect's error shape. Before it opens, a refusal is a plain error response (unless
     the dialect refuses in the stream, as TGI does)."""
     generation = Generation(started_at=record_start())
-    if not shape.refuse_in_stream:
+    if not policy.refuse_in_stream:
         try:
             await unless_client_gone(_start(prepare, generation))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except OpenTGIError as exc:
             record_failure(exc)
-            return shape.error(exc).response()
-    return sse_response(_events(prepare, shape, encode, generation), headers=headers,
-                        error_event=lambda exc: shape.error_event(exc, generation))
+            return policy.error(exc).response()
+    return sse_response(_events(prepare, policy, encode, generation), headers=headers,
+                        error_event=lambda exc: policy.error_event(exc, generation))
 
 
-async def _events(prepare: Prepare, shape: Shape, encode: Encode, generation: Generation) -> AsyncIterator[Event]:
+async def _events(prepare: Prepare, policy: ErrorPolicy, encode: Encode,
+                  generation: Generation) -> AsyncIterator[Event]:
     try:
         if not generation.handles:
             await _start(prepare, generation)
@@ -258,8 +260,8 @@ async def _events(prepare: Prepare, shape: Shape, encode: Encode, generation: Ge
             yield event
     except OpenTGIError as exc:
         record_failure(exc)
-        yield shape.error_event(exc, generation)
-        if shape.stream_end_after_error is not None:
-            yield shape.stream_end_after_error
+        yield policy.error_event(exc, generation)
+        if policy.stream_end_after_error is not None:
+            yield policy.stream_end_after_error
     finally:
         generation.cancel()  # the client left (the stream was closed) or the request ended

@@ -22,7 +22,7 @@ from opentgi.api.anthropic import messages as convert
 from opentgi.api.anthropic.errors import anthropic_error, error_event
 from opentgi.api.chat import ChatTurn, PreparedTurn, parse_sequence, prepare_chat_turn
 from opentgi.api.errors import IncompleteGenerationError
-from opentgi.api.generation import Generation, Shape
+from opentgi.api.generation import ErrorPolicy, Generation
 from opentgi.api.openai.common import limits_of, parse_model
 from opentgi.api.openai.params import response_format_grammar
 from opentgi.api.sse import NamedEvent
@@ -31,12 +31,7 @@ from opentgi.engine.events import GenerationResult
 from opentgi.engine.request import FinishReason, GenerationRequest, StoppingParams
 from opentgi.schemas import anthropic as schema
 
-SHAPE = Shape(error=anthropic_error, stream_error=error_event)
-
-
-def request_error(exc: OpenTGIError) -> Response:
-    """An error raised before the handler ran (the app's error mapper calls this)."""
-    return anthropic_error(exc).response()
+ERROR_POLICY = ErrorPolicy(error=anthropic_error, stream_error=error_event)
 
 
 def chat_turn(request: schema.MessagesRequest | schema.CountTokensRequest) -> ChatTurn:
@@ -145,8 +140,8 @@ async def _message_events(gen: Generation) -> AsyncIterator[NamedEvent]:
 async def create_message(body: dict) -> Response:
     prepare = functools.partial(_prepare_message, body)
     if body.get("stream"):
-        return await generation.stream(prepare, SHAPE, _message_events)
-    return await generation.generate(prepare, SHAPE, _message_answer)
+        return await generation.stream(prepare, ERROR_POLICY, _message_events)
+    return await generation.generate(prepare, ERROR_POLICY, _message_answer)
 
 
 async def count_tokens(body: dict) -> Response:

@@ -3,7 +3,9 @@
 `ChatOutputParser` (a sequence's tokens -> thinking, text and tool-call pieces)."""
 
 from opentgi.api.chat.parser import ChatOutputParser, parse_sequence
-from opentgi.api.chat.pieces import (
+from opentgi.api.chat.tools import ToolError, new_tool_call_id
+from opentgi.api.chat.turn import ChatTurn, PreparedTurn, prepare_chat_turn, reasoning_budget_for_effort
+from opentgi.api.chat.turn_output import (
     ChatMessage,
     ChatPiece,
     ReasoningDelta,
@@ -12,8 +14,6 @@ from opentgi.api.chat.pieces import (
     ToolCallArguments,
     ToolCallStart,
 )
-from opentgi.api.chat.tools import ToolError, new_tool_call_id
-from opentgi.api.chat.turn import ChatTurn, PreparedTurn, prepare_chat_turn, reasoning_budget_for_effort
 
 __all__ = [
     "ChatMessage",

@@ -13,7 +13,7 @@ import json
 import re
 import uuid
 
-from opentgi.api.chat.pieces import ChatPiece, ToolCallArguments, ToolCallStart
+from opentgi.api.chat.turn_output import ChatPiece, ToolCallArguments, ToolCallStart
 
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 

@@ -14,7 +14,8 @@ from collections import deque
 from opentgi.api.chat.call_scanner import CallScanner, new_tool_call_id
 from opentgi.api.chat.forced_json import ToolAnswerStream
 from opentgi.api.chat.markers import ThinkTokens
-from opentgi.api.chat.pieces import (
+from opentgi.api.chat.tool_formats import ToolCallTokens
+from opentgi.api.chat.turn_output import (
     ChatMessage,
     ChatPiece,
     ReasoningDelta,
@@ -22,7 +23,6 @@ from opentgi.api.chat.pieces import (
     ToolCallArguments,
     ToolCallStart,
 )
-from opentgi.api.chat.tool_formats import ToolCallTokens
 from opentgi.engine.events import SequenceResult, TokenEvent
 
 REASONING, TEXT, CALLS = "reasoning", "text", "calls"

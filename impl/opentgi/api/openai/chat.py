@@ -153,5 +153,5 @@ def _chat_answer(gen: Generation, results: list) -> Response:
 async def chat_completions(body: dict) -> Response:
     prepare = functools.partial(_prepare_chat, body)
     if body.get("stream"):
-        return await generation.stream(prepare, common.SHAPE, _chat_stream)
-    return await generation.generate(prepare, common.SHAPE, _chat_answer)
+        return await generation.stream(prepare, common.ERROR_POLICY, _chat_stream)
+    return await generation.generate(prepare, common.ERROR_POLICY, _chat_answer)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pydantic
 
 from opentgi.api.errors import tgi_error
-from opentgi.api.generation import Shape
+from opentgi.api.generation import ErrorPolicy
 from opentgi.api.openai.params import OpenAILimits
 from opentgi.engine.errors import ValidationError
 from opentgi.engine.events import TokenEvent
@@ -18,7 +18,7 @@ from opentgi.engine.events import TokenEvent
 # sse.sse_event writes "data:" + a str event verbatim: the leading space gives "data: [DONE]".
 DONE = " [DONE]"
 # TGI's error shape; a stream that fails still ends with [DONE].
-SHAPE = Shape(error=tgi_error, stream_end_after_error=DONE)
+ERROR_POLICY = ErrorPolicy(error=tgi_error, stream_end_after_error=DONE)
 
 
 def parse_model(model, body: dict):

@@ -187,6 +187,6 @@ def _completion_tokens(results: list) -> int:
 async def completions(body: dict) -> Response:
     prepare = functools.partial(_prepare_completion, body)
     if body.get("stream"):
-        return await generation.stream(prepare, common.SHAPE, _completion_stream)
-    return await generation.generate(prepare, common.SHAPE, _completion_answer,
+        return await generation.stream(prepare, common.ERROR_POLICY, _completion_stream)
+    return await generation.generate(prepare, common.ERROR_POLICY, _completion_answer,
                                      generated_tokens=_completion_tokens)

@@ -27,7 +27,7 @@ from opentgi.api.chat import (
     reasoning_budget_for_effort,
 )
 from opentgi.api.errors import IncompleteGenerationError
-from opentgi.api.generation import Generation, Shape
+from opentgi.api.generation import ErrorPolicy, Generation
 from opentgi.api.openai import common
 from opentgi.api.openai.params import response_format_grammar
 from opentgi.api.responses import items as convert
@@ -36,19 +36,14 @@ from opentgi.api.responses.errors import ResponseNotFoundError, error_event, ope
 from opentgi.api.responses.store import ResponseStore, StoredResponse
 from opentgi.api.responses.stream import ResponseEvents
 from opentgi.api.sse import NamedEvent
-from opentgi.engine.errors import InputTooLongError, OpenTGIError, ValidationError
+from opentgi.engine.errors import InputTooLongError, ValidationError
 from opentgi.engine.events import GenerationResult, SequenceResult
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.schemas import openai_responses as schema
 
-SHAPE = Shape(error=openai_error, stream_error=error_event)
+ERROR_POLICY = ErrorPolicy(error=openai_error, stream_error=error_event)
 # OpenAI's efforts past the shared chat turn's table: "none" turns thinking off, "xhigh" is "high".
 EFFORT_ALIASES = {"xhigh": "high"}
-
-
-def request_error(exc: OpenTGIError) -> Response:
-    """An error raised before the handler ran (the app's error mapper calls this)."""
-    return openai_error(exc).response()
 
 
 def response_store() -> ResponseStore:
@@ -206,8 +201,8 @@ async def _response_events(gen: Generation) -> AsyncIterator[NamedEvent]:
 async def create_response(body: dict) -> Response:
     prepare = functools.partial(_prepare_response, body)
     if body.get("stream"):
-        return await generation.stream(prepare, SHAPE, _response_events)
-    return await generation.generate(prepare, SHAPE, _response_answer)
+        return await generation.stream(prepare, ERROR_POLICY, _response_events)
+    return await generation.generate(prepare, ERROR_POLICY, _response_answer)
 
 
 async def get_response(response_id: str) -> Response:

@@ -33,11 +33,11 @@ def dialect_error_response(dialect_of: Callable[[str], str]) -> Callable[[str, E
     (the app passes its error mapper's `response` instead, which does the same)."""
     from opentgi.api.anthropic.errors import anthropic_error
     from opentgi.api.errors import tgi_error
-    from opentgi.api.lightllm import handlers as lightllm
+    from opentgi.api.lightllm.errors import lightllm_error
     from opentgi.api.responses.errors import openai_error
-    from opentgi.api.sensenova import handlers as sensenova
+    from opentgi.api.sensenova.errors import sensenova_error
 
-    shapes = {"tgi": tgi_error, "lightllm": lightllm.error_shape, "sensenova": sensenova.error_shape,
+    shapes = {"tgi": tgi_error, "lightllm": lightllm_error, "sensenova": sensenova_error,
               "anthropic": anthropic_error, "openai-responses": openai_error}
     return lambda path, exc: shapes[dialect_of(path)](exc).response()
 

@@ -25,7 +25,7 @@ from opentgi import __version__
 from opentgi.api import generation, runtime
 from opentgi.api.adapters import models_list
 from opentgi.api.errors import DeserializationError, IncompleteGenerationError, tgi_error
-from opentgi.api.tgi import responses as encode
+from opentgi.api.tgi import shapes as encode
 from opentgi.api.tgi.params import Limits, build_request, check_integer_widths, check_parameters
 from opentgi.api.tgi.tokens import detokenize, get_chat_tokenize  # noqa: F401 - operationIds of tgi.json
 from opentgi.engine.errors import OpenTGIError, ValidationError
@@ -43,7 +43,7 @@ TOKENIZE_MAX_CHARS_PER_TOKEN = 16
 
 # --- request preparation -------------------------------------------------------------------------
 
-SHAPE = generation.Shape(error=tgi_error, refuse_in_stream=True)  # TGI: a refused stream is a 200 + error event
+ERROR_POLICY = generation.ErrorPolicy(error=tgi_error, refuse_in_stream=True)  # TGI: a refused stream is a 200 + error event
 
 
 @dataclass
@@ -141,7 +141,7 @@ async def _json_answer(body: dict, *, default_return_full_text: bool = False, as
         return JSONResponse([payload] if as_list else payload, headers=headers)
 
     prepare = _prepare(body, parameters, stream=False, default_return_full_text=default_return_full_text)
-    return await generation.generate(prepare, SHAPE, answer, generated_tokens=_winner_tokens)
+    return await generation.generate(prepare, ERROR_POLICY, answer, generated_tokens=_winner_tokens)
 
 
 async def generate(body: dict) -> Response:
@@ -173,7 +173,7 @@ async def _stream(body: dict, *, default_return_full_text: bool = False) -> Resp
         return tgi_error(exc).response()
     headers = {"x-compute-type": _compute_type(), "x-compute-characters": str(len(body["inputs"]))}
     prepare = _prepare(body, parameters, stream=True, default_return_full_text=default_return_full_text)
-    return await generation.stream(prepare, SHAPE, _stream_events, headers=headers)
+    return await generation.stream(prepare, ERROR_POLICY, _stream_events, headers=headers)
 
 
 async def generate_stream(body: dict) -> Response:

@@ -10,7 +10,7 @@ from opentgi.api.chat import prepare_chat_turn
 from opentgi.api.errors import tgi_error
 from opentgi.api.openai import common
 from opentgi.api.openai.params import response_format_grammar
-from opentgi.api.tgi import responses as encode
+from opentgi.api.tgi import shapes as encode
 from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.schemas.tgi import ChatRequest, DetokenizeRequest
 
