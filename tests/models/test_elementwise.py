@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opentgi.models.layers.elementwise import ACTIVATIONS, VECTOR_RUN, whole_vector_runs, whole_vectors
+from opentgi.models.layers.elementwise import (
+    ACTIVATIONS,
+    VECTOR_RUN,
+    elementwise_on_padded_copy,
+    vector_aligned_length,
+)
 
 torch.set_num_threads(1)
 
@@ -44,7 +49,7 @@ def test_a_sigmoid_over_whole_vectors_gives_each_row_its_bits_alone(num_threads,
     logits = torch.randn(120, 1000, generator=gen).bfloat16()  # 1000 logits a row: no whole steps
 
     def capped(x):
-        return whole_vectors(x, lambda run: run.mul_(0.1).sigmoid_(), dtype=torch.float32)
+        return elementwise_on_padded_copy(x, lambda run: run.mul_(0.1).sigmoid_(), dtype=torch.float32)
 
     alone = torch.cat([capped(logits[r:r + 1]) for r in range(120)])
     for rows in (33, 120):
@@ -57,7 +62,7 @@ def test_a_sigmoid_over_whole_vectors_gives_each_row_its_bits_alone(num_threads,
 def test_the_padded_run_cuts_into_whole_steps_as_torch_shares_it(n, num_threads):
     """at::parallel_for: k = min(threads, ceil(n / grain)) shares of ceil(n / k) values, with grain
     32768 (most ops) or n // threads (gelu past 16,384 values)."""
-    length = whole_vector_runs(n, num_threads)
+    length = vector_aligned_length(n, num_threads)
     assert n <= length < n + VECTOR_RUN * num_threads * num_threads
     for grain in (32768, max(1, length // num_threads)):
         shares = 1 if length < grain or num_threads == 1 else min(num_threads, -(-length // grain))

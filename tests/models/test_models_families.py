@@ -52,7 +52,7 @@ def test_family_takes_the_paged_path_with_its_parts(family):
     assert model.spec.architecture == architecture_of(config)
     if family in ("gemma2", "gemma3"):  # alternating windows: layer 0 local, layer 1 global
         assert layout.windows == (tiny_models._WINDOW, None)
-        assert layout.parts.sandwich_norms and layout.parts.embed_scale and layout.final_softcap == 5.0
+        assert layout.structure.sandwich_norms and layout.structure.embed_scale and layout.final_softcap == 5.0
     if family == "gemma2":
         assert layout.attn_softcap == 2.0
     if family == "gemma3":

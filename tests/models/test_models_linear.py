@@ -11,8 +11,8 @@ from transformers import AutoConfig
 
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
 from opentgi.models.layers import linear as linear_module
+from opentgi.models.layers.kernel_choices import KernelChoiceCache
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear, onednn_linear_usable, pack_linears
-from opentgi.models.layers.measured_forms import MeasuredForms
 from opentgi.models.registry import build_paged_model
 
 torch.set_num_threads(1)
@@ -115,7 +115,7 @@ def test_fewer_than_four_rows_are_multiplied_as_four(monkeypatch, dtype):
 def test_the_probe_covers_the_padded_row_count(monkeypatch):
     """A kernel whose 4-row products differ from other row counts' would make the padded form (and
     the plain one) give a row other bits: the probe multiplies 4 rows too and accepts neither."""
-    assert linear_module.row_invariant_formulation(64, 40, torch.bfloat16) == "padded"
+    assert linear_module.find_row_invariant_matmul(64, 40, torch.bfloat16) == "padded"
     real = torch.ops.mkldnn._linear_pointwise
 
     def skewed(x, *args):
@@ -123,14 +123,14 @@ def test_the_probe_covers_the_padded_row_count(monkeypatch):
         return out.add_(0.5) if x.shape[0] == 4 else out
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", skewed)
-    assert linear_module.row_invariant_formulation(64, 40, torch.bfloat16) is None
+    assert linear_module.find_row_invariant_matmul(64, 40, torch.bfloat16) is None
 
 
 def test_a_form_measured_with_another_padding_is_measured_again(monkeypatch):
     """The padded row count is part of a measured form's key: an entry kept from a start that
     padded to another count is not reused."""
-    forms = MeasuredForms()
-    monkeypatch.setattr(linear_module, "_formulation_cache", forms)
+    forms = KernelChoiceCache()
+    monkeypatch.setattr(linear_module, "kernel_choices", forms)
     weight = torch.randn(24, 16).bfloat16()
     forms[(24, 16, torch.bfloat16, False)] = "plain"  # the key of a start before the padding
     assert OneDNNLinear(weight).make_row_invariant(weight) == "padded"

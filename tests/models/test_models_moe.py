@@ -75,7 +75,7 @@ def test_router_bounds_its_products_and_keeps_each_rows_bits():
     whole, bounded = RouterLogits(weight), RouterLogits(weight, temp_bytes=3 * 8 * HIDDEN * 4)
     assert whole.rows_at_once >= 50 and bounded.rows_at_once == 3
     calls = []
-    forward = bounded.forward  # the module's calls go straight into forward (models/base.py, DirectCall)
+    forward = bounded.forward  # the module's calls go straight into forward (models/base.py, ForwardWithoutHooks)
 
     def counted(x):
         calls.append(x.shape[0])

@@ -259,9 +259,9 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     if reason is None:
         backend = select_backend(device, dtype)
         if device.type == "cpu":  # row-invariant forms measured on an earlier start are read back
-            from opentgi.models.layers.linear import _formulation_cache
+            from opentgi.models.layers.linear import kernel_choices
 
-            _formulation_cache.attach(default_model.default_cache_dir(settings.cache_dir))
+            kernel_choices.attach(default_model.default_cache_dir(settings.cache_dir))
         try:
             model = build_paged_model(checkpoint or folder, config, backend, dtype, device, tp=tp,
                                       quantize=quantize, batch_invariant=not settings.nondeterministic)

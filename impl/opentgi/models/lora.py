@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from opentgi.models.base import DirectCall
+from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.layers.adapter_lora import AdapterLora
 from opentgi.models.layers.expert_lora import ExpertLora
 from opentgi.models.parallel import RowParallel
@@ -426,7 +426,7 @@ class LoraState:
         self.step = None
 
 
-class LoraLinear(DirectCall, nn.Module):
+class LoraLinear(ForwardWithoutHooks, nn.Module):
     """A projection (one or several fused parts, e.g. q/k/v) with the LoRA matrices of every adapter:
     base(x) plus, for the tokens of rows using an adapter, that adapter's scaled B(A(x)).
 

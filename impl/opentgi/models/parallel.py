@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-style) for the paged decoder (every family of families/parts.py).
+"""Tensor parallelism (Megatron-style) for the paged decoder (every family of families/structure.py).
 
 Each rank holds one slice of every large weight:
 - column-parallel (rows of the output features): q/k/v and gate/up projections (also where the
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.base import DirectCall
+from opentgi.models.base import ForwardWithoutHooks
 
 
 class TPGroup:
@@ -211,7 +211,7 @@ class ShardPlan:
         return a, b
 
 
-class RowParallel(DirectCall, nn.Module):
+class RowParallel(ForwardWithoutHooks, nn.Module):
     """A row-parallel linear: this rank's partial product, summed over ranks by one all-reduce."""
 
     def __init__(self, linear: nn.Module, tp: TPGroup):

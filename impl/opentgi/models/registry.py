@@ -14,13 +14,13 @@ from opentgi.models.checkpoints.text_tower import tensor_renamer
 from opentgi.models.checkpoints.weights import load_weights
 from opentgi.models.families.decoder import PagedDecoder
 from opentgi.models.families.layout import DecoderLayout
-from opentgi.models.families.parts import FAMILIES
+from opentgi.models.families.structure import FAMILIES
 from opentgi.models.layers.elementwise import ACTIVATIONS
 from opentgi.models.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type
 from opentgi.models.quantization.linear import resident_summary
 from opentgi.models.quantization.methods import Quantize
 
-# architecture -> (family: its parts in families/parts.py, head)
+# architecture -> (family: its structure in families/structure.py, head)
 PAGED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "lm"),
     "MistralForCausalLM": ("mistral", "lm"),

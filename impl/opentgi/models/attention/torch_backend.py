@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
-from opentgi.models.layers.elementwise import whole_vectors
+from opentgi.models.layers.elementwise import elementwise_on_padded_copy
 
 # A decode group's fixed cost (one scaled_dot_product_attention call and two block gathers per
 # layer) in key rows (one row's one key): SmolLM2-135M's shapes (9 heads, 3 kv heads, head_dim 64),
@@ -486,7 +486,7 @@ def _capped_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, 
     *lead, n, d = q.shape
     keys, batch = k.shape[-2], q.numel() // (n * d)
     s = torch.bmm(q.reshape(batch, n, d), k.reshape(batch, keys, d).transpose(1, 2)).view(*lead, n, keys)
-    logits = whole_vectors(s, lambda run: run.mul_(2 * scale / cap).sigmoid_(), dtype=torch.float32)
+    logits = elementwise_on_padded_copy(s, lambda run: run.mul_(2 * scale / cap).sigmoid_(), dtype=torch.float32)
     logits.mul_(2 * cap)
     if mask is not None and mask.dtype == torch.bool:
         return logits.masked_fill_(~mask, float("-inf"))

@@ -1,1 +1,1 @@
-"""Model families for the paged path: each architecture described by its parts over one decoder."""
+"""Model families for the paged path: each architecture described by its structure over one decoder."""

@@ -14,14 +14,14 @@ from torch import nn
 
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
-from opentgi.models.base import DirectCall
+from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.families.layout import DecoderLayout
 from opentgi.models.layers.mlp import fused_linear
 from opentgi.models.layers.norm import HeadsNorm, make_norm
 from opentgi.models.layers.rotary import apply_rotary
 
 
-class DecoderAttention(DirectCall, nn.Module):
+class DecoderAttention(ForwardWithoutHooks, nn.Module):
     def __init__(self, layout: DecoderLayout, backend: AttentionBackend, sliding_window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
@@ -32,17 +32,17 @@ class DecoderAttention(DirectCall, nn.Module):
         # only when set, so that a backend without soft-capping is never asked for it
         self.extra = {"softcap": layout.attn_softcap} if layout.attn_softcap else {}
         hidden, q_size, kv_size = layout.hidden, self.num_heads * d, self.num_kv_heads * d
-        if layout.parts.fused_qkv:
+        if layout.structure.fused_qkv:
             self.qkv_proj = nn.Linear(hidden, q_size + 2 * kv_size, bias=layout.qkv_bias)
         else:
             self.q_proj = nn.Linear(hidden, q_size, bias=layout.qkv_bias)
             self.k_proj = nn.Linear(hidden, kv_size, bias=layout.qkv_bias)
             self.v_proj = nn.Linear(hidden, kv_size, bias=layout.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=layout.o_bias)
-        self.qk_norm = layout.parts.qk_norm
+        self.qk_norm = layout.structure.qk_norm
         if self.qk_norm:
-            self.q_norm = make_norm(layout.parts.norm, d, layout.eps)
-            self.k_norm = make_norm(layout.parts.norm, d, layout.eps)
+            self.q_norm = make_norm(layout.structure.norm, d, layout.eps)
+            self.k_norm = make_norm(layout.structure.norm, d, layout.eps)
 
     def fuse_projections(self) -> None:
         if "qkv_proj" not in self._modules:

@@ -1,12 +1,12 @@
-"""One decoder skeleton for every family of the paged path, built from the family's parts
-(`families/parts.py`) and what its config says (`families/layout.py`), plus the one-label
+"""One decoder skeleton for every family of the paged path, built from the family's structure
+(`families/structure.py`) and what its config says (`families/layout.py`), plus the one-label
 sequence-classification (reward) head.
 
 A layer is norm -> attention -> residual -> norm -> feed-forward -> residual; with sandwich norms
 (Gemma 2/3) the attention and feed-forward outputs are normed too before their residual adds. The
 norm (RMSNorm, Gemma's (1 + w) RMSNorm, LayerNorm), the feed-forward block (SwiGLU/GeGLU, a plain
 GELU MLP, routed experts), the attention extras, the embedding scale, the RoPE of each layer and
-the final logit soft-capping are the family's parts. Parameter names follow Hugging Face's
+the final logit soft-capping are the family's structure. Parameter names follow Hugging Face's
 checkpoints, so weights load by name.
 """
 
@@ -21,10 +21,10 @@ from torch import nn
 from opentgi.models.attention.backend import AttentionBackend
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.torch_backend import prompt_form_invariant
-from opentgi.models.base import DirectCall, ModelSpec
+from opentgi.models.base import ForwardWithoutHooks, ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
-from opentgi.models.layers.elementwise import whole_vectors
+from opentgi.models.layers.elementwise import elementwise_on_padded_copy
 from opentgi.models.layers.linear import (
     OneDNNLinear,
     RowTiledLinear,
@@ -42,28 +42,28 @@ log = logging.getLogger(__name__)
 
 
 def _feed_forward(config, layout: DecoderLayout, index: int) -> nn.Module:
-    parts = layout.parts
+    structure = layout.structure
     if layout.moe[index]:
         return SparseMoE(layout.hidden, layout.expert_intermediate, layout.num_experts, layout.top_k,
-                         layout.renormalize, layout.act, parts.expert_names)
-    if parts.mlp == "plain":
+                         layout.renormalize, layout.act, structure.expert_names)
+    if structure.mlp == "plain":
         return PlainMLP(layout.hidden, config.intermediate_size, layout.act, layout.mlp_bias)
-    return GatedMLP(layout.hidden, config.intermediate_size, layout.act, layout.mlp_bias, parts.mlp_names)
+    return GatedMLP(layout.hidden, config.intermediate_size, layout.act, layout.mlp_bias, structure.mlp_names)
 
 
-class DecoderLayer(DirectCall, nn.Module):
+class DecoderLayer(ForwardWithoutHooks, nn.Module):
     def __init__(self, config, layout: DecoderLayout, backend: AttentionBackend, index: int):
         super().__init__()
-        parts = layout.parts
-        self.mlp_attr = parts.mlp_attr
+        structure = layout.structure
+        self.mlp_attr = structure.mlp_attr
         self.self_attn = DecoderAttention(layout, backend, layout.windows[index])
-        setattr(self, parts.mlp_attr, _feed_forward(config, layout, index))
-        self.input_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
-        self.post_attention_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
-        self.sandwich = parts.sandwich_norms
+        setattr(self, structure.mlp_attr, _feed_forward(config, layout, index))
+        self.input_layernorm = make_norm(structure.norm, layout.hidden, layout.eps)
+        self.post_attention_layernorm = make_norm(structure.norm, layout.hidden, layout.eps)
+        self.sandwich = structure.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
-            self.post_feedforward_layernorm = make_norm(parts.norm, layout.hidden, layout.eps)
+            self.pre_feedforward_layernorm = make_norm(structure.norm, layout.hidden, layout.eps)
+            self.post_feedforward_layernorm = make_norm(structure.norm, layout.hidden, layout.eps)
         self.rope = 1 if layout.local_rope[index] else 0  # which of the model's RoPE tables
 
     @property
@@ -88,7 +88,7 @@ class DecoderModel(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(config, layout, backend, i)
                                      for i in range(config.num_hidden_layers)])
-        self.norm = make_norm(layout.parts.norm, config.hidden_size, layout.eps)
+        self.norm = make_norm(layout.structure.norm, config.hidden_size, layout.eps)
 
 
 # A tied LM head gets its own copy in oneDNN's layout only up to this size: on the default model
@@ -112,7 +112,7 @@ class PagedDecoder(nn.Module):
             self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         elif not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.embed_scale = config.hidden_size ** 0.5 if layout.parts.embed_scale else None
+        self.embed_scale = config.hidden_size ** 0.5 if layout.structure.embed_scale else None
         self.rotary: list[RotaryEmbedding] = []  # set by `materialize` (needs the real device)
         # the LM head in oneDNN's layout (CPU float32/bfloat16), or row-tiled (batch invariance)
         self.logits_proj: OneDNNLinear | RowTiledLinear | None = None
@@ -204,7 +204,7 @@ class PagedDecoder(nn.Module):
         # cap * tanh(x / cap) as 2 cap * sigmoid(2 x / cap) - cap: torch's CPU tanh took ~10x the
         # time of sigmoid over a row of SmolLM2's 49152 logits (0.45 ms against 0.045); the sigmoid
         # over whole vectors (layers/elementwise.py), on the float32 copy every row needs anyway
-        capped = whole_vectors(logits, lambda run: run.mul_(2 / cap).sigmoid_(), dtype=torch.float32)
+        capped = elementwise_on_padded_copy(logits, lambda run: run.mul_(2 / cap).sigmoid_(), dtype=torch.float32)
         return capped.mul_(2 * cap).sub_(cap)
 
     @torch.inference_mode()

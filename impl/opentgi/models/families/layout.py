@@ -1,6 +1,6 @@
 """What a family's config says about the decoder the skeleton builds: one `DecoderLayout`.
 
-Read once from the config (and the family's parts), so that the modules take plain values:
+Read once from the config (and the family's structure), so that the modules take plain values:
 per-layer sliding windows (Mistral, Phi-3, StarCoder2, Mixtral: every layer; Gemma 2/3, Qwen2/3:
 `layer_types`), which layers route to experts, the RoPE of each layer, the attention scale and
 the soft-capping values.
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from opentgi.models.families.parts import FamilyParts
+from opentgi.models.families.structure import FamilyStructure
 
 
 @dataclass(frozen=True)
 class DecoderLayout:
-    parts: FamilyParts
+    structure: FamilyStructure
     hidden: int
     num_heads: int
     num_kv_heads: int
@@ -37,27 +37,27 @@ class DecoderLayout:
     expert_intermediate: int = 0
 
     @classmethod
-    def of(cls, config, parts: FamilyParts) -> DecoderLayout:
+    def of(cls, config, structure: FamilyStructure) -> DecoderLayout:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         layers = config.num_hidden_layers
         pre_attn = getattr(config, "query_pre_attn_scalar", None)
-        bias = bool(getattr(config, parts.bias_attr, False))
+        bias = bool(getattr(config, structure.bias_attr, False))
         num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
         return cls(
-            parts=parts, hidden=config.hidden_size, num_heads=heads,
+            structure=structure, hidden=config.hidden_size, num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
             eps=_first(config, ("rms_norm_eps", "norm_epsilon", "layer_norm_eps"), 1e-6),
             act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"),
-            qkv_bias=parts.qkv_bias or bias, o_bias=bias,
-            mlp_bias=bool(getattr(config, parts.mlp_bias_attr, False)),
+            qkv_bias=structure.qkv_bias or bias, o_bias=bias,
+            mlp_bias=bool(getattr(config, structure.mlp_bias_attr, False)),
             scale=(pre_attn if pre_attn else head_dim) ** -0.5,
             attn_softcap=getattr(config, "attn_logit_softcapping", None) or None,
             final_softcap=getattr(config, "final_logit_softcapping", None) or None,
-            windows=tuple(window_of_layer(config, parts, i) for i in range(layers)),
-            local_rope=tuple(parts.local_rope and _layer_type(config, i) == "sliding_attention"
+            windows=tuple(window_of_layer(config, structure, i) for i in range(layers)),
+            local_rope=tuple(structure.local_rope and _layer_type(config, i) == "sliding_attention"
                              for i in range(layers)),
-            moe=tuple(parts.mlp == "moe" and _is_moe_layer(config, i) for i in range(layers)),
+            moe=tuple(structure.mlp == "moe" and _is_moe_layer(config, i) for i in range(layers)),
             num_experts=num_experts, top_k=getattr(config, "num_experts_per_tok", 0) or 0,
             renormalize=bool(getattr(config, "norm_topk_prob", True)),
             expert_intermediate=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
@@ -82,8 +82,8 @@ def _layer_type(config, index: int) -> str | None:
     return types[index] if types else None
 
 
-def window_of_layer(config, parts: FamilyParts, index: int) -> int | None:
-    window = getattr(config, "sliding_window", None) if parts.sliding_window else None
+def window_of_layer(config, structure: FamilyStructure, index: int) -> int | None:
+    window = getattr(config, "sliding_window", None) if structure.sliding_window else None
     if not window:
         return None
     kind = _layer_type(config, index)

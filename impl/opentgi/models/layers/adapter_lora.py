@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.layers.linear import _formulation_cache
+from opentgi.models.layers.linear import kernel_choices
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def invariant_min_rows(fan_in: int, fan_out: int) -> int:
     every row count, measured once per shape on random data (kept with the linears' measured forms,
     models/layers/linear.py); the largest candidate, with a warning, if none does."""
     key = ("lora-mm", fan_in, fan_out, "float32")
-    if key in _formulation_cache:
-        return _formulation_cache[key]
+    if key in kernel_choices:
+        return kernel_choices[key]
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(fan_in, fan_out, generator=gen) * fan_in ** -0.5
     x = torch.randn(128, fan_in, generator=gen)
@@ -76,7 +76,7 @@ def invariant_min_rows(fan_in: int, fan_out: int) -> int:
         log.warning("no row-invariant form of a %dx%d float32 LoRA matmul found: its rows may differ "
                     "with the step's row count", fan_in, fan_out)
         found = _MIN_ROWS[-1]
-    _formulation_cache[key] = found
+    kernel_choices[key] = found
     return found
 
 

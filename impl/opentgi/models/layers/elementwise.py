@@ -4,15 +4,15 @@ torch's vectorized CPU loops do the last values of a run that do not fill a step
 in scalar code, and a transcendental function (`exp` inside silu, gelu's tanh, sigmoid) gives other
 bits there than in the vector code. Past `ELEMENTWISE_GRAIN` values an op's range is also cut into
 one share a thread (`at::parallel_for`: k = min(threads, ceil(n / grain)) shares of ceil(n / k)
-values; gelu's kernel: one share a thread past 16,384 values), each its own run. So where a run ends, and with it which of a row's values go through the
-scalar code, follows the rows beside it. Measured: float32 silu over a step's gate rows gave 2-15
-rows of 300 other bits than each row alone on 5, 7 and 16 threads (none on 1 or 2); Gemma 2's
-capped attention logits (runs of 9 x 304 values) differed at the run's end on any thread count.
+values; gelu's kernel: one share a thread past 16,384 values), each its own run. So where a run
+ends, and with it which of a row's values go through the scalar code, follows the rows beside it
+(tests/models/test_elementwise.py shows rows that differ without the padding below).
 
-`whole_vectors(x, op)` applies an in-place `op` on a contiguous copy of x padded to a length
-(`whole_vector_runs`) that every thread's share divides into whole steps, so that every value goes
-through the vector code. The copy costs one pass over x's values; `ACTIVATIONS` skip it where x
-runs in one share and each of its rows is whole steps (a decode step's gate rows: 16 rows of 1536).
+`elementwise_on_padded_copy(x, op)` applies an in-place `op` on a contiguous copy of x padded to a
+length (`vector_aligned_length`) that every thread's share divides into whole steps, so that every
+value goes through the vector code. The copy costs one pass over x's values; `ACTIVATIONS` skip it
+where `needs_no_padding` (x runs in one share and each of its rows is whole steps, as a decode
+step's gate rows are).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ ELEMENTWISE_GRAIN = 32768  # torch's `at::internal::GRAIN_SIZE`: elementwise ops
 ONE_SHARE = 16384  # values that every elementwise op here runs in one share (gelu's threshold)
 
 
-def whole_vector_runs(n: int, threads: int | None = None) -> int:
+def vector_aligned_length(n: int, threads: int | None = None) -> int:
     """The least length >= n of a contiguous run that torch cuts, on `threads` threads (torch's
     count by default), into shares of whole VECTOR_RUN steps: most ops cut a run of `length`
     values in min(threads, ceil(length / ELEMENTWISE_GRAIN)) shares, gelu's in `threads` shares
@@ -45,13 +45,13 @@ def whole_vector_runs(n: int, threads: int | None = None) -> int:
         length = padded
 
 
-def whole_vectors(x: torch.Tensor, op: Callable[[torch.Tensor], object],
+def elementwise_on_padded_copy(x: torch.Tensor, op: Callable[[torch.Tensor], object],
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """`op` (an in-place elementwise function) applied to a contiguous copy of x (in `dtype`, x's by
-    default) padded to `whole_vector_runs`: every value goes through the vector code (module
+    default) padded to `vector_aligned_length`: every value goes through the vector code (module
     docstring). Returns the copy, x's shape."""
     n = x.numel()
-    length = whole_vector_runs(n) if x.device.type == "cpu" else n  # CUDA kernels have no scalar tail
+    length = vector_aligned_length(n) if x.device.type == "cpu" else n  # CUDA kernels have no scalar tail
     flat = torch.empty(length, dtype=dtype or x.dtype, device=x.device)
     out = flat[:n].view(x.shape)
     out.copy_(x)
@@ -60,7 +60,7 @@ def whole_vectors(x: torch.Tensor, op: Callable[[torch.Tensor], object],
     return out
 
 
-def one_run_a_row(x: torch.Tensor) -> bool:
+def needs_no_padding(x: torch.Tensor) -> bool:
     """Whether an elementwise op over x runs in one share (gelu's cut starts past ONE_SHARE) whose
     rows are whole steps each."""
     return x.numel() <= ONE_SHARE and x.dim() > 0 and x.stride(-1) == 1 and x.shape[-1] % VECTOR_RUN == 0
@@ -71,7 +71,7 @@ def _activation(fn: Callable[[torch.Tensor], torch.Tensor],
     """act(x) as a new tensor: `fn` itself where x runs in one share of whole rows (a decode step's
     gate rows) or on CUDA, else `fn_` (in place) over a padded copy."""
     def act(x: torch.Tensor) -> torch.Tensor:
-        return fn(x) if x.device.type != "cpu" or one_run_a_row(x) else whole_vectors(x, fn_)
+        return fn(x) if x.device.type != "cpu" or needs_no_padding(x) else elementwise_on_padded_copy(x, fn_)
     return act
 
 

@@ -2,62 +2,58 @@
 
 torch's CPU wheels run a float32 `F.linear` through MKL's sgemm, which takes a slow path on AMD
 CPUs; oneDNN (bundled with torch as "mkldnn") compiles its kernels for the instructions the CPU
-really has. On the 2-core AMD EPYC machine this project is built on (1 thread, side by side), the
-121 matmuls of one SmolLM2-135M step ran 2.2x faster with 16 rows (a batch-16 decode) and 2.4x
-with 256 rows (a prefill chunk). Each weight is reordered once into oneDNN's blocked layout and the
-dense copy dropped, so the model takes no extra memory.
-
-In bfloat16 (the default on CPUs with avx512_bf16 or AMX, see models/loader.py) oneDNN's packed
-kernels also beat `F.linear`: measured side by side, 1 thread, one row (a single-stream decode),
-the 3072x576 gate/up projection of SmolLM2-135M 287 -> 218 us, the 576x1536 down projection
-106 -> 48 us, the 49152x576 LM head 3.6 -> 2.3 ms.
-
-Used only where it computes what `F.linear` computes: CPU, float32 or bfloat16, and a probe at
-start-up that compares the two (results differ only by summation order and rounding).
+really has, and its packed bfloat16 kernels beat `F.linear` too (docs/cpu.md, docs/benchmarks.md).
+Each weight is reordered once into oneDNN's blocked layout and the dense copy dropped, so the model
+takes no extra memory. Used only where it computes what `F.linear` computes: CPU, float32 or
+bfloat16, and a start-up probe that compares the two (they differ only by summation order).
 
 **Fewer than four rows are multiplied as four** (the last row repeated, its extra products
-dropped): out of cache (30 layers' distinct weights, SmolLM2-135M's shapes, bfloat16, side by side)
-oneDNN's kernels took less time for 4 rows than for 1: a layer's four projections 628 -> 561 us on
-1 thread, 408 -> 354 us on 2, the LM head 4.6 -> 3.9 ms; 2 rows cost more than 1, 8 more than 4.
-A single-stream decode step has one row, so every family's lone decode row takes the faster kernel.
+dropped): oneDNN's kernel for four rows is faster than its kernel for one, and a single-stream
+decode step has one row (docs/benchmarks.md).
 
 **Row invariance** (the default, docs/determinism.md): a row's product must not depend on how many
-rows the step multiplies. Measured with oneDNN 3.12 on an AMD EPYC (avx512_bf16), 1 and 2 threads:
-every row count from 2 to 512 computes each row bit for bit alike, but a lone row takes another
-kernel once the reduction is longer than 1024 (SmolLM2's down projection, K = 1536: about one
-output row in ten differs in bfloat16); in float32 those weights also give rows of an even and an
-odd position in the batch different sums. The padding above keeps a lone row off its own kernel,
-and in float32 a weight with K > 1024 is held as slices of 1024 inputs whose products are added in
-order. `row_invariant_formulation` picks, per weight shape at start-up, the first form (padded to
-four rows, as is, sliced) that gives random rows the same bits for row counts 1 to 64, the padded
-count among them.
+rows the step multiplies. oneDNN gives a lone row another kernel once the reduction is longer than
+1024, and in float32 such weights also sum rows of even and odd batch positions differently. The
+padding above keeps a lone row off its own kernel; in float32 a weight with K > 1024 can be held as
+slices of 1024 inputs whose products are added in order. `find_row_invariant_matmul` probes, per
+weight shape at start-up, the three ways (`RowInvariantMatmul`) in order and keeps the first that
+gives random rows the same bits for row counts 1 to 64.
 """
 
 from __future__ import annotations
 
 import logging
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.base import DirectCall
-from opentgi.models.layers.measured_forms import MeasuredForms
+from opentgi.models.base import ForwardWithoutHooks
+from opentgi.models.layers.kernel_choices import KernelChoiceCache
 
 log = logging.getLogger(__name__)
 
-_PACK_ROWS = 16  # oneDNN's hint for the expected row count; measured not to matter for speed
+_PACK_ROWS = 16  # oneDNN's hint for the expected row count; it does not change the speed
 _MIN_ROWS = 4  # fewer rows are multiplied as this many: faster, and a lone row's own kernel avoided
 _K_SLICE = 1024  # float32: reductions longer than this are cut into slices added in order
 _PROBE_ROW_COUNTS = (1, 2, 3, 4, 5, 7, 16, 17, 64)  # row counts a probe compares
-_formulation_cache = MeasuredForms()  # per shape; kept between starts once attached (measured_forms.py)
+kernel_choices = KernelChoiceCache()  # per shape; kept between starts once attached (kernel_choices.py)
+
+
+class RowInvariantMatmul(str, Enum):
+    """How a OneDNNLinear multiplies so that each row gets the same bits for every row count."""
+
+    PADDED = "padded"  # fewer than `_MIN_ROWS` rows multiplied as that many
+    PLAIN = "plain"  # every row count as it is
+    K_SLICES = "k-slices"  # float32, padded, the reduction cut into slices of `_K_SLICE` added in order
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS)
 
 
-class OneDNNLinear(DirectCall, nn.Module):
+class OneDNNLinear(ForwardWithoutHooks, nn.Module):
     """`y = x @ W.T + b` with W held in oneDNN's layout (inference only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -74,8 +70,7 @@ class OneDNNLinear(DirectCall, nn.Module):
         rows = x.shape[0]
         if rows >= self.min_rows or rows == 0:
             return self._product(x)
-        # the last row repeated, by one cat of whole rows (an expanded or `repeat`ed copy: 15-20 us
-        # more a call, measured; this path ~4 us)
+        # the last row repeated, by one cat of whole rows (cheaper than an expanded or `repeat`ed copy)
         padded = torch.cat((x,) * self.min_rows) if rows == 1 else torch.cat((x, *(x[-1:],) * (self.min_rows - rows)))
         return self._product(padded)[:rows]
 
@@ -97,16 +92,16 @@ class OneDNNLinear(DirectCall, nn.Module):
         return out if self.bias is None else out.add_(self.bias)
 
     def make_row_invariant(self, weight: torch.Tensor) -> str | None:
-        """Switch to the form that computes each row alike for every row count (module
-        docstring); `weight` is the dense weight this linear packed. Returns the form's name, or
-        None where no form was measured invariant (the padded one stays)."""
+        """Switch to the way of multiplying that computes each row alike for every row count
+        (module docstring); `weight` is the dense weight this linear packed. Returns its
+        `RowInvariantMatmul` value, or None where none was found invariant (the padded one stays)."""
         # the padded row count is part of the key: a form measured with another one is measured again
         key = (self.out_features, self.in_features, weight.dtype, self.bias is not None, _MIN_ROWS)
-        if key not in _formulation_cache:
-            _formulation_cache[key] = row_invariant_formulation(*key[:3])
-        form = _formulation_cache[key]
-        self.min_rows = 1 if form == "plain" else _MIN_ROWS
-        if form == "k-slices":
+        if key not in kernel_choices:
+            kernel_choices[key] = find_row_invariant_matmul(*key[:3])
+        form = kernel_choices[key]
+        self.min_rows = 1 if form == RowInvariantMatmul.PLAIN else _MIN_ROWS
+        if form == RowInvariantMatmul.K_SLICES:
             self.k_slices = _k_slices(weight)
             self.packed = None
         return form
@@ -130,11 +125,11 @@ def _rows_alike(linear: OneDNNLinear, x: torch.Tensor) -> bool:
     return True
 
 
-def row_invariant_formulation(out_features: int, in_features: int, dtype: torch.dtype) -> str | None:
-    """"padded" (fewer than `_MIN_ROWS` rows multiplied as that many), "plain" (every row count as
-    it is) or "k-slices" (float32, padded, the reduction cut into slices of 1024 added in order):
-    the first measured to give every row the same bits for row counts 1 to 64 on random data of
-    this shape; None if none does (the padded form stays: the faster one)."""
+def find_row_invariant_matmul(out_features: int, in_features: int,
+                              dtype: torch.dtype) -> RowInvariantMatmul | None:
+    """The first `RowInvariantMatmul`, in declaration order, found to give every row the same bits
+    for row counts 1 to 64 on random data of this shape; None if none does (the padded way stays:
+    the faster one)."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
     # bfloat16 outputs round most differences away: enough rows that some 2**16 outputs are compared
@@ -143,15 +138,15 @@ def row_invariant_formulation(out_features: int, in_features: int, dtype: torch.
     probe = OneDNNLinear(weight)
     with torch.inference_mode():
         if _rows_alike(probe, x):
-            return "padded"
+            return RowInvariantMatmul.PADDED
         probe.min_rows = 1
         if _rows_alike(probe, x):
-            return "plain"
+            return RowInvariantMatmul.PLAIN
         probe.min_rows = _MIN_ROWS
         if dtype == torch.float32 and in_features > _K_SLICE:
             probe.k_slices, probe.packed = _k_slices(weight), None
             if _rows_alike(probe, x):
-                return "k-slices"
+                return RowInvariantMatmul.K_SLICES
     log.warning("no row-invariant form of a %dx%d %s matmul found: rows of this weight may differ "
                 "with the step's row count", out_features, in_features, dtype)
     return None
@@ -182,7 +177,7 @@ def onednn_linear_usable(device: torch.device, dtype: torch.dtype) -> bool:
 _TILES = (64, 16, 4, 1)
 
 
-class RowTiledLinear(DirectCall, nn.Module):
+class RowTiledLinear(ForwardWithoutHooks, nn.Module):
     """Row invariance where oneDNN's packed linear is not usable (a CPU without a oneDNN kernel
     for the dtype): `F.linear` on at most `tile` rows a call, a lone row multiplied as two (as
     OneDNNLinear), `tile` the largest of 64, 16, 4 and 1 measured at start-up to give every row
@@ -194,9 +189,9 @@ class RowTiledLinear(DirectCall, nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = weight.shape
         key = ("tiled", *weight.shape, weight.dtype, weight.device.type)
-        if key not in _formulation_cache:
-            _formulation_cache[key] = _invariant_tile(weight.shape[0], weight.shape[1], weight.dtype)
-        self.tile = _formulation_cache[key]
+        if key not in kernel_choices:
+            kernel_choices[key] = _invariant_tile(weight.shape[0], weight.shape[1], weight.dtype)
+        self.tile = kernel_choices[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _tiled_linear(x, self.weight, self.bias, self.tile)

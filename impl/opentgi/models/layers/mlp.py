@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from opentgi.models.base import DirectCall
+from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.layers.elementwise import ACTIVATIONS
 from opentgi.models.quantization.linear import fuse_linears
 
@@ -23,7 +23,7 @@ def fused_linear(parts: list[nn.Module]) -> nn.Module:
     return fuse_linears(parts)
 
 
-class GatedMLP(DirectCall, nn.Module):
+class GatedMLP(ForwardWithoutHooks, nn.Module):
     """names: the checkpoint's (gate, up, down) names, or ("gate_up_proj", None, down) when the
     checkpoint stores gate and up as one tensor (gate rows first)."""
 
@@ -57,7 +57,7 @@ class GatedMLP(DirectCall, nn.Module):
         return self.down_proj(self.act(gate).mul_(up))
 
 
-class PlainMLP(DirectCall, nn.Module):
+class PlainMLP(ForwardWithoutHooks, nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = True):
         super().__init__()
         self.act = ACTIVATIONS[act]

@@ -40,13 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opentgi.models.base import DirectCall
+from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.layers.mlp import GatedMLP
 
 ROUTER_TEMP_BYTES = 16 << 20  # the router's float32 products [rows, experts, hidden] held at once
 
 
-class RouterLogits(DirectCall, nn.Module):
+class RouterLogits(ForwardWithoutHooks, nn.Module):
     """`x @ W.T` of a router (no bias): a float32 product with the weight and a sum over the hidden
     size per (row, expert), rounded to x's dtype (as a linear layer in x's dtype rounds its float32
     accumulation). Each row's sums are its own: the same bits for every row count. The products
@@ -68,7 +68,7 @@ class RouterLogits(DirectCall, nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class SparseMoE(DirectCall, nn.Module):
+class SparseMoE(ForwardWithoutHooks, nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  act: str, names: tuple[str, str, str]):
         super().__init__()

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn import LayerNorm
 
-from opentgi.models.base import DirectCall
+from opentgi.models.base import ForwardWithoutHooks
 
 __all__ = ["GemmaRMSNorm", "HeadsNorm", "LayerNorm", "RMSNorm", "make_norm"]
 
 
-class RMSNorm(DirectCall, torch.nn.Module):
+class RMSNorm(ForwardWithoutHooks, torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
@@ -37,7 +37,7 @@ class RMSNorm(DirectCall, torch.nn.Module):
         return x32.to(dtype).mul_(self.weight)
 
 
-class GemmaRMSNorm(DirectCall, torch.nn.Module):
+class GemmaRMSNorm(ForwardWithoutHooks, torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
@@ -52,7 +52,7 @@ class GemmaRMSNorm(DirectCall, torch.nn.Module):
         return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), self._scale[1], None, self.eps)[..., :size].contiguous()
 
 
-class HeadsNorm(DirectCall, torch.nn.Module):
+class HeadsNorm(ForwardWithoutHooks, torch.nn.Module):
     """q's and k's per-head norms (Qwen3, Gemma 3) as one op on their adjacent columns: x [T, H + KV, D]
     normed over D, query heads with q_norm's weight and key heads with k_norm's: the numbers of the
     two norms applied one after the other, in half the ops."""
@@ -77,7 +77,7 @@ class HeadsNorm(DirectCall, torch.nn.Module):
 
 
 def make_norm(kind: str, size: int, eps: float) -> torch.nn.Module:
-    """kind: "rms" | "gemma_rms" | "layer" (a FamilyParts.norm)."""
+    """kind: "rms" | "gemma_rms" | "layer" (a FamilyStructure.norm)."""
     if kind == "rms":
         return RMSNorm(size, eps)
     if kind == "gemma_rms":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from opentgi.models.quantization.serial_copy import cat_serially
+from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 _FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -53,8 +53,8 @@ class Fp8Weight:
         fused = object.__new__(Fp8Weight)
         fused.in_features, fused.device = parts[0].in_features, parts[0].device
         fused.out_features = sum(p.out_features for p in parts)
-        fused.q = cat_serially([p.q for p in parts])
-        fused.scale = cat_serially([p.scale for p in parts], dim=1)
+        fused.q = cat_on_one_thread([p.q for p in parts])
+        fused.scale = cat_on_one_thread([p.scale for p in parts], dim=1)
         return fused
 
     def nbytes(self) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opentgi.models.quantization.serial_copy import cat_serially
+from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
 _CPU_LAYOUT_TILES = 1  # inner_k_tiles of the CPU layout (ignored by the CPU packer)
 _CUDA_INNER_K_TILES = 8  # tinygemm's layout; 8 is what gpt-fast and torchao use
@@ -157,8 +157,8 @@ class Int4Weight:
         fused = object.__new__(Int4Weight)
         fused.in_features, fused.group_size, fused.device = parts[0].in_features, parts[0].group_size, parts[0].device
         fused.out_features = sum(p.out_features for p in parts)
-        fused.packed = cat_serially([p.packed for p in parts])
-        fused.scales_and_zeros = cat_serially([p.scales_and_zeros for p in parts], dim=1)
+        fused.packed = cat_on_one_thread([p.packed for p in parts])
+        fused.scales_and_zeros = cat_on_one_thread([p.scales_and_zeros for p in parts], dim=1)
         return fused
 
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from opentgi.models.quantization.serial_copy import cat_serially
+from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
 
 def int8_kernel_available(device: torch.device) -> bool:
@@ -43,7 +43,7 @@ class Int8Weight:
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight:
         first = parts[0]
-        return Int8Weight(cat_serially([p.q for p in parts]), cat_serially([p.scale for p in parts]),
+        return Int8Weight(cat_on_one_thread([p.q for p in parts]), cat_on_one_thread([p.scale for p in parts]),
                           first.scale.dtype, first.device)
 
     def dequantize(self) -> torch.Tensor:

@@ -16,11 +16,11 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from opentgi.models.base import DirectCall
+from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.layers.row_kinds import GENERATED, PROMPT, current_row_kinds
 
 
-class QuantizedLinear(DirectCall, nn.Module):
+class QuantizedLinear(ForwardWithoutHooks, nn.Module):
     """`y = x @ W.T + b` with W held in a quantized format (`Int4Weight`, `Int8Weight`, `Fp8Weight`),
     set by the loader (models/checkpoints/loading.py)."""
 
@@ -56,7 +56,7 @@ class QuantizedLinear(DirectCall, nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}{copy}"
 
 
-class ConcatLinear(DirectCall, nn.Module):
+class ConcatLinear(ForwardWithoutHooks, nn.Module):
     """Projections that cannot be stacked into one weight (different formats), run one after the
     other and concatenated along the output, as one fused projection would."""
 

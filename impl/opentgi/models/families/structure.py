@@ -1,8 +1,8 @@
-"""What sets each family of the paged path apart from the Llama decoder: one `FamilyParts` each.
+"""What sets each family of the paged path apart from the Llama decoder: one `FamilyStructure` each.
 
-The skeleton (`families/decoder.py`) builds every family from its parts and the config; values the
-config carries (biases, windows per layer, soft-capping, query scale, rope bases, expert counts)
-are read from it there, so a part here is only a structural choice the config does not say.
+The skeleton (`families/decoder.py`) builds every family from its structure and the config; values
+the config carries (biases, windows per layer, soft-capping, query scale, rope bases, expert counts)
+are read from it there, so a field here is only a structural choice the config does not say.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class FamilyParts:
+class FamilyStructure:
     norm: str = "rms"  # "rms" | "gemma_rms" ((1 + w), float32) | "layer" (LayerNorm with bias)
     mlp: str = "gated"  # "gated" (SwiGLU/GeGLU) | "plain" (c_fc -> act -> c_proj) | "moe"
     # the checkpoint's (gate, up, down) names; ("gate_up_proj", None, down): stored fused (Phi-3)
@@ -29,18 +29,18 @@ class FamilyParts:
     sliding_window: bool = True  # the config's sliding_window applies (Llama's code ignores the field)
 
 
-LLAMA = FamilyParts()
-FAMILIES: dict[str, FamilyParts] = {
-    "llama": FamilyParts(sliding_window=False),
+LLAMA = FamilyStructure()
+FAMILIES: dict[str, FamilyStructure] = {
+    "llama": FamilyStructure(sliding_window=False),
     "mistral": LLAMA,
-    "qwen2": FamilyParts(qkv_bias=True),
-    "qwen3": FamilyParts(qk_norm=True),
-    "qwen3_moe": FamilyParts(qk_norm=True, mlp="moe"),
-    "mixtral": FamilyParts(mlp="moe", mlp_attr="block_sparse_moe", expert_names=("w1", "w3", "w2")),
-    "phi3": FamilyParts(fused_qkv=True, mlp_names=("gate_up_proj", None, "down_proj")),
-    "starcoder2": FamilyParts(norm="layer", mlp="plain", bias_attr="use_bias", mlp_bias_attr="use_bias"),
-    "gemma": FamilyParts(norm="gemma_rms", embed_scale=True),
-    "gemma2": FamilyParts(norm="gemma_rms", embed_scale=True, sandwich_norms=True),
-    "gemma3": FamilyParts(norm="gemma_rms", embed_scale=True, sandwich_norms=True, qk_norm=True,
+    "qwen2": FamilyStructure(qkv_bias=True),
+    "qwen3": FamilyStructure(qk_norm=True),
+    "qwen3_moe": FamilyStructure(qk_norm=True, mlp="moe"),
+    "mixtral": FamilyStructure(mlp="moe", mlp_attr="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+    "phi3": FamilyStructure(fused_qkv=True, mlp_names=("gate_up_proj", None, "down_proj")),
+    "starcoder2": FamilyStructure(norm="layer", mlp="plain", bias_attr="use_bias", mlp_bias_attr="use_bias"),
+    "gemma": FamilyStructure(norm="gemma_rms", embed_scale=True),
+    "gemma2": FamilyStructure(norm="gemma_rms", embed_scale=True, sandwich_norms=True),
+    "gemma3": FamilyStructure(norm="gemma_rms", embed_scale=True, sandwich_norms=True, qk_norm=True,
                           local_rope=True),
 }

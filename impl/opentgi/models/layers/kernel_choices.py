@@ -1,11 +1,12 @@
-"""The row-invariant forms measured at start-up (linear.py), kept between starts.
+"""Which kernel keeps rows invariant for each weight shape: found by start-up probes (linear.py,
+adapter_lora.py), kept between starts.
 
-Measuring which form of a linear computes every row alike for every row count takes a few hundred
-matmuls per weight shape: on a 1B model with a tied 49152-row LM head, ~4 s of a start. The answer
-depends only on the shape, the dtype, the kernels torch picks on this CPU and the thread count, so
-it is written to one small JSON file under `--cache-dir`, named by a fingerprint of torch's version,
-the CPU's model name and instruction flags and the thread count; a later start on the same machine
-reads it back instead of measuring. A missing, damaged or unwritable file means measuring again.
+A probe runs a few hundred matmuls per weight shape, a noticeable part of a large model's start.
+Its answer depends only on the shape, the dtype, the kernels torch picks on this CPU and the thread
+count, so it is written to one small JSON file under `--cache-dir`, named by a fingerprint of
+torch's version, the CPU's model name and instruction flags and the thread count; a later start
+on the same machine reads it back instead of probing. A missing, damaged or unwritable file means
+probing again.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def machine_fingerprint(cpuinfo: str | None = None) -> str:
-    """torch's version, the CPU's model and flags, the thread count: what the measured forms
+    """torch's version, the CPU's model and flags, the thread count: what the probes' answers
     depend on besides the weight's shape and dtype."""
     if cpuinfo is None:
         try:
@@ -35,8 +36,8 @@ def machine_fingerprint(cpuinfo: str | None = None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class MeasuredForms(dict):
-    """A dict of measured forms (key: a tuple of the shape, dtype, ...; value: a JSON value). With a
+class KernelChoiceCache(dict):
+    """A dict of probe answers (key: a tuple of the shape, dtype, ...; value: a JSON value). With a
     file attached (`attach`), entries found there are read back and every new one is written."""
 
     def __init__(self) -> None:
@@ -70,7 +71,7 @@ class MeasuredForms(dict):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(self._stored, indent=0, sort_keys=True), encoding="utf-8")
             os.replace(tmp, self.path)
-        except OSError:  # a read-only or full cache: the next start measures again
+        except OSError:  # a read-only or full cache: the next start probes again
             log.warning("could not write %s", self.path, exc_info=True)
         finally:
             tmp.unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""Fusing quantized weights concatenates them on one thread (models/quantization/serial_copy.py)."""
+"""Fusing quantized weights concatenates them on one thread (models/quantization/single_thread_cat.py)."""
 
 from __future__ import annotations
 
