@@ -333,7 +333,7 @@ def write_random_adapters(config, folder: Path, count: int, rank: int) -> list[P
     from safetensors.torch import save_file
 
     from opentgi.models.families.layout import DecoderLayout
-    from opentgi.models.families.parts import FAMILIES
+    from opentgi.models.families.structure import FAMILIES
     from opentgi.models.lora import ROUTER, TARGET_MODULES, module_shapes, num_experts, shape_key
     from opentgi.models.registry import PAGED_ARCHITECTURES, architecture_of
 
