@@ -70,7 +70,8 @@ OPTIONS: tuple[Option, ...] = (
            "int4 (groups of 32; int4-g64, int4-g128), fp8 (GPUs with FP8); awq / gptq checkpoints are "
            "read as they are (default: the checkpoint's own; GGUF files are always read as they are)"),
     Option("--dequantize", _bool, "serve a GGUF's 4-bit layers dequantized to the serving dtype: on CPU "
-           "faster from about 16 concurrent streams on, for 3x their memory (default: kept 4-bit)",
+           "faster with many concurrent streams, for several times their memory, docs/cpu.md "
+           "(default: kept 4-bit)",
            is_switch=True),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
@@ -305,9 +306,9 @@ def configure_logging(json_output: bool) -> None:
 
 def freeze_startup_objects() -> None:
     """Everything built before serving (modules, the model, the app) lives as long as the server:
-    moved to the garbage collector's permanent generation, a full collection no longer walks it. On
-    the default model one took ~165 ms, holding the GIL while the engine's thread waited for it
-    (a wave of 64 requests arriving triggered it); after, collections take a few ms."""
+    moved to the garbage collector's permanent generation, a full collection no longer walks it, so
+    a collection (which a wave of arriving requests triggers) no longer holds the GIL long enough to
+    stall the engine's thread."""
     gc.collect()
     gc.freeze()
 

@@ -4,34 +4,24 @@ Grafana dashboards work unchanged; opentgi's own metrics carry an `opentgi_` pre
 Interface (one `Metrics` per app; tests make their own instances and stay independent):
 
     metrics = Metrics(max_input_tokens=..., max_total_tokens=...)   # bucket bounds, as TGI's router
-    metrics.set_limits(max_input_tokens, max_total_tokens)           # or later, once the engine knows them
     Engine.from_settings(settings, observer=metrics.observer)        # engine-side metrics
-    metrics.request_started()                                        # a generate call arrived
-    metrics.request_validated(input_length=..., max_new_tokens=...)  # validation passed
-    metrics.request_finished(ok=True, total_s=..., validation_s=..., queue_s=..., inference_s=...,
-                             generated_tokens=...)
-    metrics.request_finished(ok=False, err="validation")             # err: the error_type TGI reports
+    metrics.request_started() / request_validated(...) / request_finished(ok=..., ...)
     body, content_type = metrics.render()                            # GET /metrics
 
 The API handlers reach the serving app's instance through module-level functions that forward to
-the installed one: `install(metrics)` (the app factory calls it), `installed()`, and
-`record_request()`, `observe_input_length(n)`, `observe_max_new_tokens(n)`,
-`record_success(generated_tokens=..., total_s=..., validation_s=..., queue_s=..., inference_s=...)`,
-`record_failure(error_type)`, `render()`.
+the installed one (`install(metrics)`, which the app factory calls; `record_request`,
+`record_success`, `record_failure`, `render`, ...).
 
-TGI's router (Rust `metrics` crate) exposes counters without the `_total` suffix that
-prometheus-client would add, so the exposition is written here in TGI's text format
-(`# TYPE name kind`, samples, one blank line between families). Histogram buckets, as TGI's router
-sets them: every `*_duration` histogram 0.0001 * 1.5^k for k = 1..35; `tgi_request_input_length`
-max_input_tokens/100 * (1..100); `tgi_request_generated_tokens` and `tgi_request_max_new_tokens`
-max_total_tokens/100 * (1..100); `tgi_batch_next_size` 1..1024; `tgi_request_skipped_tokens` (with
-`--speculate N`: per generation step of a sequence, the drafts it kept) 0..N.
+TGI's router exposes counters without the `_total` suffix that prometheus-client would add, so the
+exposition is written here in TGI's text format. Histogram buckets, as TGI's router sets them: every
+`*_duration` histogram 0.0001 * 1.5^k for k = 1..35; `tgi_request_input_length` max_input_tokens/100
+* (1..100); `tgi_request_generated_tokens` and `tgi_request_max_new_tokens` max_total_tokens/100 *
+(1..100); `tgi_batch_next_size` 1..1024; `tgi_request_skipped_tokens` (`--speculate N`: per step of a
+sequence, the drafts it kept) 0..N.
 
-Where each TGI metric comes from: the `tgi_request_*` ones from the API handlers (request_started /
-request_finished; input length and max_new_tokens are recorded when given, as TGI records them once
-validation passed), the `tgi_batch_*` and `tgi_queue_size` ones from the engine loop through
-`MetricsObserver`. Every update takes one lock and a few dict operations: cheap enough for the
-engine thread.
+The `tgi_request_*` metrics come from the API handlers (input length and max_new_tokens once
+validation passed, as TGI records them), the `tgi_batch_*` and `tgi_queue_size` ones from the engine
+loop through `MetricsObserver`. An update takes one lock and a few dict operations (engine-safe).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def _import(target: str) -> Callable:
 
 def _load_document(dialect: Dialect) -> dict:
     """The dialect's document, a copy of its own to change (parsed once per process: start-up
-    reads each several times, and pure-Python YAML took seconds of it)."""
+    reads each several times, and parsing YAML is not cheap)."""
     return copy.deepcopy(_parsed_document(dialect.document))
 
 

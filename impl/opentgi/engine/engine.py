@@ -34,8 +34,8 @@ from opentgi.engine.errors import (
     ValidationError,
 )
 from opentgi.engine.execution import torch_threads
-from opentgi.engine.execution.kv_cache import cache_growth_limit
 from opentgi.engine.execution.assembly import build_info, build_runner
+from opentgi.engine.execution.kv_cache import cache_growth_limit
 from opentgi.engine.execution.thread_governor import ThreadGovernor
 from opentgi.engine.handle import RequestHandle
 from opentgi.engine.info import ChatTemplate, EngineInfo, EngineStats, TokenizedText

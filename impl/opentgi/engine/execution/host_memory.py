@@ -3,9 +3,8 @@
 glibc's malloc hands freed memory back to the operating system: a block above its mmap threshold
 is unmapped at once, and free space at the top of a heap past the trim threshold is given back.
 A decode step allocates and frees the same few-MiB tensors every time (a batch of 64 rows' logits
-alone is 12 MiB in float32), so its next allocation of them faults every page in again. Measured on
-the 2-core virtual machine, a decode step of 64 rows on the default model: ~52 ms, and 70-100 ms in
-the steps whose allocations faulted in 6-18 MiB (1,500-4,600 faults), one step in six.
+alone is 12 MiB in float32), so its next allocation of them faults every page in again, and the
+steps that fault are markedly slower than those that do not (figures: docs/cpu.md).
 
 `keep_freed_memory` raises both thresholds once per process, when an engine is built (glibc only;
 a no-op elsewhere, and where the user tuned malloc through its environment variables). The cost is

@@ -66,9 +66,8 @@ def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int) -> lis
     out zero pages on first write, so the pool costs resident memory only for the blocks in use.
     The block manager hands out the lowest free block first and reuses written blocks before fresh
     ones, so the written part stays the peak working set and a step faults in fresh pages only
-    while that peak grows (a pool handed out in FIFO order faulted in a new block in one decode step
-    of five until it had been written once through: ~20 ms of a 52 ms step of 64 rows on the
-    default model). On GPU, zeros written at once."""
+    while that peak grows (a pool handed out in FIFO order would fault in fresh pages in many steps
+    until written once through: docs/cpu.md). On GPU, zeros written at once."""
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     if torch.device(spec.device).type != "cpu":
         return [(torch.zeros(shape, dtype=spec.dtype, device=spec.device),

@@ -3,10 +3,8 @@
 torch's CPU wheels run a parallel op as a GNU OpenMP team whose threads meet at a barrier after
 every region and spin while they wait there. When other work holds a core (the HTTP thread parsing
 a burst of requests, tokenizer threads, a load generator or another service on the machine), a team
-thread is preempted and its partner spins through its time slices waiting for it. Measured on the
-2-core machine, a prefill of 64 short prompts of the default model: 260 ms alone; with another
-process busy on one core, 918 ms on 2 threads against 322 ms on 1; with, besides, a Python thread of
-the same process busy 30% of the time, 14.5 s on 2 threads against 0.5 s on 1.
+thread is preempted and its partner spins through its time slices waiting for it: a team wider
+than the free cores is slower, by far, than one that fits them (figures: docs/cpu.md).
 
 So the engine loop measures, over windows of at least `WINDOW_S`, how many cores the machine spent
 on anything but the engine's own team: the busy time of the cores this process may run on
@@ -23,7 +21,7 @@ from typing import Callable
 
 import torch
 
-WINDOW_S = 0.1  # /proc/stat counts in 10 ms ticks: shorter windows would be mostly rounding
+WINDOW_S = 0.1  # /proc/stat counts in clock ticks (USER_HZ): a shorter window would be mostly rounding
 STAT_PATH = "/proc/stat"
 
 

@@ -3,9 +3,8 @@
 torch's CPU wheels parallelise ops with GNU OpenMP, and an OpenMP team belongs to the thread that
 started it. Once two threads of a process each own a team, there are more OpenMP threads than cores;
 libgomp then stops spinning between parallel regions and puts its workers to sleep, so every one of
-the hundreds of small ops in a decode step pays a wake-up. The server used to load the model in the
-main thread (which then owns a team) and step it in the engine thread (a second team): a batch-1
-decode step of SmolLM2-135M in bfloat16, 2 threads, took 46 ms there against 25 ms in one thread.
+the hundreds of small ops in a decode step pays a wake-up, which makes a step markedly slower than
+with one team (figures: docs/cpu.md).
 
 So the server keeps one team alive: the main thread (the event loop) runs torch with one thread, so
 it never starts a team; the model loads in a thread of its own, whose team ends with it; the

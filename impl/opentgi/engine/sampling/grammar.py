@@ -5,21 +5,10 @@ nor the engine loop), caches the result by (type, value) and returns a factory; 
 factory gives a fresh per-sequence `GrammarProcessor` (a `RowLogitsProcessor`, engine/sampling/processors.py)
 that the sampler applies to its row of logits every step.
 
-Library: xgrammar (0.2.8), chosen over llguidance (1.9.1) on measurements with SmolLM2's real
-tokenizer (49152 tokens, model vocabulary padded to 49216), 13 grammars (6 JSON schemas: nested
-objects, arrays, enums, `$ref`/`$defs`, recursion, anyOf/null/const, formats email/uuid, patterns;
-7 regexes), 5 random-logit walks each, one compile thread, 2-core CPU:
-- coverage: xgrammar compiled all 13 and all 65 outputs validated. llguidance rejected
-  `uniqueItems` ("Unimplemented keys"); its `\\d` matches any Unicode decimal digit (outputs like
-  "(๘๙7) ๖..."), where outlines (TGI) and xgrammar mean [0-9]; and in one phone-number walk its
-  mask allowed the lone-space token "Ġ" (id 216) that its own matcher then rejected ("forced bytes:
-  got ' '; applying 'Ä'"), a tokenizer-import bug with this byte-level vocabulary.
-- cost, side by side on the same (busy) machine, CPU time: per-token mask fill + apply averaged
-  252 us for xgrammar (max 4.6 ms) vs 687 us for llguidance (max 1.03 s: its lazy lexer for
-  `format: email`); on an idle machine xgrammar takes ~20-50 us per token for JSON, ~170 us for
-  regexes. xgrammar pays at compile time instead (0.3-190 ms CPU per grammar here, in a worker
-  thread with the GIL released; llguidance ~2 ms). A slow mask delays every sequence of the batch;
-  a slow compile delays only its own request, so xgrammar's trade is the right one.
+Library: xgrammar, chosen over llguidance for coverage (every schema keyword TGI accepts, `uniqueItems`
+included; `\\d` as [0-9], as outlines reads it) and for where it pays: at compile time, in a worker
+thread with the GIL released, keeping the per-token mask cheap. A slow mask delays every sequence of
+the batch; a slow compile only its own request. The comparison's method and figures: docs/benchmarks.md.
 
 Semantics (documented differences from TGI 2.1.2 live in docs/differences-from-tgi.md):
 - JSON: the value is a schema object or a JSON string holding one; it must be a valid JSON Schema

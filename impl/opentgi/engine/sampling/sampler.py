@@ -225,8 +225,8 @@ class Sampler:
 
 def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dimension, each row computed alike whatever the row count:
-    torch's logsumexp cuts one row's sum across threads for some row counts (measured: 64 rows of
-    49,152 on 2 threads give other bits than one row), its log_softmax does not (and is faster)."""
+    torch's logsumexp cuts one row's sum across threads for some row counts (a row's bits then
+    depend on the batch: docs/determinism.md), its log_softmax does not (and is cheaper)."""
     return torch.log_softmax(logits, dim=-1)
 
 

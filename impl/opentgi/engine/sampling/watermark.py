@@ -29,8 +29,8 @@ HASH_KEY = 15485863  # TGI's key: a large prime giving the seed enough bits
 
 
 class _GreenListCache:
-    """LRU of green-list masks by (vocab size, gamma, device, previous token): a randperm of a 49k
-    vocabulary costs ~150 us on CPU, adding a cached mask ~20 us."""
+    """LRU of green-list masks by (vocab size, gamma, device, previous token): a vocabulary-wide
+    randperm costs several times what adding a cached mask does, and previous tokens repeat."""
 
     def __init__(self, max_entries: int = 256):
         self._masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
