@@ -163,7 +163,7 @@ def test_architecture_comparison_warms_each_new_server_with_a_round_at_every_lev
     import contextlib
 
     from opentgi.bench import architectures
-    from opentgi.bench.runner import LevelResult
+    from opentgi.bench.http_load import LevelResult
 
     monkeypatch.setattr(architectures, "same_shape_model", lambda name, cache_dir: f"/models/{name}")
     calls = []
@@ -191,7 +191,8 @@ def test_lora_comparison_on_a_sharded_server(monkeypatch, tiny_llama):
 
     from transformers import AutoConfig
 
-    from opentgi.bench import runner
+    from opentgi.bench import lora, runner
+    from opentgi.bench.http_load import LevelResult
 
     with pytest.raises(SystemExit):
         runner.parse_args(["--lora", "0,1", "--shards", "1,2"])
@@ -204,12 +205,12 @@ def test_lora_comparison_on_a_sharded_server(monkeypatch, tiny_llama):
         yield "http://127.0.0.1:1"
 
     async def fake_level(url, prompts, concurrency, num_requests, new_tokens, time_limit_s, adapters=()):
-        return runner.LevelResult(concurrency, num_requests, 10 * num_requests, 1.0, [], [], 0)
+        return LevelResult(concurrency, num_requests, 10 * num_requests, 1.0, [], [], 0)
 
-    monkeypatch.setattr(runner, "local_server", fake_server)
-    monkeypatch.setattr(runner, "run_level", fake_level)
-    monkeypatch.setattr(runner, "lora_op_timings", lambda *a, **k: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(lora, "local_server", fake_server)
+    monkeypatch.setattr(lora, "run_level", fake_level)
+    monkeypatch.setattr(lora, "lora_op_timings", lambda *a, **k: (1.0, 1.0, 1.0))
     loaded = SimpleNamespace(hf_config=AutoConfig.from_pretrained(tiny_llama), model_id="tiny")
-    text = runner.lora_comparison(args, loaded, ["a prompt"])
+    text = lora.lora_comparison(args, loaded, ["a prompt"])
     assert len(started) == 1 and started[0][-2:] == ["--num-shard", "2"] and "--lora-adapters" in started[0]
     assert "LoRA adapters mixed, tiny, --num-shard 2" in text

@@ -325,11 +325,11 @@ def test_expert_adapter_on_a_model_without_experts_is_refused():
 
 
 def test_bench_adapters_on_a_mixture_of_experts_load(tmp_path):
-    """The benchmark's random adapters (opentgi.bench.runner --lora) adapt every expert and the
+    """The benchmark's random adapters (opentgi.bench.lora, --lora) adapt every expert and the
     router of a routed layer, the dense projections elsewhere, and load."""
     from transformers import AutoConfig
 
-    from opentgi.bench.runner import write_random_adapters
+    from opentgi.bench.lora import write_random_adapters
 
     path = tiny_models.tiny_family_path("qwen3_moe")
     config = AutoConfig.from_pretrained(path)

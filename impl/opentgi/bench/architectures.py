@@ -87,8 +87,7 @@ def architecture_comparison(args, prompts: list[str], local_server, run_level, m
         for name in names:
             with serve(name) as url:
                 # one unmeasured round at every level: the Llama server beside it has served every
-                # round so far, and a fresh engine's steps were measured slower for their first few
-                # hundred (Gemma 3, one stream: median 68, 55, then 43 ms over three runs of 64 steps)
+                # round so far, and a fresh engine's first few hundred steps are slower (warm-up)
                 for c in levels:
                     asyncio.run(run_level(url, prompts, c, min(args.max_requests, max(2, c)), args.new_tokens,
                                           args.level_time_limit))
