@@ -43,7 +43,8 @@ TOKENIZE_MAX_CHARS_PER_TOKEN = 16
 
 # --- request preparation -------------------------------------------------------------------------
 
-ERROR_POLICY = generation.ErrorPolicy(error=tgi_error, refuse_in_stream=True)  # TGI: a refused stream is a 200 + error event
+# TGI answers a refused stream with a 200 whose only event is the error.
+ERROR_POLICY = generation.ErrorPolicy(error=tgi_error, refuse_in_stream=True)
 
 
 @dataclass
