@@ -1,4 +1,4 @@
-"""LoRA adapters (models/lora.py) through the Engine on the tiny Llama, against transformers + PEFT:
+"""LoRA adapters (models/lora/) through the Engine on the tiny Llama, against transformers + PEFT:
 greedy output token for token per adapter, alone and with base, A and B mixed in one batch; prefix
 cache never shared across adapters; bad adapters refused at load with a clear message."""
 
@@ -254,9 +254,9 @@ def test_cli_flag_env_and_start_up_refusal(tiny_llama, tiny_gpt2):
 
 
 def test_bench_adapters_load(loaded, tiny_llama, tmp_path):
-    """The benchmark's random adapters (opentgi.bench.runner, written without peft) are PEFT folders the
+    """The benchmark's random adapters (opentgi.bench.lora, written without peft) are PEFT folders the
     loader takes; its op timing runs both ways."""
-    from opentgi.bench.runner import lora_op_timings, write_random_adapters
+    from opentgi.bench.lora import lora_op_timings, write_random_adapters
 
     paths = write_random_adapters(loaded.hf_config, tmp_path, 2, 4)
     bench_loaded = load_model(Settings(model_id=str(tiny_llama), lora_adapters=",".join(map(str, paths))))

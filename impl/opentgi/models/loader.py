@@ -182,7 +182,7 @@ def _generic_spec(config, dtype: torch.dtype, device: torch.device) -> ModelSpec
 
 
 def _attach_adapters(settings: Settings, model, kind: str, config, model_id: str) -> list[str]:
-    """Load --lora-adapters (models/lora.py) into the paged model; their names."""
+    """Load --lora-adapters (models/lora/) into the paged model; their names."""
     if not settings.lora_adapters:
         return []
     from opentgi.models.lora import LoraAdapterError, attach_lora, load_adapters

@@ -18,7 +18,7 @@ K | N and N | H, and each kv head is replicated on N/K ranks (as vLLM does). The
 features and the vocabulary are split as evenly as possible. `ShardPlan.slice` gives each
 checkpoint tensor's slice for this rank, so a rank reads only its slices (safetensors get_slice).
 
-LoRA adapters (models/lora.py) follow their base layers' slices (`ShardPlan.slice_lora`, as vLLM's
+LoRA adapters (models/lora/) follow their base layers' slices (`ShardPlan.slice_lora`, as vLLM's
 and TGI's column/row-parallel LoRA layers do): on a column-parallel projection A is replicated and
 B sliced by the output rows this rank's weight holds (fused parts and uneven key/value groups
 alike, through `slice`); on a row-parallel one A is sliced by the input columns this rank's weight
@@ -255,4 +255,4 @@ def parallelize(model: nn.Module, plan: ShardPlan, tp: TPGroup) -> None:
             setattr(block, out, RowParallel(getattr(block, out), tp))
     embed = model.model.embed_tokens
     model.model.embed_tokens = VocabParallelEmbedding(embed.weight.data, plan.vocab_start, tp)
-    model.shard_plan = plan  # LoRA adapters attached later take their slices by it (models/lora.py)
+    model.shard_plan = plan  # LoRA adapters attached later take their slices by it (models/lora/)
