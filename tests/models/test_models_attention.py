@@ -112,7 +112,7 @@ def test_decode_batch_with_different_lengths():
 
 
 def _group_cost(groups, lens, block_size):
-    from opentgi.models.attention.torch_backend import GROUP_COST_KEYS
+    from opentgi.models.attention.torch_plan import GROUP_COST_KEYS
 
     return sum(GROUP_COST_KEYS + len(g) * -(-max(lens[i] for i in g) // block_size) * block_size for g in groups)
 
@@ -130,12 +130,12 @@ def _partitions(items):
 def test_decode_groups_minimise_the_modelled_cost():
     import random
 
-    from opentgi.models.attention.torch_backend import _decode_groups
+    from opentgi.models.attention.torch_plan import decode_groups
 
     rng = random.Random(0)
     for _ in range(40):
         lens = [rng.choice([rng.randint(1, 64), rng.randint(1, 2000)]) for _ in range(rng.randint(1, 9))]
-        groups = _decode_groups(list(range(len(lens))), lens, 16)
+        groups = decode_groups(list(range(len(lens))), lens, 16)
         assert sorted(i for g in groups for i in g) == list(range(len(lens)))
         order = sorted(range(len(lens)), key=lambda i: -lens[i])
         assert all(g == sorted(g) for g in groups)  # batch order within a group
@@ -146,12 +146,12 @@ def test_decode_groups_minimise_the_modelled_cost():
 
 
 def test_decode_groups_few_for_short_contexts_several_for_spread_ones():
-    from opentgi.models.attention.torch_backend import _decode_groups
+    from opentgi.models.attention.torch_plan import decode_groups
 
     short = list(range(10, 41))  # 31 rows in 3 block counts: padding is cheaper than more calls
-    assert _decode_groups(list(range(len(short))), short, 16) == [list(range(len(short)))]  # in batch order
+    assert decode_groups(list(range(len(short))), short, 16) == [list(range(len(short)))]  # in batch order
     spread = [3000] * 8 + [1500] * 8 + [100] * 40
-    groups = _decode_groups(list(range(len(spread))), spread, 16)
+    groups = decode_groups(list(range(len(spread))), spread, 16)
     assert [[spread[i] for i in g] for g in groups] == [[3000] * 8, [1500] * 8, [100] * 40]
 
 
@@ -218,13 +218,13 @@ def test_decode_never_reads_stale_nonfinite_cache_contents():
 
 
 def test_prompt_batches_pad_at_most_to_twice_a_prompt():
-    from opentgi.models.attention.torch_backend import _prompt_batches
+    from opentgi.models.attention.torch_plan import prompt_batches
 
     spans, start = [], 0
     for n in [7, 40, 21, 20, 3, 128, 64, 65, 2, 1]:
         spans.append((start, start + n))
         start += n
-    batches = _prompt_batches(spans)
+    batches = prompt_batches(spans)
     assert sorted(s for b in batches for s in b) == sorted(spans)
     lens = [[e - s for s, e in b] for b in batches]
     assert lens == [[128, 65], [64, 40], [21, 20], [7], [3, 2], [1]]
@@ -235,7 +235,7 @@ def test_prompt_batches_pad_at_most_to_twice_a_prompt():
 def test_fresh_prompts_attended_in_batches_match_naive_attention(window):
     # fresh prompts of many lengths (several batches, a lone one, one over MAX_BATCHED_PROMPT, some
     # longer than the window) next to decode rows and a chunk after a cached prefix
-    from opentgi.models.attention.torch_backend import MAX_BATCHED_PROMPT
+    from opentgi.models.attention.torch_plan import MAX_BATCHED_PROMPT
 
     paged = PagedSequences(seed=7)
     old = [paged.add() for _ in range(2)]
@@ -252,7 +252,7 @@ def test_fresh_prompts_attended_in_batches_match_naive_attention(window):
 def test_fresh_prompts_in_a_batch_get_the_numbers_they_get_alone(monkeypatch):
     # padding keys are masked (exp(-inf) = 0): in bfloat16 the batched call gives each prompt
     # bit for bit what attending it alone gives
-    import opentgi.models.attention.torch_backend as tb
+    import opentgi.models.attention.torch_plan as plan_module
 
     gen = torch.Generator().manual_seed(8)
     lengths = [6, 9, 11, 7, 10, 8]
@@ -274,7 +274,7 @@ def test_fresh_prompts_in_a_batch_get_the_numbers_they_get_alone(monkeypatch):
 
     batched, meta = run()
     assert len(meta.scratch[("torch", None, torch.bfloat16, 3)].prompts) == 1
-    monkeypatch.setattr(tb, "MAX_BATCHED_PROMPT", 0)
+    monkeypatch.setattr(plan_module, "MAX_BATCHED_PROMPT", 0)
     alone, meta = run()
     assert not meta.scratch[("torch", None, torch.bfloat16, 3)].prompts
     assert torch.equal(batched, alone)

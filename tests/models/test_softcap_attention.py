@@ -12,7 +12,7 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.models.attention import torch_backend
-from opentgi.models.attention.torch_backend import _softcapped
+from opentgi.models.attention.softcap import capped_logits, softcapped_attention
 from opentgi.models.loader import load_model
 from tests.helpers import tiny_models
 from tests.helpers.determinism import OTHERS, TARGET, run_target
@@ -36,11 +36,11 @@ def test_the_logits_are_soft_capped_as_transformers_does(keys, rows):
     mask = torch.zeros(4, 1, 1, keys)
     mask[1, ..., keys // 2:] = float("-inf")
     want = transformers_formula(q, k, v, mask, 0.125, 5.0)
-    torch.testing.assert_close(_softcapped(q, k, v, mask, 0.125, 5.0).double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(softcapped_attention(q, k, v, mask, 0.125, 5.0).double(), want, atol=1e-5, rtol=1e-5)
     bool_mask = mask == 0  # the bool form (prefill rows' causal masks)
-    torch.testing.assert_close(_softcapped(q, k, v, bool_mask, 0.125, 5.0).double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(softcapped_attention(q, k, v, bool_mask, 0.125, 5.0).double(), want, atol=1e-5, rtol=1e-5)
     # bfloat16: the matmuls in bfloat16, the rest in float32
-    got = _softcapped(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), 0.125, 5.0)
+    got = softcapped_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16(), 0.125, 5.0)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.05)
 
@@ -69,7 +69,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_its_key_padding(shape, dtype,
                 v = values[:length].unsqueeze(0).transpose(1, 2).expand(batch, -1, -1, -1)
                 mask = torch.zeros(batch, 1, 1, length, dtype=dtype)
                 mask[..., context:] = float("-inf")
-                return _softcapped(q.expand(batch, -1, -1, -1), k, v, mask, head_dim ** -0.5, 2.0)[0]
+                return softcapped_attention(q.expand(batch, -1, -1, -1), k, v, mask, head_dim ** -0.5, 2.0)[0]
 
             alone = attend(-(-context // 16) * 16, 1)
             for length in (-(-context // 16) * 16, 512, 528, 1040, 2096):
@@ -102,7 +102,7 @@ def test_a_bfloat16_rows_bits_do_not_depend_on_its_padding_past_1024_keys(shape,
                     v = values[:length].unsqueeze(0).transpose(1, 2)
                     mask = torch.zeros(1, 1, 1, length, dtype=torch.bfloat16)
                     mask[..., context:] = float("-inf")
-                    return _softcapped(q, k, v, mask, head_dim ** -0.5, cap)
+                    return softcapped_attention(q, k, v, mask, head_dim ** -0.5, cap)
 
                 alone = attend(-(-context // 16) * 16)
                 for length in (1040, 1056, 2096):
@@ -158,9 +158,9 @@ def test_each_rows_capped_logits_have_the_bits_it_gets_alone_at_any_place_in_a_l
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together = torch_backend._capped_logits(q, keys.transpose(1, 2), mask, 0.125, 2.0)
+        together = capped_logits(q, keys.transpose(1, 2), mask, 0.125, 2.0)
         for r in range(rows):
-            alone = torch_backend._capped_logits(q[r:r + 1], keys[r:r + 1].transpose(1, 2), mask[r:r + 1], 0.125, 2.0)
+            alone = capped_logits(q[r:r + 1], keys[r:r + 1].transpose(1, 2), mask[r:r + 1], 0.125, 2.0)
             assert torch.equal(together[r:r + 1], alone), r
     finally:
         torch.set_num_threads(previous)
@@ -183,7 +183,7 @@ def test_a_soft_capped_rows_bits_do_not_depend_on_the_thread_count(shape):
                 outs = []
                 for threads in (1, 2, 3):
                     torch.set_num_threads(threads)
-                    outs.append(_softcapped(q, k, v, mask, head_dim ** -0.5, 30.0))
+                    outs.append(softcapped_attention(q, k, v, mask, head_dim ** -0.5, 30.0))
                 assert all(torch.equal(outs[0], o) for o in outs[1:]), (dtype, rows, n, keys)
     finally:
         torch.set_num_threads(previous)
