@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from opentgi.config import Settings
 from opentgi.engine.execution.model_runner import ModelRunner
 from opentgi.engine.scheduling.block_manager import BlockManager
-from opentgi.models.attention import torch_backend
+from opentgi.models.attention import torch_backend, torch_plan
 from opentgi.models.layers.linear import OneDNNLinear
 from opentgi.models.layers.row_kinds import GENERATED, MIXED, PROMPT, RowKinds, step_row_kinds
 from opentgi.models.loader import load_model
@@ -163,7 +163,7 @@ def test_the_probe_finds_a_form_that_is_not_invariant(monkeypatch):
     """More than 191 query rows a call: sdpa cuts them in blocks of 64, and some rows differ with
     the segment (the probe fails, the backend keeps the decode row's form for prompts)."""
     torch_backend._PROBE_CACHE.clear()
-    monkeypatch.setattr(torch_backend, "PROMPT_ROWS", 320)
+    monkeypatch.setattr(torch_plan, "PROMPT_ROWS", 320)
     try:
         assert not torch_backend.prompt_form_invariant(3, 3, 64, torch.bfloat16)
     finally:
