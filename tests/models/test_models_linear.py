@@ -115,7 +115,7 @@ def test_fewer_than_four_rows_are_multiplied_as_four(monkeypatch, dtype):
 def test_the_probe_covers_the_padded_row_count(monkeypatch):
     """A kernel whose 4-row products differ from other row counts' would make the padded form (and
     the plain one) give a row other bits: the probe multiplies 4 rows too and accepts neither."""
-    assert linear_module.find_row_invariant_matmul(64, 40, torch.bfloat16) == "padded"
+    assert linear_module.find_row_invariant_form(64, 40, torch.bfloat16) == "padded"
     real = torch.ops.mkldnn._linear_pointwise
 
     def skewed(x, *args):
@@ -123,7 +123,7 @@ def test_the_probe_covers_the_padded_row_count(monkeypatch):
         return out.add_(0.5) if x.shape[0] == 4 else out
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", skewed)
-    assert linear_module.find_row_invariant_matmul(64, 40, torch.bfloat16) is None
+    assert linear_module.find_row_invariant_form(64, 40, torch.bfloat16) is None
 
 
 def test_a_form_measured_with_another_padding_is_measured_again(monkeypatch):

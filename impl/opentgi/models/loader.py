@@ -258,7 +258,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     reason = paged_unsupported_reason(config)
     if reason is None:
         backend = select_backend(device, dtype)
-        if device.type == "cpu":  # row-invariant forms measured on an earlier start are read back
+        if device.type == "cpu":  # kernel choices probed on an earlier start are read back
             from opentgi.models.layers.linear import kernel_choices
 
             kernel_choices.attach(default_model.default_cache_dir(settings.cache_dir))
@@ -311,7 +311,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
 
 def _release_free_heap() -> None:
     """Hand the heap memory freed after loading back to the OS (glibc keeps freed mid-sized blocks,
-    such as a GGUF's per-tensor scratch arrays; measured: 370 MiB of resident memory on a 1B GGUF)."""
+    such as a GGUF's per-tensor scratch arrays, a visible share of resident memory: docs/cpu.md)."""
     import ctypes
     import ctypes.util
 

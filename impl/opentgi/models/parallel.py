@@ -18,12 +18,8 @@ K | N and N | H, and each kv head is replicated on N/K ranks (as vLLM does). The
 features and the vocabulary are split as evenly as possible. `ShardPlan.slice` gives each
 checkpoint tensor's slice for this rank, so a rank reads only its slices (safetensors get_slice).
 
-LoRA adapters (models/lora/) follow their base layers' slices (`ShardPlan.slice_lora`, as vLLM's
-and TGI's column/row-parallel LoRA layers do): on a column-parallel projection A is replicated and
-B sliced by the output rows this rank's weight holds (fused parts and uneven key/value groups
-alike, through `slice`); on a row-parallel one A is sliced by the input columns this rank's weight
-holds and B replicated, so each rank's partial delta joins its partial product before the one
-all-reduce (`RowParallel` wraps the LoRA-wrapped linear); the router's LoRA is replicated.
+LoRA adapters follow their base layers' slices (`ShardPlan.slice_lora`, as vLLM's and TGI's
+column/row-parallel LoRA layers do; models/lora/attach.py says how).
 
 With one rank none of this is built: the single-shard model has no collectives.
 """

@@ -41,7 +41,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     chunk = SOFTCAP_KEY_CHUNK
     padded = -(-keys // chunk) * chunk
     # the values in float32 and the probabilities, zero padded to whole chunks: each written once
-    # (a zero-filled buffer, or F.pad, writes the whole of it twice: ~4% of a decode group's call)
+    # (a zero-filled buffer, or F.pad, would write the whole of it twice)
     vp = torch.empty(batch, padded, d, dtype=torch.float32, device=v.device)
     vp.view(*lead, padded, d)[..., :keys, :].copy_(v)  # any strides (a stride-0 expand too), to float32
     if padded != keys:

@@ -74,8 +74,8 @@ class Segment:
 @dataclass
 class PromptSegment:
     """Prompt tokens start:end of one sequence, their query rows on one batch entry's query axis.
-    Its mask ([1, 1, padded rows, keys]: 3x the decode row form's, one per query head of a kv
-    head) is built when attended, so that a long prompt's step holds one at a time."""
+    Its mask ([1, 1, padded rows, keys]: a row per token and query head of a kv head) is built
+    when attended, so that a long prompt's step holds one at a time."""
     start: int
     end: int
     blocks: torch.Tensor  # int64 [num_blocks]: the sequence's blocks up to the segment's last token

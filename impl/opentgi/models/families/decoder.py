@@ -83,7 +83,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config, layout: DecoderLayout, backend: AttentionBackend):
         super().__init__()
         # built on the meta device and loaded from the checkpoint: an empty weight skips the random
-        # initialisation, whose first call on the meta device took ~1 s of a start
+        # initialisation, whose first call on the meta device is slow
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(config, layout, backend, i)
@@ -91,9 +91,9 @@ class DecoderModel(nn.Module):
         self.norm = make_norm(layout.structure.norm, config.hidden_size, layout.eps)
 
 
-# A tied LM head gets its own copy in oneDNN's layout only up to this size: on the default model
-# (54 MiB in bfloat16) the copy took the head from 3.6 to 2.3 ms a step, a tenth of the step; on a
-# 1B model (192 MiB) it is a fifth of the resident weights for a few percent of the step.
+# A tied LM head gets its own copy in oneDNN's layout only up to this size: for a small model the
+# copy saves a visible share of each step; for a larger one it would cost a large share of the
+# resident weights for little of the step (docs/benchmarks.md).
 TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 
 
@@ -201,9 +201,9 @@ class PagedDecoder(nn.Module):
         cap = self.layout.final_softcap
         if cap is None:
             return logits.float()
-        # cap * tanh(x / cap) as 2 cap * sigmoid(2 x / cap) - cap: torch's CPU tanh took ~10x the
-        # time of sigmoid over a row of SmolLM2's 49152 logits (0.45 ms against 0.045); the sigmoid
-        # over whole vectors (layers/elementwise.py), on the float32 copy every row needs anyway
+        # cap * tanh(x / cap) as 2 cap * sigmoid(2 x / cap) - cap: torch's CPU tanh is much slower
+        # than sigmoid; the sigmoid on a padded copy (layers/elementwise.py), the float32 copy every
+        # row needs anyway
         capped = elementwise_on_padded_copy(logits, lambda run: run.mul_(2 / cap).sigmoid_(), dtype=torch.float32)
         return capped.mul_(2 * cap).sub_(cap)
 

@@ -1,18 +1,17 @@
 """One adapter's LoRA on one projection, in float32 matmuls whose rows do not depend on the step's
-other rows: shared by the dense projections' LoRA (`LoraLinear`, models/lora.py) and the experts'
+other rows: shared by the dense projections' LoRA (`LoraLinear`, models/lora/) and the experts'
 (models/layers/expert_lora.py).
 
 An `AdapterLora` holds an adapter's A (its fused parts' side by side: q/k/v, gate/up) as one shrink
 matrix and its scaled B as one block-diagonal expand matrix (each part's outputs from its own
 columns), at the adapter's own rank; the delta of rows x is `expand(shrink(x))`, in float32
-(`torch.mm`), added by the caller into the model-dtype output. oneDNN's packed linears cost ~20-35
-us a call whatever their size at these shapes, which dominated the small LoRA matmuls
-(docs/benchmarks.md).
+(`torch.mm`), added by the caller into the model-dtype output: oneDNN's packed linears have a
+fixed cost a call that dominates such small matmuls (docs/benchmarks.md).
 
-Row invariance (docs/determinism.md): torch's float32 mm takes another kernel below a few rows (on
-the machine this was built on: 4 rows, 8 for some shapes with 2 threads). `invariant_min_rows`
-measures per matrix shape, once at start-up (kept with the linears' measured forms,
-models/layers/linear.py), the fewest rows for which every row gets the same bits for every row
+Row invariance (docs/determinism.md): torch's float32 mm takes another kernel below a few rows,
+how few depending on the CPU, the shape and the thread count. `invariant_min_rows` probes per
+matrix shape, once at start-up (kept with the linears' kernel choices,
+models/layers/kernel_choices.py), the fewest rows for which every row gets the same bits for every row
 count; a matmul of fewer rows is zero-padded to that many (`RowInvariantMatmul`), or its rows are
 multiplied together with neighbouring rows (`AdapterLora.delta_of_slice`).
 """
@@ -55,8 +54,8 @@ class RowInvariantMatmul(nn.Module):
 
 def invariant_min_rows(fan_in: int, fan_out: int) -> int:
     """The fewest rows a float32 mm of this shape must take for every row to get the same bits for
-    every row count, measured once per shape on random data (kept with the linears' measured forms,
-    models/layers/linear.py); the largest candidate, with a warning, if none does."""
+    every row count, probed once per shape on random data (kept with the linears' kernel choices,
+    models/layers/kernel_choices.py); the largest candidate, with a warning, if none does."""
     key = ("lora-mm", fan_in, fan_out, "float32")
     if key in kernel_choices:
         return kernel_choices[key]

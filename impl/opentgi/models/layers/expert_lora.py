@@ -4,26 +4,19 @@ expert's gate/up and down projections and on the router, served many adapters a 
 Each adapter's LoRA on one projection is an `AdapterLora` (models/layers/adapter_lora.py, shared
 with the dense projections' `LoraLinear`): a shrink matmul holding its A (gate's and up's side by
 side) and an expand matmul holding its scaled B (for gate/up: block-diagonal), at the adapter's
-own rank, in float32 row-invariant matmuls. In the block's
-grouped pass an expert runs, on its contiguous slice of rows, the adapters its rows use (read with
-the expert counts, in the same host sync), each as `expand(shrink(x) * mask)` with `mask` keeping
-that adapter's rows, so a step pays for the adapters its rows use, not for every adapter loaded. The
+own rank, in float32 (`torch.mm`, the delta added into the model-dtype output: cheaper at these
+small shapes than oneDNN's packed linears, docs/benchmarks.md). In the block's grouped pass an
+expert runs, on its contiguous slice of rows, the adapters its rows use (read with the expert
+counts, in the same host sync), each as `expand(shrink(x) * mask)` with `mask` keeping that
+adapter's rows, so a step pays for the adapters its rows use, not for every adapter loaded. The
 router adds each used adapter's delta over every token, masked the same way.
-
-The LoRA matmuls run in float32 (`torch.mm`; the delta is added into the model-dtype output):
-oneDNN's packed linears cost ~20-35 us a call whatever their size at these shapes. Side by side in
-one process (a 16-row decode step of a 576x30 Qwen3-MoE of 8 experts, bfloat16, 1 thread, one
-rank-16 adapter everywhere, machine under load), the experts' LoRA added 0.41x the time of a step
-without adapter rows this way against 0.63x through oneDNN's bfloat16 linears (the dense
-projections' LoRA 0.03x). Its float32 weights are ~13% of an expert's bfloat16 bytes at that
-shape, ~7% at Qwen3-30B-A3B's (hidden 2048), per rank-16 adapter an expert runs.
 
 Row invariance (docs/determinism.md): a row's delta comes from its own adapter's matrices only,
 whatever other adapters the step or the expert's slice holds (theirs add exact zeros to it, masked
-out). Each matmul multiplies at least the row count measured at start-up to give every row the
+out). Each matmul multiplies at least the row count probed at start-up to give every row the
 same bits (`invariant_min_rows`); an expert's shorter slice is multiplied with its neighbours in
-the grouped rows, a lone token's padded with zero rows. A row's delta, and so its result, does not depend on
-the step's other rows, and a base row keeps the bits it has in a step without adapter rows. A step
+the grouped rows, a lone token's padded with zero rows. A row's delta, and so its result, does not
+depend on the step's other rows, and a base row keeps the bits it has in a step without adapter rows. A step
 without adapter rows does no LoRA work.
 """
 

@@ -15,8 +15,8 @@ decode step has one row (docs/benchmarks.md).
 rows the step multiplies. oneDNN gives a lone row another kernel once the reduction is longer than
 1024, and in float32 such weights also sum rows of even and odd batch positions differently. The
 padding above keeps a lone row off its own kernel; in float32 a weight with K > 1024 can be held as
-slices of 1024 inputs whose products are added in order. `find_row_invariant_matmul` probes, per
-weight shape at start-up, the three ways (`RowInvariantMatmul`) in order and keeps the first that
+slices of 1024 inputs whose products are added in order. `find_row_invariant_form` probes, per
+weight shape at start-up, the three forms (`RowInvariantForm`) in order and keeps the first that
 gives random rows the same bits for row counts 1 to 64.
 """
 
@@ -41,7 +41,7 @@ _PROBE_ROW_COUNTS = (1, 2, 3, 4, 5, 7, 16, 17, 64)  # row counts a probe compare
 kernel_choices = KernelChoiceCache()  # per shape; kept between starts once attached (kernel_choices.py)
 
 
-class RowInvariantMatmul(str, Enum):
+class RowInvariantForm(str, Enum):
     """How a OneDNNLinear multiplies so that each row gets the same bits for every row count."""
 
     PADDED = "padded"  # fewer than `_MIN_ROWS` rows multiplied as that many
@@ -92,16 +92,16 @@ class OneDNNLinear(ForwardWithoutHooks, nn.Module):
         return out if self.bias is None else out.add_(self.bias)
 
     def make_row_invariant(self, weight: torch.Tensor) -> str | None:
-        """Switch to the way of multiplying that computes each row alike for every row count
-        (module docstring); `weight` is the dense weight this linear packed. Returns its
-        `RowInvariantMatmul` value, or None where none was found invariant (the padded one stays)."""
-        # the padded row count is part of the key: a form measured with another one is measured again
+        """Switch to the form that computes each row alike for every row count (module
+        docstring); `weight` is the dense weight this linear packed. Returns its `RowInvariantForm`
+        value, or None where no form was found invariant (the padded one stays)."""
+        # the padded row count is part of the key: a form probed with another one is probed again
         key = (self.out_features, self.in_features, weight.dtype, self.bias is not None, _MIN_ROWS)
         if key not in kernel_choices:
-            kernel_choices[key] = find_row_invariant_matmul(*key[:3])
+            kernel_choices[key] = find_row_invariant_form(*key[:3])
         form = kernel_choices[key]
-        self.min_rows = 1 if form == RowInvariantMatmul.PLAIN else _MIN_ROWS
-        if form == RowInvariantMatmul.K_SLICES:
+        self.min_rows = 1 if form == RowInvariantForm.PLAIN else _MIN_ROWS
+        if form == RowInvariantForm.K_SLICES:
             self.k_slices = _k_slices(weight)
             self.packed = None
         return form
@@ -125,10 +125,10 @@ def _rows_alike(linear: OneDNNLinear, x: torch.Tensor) -> bool:
     return True
 
 
-def find_row_invariant_matmul(out_features: int, in_features: int,
-                              dtype: torch.dtype) -> RowInvariantMatmul | None:
-    """The first `RowInvariantMatmul`, in declaration order, found to give every row the same bits
-    for row counts 1 to 64 on random data of this shape; None if none does (the padded way stays:
+def find_row_invariant_form(out_features: int, in_features: int,
+                            dtype: torch.dtype) -> RowInvariantForm | None:
+    """The first `RowInvariantForm`, in declaration order, found to give every row the same bits
+    for row counts 1 to 64 on random data of this shape; None if none does (the padded form stays:
     the faster one)."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(dtype)
@@ -138,15 +138,15 @@ def find_row_invariant_matmul(out_features: int, in_features: int,
     probe = OneDNNLinear(weight)
     with torch.inference_mode():
         if _rows_alike(probe, x):
-            return RowInvariantMatmul.PADDED
+            return RowInvariantForm.PADDED
         probe.min_rows = 1
         if _rows_alike(probe, x):
-            return RowInvariantMatmul.PLAIN
+            return RowInvariantForm.PLAIN
         probe.min_rows = _MIN_ROWS
         if dtype == torch.float32 and in_features > _K_SLICE:
             probe.k_slices, probe.packed = _k_slices(weight), None
             if _rows_alike(probe, x):
-                return RowInvariantMatmul.K_SLICES
+                return RowInvariantForm.K_SLICES
     log.warning("no row-invariant form of a %dx%d %s matmul found: rows of this weight may differ "
                 "with the step's row count", out_features, in_features, dtype)
     return None
@@ -180,7 +180,7 @@ _TILES = (64, 16, 4, 1)
 class RowTiledLinear(ForwardWithoutHooks, nn.Module):
     """Row invariance where oneDNN's packed linear is not usable (a CPU without a oneDNN kernel
     for the dtype): `F.linear` on at most `tile` rows a call, a lone row multiplied as two (as
-    OneDNNLinear), `tile` the largest of 64, 16, 4 and 1 measured at start-up to give every row
+    OneDNNLinear), `tile` the largest of 64, 16, 4 and 1 probed at start-up to give every row
     the same bits for every row count (torch's own CPU kernels change blocking with the size)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):

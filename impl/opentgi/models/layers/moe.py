@@ -2,35 +2,23 @@
 
 Routing as the checkpoints' own code does it: the router's logits (in the model dtype), softmax
 in float32, the top k experts per token, their weights renormalised to sum to one (Mixtral always;
-Qwen3-MoE when `norm_topk_prob`), cast back to the model dtype. Renormalised, the weights are the
-softmax of the top k logits (the same numbers, to float32 rounding: two small ops instead of four).
-The router is tiny (experts x hidden): its logits are float32 sums of a row's products with each
-expert's weights, one elementwise product and one reduction (`RouterLogits`), rounded to the model
-dtype as a linear layer rounds them; as a oneDNN call it cost ~16 us of fixed overhead a layer.
+Qwen3-MoE when `norm_topk_prob`), cast back to the model dtype (computed as the softmax of the
+top k logits: the same numbers). The tiny router's logits are one elementwise product and one
+float32 reduction a row (`RouterLogits`), rounded to the model dtype as a linear layer rounds them.
 
 The step's (token, expert) pairs are then sorted by expert (one stable argsort), the expert counts
-read once, and every expert the step uses runs its gate/up projection over all of its tokens (a
-contiguous slice of the sorted rows); the activation runs once over every expert's rows, then each
-expert's down projection over its slice; the weighted outputs are scatter-added back to their
-tokens (`index_add_`). The Python loop is over the experts a step uses, never over tokens. A lone
-token (a single-stream decode step) skips the sort and the scatter: its k experts' weighted outputs
-are summed as `index_add_` sums them (on CPU: in float32, in the order of the sorted rows, that is
-by expert, rounded to the model dtype once).
+read once, and every expert the step uses runs its gate/up projection over its contiguous slice of
+the sorted rows, the activation once over all of them, then each expert's down projection; the
+weighted outputs are scatter-added back to their tokens (`index_add_`). The Python loop is over
+the experts a step uses, never over tokens. A lone token skips the sort and the scatter: its k
+experts' weighted outputs are summed as `index_add_` sums them (in expert order).
 
 A token's result does not depend on the step's other tokens (docs/determinism.md) when each
-expert's linears compute a row alike for every row count (their row-invariant forms,
-models/layers/linear.py): routing is per token (the router's reduction is per row), the activation
-elementwise, and `index_add_` sums a token's k contributions alone, in expert order, whoever else
-the experts saw.
+expert's linears are row invariant (models/layers/linear.py): routing is per token, the activation
+elementwise, and `index_add_` sums a token's k contributions alone, in expert order.
 
-LoRA adapters (`lora`, models/layers/expert_lora.py, attached by models/lora.py): in a step with
-adapter rows the router's logits get each token's adapter delta before the top k are chosen, and
-each expert's gate/up and down outputs the deltas of its rows' adapters, each adapter's computed on
-the expert's contiguous slice in the same loop and masked to that adapter's rows. Which adapters
-each expert's rows use is read in the same host sync as the counts; an expert runs only those. A
-step without adapter rows runs exactly the code above.
-
-With tensor parallelism each rank holds a slice of every expert's intermediate features (the
+LoRA adapters (`lora`, models/layers/expert_lora.py) add their deltas to the router's logits and
+each expert's outputs; a step without adapter rows runs exactly the code above. With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
 """
 

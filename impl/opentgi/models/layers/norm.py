@@ -7,7 +7,7 @@
   variance is x's mean square) with (1 + w) as its float32 weight, the first half kept: two ops
   (a `cat` and torch's fused `layer_norm`, which computes a bfloat16 row in float32 and rounds
   once) and a copy of the kept half, where `F.rms_norm` on CPU is a composite of about eight, with
-  two dtype conversions around it (a decode row: ~14 against ~22 us; Gemma 2 has four a layer).
+  two dtype conversions around it (faster for a decode row: docs/benchmarks.md).
   Rows are normed independently.
 - `LayerNorm` (StarCoder2): torch's, with its bias.
 """

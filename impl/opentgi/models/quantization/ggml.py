@@ -78,9 +78,9 @@ def _q4k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q6k(blocks: np.ndarray) -> torch.Tensor:
-    """Q6_K blocks [n, 210] -> float32 [n, 256]: gguf-py's steps in torch's ops (the same numbers;
-    2-3x faster than its numpy on 2 threads). Per block: 128 bytes of low nibbles, 64 of 2-bit
-    high parts, 16 int8 sub-block scales, the float16 d; w = (d * scale) * (q - 32)."""
+    """Q6_K blocks [n, 210] -> float32 [n, 256]: gguf-py's steps in torch's ops (the same numbers,
+    faster than its numpy). Per block: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8
+    sub-block scales, the float16 d; w = (d * scale) * (q - 32)."""
     n = blocks.shape[0]
     raw = torch.from_numpy(np.array(blocks[:, :208]))  # a writable copy (the file is mapped read-only)
     d = _f16(blocks, 208)[:, None] * raw[:, 192:208].view(torch.int8).float()  # [n, 16]

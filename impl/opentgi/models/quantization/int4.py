@@ -84,7 +84,7 @@ def _pack_for_cpu_blocks(values: torch.Tensor) -> torch.Tensor:
 _CPU_BLOCK_LAYOUT: list[bool] = []  # [whether _pack_for_cpu_blocks matches this torch's packer]
 
 
-def _cpu_block_layout_matches() -> bool:
+def cpu_block_layout_matches() -> bool:
     if not _CPU_BLOCK_LAYOUT:
         probe = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
         expected = torch._convert_weight_to_int4pack_for_cpu(probe.to(torch.int32), _CPU_LAYOUT_TILES)
@@ -94,7 +94,7 @@ def _cpu_block_layout_matches() -> bool:
 
 def pack_for_cpu(groups: Int4Groups) -> torch.Tensor:
     values = groups.values
-    if values.shape[0] % 64 == 0 and _cpu_block_layout_matches():
+    if values.shape[0] % 64 == 0 and cpu_block_layout_matches():
         return _pack_for_cpu_blocks(values)
     return torch._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), _CPU_LAYOUT_TILES)
 
@@ -150,7 +150,7 @@ class Int4Weight:
         parts = [self, *others]
         return (len({(p.group_size, p.in_features, p.device, p.scales_and_zeros.dtype) for p in parts}) == 1
                 and all(p.out_features % p._rows_per_tile() == 0 for p in parts)
-                and (self.device.type == "cuda" or _cpu_block_layout_matches()))
+                and (self.device.type == "cuda" or cpu_block_layout_matches()))
 
     @staticmethod
     def cat(parts: list[Int4Weight]) -> Int4Weight:

@@ -1,30 +1,25 @@
 """Dense copies of int4 weights for prompt rows.
 
 torch's CPU int4 kernel computes each row alike for any row count, but its cost grows with the
-rows: on the default model (120 int4 linears, 1 thread, side by side) 12 ms for 1 row against
-32 ms dense, 66 against 38 for 16 rows, 1000 against 428 for 256 rows. A prompt is many rows, a
-decode step few. So a row's kernel follows its kind (models/layers/row_kinds.py): generated rows
-take the int4 kernel, prompt rows a dense copy of the same weight in the serving dtype, multiplied
-by the row-invariant oneDNN form (models/layers/linear.py). Each kernel is row-invariant and a
-token's kind never changes, so a row's numbers stay independent of its step.
+rows faster than a dense matmul's: cheaper for a decode step's few rows, dearer for a prompt's many
+(docs/benchmarks.md). So a row's kernel follows its kind (models/layers/row_kinds.py): generated
+rows take the int4 kernel, prompt rows a dense copy of the same weight in the serving dtype,
+multiplied by the row-invariant oneDNN form (models/layers/linear.py). Each kernel is row-invariant
+and a token's kind never changes, so a row's numbers stay independent of its step.
 
 The copy holds the kernel's own weights, rounded once to the serving dtype: `dequantize_int4`
 unpacks the CPU layout and computes `(k - 8) * scale + zero` in float32 from the scales and zeros
 as the kernel holds them, checked against the kernel itself (the weight times an identity) at
-start-up. Dequantizing per step instead was measured too slow (the default model's 106 M int4
-weights: ~0.4 s a step on 1 thread, the cost of ~170 prompt rows), so the copies are kept, when
-all of them fit in `PROMPT_COPY_MAX_BYTES`: the default model's (202 MiB) do; a 1B model's
-(~2 GiB) do not, and it keeps one copy of each weight (its resident memory stays within 1.5x
-llama.cpp's on the same file, docs/benchmarks.md), its prompt rows through the int4 kernel.
+start-up. Dequantizing per step instead costs as much as many prompt rows, so the copies are kept
+when all of them fit in `PROMPT_COPY_MAX_BYTES`; a larger model keeps one copy of each weight (its
+resident memory: docs/benchmarks.md) and its prompt rows go through the int4 kernel.
 
 Batch invariance keeps generated rows on the int4 kernel whatever the step's size, and that
-kernel cannot be made fast for many rows without other bits (docs/determinism.md: it computes
-each output as one float32 multiply-add after another over the whole input, ~2x the bfloat16
-kernel's time from 16 rows on). `--nondeterministic` (`row_invariant` False) buys that back: a
-step of more than `NONDETERMINISTIC_INT4_MAX_ROWS` rows takes the dense copies for every row, as
-the server did before batch invariance. With `--speculate N` the int4 kernel keeps steps of up to
-N + 1 rows (`keep_int4_up_to`), so that a lone sequence's verify step computes what decoding its
-tokens one per step does.
+kernel cannot be made fast for many rows without other bits (docs/determinism.md).
+`--nondeterministic` (`row_invariant` False) buys that back: a step of more than
+`NONDETERMINISTIC_INT4_MAX_ROWS` rows takes the dense copies for every row. With `--speculate N`
+the int4 kernel keeps steps of up to N + 1 rows (`keep_int4_up_to`), so that a lone sequence's
+verify step computes what decoding its tokens one per step does.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ import torch
 from torch import nn
 
 from opentgi.models.layers.linear import OneDNNLinear
-from opentgi.models.quantization.int4 import Int4Weight, _cpu_block_layout_matches
+from opentgi.models.quantization.int4 import Int4Weight, cpu_block_layout_matches
 from opentgi.models.quantization.linear import QuantizedLinear
 
 PROMPT_COPY_MAX_BYTES = 256 << 20
@@ -57,7 +52,7 @@ def _through_kernel(weight: Int4Weight, columns: int, dtype: torch.dtype) -> tor
 def dequantize_int4(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weights [N, K] the CPU int4 kernel multiplies by, rounded to `dtype`."""
     n, k, g = weight.out_features, weight.in_features, weight.group_size
-    if n % 64 or not _cpu_block_layout_matches():  # another layout: the kernel itself, K rows
+    if n % 64 or not cpu_block_layout_matches():  # another layout: the kernel itself, K rows
         return _through_kernel(weight, k, dtype).contiguous()
     values = _unpack_cpu_blocks(weight).view(n, k // g, g).float()
     sz = weight.scales_and_zeros.float()  # [K / g, N, 2]
@@ -90,8 +85,8 @@ def add_prompt_copies(module: nn.Module, dtype: torch.dtype, row_invariant: bool
     for sub in linears:
         fmt = sub.weight_format
         with torch.inference_mode():
-            # elementwise work on one thread: 0.2-0.6 s for the default model, where 2 threads took
-            # 4-8 s on a 2-core machine with other work on the other core
+            # elementwise work on one thread: an OpenMP team waits for descheduled threads on a
+            # busy machine (as single_thread_cat.py)
             torch.set_num_threads(1)
             try:
                 dense = dequantize_int4(fmt, dtype)
