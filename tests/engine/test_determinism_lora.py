@@ -1,4 +1,4 @@
-"""Batch invariance with LoRA adapters (models/lora.py, docs/determinism.md): a projection's rows
+"""Batch invariance with LoRA adapters (models/lora/, docs/determinism.md): a projection's rows
 keep their bits whatever the step's other rows, their adapters (or none), its row count and a row's
 position, in bfloat16 and float32 on 1 and 2 threads; a base row keeps the bits of a step without
 adapter rows; through the engine, a request with an adapter gets the same tokens and logprobs alone

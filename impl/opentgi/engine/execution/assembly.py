@@ -200,5 +200,5 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
 def batch_invariant(loaded) -> bool:
     """Whether a request's numbers do not depend on the rest of its batch (docs/determinism.md):
     the paged model built batch-invariant (the default on CPU; its LoRA adapters, if any, then take
-    their row-invariant forms, models/lora.py)."""
+    their row-invariant forms, models/lora/)."""
     return bool(getattr(getattr(loaded, "model", None), "batch_invariant", False))

@@ -50,7 +50,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.spec, num_blocks, block_size)
         self._pad_block = -1 if self.device.type == "cpu" else 0
-        self.lora = getattr(model, "lora", None)  # models/lora.py LoraState when adapters are loaded
+        self.lora = getattr(model, "lora", None)  # models/lora/ LoraState when adapters are loaded
         self.kernels_by_row_kind = bool(getattr(model, "kernels_by_row_kind", False))
 
     def free(self, seq: Sequence) -> None:

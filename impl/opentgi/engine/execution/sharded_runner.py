@@ -3,7 +3,7 @@
 Rank 0 (the driver, which owns the scheduler and the block manager) builds each step's tensors as
 the single-shard runner does and broadcasts them: a fixed header of sizes, then one int64 payload
 (input ids, positions, slot mapping, cu_seqlens_q/k, context lens, block tables, each row's LoRA
-adapter slot (-1: the base model; models/lora.py) and, where the model picks kernels by row kind,
+adapter slot (-1: the base model; models/lora/) and, where the model picks kernels by row kind,
 its count of prompt tokens (models/layers/row_kinds.py), the positions to sample from (each sample
 row's last one, and with speculative decoding its drafts'), and the rows to return position
 logits for and to score). Every rank runs its shard of the forward pass on them, each row with
