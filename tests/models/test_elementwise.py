@@ -43,7 +43,7 @@ def test_a_gate_rows_activation_is_its_alone_at_any_batch_size(act, dtype, num_t
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 5, 7])
-def test_a_sigmoid_over_whole_vectors_gives_each_row_its_bits_alone(num_threads, threads):
+def test_a_sigmoid_on_a_padded_copy_gives_each_row_its_bits_alone(num_threads, threads):
     threads(num_threads)
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(120, 1000, generator=gen).bfloat16()  # 1000 logits a row: no whole steps
