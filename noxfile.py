@@ -1,6 +1,8 @@
 """Development sessions. `python3 -m pip install nox` once; then `python3 -m nox -s NAME`.
 
-  tests        the whole suite: generated code fresh, unit tests, conformance, the slow end-to-end test
+  tests        the fast tier: unit tests, the API in process, tiny-model engines, a schemathesis smoke run
+               (everything not marked `slow`, property tests on the `fast` hypothesis profile)
+  ci           what CI runs (.ci/run): lint, generated code fresh, then every test of both suites
   conformance  schemathesis over every document in openapi/ and the real-client tests only
   codegen      regenerate impl/opentgi/schemas/ from openapi/ (`-- --check`: fail when stale)
   lint         ruff, and every OpenAPI document validated
@@ -15,7 +17,7 @@ from __future__ import annotations
 import nox
 
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["tests"]
 
 # The CPU torch wheel (constraints.txt) keeps development and CI off the multi-GB CUDA build.
 CONSTRAINTS = ("-c", "constraints.txt")
@@ -36,15 +38,23 @@ def install(session: nox.Session, extras: str = "") -> None:
 
 def install_browser(session: nox.Session) -> None:
     """Debian's chromium + chromium-driver for the chat page's browser test, when missing and apt-get
-    can be used (root). Never fatal: without a browser that test is skipped and says why (-rs)."""
+    can be used (root), tried at most once per machine (a marker file remembers the attempt). Never
+    fatal: without a browser that test is skipped and says why (-rs)."""
     import os
     import shutil
+    from pathlib import Path
 
     if shutil.which("chromium") and shutil.which("chromedriver"):
         return
     if not shutil.which("apt-get") or not hasattr(os, "geteuid") or os.geteuid() != 0:
         session.log("no chromium/chromedriver and no apt-get as root: the browser test will be skipped")
         return
+    marker = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "opentgi" / "apt-chromium-tried"
+    if marker.exists():
+        session.log(f"apt-get already tried to install chromium on this machine ({marker}): not again")
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     env = {"DEBIAN_FRONTEND": "noninteractive"}
     ok = range(256)  # a failed install is reported by the skipped test, not by failing the session
     session.run("apt-get", "update", "-qq", external=True, env=env, success_codes=ok)
@@ -52,14 +62,30 @@ def install_browser(session: nox.Session) -> None:
                 external=True, env=env, success_codes=ok)
 
 
+def pytest_args() -> tuple[str, ...]:
+    """Both tiers: both suites over the machine's cores, the 25 slowest tests printed at the end (the
+    next slow test shows the day it lands), tests of the default model grouped on one worker."""
+    return ("-p", "no:cacheprovider", "-rs", "--durations=25", *workers(), "--dist", "loadgroup")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Everything CI checks, in one environment: stale generated code fails first."""
+    """The fast tier (<= 5 minutes on 2 cores): every test not marked `slow`, hypothesis and
+    schemathesis on the `fast` profile's budget."""
     install(session, "test,dev")
-    install_browser(session)
+    session.run("python", "-m", "pytest", *pytest_args(), "-m", "not slow", "--hypothesis-profile=fast",
+                "tests", "conformance", *session.posargs, env=OFFLINE)
+
+
+@nox.session
+def ci(session: nox.Session) -> None:
+    """Everything CI checks, in one environment (<= 15 minutes on 2 cores): lint, stale generated code,
+    then every test of both suites, the slow ones included."""
+    install(session, "test,dev")
+    run_lint(session)
     session.run("python", "-m", "codegen", "--check")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-rs", *workers(), "tests", "conformance",
-                *session.posargs, env=OFFLINE)
+    install_browser(session)
+    session.run("python", "-m", "pytest", *pytest_args(), "tests", "conformance", *session.posargs, env=OFFLINE)
 
 
 def workers() -> tuple[str, ...]:
@@ -74,8 +100,7 @@ def workers() -> tuple[str, ...]:
 @nox.session
 def conformance(session: nox.Session) -> None:
     install(session, "test,dev")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *workers(), "conformance",
-                *session.posargs, env=OFFLINE)
+    session.run("python", "-m", "pytest", *pytest_args(), "conformance", *session.posargs, env=OFFLINE)
 
 
 @nox.session
@@ -87,7 +112,11 @@ def codegen(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install(*CONSTRAINTS, "ruff>=0.6", "openapi-spec-validator>=0.7", "pyyaml")
-    session.run("ruff", "check", "impl", "tests", "conformance", "codegen", "noxfile.py")
+    run_lint(session)
+
+
+def run_lint(session: nox.Session) -> None:
+    session.run("ruff", "check", "impl", "tests", "conformance", "codegen", "conftest.py", "noxfile.py")
     session.run("python", "-m", "codegen.validate")
 
 

@@ -14,9 +14,6 @@ import anthropic
 import pytest
 import torch
 
-from conformance.live import free_port, serve
-from opentgi.config import Settings
-
 torch.set_num_threads(1)
 
 # The SDK's typed arguments no longer include the sampling parameters the API still takes.
@@ -107,26 +104,24 @@ def test_errors_are_the_sdks_typed_errors(client):
 
 
 @pytest.mark.slow
-def test_default_model_knows_the_capital_of_france():
-    settings = Settings(model_id=None, device="cpu", hostname="127.0.0.1", port=free_port(),
-                        max_input_tokens=512, max_total_tokens=640, max_batch_total_tokens=4096)
+def test_default_model_knows_the_capital_of_france(default_server):
+    base = default_server
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    with serve(settings) as base:
-        client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=300)
-        with client.messages.stream(model="claude-test", max_tokens=30, extra_body=GREEDY, messages=question) as stream:
-            streamed = "".join(stream.text_stream)
-        # asked again, the prompt comes from the prefix cache: batch-invariant serving gives the same answer
-        message = client.messages.create(model="claude-test", max_tokens=30, extra_body=GREEDY, messages=question)
-        counted = client.messages.count_tokens(model="claude-test", messages=question)
-        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-        called = client.messages.create(model="claude-test", max_tokens=60, messages=ask, tools=[WEATHER],
-                                        tool_choice={"type": "any"}, extra_body=GREEDY)
-        (call,) = [block for block in called.content if block.type == "tool_use"]
-        ask += [{"role": "assistant", "content": called.content},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18C, sunny"}]}]
-        with client.messages.stream(model="claude-test", max_tokens=30, messages=ask, tools=[WEATHER],
-                                    extra_body=GREEDY) as stream:
-            answered = stream.get_final_message()
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=300)
+    with client.messages.stream(model="claude-test", max_tokens=30, extra_body=GREEDY, messages=question) as stream:
+        streamed = "".join(stream.text_stream)
+    # asked again, the prompt comes from the prefix cache: batch-invariant serving gives the same answer
+    message = client.messages.create(model="claude-test", max_tokens=30, extra_body=GREEDY, messages=question)
+    counted = client.messages.count_tokens(model="claude-test", messages=question)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.messages.create(model="claude-test", max_tokens=60, messages=ask, tools=[WEATHER],
+                                    tool_choice={"type": "any"}, extra_body=GREEDY)
+    (call,) = [block for block in called.content if block.type == "tool_use"]
+    ask += [{"role": "assistant", "content": called.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18C, sunny"}]}]
+    with client.messages.stream(model="claude-test", max_tokens=30, messages=ask, tools=[WEATHER],
+                                extra_body=GREEDY) as stream:
+        answered = stream.get_final_message()
     assert "Paris" in streamed
     assert message.content[0].type == "text" and counted.input_tokens == message.usage.input_tokens
     assert message.content[0].text == streamed

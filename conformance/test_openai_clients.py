@@ -422,12 +422,10 @@ def test_completions_suffix_fill_in_the_middle():
 
 
 @pytest.mark.slow
-def test_default_model_knows_the_capital_of_france():
-    settings = Settings(model_id=None, device="cpu", hostname="127.0.0.1", port=free_port(),
-                        max_input_tokens=512, max_total_tokens=640, max_batch_total_tokens=4096)
-    with serve(settings) as base:
-        chat = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
-        out = chat.chat.completions.create(
-            model="tgi", messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=30, temperature=0)
+def test_default_model_knows_the_capital_of_france(default_server):
+    base = default_server
+    chat = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = chat.chat.completions.create(
+        model="tgi", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=30, temperature=0)
     assert "Paris" in out.choices[0].message.content

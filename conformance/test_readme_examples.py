@@ -13,9 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conformance.live import free_port, serve
-from opentgi.config import Settings
-
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_BASE = "localhost:8080"
 
@@ -114,14 +111,6 @@ def answer_text(body) -> str:
         return text[0] if isinstance(text, list) else text
     choice = body["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
-
-
-@pytest.fixture(scope="module")
-def default_server():
-    settings = Settings(model_id=None, device="cpu", hostname="127.0.0.1", port=free_port(),
-                        max_batch_total_tokens=4096)
-    with serve(settings) as base:
-        yield base
 
 
 @pytest.mark.slow

@@ -15,9 +15,6 @@ import openai
 import pytest
 import torch
 
-from conformance.live import free_port, serve
-from opentgi.config import Settings
-
 torch.set_num_threads(1)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city now",
@@ -95,18 +92,16 @@ def test_bad_input_is_the_sdks_typed_error(client):
 
 
 @pytest.mark.slow
-def test_default_model_knows_the_capital_of_france():
-    settings = Settings(model_id=None, device="cpu", hostname="127.0.0.1", port=free_port(),
-                        max_input_tokens=512, max_total_tokens=640, max_batch_total_tokens=4096)
-    with serve(settings) as base:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
-        out = client.responses.create(model="tgi", input="What is the capital of France?", max_output_tokens=30,
-                                      temperature=0)
-        follow_up = client.responses.create(model="tgi", input="And of Italy?", previous_response_id=out.id,
-                                            max_output_tokens=30, temperature=0)
-        with client.responses.stream(model="tgi", input="What is the weather in Paris?", tools=[WEATHER],
-                                     tool_choice="required", max_output_tokens=60, temperature=0) as stream:
-            called = stream.get_final_response()
+def test_default_model_knows_the_capital_of_france(default_server):
+    base = default_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    out = client.responses.create(model="tgi", input="What is the capital of France?", max_output_tokens=30,
+                                  temperature=0)
+    follow_up = client.responses.create(model="tgi", input="And of Italy?", previous_response_id=out.id,
+                                        max_output_tokens=30, temperature=0)
+    with client.responses.stream(model="tgi", input="What is the weather in Paris?", tools=[WEATHER],
+                                 tool_choice="required", max_output_tokens=60, temperature=0) as stream:
+        called = stream.get_final_response()
     assert "Paris" in out.output_text
     assert follow_up.usage.input_tokens_details.cached_tokens > 0 and follow_up.output_text
     (call,) = [item for item in called.output if item.type == "function_call"]

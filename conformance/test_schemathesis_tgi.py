@@ -2,7 +2,9 @@
 
 Each document is served where the app mounts it (`opentgi.api.app.mounts_for`), so the documents the
 other dialects add are picked up here without editing this file. All of schemathesis' default
-checks run, with a fixed seed and a bounded number of examples.
+checks run, with a fixed seed and a bounded number of examples: 15 per operation and every phase
+(examples, coverage, fuzzing, stateful) under the `ci` hypothesis profile; under `fast` (the fast
+tier) a fifth of the examples and no coverage phase, whose case count no budget bounds.
 
 Two adjustments, for the test run only (the documents are not changed):
   * Before OpenAPI 3.2, schemathesis reads a `text/event-stream` schema as one event
@@ -28,11 +30,12 @@ import yaml
 from schemathesis.config import SchemathesisConfig
 
 from opentgi.api.app import mounts_for
+from tests.helpers.hypothesis_profiles import examples, smoke
 
 OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
 SSE = "text/event-stream"
 DONE_SENTINEL = "[DONE]"
-MAX_EXAMPLES = 15
+MAX_EXAMPLES = examples(15)
 SEED = 20240718
 
 
@@ -152,7 +155,8 @@ def schemathesis_config(base_url: str, accepted: list[str], *, stateful: bool = 
         "base-url": base_url,
         "request-timeout": 60,
         "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
-        "phases": {"stateful": {"enabled": stateful}},
+        "phases": {"examples": {"enabled": True}, "coverage": {"enabled": not smoke()},
+                   "fuzzing": {"enabled": True}, "stateful": {"enabled": stateful}},
         "checks": {"positive_data_acceptance": {"expected-statuses": DEFAULT_ACCEPTED + accepted}},
     })
 
@@ -180,7 +184,7 @@ def _operation_tests(document: Path):
     return test_operation
 
 
-STATEFUL_EXAMPLES = 8
+STATEFUL_EXAMPLES = examples(8)
 STATEFUL_STEPS = 4
 
 

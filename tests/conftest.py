@@ -1,5 +1,5 @@
-"""Shared fixtures: the tiny test models (see tests/helpers/tiny_models.py), one thread for torch, and the
-hypothesis profiles of the property tests (tests/helpers/hypothesis_profiles.py: `ci` by default, `deep`)."""
+"""Shared fixtures: the tiny test models (see tests/helpers/tiny_models.py), one thread for torch.
+The hypothesis profiles and the default-model fixtures live in the root conftest.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import hypothesis_profiles, tiny_models  # noqa: F401 - registers the profiles
+from tests.helpers import tiny_models
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 

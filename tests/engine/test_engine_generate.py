@@ -426,9 +426,9 @@ async def test_stop_fails_requests_in_flight(llama, prompts):
 
 
 @pytest.mark.slow
-async def test_default_model_greedy_equals_generate():
+async def test_default_model_greedy_equals_generate(default_model):
     """The real default model (SmolLM2-135M-Instruct): chat prompt, chunked prefill, warm prefix."""
-    loaded = load_model(Settings())
+    loaded = default_model(dtype="float32")
     hf = load_transformers_model(loaded.folder, torch.float32)
     tok = loaded.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],

@@ -45,13 +45,13 @@ NEAR_TIE = 0.25
 
 
 @pytest.mark.slow
-def test_default_model_bfloat16_greedy_agrees_with_float32_except_near_ties():
+def test_default_model_bfloat16_greedy_agrees_with_float32_except_near_ties(default_model):
     """Teacher-forced on float32's greedy continuation of each prompt: bfloat16's greedy token is
     float32's at every position where float32's top-two margin is at least NEAR_TIE. Measured:
     4 near-tie flips in 192 positions (margins 0.03-0.17), after which the free-running texts part."""
     from tests.helpers.paged import PagedRunner
 
-    m32, m16 = loader.load_model(Settings(dtype="float32")), loader.load_model(Settings(dtype="bfloat16"))
+    m32, m16 = default_model(dtype="float32"), default_model(dtype="bfloat16")
     assert m16.spec.dtype == torch.bfloat16
     tok = m32.tokenizer
     checked = flips = 0

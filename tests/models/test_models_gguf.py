@@ -84,12 +84,12 @@ def test_a_broken_gguf_is_refused_clearly(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_is_read_from_its_gguf(tmp_path):
+def test_default_model_is_read_from_its_gguf(default_model):
     """No --model-id: SmolLM2-135M-Instruct's GGUF read as it is; the logits agree with
     transformers' own GGUF import (float32), and a second start reuses the cached tokenizer."""
     from opentgi.models.checkpoints.default_model import default_gguf_path
 
-    loaded = load_model(Settings(cache_dir=str(tmp_path), dtype="float32"))
+    loaded = default_model(dtype="float32")
     assert loaded.kind == "paged" and loaded.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert loaded.eos_token_ids == [2, 0] and loaded.tokenizer.eos_token == "<|im_end|>"
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
@@ -97,7 +97,7 @@ def test_default_model_is_read_from_its_gguf(tmp_path):
     want = _reference_logits(default_gguf_path(), prompt)[-1]
     paged = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
     torch.testing.assert_close(paged, want, atol=2e-3, rtol=2e-3)
-    again = load_model(Settings(cache_dir=str(tmp_path), dtype="float32"))
+    again = load_model(Settings(cache_dir=default_model.cache_dir, dtype="float32"))
     assert again.tokenizer(["Hello world"])["input_ids"] == loaded.tokenizer(["Hello world"])["input_ids"]
 
 

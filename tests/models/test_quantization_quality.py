@@ -10,9 +10,7 @@ import math
 
 import pytest
 
-from opentgi.config import Settings
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.models.loader import load_model
 from tests.helpers.engine import generate, running
 
 TEXT = (
@@ -70,11 +68,10 @@ async def served_perplexity(loaded) -> float:
 
 
 @pytest.mark.slow
-async def test_int8_perplexity_is_within_one_percent_of_bfloat16(tmp_path):
-    settings = dict(dtype="bfloat16", cache_dir=str(tmp_path))
-    int4 = await served_perplexity(load_model(Settings(**settings)))  # the file's own Q4_1, int4 kernel
-    int8 = await served_perplexity(load_model(Settings(quantize="int8", **settings)))
-    bfloat16 = await served_perplexity(load_model(Settings(dequantize=True, **settings)))  # all dense
+async def test_int8_perplexity_is_within_one_percent_of_bfloat16(default_model):
+    int4 = await served_perplexity(default_model(dtype="bfloat16"))  # the file's own Q4_1, int4 kernel
+    int8 = await served_perplexity(default_model(dtype="bfloat16", quantize="int8"))
+    bfloat16 = await served_perplexity(default_model(dtype="bfloat16", dequantize=True))  # all dense
     print(f"perplexity: bfloat16 {bfloat16:.3f}, int8 {int8:.3f}, the GGUF's int4 {int4:.3f}")
     assert abs(int8 / bfloat16 - 1) < 0.01
     assert abs(int4 / bfloat16 - 1) < 0.01  # Q4_1's values, bfloat16 scales: the same weights

@@ -1,0 +1,59 @@
+"""Fixtures both suites (tests/ and conformance/) share: the real default model, loaded once per
+test process for each setting it is asked in, and one live server on it.
+
+Every test that uses them is marked `slow` (the `ci` tier, not `nox -s tests`) and put in the
+`default-model` xdist group, so one worker loads the default model and every such test runs there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.helpers import hypothesis_profiles  # noqa: F401 - registers the profiles
+
+DEFAULT_MODEL_FIXTURES = {"default_model", "default_server"}
+DEFAULT_MODEL_GROUP = "default-model"
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory) -> Callable:
+    """`default_model(**settings)`: the default model (SmolLM2-135M-Instruct's GGUF) loaded with these
+    Settings fields, once per process; one cache dir for the whole session."""
+    from opentgi.config import Settings
+    from opentgi.models.loader import load_model
+
+    cache_dir = str(tmp_path_factory.mktemp("opentgi-cache"))
+    loaded: dict = {}
+
+    def load(**settings):
+        key = tuple(sorted(settings.items()))
+        if key not in loaded:
+            loaded[key] = load_model(Settings(cache_dir=cache_dir, **settings))
+        return loaded[key]
+
+    load.cache_dir = cache_dir
+    return load
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model) -> Iterator[str]:
+    """The base URL of one server on the default model with its default limits (what `opentgi serve`
+    starts with no flags), shared by every test of the process that needs one."""
+    from conformance.live import free_port, serve
+    from opentgi.config import Settings
+
+    settings = Settings(model_id=None, device="cpu", hostname="127.0.0.1", port=free_port(),
+                        max_batch_total_tokens=4096, cache_dir=default_model.cache_dir)
+    with serve(settings) as base:
+        yield base
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+        if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(DEFAULT_MODEL_GROUP))
