@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conformance.conftest import LIVE_MAX_INPUT_TOKENS, LIVE_MAX_TOTAL_TOKENS
 from conformance.live import free_port, serve
 from opentgi.config import Settings
+
+pytestmark = pytest.mark.slow  # a nested pytest run against a server of another process
 
 ROOT = Path(__file__).resolve().parents[1]
 

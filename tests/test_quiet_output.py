@@ -15,6 +15,8 @@ import pytest
 
 from conformance.live import free_port, wait_until_healthy
 
+pytestmark = pytest.mark.slow  # a real `opentgi serve` process and the signals that stop it
+
 # configure_logging's format: "2026-11-24 03:01:23,934 INFO opentgi.request: ..."
 OUR_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR) (opentgi|uvicorn)[\w.]*: ")
 

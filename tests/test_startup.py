@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conformance.live import free_port, wait_until_healthy
 from tests.helpers import tiny_models
+
+pytestmark = pytest.mark.slow  # `text-generation-launcher` as a real process: its start-up and its output
 
 ROOT = Path(__file__).resolve().parents[1]
 # `nox -s serve` installs the package alone, without httpx2 (which only the test extra's openai pulls

@@ -17,6 +17,8 @@ import pytest
 
 from conformance.live import free_port, wait_until_healthy
 
+pytestmark = pytest.mark.slow  # SIGTERM to a real `opentgi serve` process
+
 SHUTDOWN_TIMEOUT_S = 3.0
 
 

@@ -154,6 +154,7 @@ def _rank(rank: int, world: int, init: str, result: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two ranks: processes that talk over gloo
 def test_two_ranks_match_one(tmp_path):
     for name in CASES:  # built before the ranks start, so that they do not race to build
         case(name)
@@ -201,6 +202,7 @@ def _greedy(url: str, prompt: str, adapter: str | None) -> list[int]:
     return [t["id"] for t in response.json()["details"]["tokens"]]
 
 
+@pytest.mark.slow  # two ranks: processes that talk over gloo
 def test_a_two_shard_server_serves_each_requests_adapter():
     """Requests of a, b and the base model at once (batched together, the long prompt chunked):
     the tokens of one shard, each adapter's own; /info lists the adapters as one shard does."""

@@ -180,6 +180,7 @@ def _greedy_tokens(url: str, prompt: str, max_new_tokens: int) -> list[int]:
     return [t["id"] for t in response.json()["details"]["tokens"]]
 
 
+@pytest.mark.slow  # a 2-rank server: processes that talk over gloo
 def test_greedy_batch_matches_one_shard(sharded, single):
     def batch(url):  # all at once: mixed-length prompts batched together, long ones chunked
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -190,6 +191,7 @@ def test_greedy_batch_matches_one_shard(sharded, single):
     assert got[:len(PROMPTS)] == got[len(PROMPTS):]  # the repeats ran on cached prefixes
 
 
+@pytest.mark.slow  # a 2-rank server: processes that talk over gloo
 def test_seeded_sampling_reproduces(sharded):
     body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 16, "do_sample": True,
                                                          "temperature": 1.5, "seed": 1234, "details": True}}
@@ -223,12 +225,14 @@ def _route_answers(url: str) -> dict:
     return answers
 
 
+@pytest.mark.slow  # a 2-rank server: processes that talk over gloo
 def test_every_route_answers_as_one_shard(sharded, single):
     got = _route_answers(sharded.url)
     assert got == _route_answers(single)
     assert len(got["/generate_stream"]) == 8 and got["/generate"]
 
 
+@pytest.mark.slow  # a 2-rank server: processes that talk over gloo
 def test_info_and_metrics(sharded, single):
     info = httpx.get(f"{sharded.url}/info").json()
     assert {k: v for k, v in info.items()} == httpx.get(f"{single}/info").json()
@@ -240,6 +244,7 @@ def test_info_and_metrics(sharded, single):
     assert re.search(r"^tgi_batch_current_size 0(\.0)?$", metrics, re.M)
 
 
+@pytest.mark.slow  # a 2-rank server: processes that talk over gloo
 def test_killed_rank_makes_the_server_exit(sharded):
     """Runs last: it breaks the shared server. A rank killed -> unhealthy, a clear message, a
     non-zero exit within seconds, no process left."""
@@ -265,6 +270,7 @@ def _scores(url: str) -> list[float]:
     return [r.json()["score"] for r in replies]
 
 
+@pytest.mark.slow  # a 2-rank server: processes that talk over gloo
 def test_env_rendezvous_hung_rank_and_no_orphans(tiny_reward):
     """Ranks started one by one with torch's env:// variables (as deploy/kubernetes/multi-node does):
     rank 0 serves, rank 1 only computes; a reward model's /get_score (LightLLM) scores as one shard.
@@ -298,6 +304,7 @@ def test_env_rendezvous_hung_rank_and_no_orphans(tiny_reward):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # a 2-rank server: processes that talk over gloo
 def test_start_up_error_on_another_rank_is_reported_once(tiny_llama):
     """Rank 1 cannot load its model (rank 0 can): rank 0 reports rank 1's error once and both exit."""
     master_port = free_port()

@@ -6,6 +6,7 @@ Gemma3ForConditionalGeneration's text tower (its tensors renamed as they are rea
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import AutoConfig
@@ -53,6 +54,7 @@ def _rank(rank: int, world: int, init: str, result: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two ranks: processes that talk over gloo
 def test_two_ranks_match_one(tmp_path):
     for family in FAMILIES:  # built before the ranks start, so that they do not race to build
         _checkpoint(family)

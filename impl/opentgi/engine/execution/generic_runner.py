@@ -17,7 +17,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from opentgi.engine.execution.model_runner import StepOutput, _score_value
+from opentgi.engine.execution.model_runner import StepOutput, score_value
 from opentgi.engine.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,8 @@ class GenericRunner:
             result = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
                                 output_hidden_states=True)
             self.caches[seq.seq_id] = result.past_key_values
-            return _score_value(self._compute_score(result.hidden_states[-1][0, -1:])) if last_chunk else None
+            return score_value(self._compute_score(result.hidden_states[-1][0, -1:])) if last_chunk else None
         # *ForSequenceClassification: logits [1, num_labels] at the chunk's last (non-pad) token
         result = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         self.caches[seq.seq_id] = result.past_key_values
-        return _score_value(result.logits[0]) if last_chunk else None
+        return score_value(result.logits[0]) if last_chunk else None

@@ -29,7 +29,7 @@ class StepOutput:
     scores: dict[int, float] = field(default_factory=dict)  # row -> reward model score
 
 
-def _score_value(score: torch.Tensor) -> float:
+def score_value(score: torch.Tensor) -> float:
     return float(score.float().reshape(-1)[0].item())
 
 
@@ -138,5 +138,5 @@ class ModelRunner:
         for r in logit_rows:
             out.position_logits[r] = self.model.compute_logits(hidden[cu_q[r]:cu_q[r + 1]])
         for r in score_rows:
-            out.scores[r] = _score_value(self.model.compute_score(hidden[cu_q[r + 1] - 1:cu_q[r + 1]]))
+            out.scores[r] = score_value(self.model.compute_score(hidden[cu_q[r + 1] - 1:cu_q[r + 1]]))
         return out

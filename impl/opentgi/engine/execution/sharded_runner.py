@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from opentgi.engine.execution.model_runner import ModelRunner, StepOutput, _score_value, sample_positions
+from opentgi.engine.execution.model_runner import ModelRunner, StepOutput, score_value, sample_positions
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.layers.row_kinds import step_row_kinds
 
@@ -117,7 +117,7 @@ class ShardedModelRunner(ModelRunner):
         for r in logit_rows:
             out.position_logits[r] = self._logits(hidden[cu_q[r]:cu_q[r + 1]])
         for r in score_rows:  # the score head is replicated: every rank computes it, rank 0 reports
-            out.scores[r] = _score_value(self.model.compute_score(hidden[cu_q[r + 1] - 1:cu_q[r + 1]]))
+            out.scores[r] = score_value(self.model.compute_score(hidden[cu_q[r + 1] - 1:cu_q[r + 1]]))
         return out if self.tp.is_driver else None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
