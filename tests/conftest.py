@@ -39,6 +39,27 @@ def smollm2_tokenizer(smollm2_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf_tokenizers(tmp_path_factory) -> Path:
+    """The tiny GGUF's tokenizer, extracted from the file once per session (the slow part of a first
+    start) into an opentgi cache dir's `tokenizers/`."""
+    from opentgi.models.checkpoints.gguf_tokenizer import cached_gguf_tokenizer
+
+    root = tmp_path_factory.mktemp("gguf-tokenizers")
+    cached_gguf_tokenizer(tiny_models.tiny_gguf_path(), root)
+    return root / "tokenizers"
+
+
+@pytest.fixture
+def gguf_cache(tmp_path, tiny_gguf_tokenizers) -> Path:
+    """A fresh opentgi cache dir for one test (its packed layers are the test's own), holding the
+    tiny GGUF's tokenizer already."""
+    import shutil
+
+    shutil.copytree(tiny_gguf_tokenizers, tmp_path / "tokenizers")
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama() -> Path:
     return tiny_models.tiny_llama_path()
 
