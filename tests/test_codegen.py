@@ -82,6 +82,7 @@ def test_every_document_has_its_module_and_copy():
         assert (SCHEMAS_DIR / "openapi" / doc.path.name).read_bytes() == doc.path.read_bytes()
 
 
+@pytest.mark.slow  # regenerates every document twice
 def test_modified_spec_is_detected_as_stale(tmp_path):
     spec_dir, schemas_dir = _copy_tree(tmp_path)
     assert stale_files(schemas_dir, spec_dir) == []
@@ -90,6 +91,7 @@ def test_modified_spec_is_detected_as_stale(tmp_path):
     assert stale_files(schemas_dir, spec_dir) == ["stale: openapi/tgi.json", "stale: tgi.py"]
 
 
+@pytest.mark.slow  # regenerates every document twice
 def test_missing_and_extra_files_are_reported(tmp_path):
     spec_dir, schemas_dir = _copy_tree(tmp_path)
     (spec_dir / "sample.yaml").write_text(SAMPLE_YAML)
