@@ -10,6 +10,7 @@ and 3 query heads per kv head, where float32 attention on 2 threads differed wit
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,9 +21,16 @@ from opentgi.cli import build_parser, inference_mode_line, settings_from
 from opentgi.config import Settings
 from opentgi.engine.execution.assembly import batch_invariant
 from opentgi.models.families import decoder as decoder_family
+from opentgi.models.layers import linear as linear_module
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
 from opentgi.models.loader import load_model
 from tests.helpers import tiny_models
+from tests.helpers.cpu_kernels import (
+    needs_onednn,
+    onednn_serves,
+    served_linear_class,
+    torch_runs_avx512_kernels,
+)
 from tests.helpers.determinism import NEW_TOKENS, OTHERS, TARGET, alone, loaded_model, run_target
 from tests.helpers.hypothesis_profiles import examples
 
@@ -98,20 +106,32 @@ def test_bfloat16_without_onednn_through_row_tiled_linears(model_path, monkeypat
     assert asyncio.run(run_target(loaded, TARGET, warmup=TARGET, chunked_prefill_tokens=7)) == reference
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_linear_gives_a_row_the_same_bits_for_every_row_count(dtype):
+_LINEAR_CASES = [
+    pytest.param(torch.float32, OneDNNLinear, marks=needs_onednn(torch.float32)),
+    pytest.param(torch.bfloat16, OneDNNLinear, marks=needs_onednn(torch.bfloat16)),
+    (torch.float32, RowTiledLinear),  # where oneDNN has no kernel for the dtype (any CPU runs it)
+    (torch.bfloat16, RowTiledLinear),
+]
+
+
+@pytest.mark.parametrize(("dtype", "cls"), _LINEAR_CASES)
+def test_a_linear_gives_a_row_the_same_bits_for_every_row_count(dtype, cls):
     torch.manual_seed(0)
     weight = (torch.randn(64, 1536) * 0.03).to(dtype)
     x = torch.randn(96, 1536).to(dtype)
-    plain, invariant = OneDNNLinear(weight), OneDNNLinear(weight)
-    plain.min_rows = 1  # the kernel as it is, every row count
-    assert invariant.make_row_invariant(weight) is not None
+    invariant = cls(weight)
+    if cls is OneDNNLinear:
+        assert invariant.make_row_invariant(weight) is not None
     with torch.inference_mode():
         reference = invariant(x)
         for count in (1, 2, 3, 4, 5, 8, 17, 64):
             for start in range(0, 96 - count + 1, count):
                 assert torch.equal(invariant(x[start:start + count]), reference[start:start + count])
-        if dtype == torch.float32:  # without it, a lone row differs (a test that can fail)
+        # without the padding, oneDNN's AVX-512 kernels give a lone float32 row of K > 1024 other
+        # bits (a test that can fail); its AVX2 kernel gives that row the same bits either way
+        if cls is OneDNNLinear and dtype == torch.float32 and torch_runs_avx512_kernels():
+            plain = OneDNNLinear(weight)
+            plain.min_rows = 1  # the kernel as it is, every row count
             assert not torch.equal(plain(x[:1]), plain(x[:2])[:1])
 
 
@@ -127,15 +147,25 @@ def test_a_lone_decode_row_is_multiplied_as_four_and_keeps_its_bits(model_path, 
             _MOE[family] = load_model(Settings(model_id=str(tiny_models.tiny_family_path(family)), dtype="bfloat16"))
         loaded = _MOE[family]
     among_others = asyncio.run(run_target(loaded, TARGET, OTHERS, position=7, stagger=True))
-    real, rows = torch.ops.mkldnn._linear_pointwise, []
+    onednn = onednn_serves(torch.bfloat16)
+    # without oneDNN's bfloat16 kernel (this CPU lacks its instructions): row-tiled F.linear
+    real, rows = torch.ops.mkldnn._linear_pointwise if onednn else torch.nn.functional.linear, []
 
     def record(x, *args):
         rows.append(x.shape[0])
         return real(x, *args)
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", record)
+    if onednn:
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", record)
+    else:
+        monkeypatch.setattr(linear_module, "F", SimpleNamespace(linear=record))
     assert asyncio.run(run_target(loaded, TARGET)) == among_others
-    assert rows.count(4) >= NEW_TOKENS and min(rows) == 4
+    if onednn:
+        assert rows.count(4) >= NEW_TOKENS and min(rows) == 4
+    else:  # a lone row multiplied as two (where the measured tile is more than one row)
+        assert isinstance(loaded.model.model.layers[0].self_attn.o_proj, served_linear_class(torch.bfloat16))
+        tiles = {m.tile for m in loaded.model.modules() if isinstance(m, RowTiledLinear)}
+        assert rows.count(2) >= NEW_TOKENS and (min(tiles) == 1 or min(rows) == 2)
 
 
 def test_the_mode_is_the_default_and_nondeterministic_opts_out(model_path):

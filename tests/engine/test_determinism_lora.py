@@ -19,8 +19,8 @@ from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingPa
 from opentgi.models import lora
 from opentgi.models.layers import adapter_lora
 from opentgi.models.layers.kernel_choices import KernelChoiceCache
-from opentgi.models.layers.linear import pack_linears
 from tests.helpers import tiny_models
+from tests.helpers.cpu_kernels import serve_linears
 from tests.helpers.determinism import OTHERS, TARGET, loaded_model
 from tests.helpers.engine import running
 
@@ -39,7 +39,7 @@ def _projection(dtype: torch.dtype) -> tuple[lora.LoraLinear, lora.LoraState]:
     holder.proj = nn.Linear(FAN_IN, sum(OUTS), bias=False).to(dtype)
     with torch.no_grad():
         holder.proj.weight.copy_(torch.randn(sum(OUTS), FAN_IN, generator=gen) * FAN_IN ** -0.5)
-    pack_linears(holder, row_invariant=True)
+    serve_linears(holder, dtype)
     a = torch.randn(3, len(OUTS), max(RANKS), FAN_IN, generator=gen) * FAN_IN ** -0.5
     b = [torch.randn(3, max(RANKS), out, generator=gen) * 0.5 for out in OUTS]
     a[0, :, RANKS[0]:] = 0

@@ -32,6 +32,7 @@ from opentgi.models.quantization.prompt_copy import (
     dequantize_int4,
 )
 from tests.helpers import tiny_models
+from tests.helpers.cpu_kernels import onednn_param, onednn_serves
 from tests.helpers.determinism import OTHERS, TARGET, alone, greedy, outcome, run_target
 from tests.helpers.engine import generate, make_seq, running
 from tests.helpers.hypothesis_profiles import examples
@@ -54,9 +55,9 @@ def test_the_dense_copy_holds_the_kernels_own_weights(dtype, n):
         assert torch.equal(dequantize_int4(weight, dtype), _through_kernel(weight, 256, dtype))
 
 
-def quantized_with_copy(dtype=torch.bfloat16) -> QuantizedLinear:
-    linear = QuantizedLinear(256, 128)
-    linear.weight_format = random_int4(128, 256, dtype, seed=1)
+def quantized_with_copy(dtype: torch.dtype, inputs: int = 256) -> QuantizedLinear:
+    linear = QuantizedLinear(inputs, 128)
+    linear.weight_format = random_int4(128, inputs, dtype, seed=1)
     assert add_prompt_copies(linear, dtype, row_invariant=True) > 0
     assert isinstance(linear.prompt_linear, OneDNNLinear)
     return linear
@@ -69,9 +70,18 @@ def test_no_copies_where_they_do_not_all_fit():
     assert linear.prompt_linear is None
 
 
-def test_a_quantized_layer_picks_its_kernel_by_row_kind_never_by_row_count():
-    linear = quantized_with_copy()
-    x = torch.randn(10, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+# the dense copies are oneDNN linears: bfloat16 ones only where this CPU has oneDNN's bfloat16 kernel
+_COPY_DTYPES = [torch.float32, onednn_param(torch.bfloat16)]
+# inputs of the layers whose two kernels the tests tell apart by their bits: in float32, torch's AVX2
+# int4 kernel and oneDNN's give up to 1024 inputs the same bits (not over 2048)
+_KERNELS_DIFFER_AT = {torch.float32: 2048, torch.bfloat16: 256}
+
+
+@pytest.mark.parametrize("dtype", _COPY_DTYPES)
+def test_a_quantized_layer_picks_its_kernel_by_row_kind_never_by_row_count(dtype):
+    inputs = _KERNELS_DIFFER_AT[dtype]
+    linear = quantized_with_copy(dtype, inputs)
+    x = torch.randn(10, inputs, generator=torch.Generator().manual_seed(2)).to(dtype)
     with torch.inference_mode():
         dense, int4 = linear.prompt_linear(x), linear.weight_format.matmul(x)
         assert not torch.equal(dense, int4)  # two kernels: the kind decides which bits a row gets
@@ -93,12 +103,14 @@ def test_a_quantized_layer_picks_its_kernel_by_row_kind_never_by_row_count():
                 assert torch.equal(linear(x[row:row + 1])[0], mixed[row])
 
 
-def test_nondeterministic_steps_above_four_rows_take_the_dense_copy_for_every_row():
-    linear = QuantizedLinear(256, 128)
-    linear.weight_format = random_int4(128, 256, torch.bfloat16, seed=1)
-    assert add_prompt_copies(linear, torch.bfloat16, row_invariant=False) > 0
+@pytest.mark.parametrize("dtype", _COPY_DTYPES)
+def test_nondeterministic_steps_above_four_rows_take_the_dense_copy_for_every_row(dtype):
+    inputs = _KERNELS_DIFFER_AT[dtype]
+    linear = QuantizedLinear(inputs, 128)
+    linear.weight_format = random_int4(128, inputs, dtype, seed=1)
+    assert add_prompt_copies(linear, dtype, row_invariant=False) > 0
     assert linear.dense_above_rows == NONDETERMINISTIC_INT4_MAX_ROWS == 4
-    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(6, inputs, generator=torch.Generator().manual_seed(2)).to(dtype)
     with torch.inference_mode():
         dense, int4 = linear.prompt_linear(x), linear.weight_format.matmul(x)
         assert not torch.equal(dense, int4)
@@ -113,7 +125,7 @@ def test_nondeterministic_steps_above_four_rows_take_the_dense_copy_for_every_ro
         with step_row_kinds(RowKinds([1, 0], [1, 2], x.device)):  # a small mixed step: by kind
             assert torch.equal(linear(x[:3]), torch.cat([dense[:1], int4[1:3]]))
     # the default (batch-invariant) copies never follow the row count
-    assert quantized_with_copy().dense_above_rows is None
+    assert quantized_with_copy(dtype).dense_above_rows is None
 
 
 def test_a_tokens_kind_is_its_position_also_when_recomputed():
@@ -190,17 +202,29 @@ def int4_with_copies(loaded) -> list[QuantizedLinear]:
     return [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear) and m.prompt_linear is not None]
 
 
+# The dense copies are oneDNN linears (models/quantization/prompt_copy.py): a CPU without oneDNN's
+# bfloat16 kernel (no avx512bw/vl/dq, no avx_ne_convert) serves bfloat16 int4 layers without them,
+# every row through the int4 kernel; the tests of the copies load the model in float32 there.
+_COPIES_DTYPE = "bfloat16" if onednn_serves(torch.bfloat16) else "float32"
+
+
+def test_bfloat16_int4_layers_have_dense_copies_only_with_onednns_kernel(gguf):
+    assert bool(int4_with_copies(gguf)) == onednn_serves(torch.bfloat16)
+
+
 def test_a_nondeterministic_gguf_serves_large_steps_through_the_dense_copies(gguf):
-    opted_out = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype="bfloat16",
+    deterministic = gguf if _COPIES_DTYPE == "bfloat16" else load_model(
+        Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype=_COPIES_DTYPE))
+    opted_out = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype=_COPIES_DTYPE,
                                     nondeterministic=True))
-    for loaded, expected in ((gguf, None), (opted_out, NONDETERMINISTIC_INT4_MAX_ROWS)):
+    for loaded, expected in ((deterministic, None), (opted_out, NONDETERMINISTIC_INT4_MAX_ROWS)):
         assert int4_with_copies(loaded) and {m.dense_above_rows for m in int4_with_copies(loaded)} == {expected}
 
 
 def test_nondeterministic_speculation_still_equals_plain_decoding_alone():
     """--speculate 4: a lone sequence's verify step (5 rows) stays on the int4 kernel, as its
     plain decode rows do, so its tokens and logprobs are plain decoding's."""
-    loaded = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype="bfloat16",
+    loaded = load_model(Settings(model_id=str(tiny_models.tiny_gguf_path()), dtype=_COPIES_DTYPE,
                                  nondeterministic=True, speculate=4))
     assert {m.dense_above_rows for m in int4_with_copies(loaded)} == {5}
     text = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 1, 2, 3"

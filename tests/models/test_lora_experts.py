@@ -21,12 +21,12 @@ from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingPa
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
 from opentgi.models.layers.adapter_lora import AdapterLora
 from opentgi.models.layers.expert_lora import ExpertLora
-from opentgi.models.layers.linear import pack_linears
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.loader import ModelLoadError, load_model
 from opentgi.models.lora import LoraAdapterError, LoraState, attach_lora, load_adapters
 from opentgi.models.registry import build_paged_model
 from tests.helpers import tiny_models
+from tests.helpers.cpu_kernels import serve_linears
 from tests.helpers.engine import running
 from tests.helpers.paged import PROMPT, PagedRunner, load_paged
 
@@ -138,7 +138,7 @@ def _block_with_lora(dtype: torch.dtype, top_k: int) -> tuple[SparseMoE, LoraSta
     with torch.no_grad():
         block.gate.weight.mul_(20)
     block.fuse_projections()
-    pack_linears(block, row_invariant=True)
+    serve_linears(block, dtype)
     state = LoraState(["x", "y"], RANK, dtype, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
 

@@ -11,6 +11,7 @@ import torch
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
+from tests.helpers.cpu_kernels import torch_runs_avx512_kernels
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM = 128, 16, 4, 2, 8
 
@@ -277,4 +278,10 @@ def test_fresh_prompts_in_a_batch_get_the_numbers_they_get_alone(monkeypatch):
     monkeypatch.setattr(plan_module, "MAX_BATCHED_PROMPT", 0)
     alone, meta = run()
     assert not meta.scratch[("torch", None, torch.bfloat16, 3)].prompts
-    assert torch.equal(batched, alone)
+    # Padded batches serve only --nondeterministic steps (batch invariance attends every token in
+    # its own form: docs/determinism.md). sdpa's AVX-512 kernels give the masked batch each
+    # prompt's bits; its AVX2 ones (a CPU without AVX-512) give a few outputs another last bit.
+    if torch_runs_avx512_kernels():
+        assert torch.equal(batched, alone)
+    else:
+        torch.testing.assert_close(batched, alone, atol=0, rtol=2 ** -7)  # one bfloat16 ulp at most

@@ -16,6 +16,7 @@ from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
 from opentgi.models.loader import ModelLoadError, load_model
 from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
 from tests.helpers import tiny_models
+from tests.helpers.cpu_kernels import int4_projections, int4_weights_stack
 from tests.helpers.paged import PagedRunner
 
 torch.set_num_threads(1)
@@ -52,20 +53,23 @@ def test_unpermute_rows_undoes_llama_cpp_permutation():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, tmp_path, dtype):
-    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype=dtype, cache_dir=str(tmp_path)))
+def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, gguf_cache, dtype):
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype=dtype, cache_dir=str(gguf_cache)))
     assert loaded.kind == "paged" and loaded.eos_token_ids == [2, 0]
     layer = loaded.model.model.layers[0]
     # q (Q4_0) and k (Q4_1) are int4, v (Q6_K) dense: run side by side; gate (Q4_K) + up (Q4_1): one
     # int4 weight; o (Q4_K) int4; down (Q5_K) dense
     assert isinstance(layer.self_attn.qkv_proj, ConcatLinear)
-    assert isinstance(layer.mlp.gate_up_proj, QuantizedLinear) and isinstance(layer.self_attn.o_proj, QuantizedLinear)
-    assert layer.mlp.gate_up_proj.weight_format.description == "int4 (groups of 32)"
+    # (stacked where torch's int4 layout on this CPU is the one the product stacks: int4_weights_stack)
+    gate_up = int4_projections(layer.mlp.gate_up_proj)
+    assert len(gate_up) == (1 if int4_weights_stack() else 2) and all(isinstance(p, QuantizedLinear) for p in gate_up)
+    assert isinstance(layer.self_attn.o_proj, QuantizedLinear)
+    assert {p.weight_format.description for p in gate_up} == {"int4 (groups of 32)"}
     assert not isinstance(layer.mlp.down_proj, QuantizedLinear)
     assert "int4 (groups of 32)" in loaded.model.resident
     # nothing converted to floats: the cache holds the tokenizer and, on CPU, the packed 4-bit
     # layers, together smaller than the file
-    cached = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    cached = sum(p.stat().st_size for p in gguf_cache.rglob("*") if p.is_file())
     assert cached < tiny_gguf.stat().st_size / 2
     prompt = loaded.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
     want = _reference_logits(tiny_gguf, prompt)[-1]
@@ -101,50 +105,50 @@ def test_default_model_is_read_from_its_gguf(default_model):
     assert again.tokenizer(["Hello world"])["input_ids"] == loaded.tokenizer(["Hello world"])["input_ids"]
 
 
-def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, tmp_path, monkeypatch):
+def test_a_second_start_reads_the_packed_layers_from_the_cache(tiny_gguf, gguf_cache, monkeypatch):
     from opentgi.models.quantization import ggml
 
-    first = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
-    packed = list((tmp_path / "packed").glob("*.safetensors"))
+    first = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(gguf_cache)))
+    packed = list((gguf_cache / "packed").glob("*.safetensors"))
     assert len(packed) == 1 and packed[0].stat().st_size <= tiny_gguf.stat().st_size
 
     def no_decoding(*args):
         raise AssertionError("a cached layer was decoded again")
 
     monkeypatch.setattr(ggml, "int4_groups", no_decoding)
-    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(gguf_cache)))
     prompt = first.tokenizer("Hello there, general")["input_ids"]
     logits = [m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (first, second)]
     assert torch.equal(logits[0], logits[1])
     assert second.model.resident == first.model.resident
 
 
-def test_a_dense_tensor_is_never_dequantized_whole_into_its_weight(tiny_gguf, tmp_path, monkeypatch):
+def test_a_dense_tensor_is_never_dequantized_whole_into_its_weight(tiny_gguf, gguf_cache, monkeypatch):
     """The embedding (49152 x 256) and the dense layers go into their weights a chunk of rows at a
     time: no float32 copy of a whole tensor beside its weight at start-up; the same model."""
     from opentgi.models.quantization import ggml
 
     prompt = [1, 504, 3113, 28, 2823]
-    whole = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    whole = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(gguf_cache)))
     monkeypatch.setattr(ggml, "DENSE_CHUNK_BYTES", 64 << 10)  # 64 rows of the embedding at once
     rows = []
     dense = ggml.dense
     monkeypatch.setattr(ggml, "dense", lambda raw, qtype, shape: rows.append(shape[0]) or dense(raw, qtype, shape))
-    chunked = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    chunked = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(gguf_cache)))
     assert len(rows) > 49152 // 64 and max(rows) <= 256  # 1-D norms whole (256 values); 2-D in chunks
     logits = [m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (whole, chunked)]
     assert torch.equal(logits[0], logits[1])
 
 
-def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
+def test_a_large_tied_head_keeps_one_copy(tiny_gguf, gguf_cache, monkeypatch):
     """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
     copy; batch invariance row-tiles that product over the embedding's own storage), with the same
     logits up to summation order."""
     from opentgi.models.families import decoder
 
-    small = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    small = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache)))
     monkeypatch.setattr(decoder, "TIED_HEAD_COPY_MAX_BYTES", 1 << 20)
-    large = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
+    large = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache)))
     assert isinstance(small.model.logits_proj, OneDNNLinear)
     head = large.model.logits_proj  # the embedding's own storage, not a copy
     assert isinstance(head, RowTiledLinear)
@@ -159,10 +163,10 @@ def test_a_large_tied_head_keeps_one_copy(tiny_gguf, tmp_path, monkeypatch):
                                atol=1e-4, rtol=1e-4)
 
 
-def test_dequantize_serves_every_layer_dense(tiny_gguf, tmp_path):
+def test_dequantize_serves_every_layer_dense(tiny_gguf, gguf_cache):
     """--dequantize: the 4-bit layers in the serving dtype (oneDNN on CPU), the same weights."""
-    kept = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path)))
-    dense = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(tmp_path), dequantize=True))
+    kept = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache)))
+    dense = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache), dequantize=True))
     assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
     assert "int4" not in dense.model.resident
     prompt = kept.tokenizer("Once upon a time")["input_ids"]
@@ -192,8 +196,8 @@ def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
     header.close()
 
 
-def test_quantize_int8_on_a_gguf_requantizes_every_projection(tiny_gguf, tmp_path):
-    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", quantize="int8", cache_dir=str(tmp_path)))
+def test_quantize_int8_on_a_gguf_requantizes_every_projection(tiny_gguf, gguf_cache):
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", quantize="int8", cache_dir=str(gguf_cache)))
     kinds = {m.weight_format.kind for m in loaded.model.modules() if isinstance(m, QuantizedLinear)}
     assert kinds == {"int8"} and "int8 (per channel)" in loaded.model.resident
     layer = loaded.model.model.layers[0]
@@ -235,10 +239,10 @@ def test_the_packed_cache_writer_writes_what_safetensors_reads(tmp_path):
         assert all(torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in tensors.items())
 
 
-def test_the_packed_cache_is_read_in_a_thread_while_the_header_loads(tiny_gguf, tmp_path, monkeypatch):
+def test_the_packed_cache_is_read_in_a_thread_while_the_header_loads(tiny_gguf, gguf_cache, monkeypatch):
     from opentgi.models.checkpoints import packed_cache
 
-    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))  # writes it
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(gguf_cache)))  # writes it
     threads = []
     read = packed_cache.read_safetensors
 
@@ -247,8 +251,8 @@ def test_the_packed_cache_is_read_in_a_thread_while_the_header_loads(tiny_gguf, 
         return read(path)
 
     monkeypatch.setattr(packed_cache, "read_safetensors", reading)
-    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path)))
+    second = load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(gguf_cache)))
     assert len(threads) == 1 and threads[0].startswith("opentgi-packed-cache")
     assert "int4" in second.model.resident
-    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(tmp_path), dequantize=True))
+    load_model(Settings(model_id=str(tiny_gguf), dtype="bfloat16", cache_dir=str(gguf_cache), dequantize=True))
     assert len(threads) == 1  # layers served dense: the cache is not read

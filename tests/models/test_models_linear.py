@@ -14,6 +14,13 @@ from opentgi.models.layers import linear as linear_module
 from opentgi.models.layers.kernel_choices import KernelChoiceCache
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear, onednn_linear_usable, pack_linears
 from opentgi.models.registry import build_paged_model
+from tests.helpers.cpu_kernels import (
+    cpu_has_onednn_bf16_instructions,
+    needs_onednn,
+    onednn_param,
+    onednn_serves,
+    served_linear_class,
+)
 
 torch.set_num_threads(1)
 
@@ -31,6 +38,7 @@ def test_onednn_linear_equals_f_linear(bias, shape):
     torch.testing.assert_close(out, F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
 
 
+@needs_onednn(torch.bfloat16)
 @pytest.mark.parametrize("shape", [(1, 40), (16, 40), (300, 40)])
 def test_onednn_linear_bfloat16_close_to_f_linear(shape):
     gen = torch.Generator().manual_seed(2)
@@ -45,7 +53,11 @@ def test_usable_only_on_cpu_in_float32_and_bfloat16():
     assert not onednn_linear_usable(torch.device("cpu"), torch.float16)
     assert not onednn_linear_usable(torch.device("cuda"), torch.float32)
     assert onednn_linear_usable(torch.device("cpu"), torch.float32)  # torch's CPU wheels ship oneDNN
-    assert onednn_linear_usable(torch.device("cpu"), torch.bfloat16)
+    # bfloat16: where the CPU has the instructions oneDNN's bfloat16 kernel needs (none on AVX2-only
+    # CPUs, which serve bfloat16 through RowTiledLinear)
+    has_kernel = cpu_has_onednn_bf16_instructions()
+    if has_kernel is not None:
+        assert onednn_linear_usable(torch.device("cpu"), torch.bfloat16) == has_kernel
 
 
 def test_pack_linears_replaces_nested_linears():
@@ -69,7 +81,13 @@ def test_paged_llama_on_cpu_float32_uses_onednn(tiny_llama):
     torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-4, rtol=1e-4)
     bf16 = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
                              torch.bfloat16, torch.device("cpu"))
-    assert isinstance(bf16.model.layers[0].self_attn.qkv_proj, OneDNNLinear) and bf16.logits_proj is not None
+    # oneDNN where this CPU has its bfloat16 kernel, else row-tiled F.linear (batch invariance, the default)
+    assert isinstance(bf16.model.layers[0].self_attn.qkv_proj, served_linear_class(torch.bfloat16))
+    assert isinstance(bf16.logits_proj, served_linear_class(torch.bfloat16))
+    if not onednn_serves(torch.bfloat16):
+        hidden = torch.randn(4, model.config.hidden_size).bfloat16()
+        torch.testing.assert_close(bf16.compute_logits(hidden).float(),
+                                   F.linear(hidden, bf16.model.embed_tokens.weight).float())
     fp16 = build_paged_model(tiny_llama, AutoConfig.from_pretrained(tiny_llama), TorchAttentionBackend(),
                              torch.float16, torch.device("cpu"), batch_invariant=False)
     assert isinstance(fp16.model.layers[0].self_attn.qkv_proj, nn.Linear) and fp16.logits_proj is None
@@ -92,7 +110,7 @@ def _recording_kernel(monkeypatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, onednn_param(torch.bfloat16)])
 def test_fewer_than_four_rows_are_multiplied_as_four(monkeypatch, dtype):
     """oneDNN's kernel was measured faster for 4 rows than for 1 (models/layers/linear.py): 1 to 3
     rows are multiplied as 4, and keep the bits they get inside a product of 4 or 16 rows."""
@@ -112,10 +130,11 @@ def test_fewer_than_four_rows_are_multiplied_as_four(monkeypatch, dtype):
         assert seen[-1] == 1
 
 
-def test_the_probe_covers_the_padded_row_count(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, onednn_param(torch.bfloat16)])
+def test_the_probe_covers_the_padded_row_count(monkeypatch, dtype):
     """A kernel whose 4-row products differ from other row counts' would make the padded form (and
     the plain one) give a row other bits: the probe multiplies 4 rows too and accepts neither."""
-    assert linear_module.find_row_invariant_form(64, 40, torch.bfloat16) == "padded"
+    assert linear_module.find_row_invariant_form(64, 40, dtype) == "padded"
     real = torch.ops.mkldnn._linear_pointwise
 
     def skewed(x, *args):
@@ -123,15 +142,16 @@ def test_the_probe_covers_the_padded_row_count(monkeypatch):
         return out.add_(0.5) if x.shape[0] == 4 else out
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", skewed)
-    assert linear_module.find_row_invariant_form(64, 40, torch.bfloat16) is None
+    assert linear_module.find_row_invariant_form(64, 40, dtype) is None
 
 
-def test_a_form_measured_with_another_padding_is_measured_again(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, onednn_param(torch.bfloat16)])
+def test_a_form_measured_with_another_padding_is_measured_again(monkeypatch, dtype):
     """The padded row count is part of a measured form's key: an entry kept from a start that
     padded to another count is not reused."""
     forms = KernelChoiceCache()
     monkeypatch.setattr(linear_module, "kernel_choices", forms)
-    weight = torch.randn(24, 16).bfloat16()
-    forms[(24, 16, torch.bfloat16, False)] = "plain"  # the key of a start before the padding
+    weight = torch.randn(24, 16).to(dtype)
+    forms[(24, 16, dtype, False)] = "plain"  # the key of a start before the padding
     assert OneDNNLinear(weight).make_row_invariant(weight) == "padded"
-    assert forms[(24, 16, torch.bfloat16, False, 4)] == "padded"
+    assert forms[(24, 16, dtype, False, 4)] == "padded"

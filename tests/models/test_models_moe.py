@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opentgi.models.layers.linear import pack_linears
 from opentgi.models.layers.moe import RouterLogits, SparseMoE
+from tests.helpers.cpu_kernels import serve_linears
 
 HIDDEN, INTERMEDIATE = 64, 96
 NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -54,7 +54,7 @@ def test_router_takes_no_matmul_kernel_and_gives_a_row_the_same_bits_for_every_r
     block = _block(dtype)
     weight = block.gate.weight.detach().clone()
     block.fuse_projections()
-    pack_linears(block, row_invariant=True)
+    serve_linears(block, dtype)
     assert isinstance(block.gate, RouterLogits)
     x = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(2)).to(dtype)
     with torch.inference_mode():
@@ -95,7 +95,7 @@ def test_a_lone_token_gets_the_bits_the_batched_path_gives_it(dtype, top_k):
     add in the model dtype)."""
     block = _block(dtype, top_k=top_k)
     block.fuse_projections()
-    pack_linears(block, row_invariant=True)
+    serve_linears(block, dtype)
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(3)).to(dtype)
     with torch.inference_mode():
         full = block(x)
