@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from opentgi.engine.execution.model_runner import ModelRunner, StepOutput, score_value, sample_positions
+from opentgi.engine.execution.model_runner import ModelRunner, StepOutput, sample_positions, score_value
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.layers.row_kinds import step_row_kinds
 
