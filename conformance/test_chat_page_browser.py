@@ -22,6 +22,8 @@ from conformance.live import free_port, serve
 from opentgi.config import Settings
 from tests.helpers import tiny_models
 
+pytestmark = pytest.mark.slow  # a real browser process (Debian's chromium) driving the page
+
 ARTIFACTS = Path(__file__).resolve().parents[1] / ".cache" / "artifacts" / "chat-page"
 KEY = "browser-test-key"
 DECODE_STEPS = 'tgi_batch_inference_count{method="decode"}'

@@ -4,6 +4,7 @@ match transformers' own (dequantizing) GGUF import; nothing is converted on disk
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
@@ -27,12 +28,17 @@ def tiny_gguf():
     return tiny_models.tiny_gguf_path()
 
 
-def _reference_logits(path, prompt):
+@functools.lru_cache(maxsize=1)
+def _transformers_model(path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _reference_logits(path, prompt):
+    """transformers' own forward of its GGUF import (the last file's import kept)."""
     with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0]
+        return _transformers_model(path)(torch.tensor([prompt])).logits[0]
 
 
 def test_config_comes_from_the_metadata(tiny_gguf):
