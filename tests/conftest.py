@@ -3,6 +3,7 @@ hypothesis profiles of the property tests (tests/hypothesis_profiles.py: `ci` by
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,39 @@ def _float32_by_default():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loader, "cpu_has_bf16", lambda cpuinfo=None: False)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_in_a_session_cache(tmp_path_factory):
+    """The native kernels (opentgi.kernels) are built at most once a session, into a temporary
+    cache shared by the session's xdist workers (a concurrent build is safe: kernels/build.py),
+    never into the user's cache."""
+    from opentgi.kernels.build import CACHE_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "opentgi-kernels"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_kernels_unless_asked():
+    """A GGUF's layers take torch's path in tests (as `--kernels torch`) unless a test asks for
+    `kernels="native"`: the tests of the torch path, its formats and its tolerances against
+    transformers stay what they test; tests/kernels/ serve GGUFs on the native kernels."""
+    from dataclasses import replace
+
+    from opentgi.models import loader
+
+    real = loader._kernel_path
+
+    def pinned(settings, device, quantize):
+        return real(replace(settings, kernels="torch") if settings.kernels == "auto" else settings, device, quantize)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "_kernel_path", pinned)
         yield
 
 

@@ -156,6 +156,11 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
                 loaded.add(name)
             elif not (name.endswith(ignore_unexpected) or name.endswith("rotary_emb.inv_freq")):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+    tied = weights.tied_head_blocks() if getattr(model, "tie_word_embeddings", False) and \
+        hasattr(weights, "tied_head_blocks") else None
+    if tied is not None:  # a tied head multiplied by the embedding's own blocks (gguf_checkpoint.py)
+        model.native_head = QuantizedLinear(tied.shape[1], tied.shape[0])
+        model.native_head.weight_format = tied.to_format(dtype, device)
     missing = sorted((set(params) | set(quantized)) - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
