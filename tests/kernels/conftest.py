@@ -12,7 +12,9 @@ from gguf import GGMLQuantizationType as Q
 from opentgi.kernels import native
 
 # byte offsets of each block's float16 fields
-F16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+F16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,),
+              Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q5_K: (0, 2), Q.Q2_K: (80, 82), Q.Q3_K: (108,),
+              Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
 TYPES = tuple(Q(t) for t in native.BLOCK_TYPES)
 
 

@@ -14,11 +14,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from opentgi.kernels import native
-from tests.kernels.conftest import TYPES, random_blocks, rows
+from tests.kernels.conftest import F16_FIELDS, TYPES, random_blocks, rows
 
 torch.set_num_threads(1)
 
-K_QUANTS = (Q.Q4_K, Q.Q6_K)
+K_QUANTS = tuple(q for q in TYPES if native.BLOCK_TYPES[q][1] == 256)  # superblocks of 256: ActQ8K
 
 
 def reference(raw: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ def test_nan_and_inf_scales_or_inputs_never_crash(kernels, qtype):
     raw = random_blocks(qtype, 16, k, seed=7)
     nan = np.array([np.nan], dtype=np.float16).view(np.uint8)
     bpr = raw.shape[1] // (k // (256 if qtype in K_QUANTS else 32))
-    offset = {Q.Q6_K: 208}.get(qtype, 0)
+    offset = F16_FIELDS[qtype][0]
     raw[3, offset:offset + 2] = nan  # a NaN scale in row 3's first block
     raw[5, offset + bpr:offset + bpr + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
     x = rows(4, k, seed=8)

@@ -36,7 +36,7 @@ def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_mode
     assert [type(f) for f in qkv] == [GGUFBlockWeight] * 3
     assert [f.description.split()[0] for f in qkv] == ["Q4_0", "Q4_1", "Q6_K"]
     assert isinstance(layer.self_attn.o_proj.weight_format, GGUFBlockWeight)
-    assert not isinstance(layer.mlp.down_proj, QuantizedLinear)  # Q5_K: no native kernel yet, dense
+    assert layer.mlp.down_proj.weight_format.description.startswith("Q5_K blocks")
     head = native_model.model.logits_proj
     assert isinstance(head, QuantizedLinear) and head.weight_format.description.startswith("Q8_0 blocks")
     assert head.weight_format.blocks.shape == (49152, 256 // 32 * 34)  # the embedding's bytes, no copy

@@ -24,7 +24,9 @@ MODES = ("auto", "native", "torch")
 ISAS = {"scalar": 0, "avx2": 1}  # ids the op takes; a higher id is a faster path
 # GGML type ids (gguf.GGMLQuantizationType) -> (name, values a block, bytes a block)
 BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-               14: ("Q6_K", 256, 210)}
+               14: ("Q6_K", 256, 210),
+               6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 13: ("Q5_K", 256, 176), 10: ("Q2_K", 256, 84),
+               11: ("Q3_K", 256, 110), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136)}
 
 
 @dataclass(frozen=True)

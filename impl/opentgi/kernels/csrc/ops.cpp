@@ -21,7 +21,14 @@ namespace opentgi {
   void matmul_q4_1_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q8_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q6_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+  void matmul_q6_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_1_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q2_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q3_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_iq4_nl_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_iq4_xs_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 
 OPENTGI_DECLARE(scalar)
 #ifdef OPENTGI_WITH_AVX2
@@ -51,6 +58,13 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k) {
     case Q8_0: *k = {OPENTGI_PICK(matmul_q8_0), false, QK, 34}; break;
     case Q4_K: *k = {OPENTGI_PICK(matmul_q4_k), true, QK_K, 144}; break;
     case Q6_K: *k = {OPENTGI_PICK(matmul_q6_k), true, QK_K, 210}; break;
+    case Q5_0: *k = {OPENTGI_PICK(matmul_q5_0), false, QK, 22}; break;
+    case Q5_1: *k = {OPENTGI_PICK(matmul_q5_1), false, QK, 24}; break;
+    case Q5_K: *k = {OPENTGI_PICK(matmul_q5_k), true, QK_K, 176}; break;
+    case Q2_K: *k = {OPENTGI_PICK(matmul_q2_k), true, QK_K, 84}; break;
+    case Q3_K: *k = {OPENTGI_PICK(matmul_q3_k), true, QK_K, 110}; break;
+    case IQ4_NL: *k = {OPENTGI_PICK(matmul_iq4_nl), false, QK, 18}; break;
+    case IQ4_XS: *k = {OPENTGI_PICK(matmul_iq4_xs), true, QK_K, 136}; break;
     default: return false;
   }
   return k->matmul != nullptr;
