@@ -1,6 +1,7 @@
 """A GGUF served on the native kernels (`--kernels native`): its projections and its tied head
-multiply the file's own blocks, the model computes what the torch path computes up to the
-activations' 8-bit rounding, and a sequence's logits are the same bits alone or in a batch."""
+multiply the file's own blocks, its embedding looks rows up in them, the model computes what the
+torch path computes up to the activations' 8-bit rounding, and a sequence's logits are the same
+bits alone or in a batch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.models.loader import load_model
-from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
+from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, GGUFEmbedding
 from opentgi.models.quantization.linear import QuantizedLinear
 from tests import tiny_models
 from tests.test_models_llama import PagedRunner
@@ -40,7 +41,19 @@ def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_mode
     head = native_model.model.logits_proj
     assert isinstance(head, QuantizedLinear) and head.weight_format.description.startswith("Q8_0 blocks")
     assert head.weight_format.blocks.shape == (49152, 256 // 32 * 34)  # the embedding's bytes, no copy
-    assert "Q8_0 blocks (native" in native_model.model.resident
+    embedding = native_model.model.model.embed_tokens
+    assert isinstance(embedding, GGUFEmbedding)
+    assert embedding.gguf_blocks.data_ptr() == head.weight_format.blocks.data_ptr()  # one set of blocks
+    resident = native_model.model.resident
+    assert "Q8_0 blocks (embedding) 13 MiB" in resident and "float32 0 MiB" in resident  # norms only
+
+
+def test_the_embedding_looks_up_the_values_a_dense_copy_holds(native_model, tiny_gguf, tmp_path):
+    torch_model = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", kernels="torch",
+                                      cache_dir=str(tmp_path)))
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 3]])
+    dense = torch_model.model.model.embed_tokens
+    assert torch.equal(native_model.model.model.embed_tokens(ids), dense(ids))
 
 
 def test_the_native_model_computes_what_the_torch_path_does(native_model, tiny_gguf, tmp_path):

@@ -5,7 +5,8 @@ The header is read by gguf_header.py (metadata and tensor index in one pass). Te
 Hugging Face's names (so the paged model loads them as it loads a safetensors
 folder). Where the native kernels serve (`native_types`, set by the loader from `--kernels`),
 layer projections and an untied LM head of those block types come as `GGUFBlocks`, views of the
-file's blocks (models/quantization/gguf_blocks.py), and so does a tied head (`tied_head_blocks`).
+file's blocks (models/quantization/gguf_blocks.py), and so do the token embedding and a tied head
+(`embedding_blocks`, `tied_head_blocks`).
 Otherwise layer projections in Q4_0, Q4_1 or Q4_K come as `Int4Groups` (served by torch's int4
 kernel, models/quantization/ggml.py); every other tensor comes as a `DenseTensor`, dequantized
 once (models/quantization/ggml.py), into its weight a chunk of rows at a time. llama.cpp stores a
@@ -174,13 +175,17 @@ class GGUFCheckpoint:
     def _quantized(self, qtype: GGMLQuantizationType) -> bool:
         return qtype in ggml.INT4_TYPES or int(qtype) in self.native_types
 
-    def tied_head_blocks(self) -> GGUFBlocks | None:
-        """The token embedding's blocks, for a tied LM head the native kernels multiply by."""
+    def embedding_blocks(self) -> GGUFBlocks | None:
+        """The token embedding's blocks, where the native kernels serve its type: looked up as
+        they are (gguf_blocks.GGUFEmbedding) and, for a tied LM head, multiplied by."""
         tensor = self.tensors.get("token_embd.weight")
-        if (not self.keep_int4 or "output.weight" in self.tensors or tensor is None
-                or int(tensor.tensor_type) not in self.native_types):
+        if not self.keep_int4 or tensor is None or int(tensor.tensor_type) not in self.native_types:
             return None
         return GGUFBlocks(np.asarray(tensor.data), int(tensor.tensor_type), tuple(reversed(tensor.shape)))
+
+    def tied_head_blocks(self) -> GGUFBlocks | None:
+        """The embedding's blocks for a tied LM head the native kernels multiply by."""
+        return None if "output.weight" in self.tensors else self.embedding_blocks()
 
     def dense_types(self) -> dict[str, int]:
         """Block types served dense (no 4-bit form) -> how many tensors of that type."""

@@ -139,9 +139,10 @@ class PagedDecoder(nn.Module):
         head_weight = None
         if not self.is_reward_model:
             tied = self.tie_word_embeddings
-            embedding = self.model.embed_tokens.weight
+            embedding = getattr(self.model.embed_tokens, "weight", None)  # None: GGUF blocks (native)
             # a large tied head multiplies by the embedding itself rather than keep a packed copy
-            copy_worth_it = not tied or embedding.numel() * embedding.element_size() <= TIED_HEAD_COPY_MAX_BYTES
+            copy_worth_it = not tied or (embedding is not None and
+                                         embedding.numel() * embedding.element_size() <= TIED_HEAD_COPY_MAX_BYTES)
             if self.native_head is not None:
                 self.logits_proj = self.native_head
             elif tied or isinstance(self.lm_head, nn.Linear):  # not a quantized head

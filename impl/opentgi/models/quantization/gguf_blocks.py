@@ -2,7 +2,8 @@
 
 `GGUFBlocks` is the loading step: the tensor's rows of blocks, a view of the memory-mapped file
 (no copy, no dequantized values), with the row order llama.cpp's q/k permutation needs undone;
-`GGUFBlockWeight` is the format a QuantizedLinear holds. Only a permuted q/k and a fused
+`GGUFBlockWeight` is the format a QuantizedLinear holds, and `GGUFEmbedding` looks token rows
+up in the same blocks (the tied head and the embedding share them). Only a permuted q/k and a fused
 projection (q, k, v or gate, up stacked into one weight) are copies, of the same bytes. Each row of
 activations is quantized to 8-bit blocks from its own values and every output sums its blocks in
 one fixed order (kernels/csrc/common.h), so a row's bits never depend on the step's other rows
@@ -16,8 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from torch import nn
 
 from opentgi.kernels import native
+from opentgi.models.quantization import ggml
 from opentgi.models.quantization.serial_copy import cat_serially
 
 NATIVE_TYPES = frozenset(native.BLOCK_TYPES)  # GGML type ids the kernel multiplies
@@ -76,3 +80,23 @@ class GGUFBlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return native.gguf_mm(x, self.blocks, self.qtype, self.out_features)
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding held as the file's blocks: the rows looked up are dequantized as
+    `ggml.dense` dequantizes them (the values a dense copy would hold), each row on its own."""
+
+    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype):
+        super().__init__()
+        self.gguf_blocks = _as_tensor(np.asarray(blocks.raw).reshape(blocks.shape[0], -1))  # not a buffer
+        self.qtype = GGMLQuantizationType(blocks.qtype)
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.gguf_blocks.index_select(0, ids.reshape(-1))
+        values = ggml.dense(rows.numpy(), self.qtype, (rows.shape[0], self.embedding_dim))
+        return values.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
