@@ -80,3 +80,19 @@ def test_native_mode_refuses_to_fall_back(monkeypatch, tmp_path):
     with pytest.raises(native.KernelsUnavailable, match="no C\\+\\+ compiler"):
         native.load("native")
     assert native.load("torch").describe() == "torch (--kernels torch)"
+
+
+def test_the_kernels_flag_and_the_build_subcommand(kernels, capsys):
+    from opentgi.cli import build_parser, main, settings_from
+
+    def settings(*flags, environ=None):
+        return settings_from(build_parser().parse_args(["serve", *flags]), environ or {})
+
+    assert settings().kernels == "auto"
+    assert settings("--kernels", "torch").kernels == "torch"
+    assert settings(environ={"KERNELS": "native"}).kernels == "native"
+    with pytest.raises(SystemExit, match="--kernels must be auto, native or torch"):
+        settings("--kernels", "fast")
+    main(["kernels", "build"])
+    printed = capsys.readouterr().out
+    assert str(kernels.library) in printed and f"native ({kernels.isa})" in printed
