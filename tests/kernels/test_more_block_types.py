@@ -142,3 +142,13 @@ def test_nan_and_inf_in_any_scale_field_never_crash(kernels, qtype):
         assert got[:, [c for c in range(8) if c not in hit]].isfinite().all()
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("qtype", (Q.Q5_0, Q.Q5_1, Q.IQ4_NL), ids=lambda q: q.name)
+@pytest.mark.parametrize("k", [32, 288, 416])
+def test_block_counts_off_avx2s_groups_of_eight(kernels, qtype, k):
+    """AVX2 reduces eight 32-value blocks together and the rest one by one: the same bits."""
+    raw = random_blocks(qtype, 12, k, seed=k)
+    results = check(raw, qtype, rows(5, k, seed=k + 1))
+    for other in results[1:]:
+        assert torch.equal(other, results[0]), qtype.name

@@ -16,13 +16,14 @@ struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
 struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "ggml layout");
 
-// Q3_K's 16 six-bit scales, minus 32 (ggml's kmask1 / kmask2 unpacking)
-static inline void q3_scales(const uint8_t* s, int8_t* sc) {
-  for (int k = 0; k < 16; ++k) {
-    const int low = k < 8 ? s[k] & 0x0F : s[k - 8] >> 4;
-    const int high = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
-    sc[k] = (int8_t)((low | (high << 4)) - 32);
-  }
+// Q3_K's 16 six-bit scales, 0..63 (ggml's kmask1 / kmask2 unpacking); the multipliers are these - 32
+static inline void q3_scales(const uint8_t* s, uint32_t* aux) {
+  std::memcpy(aux, s, 12);
+  const uint32_t tmp = aux[2], m4 = 0x0F0F0F0F, m2 = 0x03030303;
+  aux[2] = ((aux[0] >> 4) & m4) | (((tmp >> 4) & m2) << 4);
+  aux[3] = ((aux[1] >> 4) & m4) | (((tmp >> 6) & m2) << 4);
+  aux[0] = (aux[0] & m4) | ((tmp & m2) << 4);
+  aux[1] = (aux[1] & m4) | (((tmp >> 2) & m2) << 4);
 }
 
 #ifdef OPENTGI_AVX2
@@ -49,15 +50,21 @@ struct TileLowBit {
     for (int b = 0; b < K / QK_K; ++b) {
       const Block& x = w[b];
       const float d = fp16_to_fp32(x.d);
-      int16_t sc[16], mn[16];  // multiplier and (Q2_K) minimum of each sub-block of 16
-      if constexpr (Q3) {
-        int8_t s3[16];
-        q3_scales(x.scales, s3);
-        for (int k = 0; k < 16; ++k) sc[k] = s3[k], mn[k] = 0;
-      } else {
-        for (int k = 0; k < 16; ++k) sc[k] = x.scales[k] & 0x0F, mn[k] = x.scales[k] >> 4;
-      }
 #ifdef OPENTGI_AVX2
+      __m256i sc, mn;  // 16 int16: each sub-block's multiplier and (Q2_K) minimum
+      if constexpr (Q3) {
+        uint32_t aux[4];
+        q3_scales(x.scales, aux);
+        sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i*)aux), _mm_set1_epi8(32)));
+        mn = sc;
+      } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)x.scales), m4 = _mm_set1_epi8(0x0F);
+        sc = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+        mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+      }
+      // scales of values 32c .. 32c + 31: sub-block 2c's in the low lane, 2c + 1's in the high one
+      const __m256i pick = _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                           1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
       __m256i q[8], s[8];  // values 32c .. 32c + 31 of the superblock (0..3 or 0..7), their scales
       const __m256i m3 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
       __m256i hm = _mm256_setzero_si256();
@@ -69,10 +76,18 @@ struct TileLowBit {
           q[c] = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * t), m3);
           if constexpr (Q3)
             q[c] = _mm256_or_si256(q[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, c), m1), 2));
-          s[c] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+          s[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(c)), pick);
         }
       }
 #else
+      int16_t sc[16], mn[16];  // multiplier and (Q2_K) minimum of each sub-block of 16
+      if constexpr (Q3) {
+        uint32_t aux[4];
+        q3_scales(x.scales, aux);
+        for (int k = 0; k < 16; ++k) sc[k] = mn[k] = (int16_t)(((const uint8_t*)aux)[k] - 32);
+      } else {
+        for (int k = 0; k < 16; ++k) sc[k] = x.scales[k] & 0x0F, mn[k] = x.scales[k] >> 4;
+      }
       uint8_t q[QK_K];
       for (int h = 0; h < 2; ++h) {
         for (int t = 0; t < 4; ++t) {
@@ -87,8 +102,8 @@ struct TileLowBit {
       for (int r = 0; r < R; ++r) {
         const ActQ8K& y = a[r][b];
         int32_t total = 0, offset = 0;  // Q2_K: sum_k m_k * bsum_k; Q3_K: sum_k sc_k * bsum_k
-        for (int k = 0; k < 16; ++k) offset += (int32_t)(Q3 ? sc[k] : mn[k]) * y.bsums[k];
 #ifdef OPENTGI_AVX2
+        offset = hsum_i32(_mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i*)y.bsums)));
         __m256i sum = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
           const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * c)));
@@ -96,6 +111,7 @@ struct TileLowBit {
         }
         total = hsum_i32(sum);
 #else
+        for (int k = 0; k < 16; ++k) offset += (int32_t)mn[k] * y.bsums[k];
         for (int k = 0; k < 16; ++k) {
           int32_t t = 0;
           for (int i = 0; i < 16; ++i) t += q[16 * k + i] * y.qs[16 * k + i];
