@@ -29,6 +29,12 @@ def native_model(kernels, tiny_gguf, tmp_path_factory):
                                cache_dir=str(tmp_path_factory.mktemp("cache"))))
 
 
+@pytest.fixture(scope="module")
+def torch_model(tiny_gguf, tmp_path_factory):
+    return load_model(Settings(model_id=str(tiny_gguf), dtype="float32", kernels="torch",
+                               cache_dir=str(tmp_path_factory.mktemp("cache"))))
+
+
 def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_model):
     assert native_model.kernels == f"native ({native_model.kernels[8:-1]})"
     layer = native_model.model.model.layers[0]
@@ -48,17 +54,13 @@ def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_mode
     assert "Q8_0 blocks (embedding) 13 MiB" in resident and "float32 0 MiB" in resident  # norms only
 
 
-def test_the_embedding_looks_up_the_values_a_dense_copy_holds(native_model, tiny_gguf, tmp_path):
-    torch_model = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", kernels="torch",
-                                      cache_dir=str(tmp_path)))
+def test_the_embedding_looks_up_the_values_a_dense_copy_holds(native_model, torch_model):
     ids = torch.tensor([[0, 5, 49151], [17, 17, 3]])
     dense = torch_model.model.model.embed_tokens
     assert torch.equal(native_model.model.model.embed_tokens(ids), dense(ids))
 
 
-def test_the_native_model_computes_what_the_torch_path_does(native_model, tiny_gguf, tmp_path):
-    torch_model = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", kernels="torch",
-                                      cache_dir=str(tmp_path)))
+def test_the_native_model_computes_what_the_torch_path_does(native_model, torch_model):
     assert torch_model.kernels == "torch (--kernels torch)"
     prompt = native_model.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
     got, want = (m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0]
