@@ -1,5 +1,5 @@
-"""Fixtures both suites (tests/ and conformance/) share: the real default model, loaded once per
-test process for each setting it is asked in, and one live server on it.
+"""Fixtures both suites (tests/ and conformance/) share: the native kernels' cache, the real default
+model, loaded once per test process for each setting it is asked in, and one live server on it.
 
 Every test that uses them is marked `slow` (the `ci` tier, not `nox -s tests`) and put in the
 `default-model` xdist group, so one worker loads the default model and every such test runs there.
@@ -8,13 +8,27 @@ Every test that uses them is marked `slow` (the `ci` tier, not `nox -s tests`) a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import hypothesis_profiles  # noqa: F401 - registers the profiles
 
+KERNEL_CACHE = Path(__file__).resolve().parent / ".cache" / "kernels"
 DEFAULT_MODEL_FIXTURES = {"default_model", "default_server"}
 DEFAULT_MODEL_GROUP = "default-model"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_cache() -> Iterator[Path]:
+    """Every test process builds or finds the native kernels (opentgi.kernels) in the checkout's
+    git-ignored `.cache/kernels`, never in the user's cache: keyed by sources, compiler, flags and
+    torch, built once for as long as they stay the same (a concurrent build is safe: kernels/build.py)."""
+    from opentgi.kernels.build import CACHE_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(KERNEL_CACHE))
+        yield KERNEL_CACHE
 
 
 @pytest.fixture(scope="session")

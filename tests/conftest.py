@@ -26,6 +26,25 @@ def _float32_by_default():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torch_kernels_unless_asked():
+    """A GGUF's layers take torch's path in tests (as `--kernels torch`) unless a test asks for
+    `kernels="native"`: the tests of the torch path, its formats and its tolerances against
+    transformers stay what they test; tests/kernels/ serve GGUFs on the native kernels."""
+    from dataclasses import replace
+
+    from opentgi.models import loader
+
+    real = loader._kernel_path
+
+    def pinned(settings, device, quantize):
+        return real(replace(settings, kernels="torch") if settings.kernels == "auto" else settings, device, quantize)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "_kernel_path", pinned)
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> Path:
     return tiny_models.smollm2_tokenizer_path()

@@ -73,6 +73,9 @@ OPTIONS: tuple[Option, ...] = (
            "faster with many concurrent streams, for several times their memory, docs/cpu.md "
            "(default: kept 4-bit)",
            is_switch=True),
+    Option("--kernels", str, "auto | native | torch: how a GGUF's quantized layers multiply on CPU: native "
+           "kernels on the file's own blocks, compiled on first use (`opentgi kernels build`), or torch's "
+           "(default: auto, native where a compiler builds them, else torch's)"),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
            "physical core); the HTTP event loop keeps one"),
@@ -161,7 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over the TGI, LightLLM and SenseNova APIs")
     add_serve_options(serve)
+    kernels = commands.add_parser("kernels", help="the native CPU kernels (opentgi.kernels)")
+    kernels.add_argument("action", choices=["build"], help="build: compile them now into their cache")
     return parser
+
+
+def kernels_command(action: str) -> None:
+    """`opentgi kernels build`: compile (or find) the native kernels and load them once."""
+    from opentgi.kernels import build, native
+
+    try:
+        path = native.load("native")
+    except native.KernelsUnavailable as exc:
+        raise SystemExit(f"opentgi: {exc}") from None
+    print(f"{path.library} ({path.describe()}; cache {build.cache_dir()})")
 
 
 def add_serve_options(serve: argparse.ArgumentParser) -> None:
@@ -208,6 +224,8 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
         raise SystemExit(f"opentgi: --speculate must be 0 or more, got {settings.speculate}")
     if settings.responses_store_size < 0:
         raise SystemExit(f"opentgi: --responses-store-size must be 0 or more, got {settings.responses_store_size}")
+    if settings.kernels not in ("auto", "native", "torch"):
+        raise SystemExit(f"opentgi: --kernels must be auto, native or torch, got {settings.kernels!r}")
     if settings.api not in ("tgi", "lightllm"):
         raise SystemExit(f"opentgi: --api must be tgi or lightllm, got {settings.api!r}")
     if settings.fim_template:
@@ -400,6 +418,10 @@ def startup_links(settings: Settings) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "kernels":
+        configure_logging(False)
+        kernels_command(args.action)
+        return
     settings = settings_from(args, os.environ)
     configure_logging(settings.json_output)
     if args.command == "serve":

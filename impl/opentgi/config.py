@@ -25,6 +25,7 @@ class Settings:
     lora_adapters: str | None = None  # comma-separated adapter ids / folders / name=path (PEFT LoRA)
     quantize: str | None = None  # int8 | int4[-g64|-g128] | fp8 | awq | gptq | eetq (models/quantization/methods.py)
     dequantize: bool = False  # a GGUF's 4-bit layers served dense in the serving dtype
+    kernels: str = "auto"  # auto | native | torch: the matmul path of GGUF blocks on CPU (opentgi.kernels)
 
     # --- sharding (tensor parallelism, engine/execution/shards.py) -----------------------------------------
     num_shard: int = 1  # ranks in the tensor-parallel group

@@ -30,6 +30,7 @@ def test_info_reports_the_limits(client):
     assert (info["max_best_of"], info["max_stop_sequences"]) == (3, 6)
     assert (info["max_input_tokens"], info["max_total_tokens"]) == (40, 64)
     assert info["deterministic"] is True  # batch-invariant unless started with --nondeterministic
+    assert info["kernels"].startswith("torch (")  # a tiny Llama folder: no GGUF blocks to serve
 
 
 def test_stop_sequences_up_to_the_configured_limit(client):

@@ -294,7 +294,8 @@ ADDED_FIELDS = {
     "Chunk": {"object", "usage"}, "CompletionFinal": {"object"},
     "FunctionDefinition": {"parameters"},
     "Info": {"adapters", "deterministic",  # LoRA adapters (issue 13), batch invariance (issue 24)
-             "model_architecture", "supported_architectures"},  # the paged path's families (issue 22)
+             "model_architecture", "supported_architectures",  # the paged path's families (issue 22)
+             "kernels"},  # the matmul path of GGUF layers (issue 36)
 }
 RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"], "FunctionDefinition": ["name"]}
 

@@ -80,10 +80,8 @@ def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, gguf_c
     prompt = loaded.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
     want = _reference_logits(tiny_gguf, prompt)[-1]
     got = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
-    if dtype == "float32":  # the int4 kernel's float32 scales: the same weights, summed in another order
-        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-    else:  # bfloat16 activations, scales and dense weights
-        assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
+    # the int4 kernel runs in bfloat16 in both (float32 rows converted: int4.kernel_dtype)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
 
 
 def test_a_broken_gguf_is_refused_clearly(tmp_path):
@@ -106,7 +104,9 @@ def test_default_model_is_read_from_its_gguf(default_model):
                                                   add_generation_prompt=True)
     want = _reference_logits(default_gguf_path(), prompt)[-1]
     paged = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
-    torch.testing.assert_close(paged, want, atol=2e-3, rtol=2e-3)
+    # float32, the int4 layers' rows through torch's kernel as bfloat16 (int4.kernel_dtype)
+    assert torch.nn.functional.cosine_similarity(paged, want, dim=0) > 0.999
+    assert paged.argmax() == want.argmax()
     again = load_model(Settings(cache_dir=default_model.cache_dir, dtype="float32"))
     assert again.tokenizer(["Hello world"])["input_ids"] == loaded.tokenizer(["Hello world"])["input_ids"]
 
@@ -177,7 +177,8 @@ def test_dequantize_serves_every_layer_dense(tiny_gguf, gguf_cache):
     assert "int4" not in dense.model.resident
     prompt = kept.tokenizer("Once upon a time")["input_ids"]
     got, want = (m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0] for m in (dense, kept))
-    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    # the kept int4 layers multiply float32 rows as bfloat16 (int4.kernel_dtype)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
 
 
 def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):

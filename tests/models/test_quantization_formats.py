@@ -77,8 +77,9 @@ def test_rtn_int4_is_nearest_on_its_grid_and_the_kernel_multiplies_by_it(group):
     step = (groups.scale.repeat_interleave(group, dim=1))
     assert ((deq - w).abs() <= step / 2 + 1e-6).all()  # round to nearest: within half a step
     x = rows(5, dtype=torch.float32)
-    got = groups.to_format(torch.float32, CPU).matmul(x)
-    torch.testing.assert_close(got, x @ deq.T, atol=1e-4, rtol=1e-4)
+    got = groups.to_format(torch.float32, CPU).matmul(x)  # through the kernel in bfloat16 (int4.kernel_dtype)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x @ deq.T, atol=2e-2, rtol=2e-2)
 
 
 def test_rtn_int8_is_nearest_per_channel_and_the_kernel_multiplies_by_it():

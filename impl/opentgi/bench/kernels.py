@@ -1,11 +1,14 @@
-"""The linear kernels side by side, in one run: bfloat16 through `F.linear` and through oneDNN's
-packed weights (models/layers/linear.py), int8 per channel (`_weight_int8pack_mm`) and int4 groups
-of 32 (`_weight_int4pack_mm_for_cpu`), at 1, 4, 16, 64 rows and a prompt-sized step (256), on
-2048x2048 and 8192x2048 weights (a 1B model's attention and MLP shapes).
+"""Every weight format's linear kernel side by side, in the dtype this host serves (bfloat16 on CPUs
+with native bfloat16, float32 elsewhere: models/loader.py), so that the next cliff shows: dense
+(oneDNN's packed weights), int8 per channel, int4 groups of 32 (torch's kernel, in
+`int4.kernel_dtype`), and the native kernels on GGUF blocks of each type (opentgi.kernels) where
+they build, at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
+and MLP shapes).
 
-`python -m opentgi.bench kernels [--threads N] [--repeats R]` prints a markdown table of median
-microseconds per call and each quantized kernel's time over oneDNN bfloat16's. The kernels are
-timed in turn, round after round, so that load on the machine falls on all of them alike.
+`python -m opentgi.bench kernels [--threads N] [--repeats R] [--dtype float32|bfloat16]` prints
+a markdown table of median microseconds per call, and the GB/s of weight bytes each format reads
+at one row. The kernels are timed in turn, round after round, so that load on the machine falls
+on all of them alike.
 """
 
 from __future__ import annotations
@@ -14,65 +17,105 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-ROWS = (1, 4, 16, 64, 256)
+ROWS = (1, 4, 16, 64)
 SHAPES = ((2048, 2048), (8192, 2048))  # (out, in)
 
 
-def _kernels(out_features: int, in_features: int):
-    from opentgi.models.layers.linear import OneDNNLinear
+def _gguf_blocks(qtype, out_features: int, in_features: int) -> np.ndarray:
+    """Random blocks of `qtype` with modest float16 scales (the kernels' speed does not depend on values)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(out_features, in_features // block, size), dtype=np.uint8)
+    offsets = {"Q6_K": (208,), "Q4_1": (0, 2), "Q4_K": (0, 2)}.get(qtype.name, (0,))
+    for start in offsets:
+        scales = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
+        raw[..., start:start + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(out_features, -1)
+
+
+def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: bool):
+    """name -> (function of x, bytes of weight it reads)."""
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType as Q
+
+    from opentgi.models.layers.linear import OneDNNLinear, onednn_linear_usable
     from opentgi.models.quantization import rtn
 
+    cpu = torch.device("cpu")
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02
-    dense = weight.to(torch.bfloat16)
-    onednn = OneDNNLinear(dense)
-    int8 = rtn.int8_rows(weight).to_format(torch.bfloat16, torch.device("cpu"))
-    int4 = rtn.int4_groups(weight, 32).to_format(torch.bfloat16, torch.device("cpu"))
-    return {"bf16 F.linear": lambda x: F.linear(x, dense), "bf16 oneDNN": onednn,
-            "int8": int8.matmul, "int4 g32": int4.matmul}
+    dense = weight.to(dtype)
+    found = {}
+    if onednn_linear_usable(cpu, dtype):
+        found["dense oneDNN"] = (OneDNNLinear(dense), dense.nbytes)
+    found["dense F.linear"] = (lambda x: F.linear(x, dense), dense.nbytes)
+    int8 = rtn.int8_rows(weight).to_format(dtype, cpu)
+    found["int8"] = (int8.matmul, int8.nbytes())
+    int4 = rtn.int4_groups(weight, 32).to_format(dtype, cpu)
+    found[f"int4 g32 ({str(int4.activation_dtype)[6:]})"] = (int4.matmul, int4.nbytes())
+    if native_ok:
+        from opentgi.kernels import native
+
+        for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+            blocks = torch.from_numpy(_gguf_blocks(qtype, out_features, in_features))
+            found[f"native {qtype.name}"] = (
+                lambda x, b=blocks, q=int(qtype): native.gguf_mm(x, b, q, out_features), blocks.nbytes)
+    return found
 
 
-def measure(repeats: int) -> list[tuple[str, int, dict[str, float]]]:
+def measure(repeats: int, dtype: torch.dtype, native_ok: bool):
     results = []
     with torch.inference_mode():
         for out_features, in_features in SHAPES:
-            kernels = _kernels(out_features, in_features)
+            found = kernels(out_features, in_features, dtype, native_ok)
             for rows in ROWS:
-                x = torch.randn(rows, in_features).to(torch.bfloat16)
-                times: dict[str, list[float]] = {name: [] for name in kernels}
-                for fn in kernels.values():
+                x = torch.randn(rows, in_features).to(dtype)
+                times: dict[str, list[float]] = {name: [] for name in found}
+                for fn, _ in found.values():
                     fn(x)
                 for _ in range(repeats):
-                    for name, fn in kernels.items():
+                    for name, (fn, _) in found.items():
                         start = time.perf_counter()
                         fn(x)
                         times[name].append(time.perf_counter() - start)
-                results.append((f"{out_features}x{in_features}", rows,
-                                {name: statistics.median(t) * 1e6 for name, t in times.items()}))
+                us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+                results.append((f"{out_features}x{in_features}", rows, us, {n: b for n, (_, b) in found.items()}))
     return results
 
 
 def table(results) -> str:
     names = list(results[0][2])
-    lines = ["| weight | rows | " + " | ".join(f"{n} (us)" for n in names) + " | int8 / oneDNN | int4 / oneDNN |",
-             "|---|---:|" + "---:|" * (len(names) + 2)]
-    for shape, rows, us in results:
-        lines.append(f"| {shape} | {rows} | " + " | ".join(f"{us[n]:,.0f}" for n in names)
-                     + f" | {us['int8'] / us['bf16 oneDNN']:.2f} | {us['int4 g32'] / us['bf16 oneDNN']:.2f} |")
+    lines = ["| weight | rows | " + " | ".join(f"{n} (us)" for n in names) + " |",
+             "|---|---:|" + "---:|" * len(names)]
+    for shape, rows, us, nbytes in results:
+        lines.append(f"| {shape} | {rows} | " + " | ".join(f"{us[n]:,.0f}" for n in names) + " |")
+        if rows == 1:
+            lines.append(f"| {shape} | GB/s at 1 row | "
+                         + " | ".join(f"{nbytes[n] / us[n] / 1e3:.1f}" for n in names) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
+    from opentgi.kernels import native
+    from opentgi.models.loader import cpu_has_bf16
+
     parser = argparse.ArgumentParser(prog="python -m opentgi.bench kernels")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="default: what this host serves (bfloat16 with native bfloat16, else float32)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(table(measure(args.repeats)))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    path = native.load("auto")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}, kernels {path.describe()}, "
+          f"median of {args.repeats}")
+    print(table(measure(args.repeats, dtype, path.name == "native")))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class EngineInfo:
     speculate: int = 0  # n-gram drafts per decode step (--speculate; 0 when off or not possible)
     deterministic: bool = True  # batch-invariant numerics (False with --nondeterministic)
     supported_architectures: list[str] = field(default_factory=list)  # those of the paged path
+    kernels: str = "torch"  # a GGUF's matmul path: "native (avx2)" or "torch (why)" (opentgi.kernels)
 
 
 @dataclass

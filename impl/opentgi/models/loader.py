@@ -51,6 +51,7 @@ class LoadedModel:
     block_size: int  # the KV block size the paged model wants (Settings.block_size or the backend's)
     adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded (--lora-adapters), in order
     tp: Any = None  # models.parallel.TPGroup when this is one rank's shard of the model
+    kernels: str = "torch"  # the matmul path of GGUF blocks: "native (avx2)", or "torch (why)"
 
     @property
     def is_reward_model(self) -> bool:
@@ -229,11 +230,14 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     trust = settings.trust_remote_code
     sharded = tp is not None and tp.world_size > 1
     checkpoint, eos = None, None
+    kernels = "torch (no GGUF blocks to serve)"
     if folder.suffix == ".gguf":
         if sharded:
             raise ModelLoadError("--num-shard with a GGUF file is not supported; serve it with one shard")
         packed_cache = None
-        if device.type == "cpu" and folder.is_file():
+        kernel_path = _kernel_path(settings, device, quantize)
+        kernels = kernel_path.describe()
+        if device.type == "cpu" and folder.is_file() and kernel_path.name != "native":
             from opentgi.models.checkpoints.packed_cache import PackedCache
 
             packed_cache = PackedCache(folder, default_model.default_cache_dir(settings.cache_dir), dtype)
@@ -242,6 +246,10 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         checkpoint, config, tokenizer, eos = _open_gguf(folder, settings.cache_dir)
         checkpoint.keep_int4 = not settings.dequantize
         checkpoint.packed_cache = packed_cache
+        if kernel_path.name == "native":
+            from opentgi.models.quantization.gguf_blocks import NATIVE_TYPES
+
+            checkpoint.native_types = NATIVE_TYPES
     else:
         from transformers import AutoConfig, AutoTokenizer
 
@@ -306,7 +314,22 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
                        model_id=model_id, model_sha=model_sha, chat_template=_chat_template_of(tokenizer),
                        eos_token_ids=eos, pipeline_tag="text-classification" if reward else "text-generation",
                        folder=folder, attention_backend=backend_name, block_size=block_size,
-                       adapters=adapters, tp=tp)
+                       adapters=adapters, tp=tp, kernels=kernels)
+
+
+def _kernel_path(settings: Settings, device: torch.device, quantize):
+    """The matmul path of a GGUF's blocks (`--kernels`, opentgi.kernels.native): native on CPU
+    unless --kernels torch, --dequantize or an at-load --quantize asks for another format."""
+    from opentgi.kernels import native
+
+    if device.type != "cpu":
+        return native.KernelPath("torch", reason=f"native kernels are CPU-only; device {device.type}")
+    if settings.dequantize or (quantize is not None and quantize.at_load):
+        return native.KernelPath("torch", reason="--dequantize" if settings.dequantize else "--quantize")
+    try:
+        return native.load(settings.kernels)
+    except (native.KernelsUnavailable, ValueError) as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _release_free_heap() -> None:

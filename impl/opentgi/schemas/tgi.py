@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 ded4b2df0060f431) by codegen with
+# GENERATED from openapi/tgi.json (sha256 ffa4147aca46df5c) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -111,6 +111,11 @@ class Info(BaseModel):
         None,
         description="true (the default): batch-invariant inference, a request's tokens and logprobs do not depend on the other requests in its batch nor on how its prompt was computed (prefix-cache hit, chunked prefill); false when started with --nondeterministic (an opentgi addition)",
         examples=[True],
+    )
+    kernels: str | None = Field(
+        None,
+        description="The matmul path of a GGUF's quantized layers: `native (<instruction set>)` when the native CPU kernels serve them, `torch (<why>)` otherwise (--kernels; an opentgi addition)",
+        examples=['native (avx2)'],
     )
     model_architecture: str | None = Field(
         None,

@@ -232,6 +232,7 @@ async def get_model_info() -> Response:
         "docker_label": None,
         "adapters": list(info.adapters),
         "deterministic": bool(getattr(info, "deterministic", True)),
+        "kernels": getattr(info, "kernels", "torch"),
         "model_architecture": info.architecture,
         "supported_architectures": list(info.supported_architectures),
     })

@@ -194,6 +194,7 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
         speculate=speculate_tokens(settings, runner_kind),
         deterministic=batch_invariant(loaded),
         supported_architectures=list(PAGED_ARCHITECTURES),
+        kernels=getattr(loaded, "kernels", "torch"),
     )
 
 

@@ -3,7 +3,11 @@ from the memory-mapped file (gguf-py's `GGUFReader`), with no conversion and not
 
 The header is read by gguf_header.py (metadata and tensor index in one pass). Tensors come under
 Hugging Face's names (so the paged model loads them as it loads a safetensors
-folder). Layer projections in Q4_0, Q4_1 or Q4_K come as `Int4Groups` (served by torch's int4
+folder). Where the native kernels serve (`native_types`, set by the loader from `--kernels`),
+layer projections and an untied LM head of those block types come as `GGUFBlocks`, views of the
+file's blocks (models/quantization/gguf_blocks.py), and so do the token embedding and a tied head
+(`embedding_blocks`, `tied_head_blocks`).
+Otherwise layer projections in Q4_0, Q4_1 or Q4_K come as `Int4Groups` (served by torch's int4
 kernel, models/quantization/ggml.py); every other tensor comes as a `DenseTensor`, dequantized
 once (models/quantization/ggml.py), into its weight a chunk of rows at a time. llama.cpp stores a
 Llama's q and k rows permuted for its rotary layout; they are put back in Hugging Face's order (a
@@ -24,6 +28,7 @@ from gguf import GGMLQuantizationType
 
 from opentgi.models.checkpoints.gguf_header import GGUFHeader
 from opentgi.models.quantization import ggml
+from opentgi.models.quantization.gguf_blocks import GGUFBlocks
 
 # GGUF architecture -> (transformers config class, architecture, q/k rows permuted by llama.cpp)
 _ARCHITECTURES = {
@@ -105,6 +110,7 @@ class GGUFCheckpoint:
         self.tensors = self.header.tensors
         self.packed_cache = None  # a PackedCache (packed_cache.py), set by the loader on CPU
         self.keep_int4 = True  # False (--dequantize): every tensor served dense
+        self.native_types: frozenset[int] = frozenset()  # GGML types served on their blocks (native kernels)
 
     @property
     def metadata(self) -> dict[str, object]:
@@ -156,28 +162,43 @@ class GGUFCheckpoint:
 
     def int4_names(self) -> set[str]:
         """Hugging Face names of the linear weights (layer projections, an untied LM head) that load
-        as Int4Groups."""
+        quantized: as GGUFBlocks (a type in `native_types`) or as Int4Groups."""
         found: set[str] = set()
         if not self.keep_int4:
             return found
         for name, tensor in self.tensors.items():
             hf = hf_name(name)
-            if hf and (_PROJECTION.match(hf) or hf == "lm_head.weight") and tensor.tensor_type in ggml.INT4_TYPES:
+            if hf and (_PROJECTION.match(hf) or hf == "lm_head.weight") and self._quantized(tensor.tensor_type):
                 found.add(hf)
         return found
+
+    def _quantized(self, qtype: GGMLQuantizationType) -> bool:
+        return qtype in ggml.INT4_TYPES or int(qtype) in self.native_types
+
+    def embedding_blocks(self) -> GGUFBlocks | None:
+        """The token embedding's blocks, where the native kernels serve its type: looked up as
+        they are (gguf_blocks.GGUFEmbedding) and, for a tied LM head, multiplied by."""
+        tensor = self.tensors.get("token_embd.weight")
+        if not self.keep_int4 or tensor is None or int(tensor.tensor_type) not in self.native_types:
+            return None
+        return GGUFBlocks(np.asarray(tensor.data), int(tensor.tensor_type), tuple(reversed(tensor.shape)))
+
+    def tied_head_blocks(self) -> GGUFBlocks | None:
+        """The embedding's blocks for a tied LM head the native kernels multiply by."""
+        return None if "output.weight" in self.tensors else self.embedding_blocks()
 
     def dense_types(self) -> dict[str, int]:
         """Block types served dense (no 4-bit form) -> how many tensors of that type."""
         counts: dict[str, int] = {}
         for tensor in self.tensors.values():
             qtype = tensor.tensor_type
-            if qtype not in ggml.INT4_TYPES and qtype not in (GGMLQuantizationType.F32,):
+            if not self._quantized(qtype) and qtype not in (GGMLQuantizationType.F32,):
                 counts[qtype.name] = counts.get(qtype.name, 0) + 1
         return counts
 
     def iter_tensors(self, int4_names: set[str], skip: set[str] = frozenset()) -> Iterator[tuple[str, object]]:
-        """(Hugging Face name, DenseTensor or Int4Groups) for every tensor the model has but those
-        in `skip`; names in `int4_names` come as Int4Groups."""
+        """(Hugging Face name, DenseTensor, GGUFBlocks or Int4Groups) for every tensor the model has
+        but those in `skip`; names in `int4_names` come quantized (`int4_names`)."""
         config = self.config()
         permuted = _ARCHITECTURES[self.arch][2]
         for name, tensor in self.tensors.items():
@@ -193,15 +214,19 @@ class GGUFCheckpoint:
             if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_attention_heads if "q_proj" in hf else config.num_key_value_heads
                 order = unpermute_rows(shape[0], heads)
-            if hf in int4_names:
+            if hf in int4_names and int(tensor.tensor_type) in self.native_types:
+                blocks = GGUFBlocks(np.asarray(tensor.data), int(tensor.tensor_type), shape)
+                yield hf, blocks if order is None else blocks.rows(order)
+            elif hf in int4_names:
                 groups = ggml.int4_groups(np.asarray(tensor.data), tensor.tensor_type, shape)
                 yield hf, groups if order is None else groups.rows(order)
             else:
                 yield hf, DenseTensor(tensor.data, tensor.tensor_type, shape, order)
 
     def close(self) -> None:
-        """Drop the memory map (the served weights are copies)."""
-        self.header.close()
+        """Drop the memory map; unmapped now unless weights are served on the file's blocks (then
+        it goes with the last of them)."""
+        self.header.close(unmap=not self.native_types)
 
 
 def gguf_eos_token_ids(tokenizer) -> list[int]:

@@ -110,11 +110,14 @@ class GGUFHeader:
             raw = raw.view(np.float16)
         return raw if len(dims) > 1 else raw[0]
 
-    def close(self) -> None:
+    def close(self, unmap: bool = True) -> None:
+        """Drop the map; with `unmap` also close it, which would pull the pages from under any
+        view still in use (numpy's views do not keep a closed map readable), so a reader whose
+        tensors are served as views of the file passes False: the map then goes with its last view."""
         self.tensors.clear()
         mapped = getattr(self._map, "_mmap", None)
         self._map = None
-        if mapped is not None:
+        if mapped is not None and unmap:
             try:
                 mapped.close()
             except BufferError:  # a view is still alive somewhere: the map goes with it

@@ -19,6 +19,7 @@ from opentgi.models.checkpoints.text_tower import tensor_renamer
 from opentgi.models.checkpoints.weights import checkpoint_files, iter_checkpoint
 from opentgi.models.quantization import awq_gptq, rtn
 from opentgi.models.quantization.fp8 import FP8
+from opentgi.models.quantization.gguf_blocks import GGUFEmbedding
 from opentgi.models.quantization.linear import QuantizedLinear
 from opentgi.models.quantization.methods import Quantize
 
@@ -118,6 +119,10 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
         int4 -= projections  # a GGUF's 4-bit ones too: dequantized, then quantized again
         names |= projections
     quantized = _swap_linears(model, names)
+    embedding = weights.embedding_blocks() if hasattr(weights, "embedding_blocks") and \
+        hasattr(getattr(model, "model", None), "embed_tokens") else None
+    if embedding is not None:  # looked up in the file's blocks (GGUF, native kernels): no dense copy
+        model.model.embed_tokens = GGUFEmbedding(embedding, dtype)
     model = model.to(dtype).to_empty(device=device)  # allocated in dtype at once
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -126,7 +131,8 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
     for name, fmt in cached.items():
         quantized[name].weight_format = fmt
         loaded.add(name)
-    tensors = weights.iter_tensors(int4 & quantized.keys(), skip=set(cached)) if cached else \
+    skip = set(cached) | ({"model.embed_tokens.weight"} if embedding is not None else set())
+    tensors = weights.iter_tensors(int4 & quantized.keys(), skip=skip) if skip else \
         weights.iter_tensors(int4 & quantized.keys())
     with torch.no_grad():
         for name, value in tensors:
@@ -156,6 +162,11 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
                 loaded.add(name)
             elif not (name.endswith(ignore_unexpected) or name.endswith("rotary_emb.inv_freq")):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+    tied = weights.tied_head_blocks() if getattr(model, "tie_word_embeddings", False) and \
+        hasattr(weights, "tied_head_blocks") else None
+    if tied is not None:  # a tied head multiplied by the embedding's own blocks (gguf_checkpoint.py)
+        model.native_head = QuantizedLinear(tied.shape[1], tied.shape[0])
+        model.native_head.weight_format = tied.to_format(dtype, device)
     missing = sorted((set(params) | set(quantized)) - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

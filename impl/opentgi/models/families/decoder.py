@@ -119,6 +119,8 @@ class PagedDecoder(nn.Module):
         self.batch_invariant = False  # set by `materialize`
         # some int4 layers multiply prompt rows through a dense copy (models/quantization/prompt_copy.py)
         self.kernels_by_row_kind = False
+        # a tied head on the embedding's GGUF blocks (native kernels), set by the loader
+        self.native_head: nn.Module | None = None
 
     def materialize(self, batch_invariant: bool = False) -> None:
         """After the weights are loaded: fuse projections (quantized ones too, where their formats
@@ -137,10 +139,13 @@ class PagedDecoder(nn.Module):
         head_weight = None
         if not self.is_reward_model:
             tied = self.tie_word_embeddings
-            embedding = self.model.embed_tokens.weight
+            embedding = getattr(self.model.embed_tokens, "weight", None)  # None: GGUF blocks (native)
             # a large tied head multiplies by the embedding itself rather than keep a packed copy
-            copy_worth_it = not tied or embedding.numel() * embedding.element_size() <= TIED_HEAD_COPY_MAX_BYTES
-            if tied or isinstance(self.lm_head, nn.Linear):  # not a quantized head
+            copy_worth_it = not tied or (embedding is not None and
+                                         embedding.numel() * embedding.element_size() <= TIED_HEAD_COPY_MAX_BYTES)
+            if self.native_head is not None:
+                self.logits_proj = self.native_head
+            elif tied or isinstance(self.lm_head, nn.Linear):  # not a quantized head
                 head_weight = embedding if tied else self.lm_head.weight
         if onednn_linear_usable(device, self.spec.dtype):
             pack_linears(self.model.layers, row_invariant=self.batch_invariant)

@@ -7,6 +7,11 @@ Q4_0, Q4_1 and Q4_K blocks (models/quantization/ggml.py), AWQ and GPTQ checkpoin
 (models/quantization/awq_gptq.py) and `--quantize int4` (models/quantization/rtn.py) all arrive as
 `Int4Groups` and are served by `Int4Weight`.
 
+On CPU, float32 activations go through the kernel as bfloat16 (`kernel_dtype`): torch's CPU int4
+kernel is 5-25x slower with float32 activations than with bfloat16 ones, slower than a dense float32
+matmul of the same weight, so a float32 host (no native bfloat16, models/loader.py) converts each row
+to bfloat16, multiplies, and converts the result back; scales and zeros are held in bfloat16.
+
 A row's result does not depend on the other rows of the step: the CPU kernel computes each row with
 the same reduction order whatever the row count (tests/models/test_quantization_formats.py checks M=1
 against M=k bit for bit), so every step, prompt or decode, multiplies through the same kernel.
@@ -57,6 +62,11 @@ class Int4Groups:
 
     def to_format(self, dtype: torch.dtype, device: torch.device) -> Int4Weight:
         return Int4Weight(self, dtype, device)
+
+
+def kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The activation (and scale) dtype the int4 kernel runs in for a model served in `dtype`."""
+    return torch.bfloat16 if torch.device(device).type == "cpu" and dtype == torch.float32 else dtype
 
 
 def int4_kernel_available(device: torch.device) -> bool:
@@ -124,18 +134,23 @@ class Int4Weight:
                                                             _CUDA_INNER_K_TILES)
         else:
             self.packed = pack_for_cpu(groups)
-        self.scales_and_zeros = scales_and_zeros(groups, dtype).to(self.device)
+        self.scales_and_zeros = scales_and_zeros(groups, kernel_dtype(self.device, dtype)).to(self.device)
 
     @staticmethod
     def from_packed(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                     device: torch.device) -> Int4Weight:
         """A weight packed before (models/checkpoints/packed_cache.py)."""
         weight = object.__new__(Int4Weight)
-        weight.packed, weight.scales_and_zeros = packed.to(device), scales_and_zeros.to(device)
+        dtype = kernel_dtype(torch.device(device), scales_and_zeros.dtype)
+        weight.packed, weight.scales_and_zeros = packed.to(device), scales_and_zeros.to(device, dtype)
         weight.group_size, weight.device = group_size, torch.device(device)
         weight.out_features = scales_and_zeros.shape[1]
         weight.in_features = scales_and_zeros.shape[0] * group_size
         return weight
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
 
     @property
     def description(self) -> str:
@@ -166,9 +181,9 @@ class Int4Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W.T` for x [..., in_features] in the serving dtype."""
-        rows = x.reshape(-1, self.in_features)
+        rows = x.reshape(-1, self.in_features).to(self.activation_dtype)
         if self.device.type == "cuda":
             out = torch._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
         else:
             out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -112,7 +112,16 @@ def resident_summary(model: nn.Module) -> str:
         entry[1] += nbytes
 
     for sub in model.modules():
+        blocks = getattr(sub, "gguf_blocks", None)  # an embedding on the GGUF's blocks (gguf_blocks.py)
+        if isinstance(blocks, torch.Tensor) and _storage_key(blocks) not in seen:
+            seen.add(_storage_key(blocks))
+            add(f"{sub.qtype.name} blocks (embedding)", _tensor_bytes(blocks), False)
         if isinstance(sub, QuantizedLinear):
+            held = getattr(sub.weight_format, "blocks", None)  # a tied head shares the embedding's blocks
+            if isinstance(held, torch.Tensor):
+                if _storage_key(held) in seen:
+                    continue
+                seen.add(_storage_key(held))
             add(sub.weight_format.description, sub.weight_format.nbytes(), True)
             copy = sub.prompt_linear
             if copy is not None:  # counted here, under its own name, and not again as a linear

@@ -1,0 +1,152 @@
+"""Compiling csrc/ into one shared library of torch ops, once per machine, and loading it.
+
+The library is built with the machine's C++ compiler (`$CXX`, else `c++`): the kernel sources
+twice, a portable scalar variant and, on x86-64, an AVX2+FMA+F16C one (the op picks per call, the
+loader picks the best the CPU has), plus ops.cpp, the only source that includes torch's headers
+(`<torch/library.h>`, `<ATen/Parallel.h>`: the ops run in torch's intra-op pool), the sources
+compiled side by side on the machine's cores. It is cached under `cache_dir()` as
+`opentgi_kernels-<key>.so`, the key a hash of the sources, the compiler's version, the flags and
+torch's version and C++ ABI; it is linked under a temporary name and renamed into place, so two
+processes building at once both end with a whole file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCES = Path(__file__).resolve().parent / "csrc"
+KERNEL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
+                  "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp")
+COMMON_FLAGS = ("-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c")}
+CACHE_ENV = "OPENTGI_KERNELS_CACHE"
+BUILD_TIMEOUT_S = 300
+
+
+class BuildError(RuntimeError):
+    """The library could not be built; the message says why in one line."""
+
+
+@dataclass
+class Built:
+    path: Path
+    isas: tuple[str, ...]
+    seconds: float
+    cached: bool  # found already built
+
+
+def cache_dir() -> Path:
+    """`$OPENTGI_KERNELS_CACHE`, else `$XDG_CACHE_HOME/opentgi/kernels`, else `~/.cache/opentgi/kernels`."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "opentgi" / "kernels"
+
+
+def compiler() -> str:
+    """The compiler's path; BuildError when `$CXX` (or `c++`) is not an executable."""
+    name = os.environ.get("CXX") or "c++"
+    found = shutil.which(name)
+    if found is None:
+        raise BuildError(f"no C++ compiler (CXX={name!r} not found)")
+    return found
+
+
+def variants() -> tuple[str, ...]:
+    return ("scalar", "avx2") if platform.machine().lower() in ("x86_64", "amd64") else ("scalar",)
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    import torch
+
+    root = Path(torch.__file__).resolve().parent
+    compile_flags = [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-fopenmp",
+                     "-std=c++20"]
+    link_flags = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}", "-fopenmp"]
+    return compile_flags, link_flags
+
+
+def _jobs(cxx: str, out: Path, isas: tuple[str, ...]) -> list[list[str]]:
+    include = f"-I{SOURCES}"
+    jobs = []
+    for isa in isas:
+        for source in KERNEL_SOURCES:
+            obj = out / f"{Path(source).stem}.{isa}.o"
+            jobs.append([cxx, *COMMON_FLAGS, "-std=c++17", *ISA_FLAGS[isa], include, "-c",
+                         str(SOURCES / source), "-o", str(obj)])
+    torch_compile, _ = _torch_flags()
+    defines = ["-DOPENTGI_WITH_AVX2"] if "avx2" in isas else []
+    jobs.append([cxx, *COMMON_FLAGS, *torch_compile, *defines, include, "-w", "-c",
+                 str(SOURCES / "ops.cpp"), "-o", str(out / "ops.o")])
+    return jobs
+
+
+def cache_key(cxx: str, isas: tuple[str, ...]) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for source in sorted(SOURCES.iterdir()):
+        if source.suffix in (".cpp", ".h"):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    compile_flags, link_flags = _torch_flags()
+    for part in (version, torch.__version__, *COMMON_FLAGS, *compile_flags, *link_flags, *isas,
+                 *(f for isa in isas for f in ISA_FLAGS[isa])):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build(directory: Path | None = None) -> Built:
+    """The library's path, compiled into `directory` (default `cache_dir()`) unless already there."""
+    start = time.perf_counter()
+    cxx = compiler()
+    isas = variants()
+    directory = Path(directory) if directory is not None else cache_dir()
+    try:
+        key = cache_key(cxx, isas)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BuildError(f"compiler {cxx} unusable: {exc}") from None
+    target = directory / f"opentgi_kernels-{key}.so"
+    if target.is_file():
+        return Built(target, isas, time.perf_counter() - start, True)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
+        out = Path(tmp)
+        _run_all(_jobs(cxx, out, isas), os.cpu_count() or 1)
+        _, link_flags = _torch_flags()
+        linked = out / target.name
+        _run_all([[cxx, "-shared", *sorted(str(p) for p in out.glob("*.o")), "-o", str(linked), *link_flags]], 1)
+        os.rename(linked, target)  # atomic: a concurrent build's file is whole either way
+    return Built(target, isas, time.perf_counter() - start, False)
+
+
+def _run_all(jobs: list[list[str]], parallel: int) -> None:
+    """Run the commands, `parallel` at a time; BuildError with the first failure's last line."""
+    pending, running = list(jobs), []
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                command = pending.pop(0)
+                running.append((command, subprocess.Popen(command, stdout=subprocess.PIPE,
+                                                          stderr=subprocess.STDOUT, text=True)))
+            command, proc = running.pop(0)
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                lines = [line for line in output.splitlines() if "error" in line] or output.splitlines() or ["?"]
+                raise BuildError(f"{Path(command[0]).name} failed on {Path(command[-3]).name}: {lines[0][:300]}")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BuildError(f"compiling failed: {exc}") from None
+    finally:
+        for _, proc in running:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,110 @@
+// Shared by every kernel source: GGUF block layouts (ggml-common.h), the 8-bit activation blocks,
+// and the signature each block family exports once per instruction-set variant.
+//
+// Invariant of every kernel: output (m, n) is the dot product of activation row m with weight row
+// n, its blocks summed in one fixed order (block 0, 1, ... of the row), by the same instructions
+// whatever the row count, the tile of rows it shares a weight load with, or the thread computing it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define OPENTGI_AVX2 1
+#include <immintrin.h>
+#define OPENTGI_ISA avx2
+#else
+#define OPENTGI_ISA scalar
+#endif
+
+#define OPENTGI_CAT2(a, b) a##_##b
+#define OPENTGI_CAT(a, b) OPENTGI_CAT2(a, b)
+#define OPENTGI_FN(name) OPENTGI_CAT(name, OPENTGI_ISA)
+
+namespace opentgi {
+
+constexpr int QK = 32;     // values in a Q4_0 / Q4_1 / Q8_0 block
+constexpr int QK_K = 256;  // values in a K-quant superblock
+
+struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
+struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml layout");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml layout");
+
+// Activations, per row: blocks of 32 int8 with their float scale and the exact sum of the
+// quantized values (Q4_1's minimum term), or superblocks of 256 with sums per 16 (K-quants).
+struct ActQ8 { float d; int32_t sum; int8_t qs[32]; };
+struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
+
+// Weight types by GGML id (gguf's GGMLQuantizationType).
+enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
+             Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23 };
+
+static inline float fp16_to_fp32(uint16_t h) {
+#ifdef OPENTGI_AVX2
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { mant <<= 1; ++e; } while (!(mant & 0x400));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3FF) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// out[m * ldo + n] for rows m < M and outputs n0 <= n < n1; w: the weight's rows of blocks
+// (row_bytes each), act: M rows of activation blocks (act_row_bytes each).
+typedef void (*MatmulFn)(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
+                         int M, int n0, int n1, int K, float* out, int ldo);
+
+// Each quantizes one row of K floats into activation blocks.
+void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out);
+void OPENTGI_FN(quantize_q8k)(const float* x, int K, ActQ8K* out);
+
+void OPENTGI_FN(matmul_q4_0)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q4_1)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q8_0)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q4_k)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q6_k)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+
+#ifdef OPENTGI_AVX2
+static inline float hsum_ps(__m256 x) {
+  __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+// 8 int32 sums of 4 products each: signed x signed bytes (|values| <= 127, no int16 overflow)
+static inline __m256i dot_i8(__m256i x, __m256i y) {
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+// unsigned x signed bytes (x <= 63 here)
+static inline __m256i dot_u8(__m256i x, __m256i y) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1));
+}
+// 32 nibbles of 16 bytes: low nibbles first, then high ones (Q4_0 / Q4_1 value order)
+static inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)qs);
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+#endif
+
+}  // namespace opentgi

@@ -1,0 +1,124 @@
+// Q5_0 (w = d * (q - 16)) and Q5_1 (w = d * q + m), q = 5 bits (low nibble in qs, fifth bit in the
+// 32-bit qh), blocks of 32 against ActQ8. Per block the integer sum is exact (q unsigned 0..31
+// against int8: maddubs pairs stay under 2 * 31 * 127; Q5_0's -16 taken as 16 * sum(q_x)), and
+// both paths add (d_w * d_x) * (float)sum per block in block order (Q5_1's m * d_x * sum(q_x) in a
+// separate float, also in block order): AVX2 and scalar agree bit for bit, and a row's bits never
+// depend on the other rows. AVX2 reduces eight blocks' integer sums together (the same integers).
+#include "tiles.h"
+
+namespace opentgi {
+namespace {
+
+struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct BlockQ5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
+static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "ggml layout");
+
+#ifdef OPENTGI_AVX2
+// 0xFF in byte i where bit i of the 32 bits at x is set (llama.cpp's bytes_from_bits_32)
+static inline __m256i bytes_from_bits_32(const uint8_t* x) {
+  uint32_t x32;
+  std::memcpy(&x32, x, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+static inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+// the totals of eight vectors of 8 int32: lane i holds sum(s[i])
+static inline __m256i reduce8(const __m256i* s) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+#endif
+
+template <class Block, bool WithMin>
+struct TileQ5 {
+  // one block's float step, the same on both paths: (d_w * d_x) * sum, plus Q5_1's minimum term
+  static inline void step(const Block& x, float dw, const ActQ8& y, int32_t s, float& acc, float& mins) {
+    if constexpr (!WithMin) s -= 16 * y.sum;
+    acc += (dw * y.d) * (float)s;
+    if constexpr (WithMin) mins += fp16_to_fp32(((const BlockQ5_1&)x).m) * (y.d * (float)y.sum);
+  }
+#ifdef OPENTGI_AVX2
+  static inline __m256i unpack(const Block& x) {
+    return _mm256_or_si256(nibbles32(x.qs), _mm256_and_si256(bytes_from_bits_32(x.qh), _mm256_set1_epi8(0x10)));
+  }
+#else
+  static inline void unpack(const Block& x, uint8_t* q) {
+    uint32_t qh;
+    std::memcpy(&qh, x.qh, 4);
+    for (int i = 0; i < 16; ++i) {
+      q[i] = (x.qs[i] & 0x0F) | (((qh >> i) & 1) << 4);
+      q[i + 16] = (x.qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+    }
+  }
+#endif
+
+  template <int R>
+  static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+    const Block* w = (const Block*)wr;
+    const ActQ8* a[R];
+    float acc[R], mins[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8*)(act + r * stride);
+      acc[r] = mins[r] = 0.0f;
+    }
+    const int nb = K / QK;
+    int b = 0;
+#ifdef OPENTGI_AVX2
+    for (; b + 8 <= nb; b += 8) {  // eight blocks' integer sums reduced together, then added in order
+      __m256i q[8];
+      float dw[8];
+      for (int i = 0; i < 8; ++i) q[i] = unpack(w[b + i]), dw[i] = fp16_to_fp32(w[b + i].d);
+      for (int r = 0; r < R; ++r) {
+        const ActQ8* y = a[r] + b;
+        __m256i s[8];
+        for (int i = 0; i < 8; ++i) s[i] = dot_u8(q[i], _mm256_loadu_si256((const __m256i*)y[i].qs));
+        int32_t sums[8];
+        _mm256_storeu_si256((__m256i*)sums, reduce8(s));
+        for (int i = 0; i < 8; ++i) step(w[b + i], dw[i], y[i], sums[i], acc[r], mins[r]);
+      }
+    }
+#endif
+    for (; b < nb; ++b) {
+      const Block& x = w[b];
+      const float dw = fp16_to_fp32(x.d);
+#ifdef OPENTGI_AVX2
+      const __m256i q = unpack(x);
+#else
+      uint8_t q[QK];
+      unpack(x, q);
+#endif
+      for (int r = 0; r < R; ++r) {
+        const ActQ8& y = a[r][b];
+#ifdef OPENTGI_AVX2
+        const int32_t s = hsum_i32(dot_u8(q, _mm256_loadu_si256((const __m256i*)y.qs)));
+#else
+        int32_t s = 0;
+        for (int i = 0; i < QK; ++i) s += (int32_t)q[i] * y.qs[i];
+#endif
+        step(x, dw, y, s, acc[r], mins[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = WithMin ? acc[r] + mins[r] : acc[r];
+  }
+};
+
+}  // namespace
+
+void OPENTGI_FN(matmul_q5_0)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                             int K, float* out, int ldo) {
+  drive<TileQ5<BlockQ5_0, false>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+void OPENTGI_FN(matmul_q5_1)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                             int K, float* out, int ldo) {
+  drive<TileQ5<BlockQ5_1, true>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+
+}  // namespace opentgi

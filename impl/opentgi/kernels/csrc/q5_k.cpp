@@ -1,0 +1,97 @@
+// Q5_K (w = d * sc * q - dmin * m, q = 5 bits: low nibble in qs, fifth bit in qh; 8 sub-blocks of
+// 32 with 6-bit sc and m) against ActQ8K. As Q4_K: per superblock the integer sums are exact
+// (sum_j sc_j * dot_j, q unsigned 0..31 so maddubs pairs stay under 2 * 31 * 127, and
+// sum_j m_j * sum_j(q_x) from bsums), both paths add the same two floats per superblock in
+// superblock order: AVX2 and scalar agree bit for bit.
+#include "tiles.h"
+
+namespace opentgi {
+namespace {
+
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+static_assert(sizeof(BlockQ5_K) == 176, "ggml layout");
+
+static inline void scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {  // ggml's get_scale_min_k4
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+    } else {
+      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+  }
+}
+
+struct TileQ5K {
+  template <int R>
+  static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+    const BlockQ5_K* w = (const BlockQ5_K*)wr;
+    const ActQ8K* a[R];
+    float acc[R], accm[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = accm[r] = 0.0f;
+    }
+    for (int b = 0; b < K / QK_K; ++b) {
+      const BlockQ5_K& x = w[b];
+      const float d = fp16_to_fp32(x.d), dmin = fp16_to_fp32(x.dmin);
+      uint8_t sc[8], mn[8];
+      scales_mins(x.scales, sc, mn);
+#ifdef OPENTGI_AVX2
+      __m256i q[8];  // values 32j .. 32j + 31 of the superblock, 0..31
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x01);
+      const __m256i hb = _mm256_loadu_si256((const __m256i*)x.qh);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * j));
+        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), m1);
+        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), m1);
+        q[2 * j] = _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_slli_epi16(h0, 4));
+        q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_slli_epi16(h1, 4));
+      }
+#else
+      uint8_t q[QK_K];
+      for (int j = 0; j < 4; ++j) {
+        for (int l = 0; l < 32; ++l) {
+          q[64 * j + l] = (x.qs[32 * j + l] & 0x0F) | (((x.qh[l] >> (2 * j)) & 1) << 4);
+          q[64 * j + 32 + l] = (x.qs[32 * j + l] >> 4) | (((x.qh[l] >> (2 * j + 1)) & 1) << 4);
+        }
+      }
+#endif
+      for (int r = 0; r < R; ++r) {
+        const ActQ8K& y = a[r][b];
+        int32_t total = 0, mins = 0;
+        for (int j = 0; j < 8; ++j) mins += (int32_t)mn[j] * (y.bsums[2 * j] + y.bsums[2 * j + 1]);
+#ifdef OPENTGI_AVX2
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * j)));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        total = _mm_cvtsi128_si32(s4);
+#else
+        for (int j = 0; j < 8; ++j) {
+          int32_t s = 0;
+          for (int i = 0; i < 32; ++i) s += q[32 * j + i] * y.qs[32 * j + i];
+          total += sc[j] * s;
+        }
+#endif
+        acc[r] += (d * y.d) * (float)total;
+        accm[r] += (dmin * y.d) * (float)mins;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] - accm[r];
+  }
+};
+
+}  // namespace
+
+void OPENTGI_FN(matmul_q5_k)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                             int K, float* out, int ldo) {
+  drive<TileQ5K>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+
+}  // namespace opentgi

@@ -1,0 +1,87 @@
+// Q6_K (w = d * sc * (q - 32), 16 sub-blocks of 16 with int8 sc) against ActQ8K. As Q4_K: exact
+// integer sums per superblock (the -32 offset taken as 32 * sum_k sc_k * bsum_k), one float added
+// per superblock in order, so AVX2 and scalar agree bit for bit.
+#include "tiles.h"
+
+namespace opentgi {
+namespace {
+
+struct TileQ6K {
+  template <int R>
+  static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+    const BlockQ6_K* w = (const BlockQ6_K*)wr;
+    const ActQ8K* a[R];
+    float acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = 0.0f;
+    }
+    for (int b = 0; b < K / QK_K; ++b) {
+      const BlockQ6_K& x = w[b];
+      const float d = fp16_to_fp32(x.d);
+#ifdef OPENTGI_AVX2
+      __m256i q[8];  // values 32k .. 32k + 31 of the superblock, 0..63
+      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
+        const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
+        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l2, m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
+        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
+      }
+#else
+      uint8_t q[256];
+      for (int h = 0; h < 2; ++h) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t* ql = x.ql + 64 * h;
+          const uint8_t qh = x.qh[32 * h + l];
+          q[128 * h + l] = (ql[l] & 0xF) | ((qh & 3) << 4);
+          q[128 * h + l + 32] = (ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4);
+          q[128 * h + l + 64] = (ql[l] >> 4) | (((qh >> 4) & 3) << 4);
+          q[128 * h + l + 96] = (ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4);
+        }
+      }
+#endif
+      for (int r = 0; r < R; ++r) {
+        const ActQ8K& y = a[r][b];
+        int32_t total = 0, offset = 0;
+        for (int k = 0; k < 16; ++k) offset += (int32_t)x.scales[k] * y.bsums[k];
+#ifdef OPENTGI_AVX2
+        __m256i sum = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) {
+          const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
+          const __m256i s = _mm256_set_m128i(_mm_set1_epi16(x.scales[2 * k + 1]), _mm_set1_epi16(x.scales[2 * k]));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        total = _mm_cvtsi128_si32(s4);
+#else
+        for (int k = 0; k < 16; ++k) {
+          int32_t s = 0;
+          for (int i = 0; i < 16; ++i) s += q[16 * k + i] * y.qs[16 * k + i];
+          total += x.scales[k] * s;
+        }
+#endif
+        total -= 32 * offset;
+        acc[r] += (d * y.d) * (float)total;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
+  }
+};
+
+}  // namespace
+
+void OPENTGI_FN(matmul_q6_k)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                             int K, float* out, int ldo) {
+  drive<TileQ6K>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+
+}  // namespace opentgi

@@ -1,0 +1,62 @@
+// Activations quantized per row from the row's own values: blocks of 32 (ActQ8) or superblocks of
+// 256 (ActQ8K), scale amax / 127, values rounded to nearest (ties to even) and clamped to +-127.
+// A block holding NaN or Inf gets a NaN scale and zero values: its products come out NaN, never a
+// crash and never a silently finite result.
+#include <cmath>
+#include <cfloat>
+
+#include "common.h"
+
+namespace opentgi {
+
+static inline float block_scale(const float* x, int n, float* inv) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    finite = finite && a <= FLT_MAX;
+    amax = a > amax ? a : amax;
+  }
+  if (!finite) {
+    *inv = 0.0f;
+    return NAN;
+  }
+  *inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  return amax / 127.0f;
+}
+
+static inline int8_t to_q8(float v) {
+  v = std::nearbyint(v);
+  v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+  return (int8_t)(int)v;
+}
+
+void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out) {
+  for (int b = 0; b < K / QK; ++b) {
+    const float* v = x + b * QK;
+    float inv;
+    out[b].d = block_scale(v, QK, &inv);
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      out[b].qs[i] = to_q8(v[i] * inv);
+      sum += out[b].qs[i];
+    }
+    out[b].sum = sum;
+  }
+}
+
+void OPENTGI_FN(quantize_q8k)(const float* x, int K, ActQ8K* out) {
+  for (int b = 0; b < K / QK_K; ++b) {
+    const float* v = x + b * QK_K;
+    float inv;
+    out[b].d = block_scale(v, QK_K, &inv);
+    for (int i = 0; i < QK_K; ++i) out[b].qs[i] = to_q8(v[i] * inv);
+    for (int j = 0; j < 16; ++j) {
+      int s = 0;
+      for (int i = 0; i < 16; ++i) s += out[b].qs[16 * j + i];
+      out[b].bsums[j] = (int16_t)s;
+    }
+  }
+}
+
+}  // namespace opentgi

@@ -1,0 +1,100 @@
+"""Which matmul path serves (`--kernels auto|native|torch`), and the native op itself.
+
+`load(mode)` builds or finds the library (build.py) and loads it into torch once per process,
+logging one line: what was built or loaded and how long it took, or why the torch path serves.
+`gguf_mm(x, blocks, qtype, out_features)` multiplies float32 or bfloat16 rows by a weight held as
+the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_mm`, with a fake
+(meta) implementation registered so torch.compile and FX see it as one op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opentgi.kernels import build as build_mod
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "native", "torch")
+ISAS = {"scalar": 0, "avx2": 1}  # ids the op takes; a higher id is a faster path
+# GGML type ids (gguf.GGMLQuantizationType) -> (name, values a block, bytes a block)
+BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+               14: ("Q6_K", 256, 210),
+               6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 13: ("Q5_K", 256, 176), 10: ("Q2_K", 256, 84),
+               11: ("Q3_K", 256, 110), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136)}
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """The matmul path serving GGUF blocks: "native" (with its ISA) or "torch" (with the reason)."""
+    name: str
+    isa: str | None = None
+    reason: str = ""
+    library: Path | None = None
+
+    def describe(self) -> str:
+        return f"native ({self.isa})" if self.name == "native" else f"torch ({self.reason})"
+
+
+_loaded: list[KernelPath] = []  # the native path once its library is loaded into this process
+
+
+class KernelsUnavailable(RuntimeError):
+    """--kernels native, and the library could not be built or loaded."""
+
+
+def loaded() -> KernelPath | None:
+    return _loaded[0] if _loaded else None
+
+
+def supported_isas() -> list[str]:
+    """The ISA variants the loaded library has and this CPU runs, slowest first."""
+    ids = set(torch.ops.opentgi.isas().tolist())
+    return [name for name, i in ISAS.items() if i in ids]
+
+
+def load(mode: str = "auto", directory: Path | None = None) -> KernelPath:
+    """The path `mode` gives on this machine, the library built and loaded where it is native."""
+    if mode not in MODES:
+        raise ValueError(f"--kernels {mode!r}: use one of {', '.join(MODES)}")
+    if mode == "torch":
+        return KernelPath("torch", reason="--kernels torch")
+    if _loaded:
+        return _loaded[0]
+    start = time.perf_counter()
+    try:
+        built = build_mod.build(directory)
+        torch.ops.load_library(str(built.path))
+        _register_fake()
+        path = KernelPath("native", supported_isas()[-1], library=built.path)
+    except (build_mod.BuildError, OSError, RuntimeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if mode == "native":
+            raise KernelsUnavailable(f"--kernels native: {reason}") from None
+        log.warning("kernels: torch path serves GGUF layers (%s)", reason)
+        return KernelPath("torch", reason=reason)
+    _loaded.append(path)
+    log.info("kernels: %s %s (%s) in %.2f s", "loaded" if built.cached else "built", built.path.name,
+             ", ".join(built.isas), time.perf_counter() - start)
+    return path
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("opentgi::gguf_mm")
+    def _(x, w, qtype, out_features, isa):
+        return x.new_empty(x.shape[0], out_features)
+
+
+def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, isa: str | None = None) -> torch.Tensor:
+    """`x @ W.T`, W the GGUF blocks of `qtype` (rows of x [..., K] quantized to 8-bit blocks)."""
+    path = loaded()
+    if path is None:
+        raise KernelsUnavailable("the native kernels are not loaded (kernels.native.load)")
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.opentgi.gguf_mm(rows, blocks, qtype, out_features, ISAS[isa or path.isa])
+    return out.view(*x.shape[:-1], out_features)

@@ -1,0 +1,102 @@
+"""A GGUF linear served on the file's own blocks by the native kernel (opentgi.kernels).
+
+`GGUFBlocks` is the loading step: the tensor's rows of blocks, a view of the memory-mapped file
+(no copy, no dequantized values), with the row order llama.cpp's q/k permutation needs undone;
+`GGUFBlockWeight` is the format a QuantizedLinear holds, and `GGUFEmbedding` looks token rows
+up in the same blocks (the tied head and the embedding share them). Only a permuted q/k and a fused
+projection (q, k, v or gate, up stacked into one weight) are copies, of the same bytes. Each row of
+activations is quantized to 8-bit blocks from its own values and every output sums its blocks in
+one fixed order (kernels/csrc/common.h), so a row's bits never depend on the step's other rows
+or on the thread count.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from opentgi.kernels import native
+from opentgi.models.quantization import ggml
+from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
+
+NATIVE_TYPES = frozenset(native.BLOCK_TYPES)  # GGML type ids the kernel multiplies
+
+
+def _as_tensor(raw: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # the map is read-only; the kernel never writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw)
+
+
+@dataclass
+class GGUFBlocks:
+    raw: np.ndarray  # uint8 [N, bytes per row], a view of the file
+    qtype: int  # GGML type id
+    shape: tuple[int, int]  # (N, K)
+    order: torch.Tensor | None = None  # row r is the file's row order[r]
+
+    def rows(self, index: torch.Tensor) -> GGUFBlocks:
+        order = index if self.order is None else self.order[index]
+        return GGUFBlocks(self.raw, self.qtype, self.shape, order)
+
+    def to_format(self, dtype: torch.dtype, device: torch.device) -> GGUFBlockWeight:
+        if torch.device(device).type != "cpu":
+            raise ValueError("GGUF blocks are served by the native CPU kernel only")
+        blocks = _as_tensor(np.asarray(self.raw).reshape(self.shape[0], -1))
+        if self.order is not None:
+            blocks = blocks.index_select(0, self.order)
+        return GGUFBlockWeight(blocks, self.qtype, self.shape[1])
+
+
+class GGUFBlockWeight:
+    """A weight as GGML blocks, multiplied by `opentgi::gguf_mm`."""
+
+    kind = "gguf"
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int):
+        self.blocks, self.qtype = blocks, int(qtype)
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        self.device = torch.device("cpu")
+
+    @property
+    def description(self) -> str:
+        path = native.loaded()
+        return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {path.isa if path else '?'})"
+
+    def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
+        return all(o.qtype == self.qtype and o.in_features == self.in_features for o in others)
+
+    @staticmethod
+    def cat(parts: list[GGUFBlockWeight]) -> GGUFBlockWeight:
+        return GGUFBlockWeight(cat_on_one_thread([p.blocks for p in parts]), parts[0].qtype, parts[0].in_features)
+
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return native.gguf_mm(x, self.blocks, self.qtype, self.out_features)
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding held as the file's blocks: the rows looked up are dequantized as
+    `ggml.dense` dequantizes them (the values a dense copy would hold), each row on its own."""
+
+    def __init__(self, blocks: GGUFBlocks, dtype: torch.dtype):
+        super().__init__()
+        self.gguf_blocks = _as_tensor(np.asarray(blocks.raw).reshape(blocks.shape[0], -1))  # not a buffer
+        self.qtype = GGMLQuantizationType(blocks.qtype)
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.gguf_blocks.index_select(0, ids.reshape(-1))
+        values = ggml.dense(rows.numpy(), self.qtype, (rows.shape[0], self.embedding_dim))
+        return values.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"

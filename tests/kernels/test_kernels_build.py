@@ -1,0 +1,105 @@
+"""Building and loading the library: into the session's temporary cache (tests/conftest.py), found
+there again without compiling, registered as torch ops that torch.compile and FX can trace, and,
+without a usable compiler, one line saying why the torch path serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from opentgi.kernels import build, native
+from tests.helpers.gguf_blocks import random_blocks
+
+torch.set_num_threads(1)
+
+
+def test_the_library_is_found_in_the_cache_once_built(kernels, kernel_cache):
+    assert kernels.name == "native" and kernels.isa in native.supported_isas()
+    assert kernels.library.parent == build.cache_dir() == kernel_cache
+    assert kernels.library.name.startswith("opentgi_kernels-") and kernels.library.suffix == ".so"
+    again = build.build()
+    assert again.cached and again.path == kernels.library
+    assert not list(build.cache_dir().glob(".build-*"))  # no temporary folder left behind
+
+
+@pytest.mark.slow  # a whole build: every kernel source compiled, twice on x86-64
+def test_a_fresh_cache_gets_a_whole_build_that_loads(monkeypatch, tmp_path):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    built = build.build()
+    assert not built.cached and built.path.parent == tmp_path and built.path.is_file()
+    assert set(built.isas) <= set(build.variants()) and "scalar" in built.isas
+    assert not list(tmp_path.glob(".build-*"))
+
+
+def test_the_cache_key_follows_the_sources_and_the_flags(kernels, monkeypatch):
+    cxx = build.compiler()
+    key = build.cache_key(cxx, build.variants())
+    assert build.cache_key(cxx, ("scalar",)) != key
+    monkeypatch.setattr(build, "COMMON_FLAGS", (*build.COMMON_FLAGS, "-DSOMETHING"))
+    assert build.cache_key(cxx, build.variants()) != key
+
+
+def test_cache_dir_honours_the_override_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv(build.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build.cache_dir() == tmp_path / "xdg" / "opentgi" / "kernels"
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "mine"))
+    assert build.cache_dir() == tmp_path / "mine"
+
+
+def test_the_op_traces_as_one_op(kernels):
+    blocks = torch.from_numpy(random_blocks(Q.Q4_0, 8, 64))
+
+    def f(x, w):
+        return torch.ops.opentgi.gguf_mm(x, w, 2, 8, 0) * 2
+
+    graph = make_fx(f, tracing_mode="fake")(torch.randn(3, 64), blocks)
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.opentgi.gguf_mm.default in targets
+    x = torch.randn(3, 64)
+    assert torch.equal(graph(x, blocks), f(x, blocks))
+
+
+def test_without_a_compiler_the_torch_path_serves_and_says_why(tmp_path):
+    env = {**os.environ, "CXX": "/nonexistent", build.CACHE_ENV: str(tmp_path)}
+    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(message)s');"
+            "from opentgi.kernels import native; print(native.load('auto').describe())")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "torch (no C++ compiler (CXX='/nonexistent' not found))"
+    lines = [line for line in done.stderr.splitlines() if line.startswith("kernels:")]
+    assert lines == ["kernels: torch path serves GGUF layers (no C++ compiler (CXX='/nonexistent' not found))"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_native_mode_refuses_to_fall_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "/nonexistent")
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    with pytest.raises(build.BuildError, match="no C\\+\\+ compiler"):
+        build.build()
+    monkeypatch.setattr(native, "_loaded", [])  # as in a fresh process
+    with pytest.raises(native.KernelsUnavailable, match="no C\\+\\+ compiler"):
+        native.load("native")
+    assert native.load("torch").describe() == "torch (--kernels torch)"
+
+
+def test_the_kernels_flag_and_the_build_subcommand(kernels, capsys):
+    from opentgi.cli import build_parser, main, settings_from
+
+    def settings(*flags, environ=None):
+        return settings_from(build_parser().parse_args(["serve", *flags]), environ or {})
+
+    assert settings().kernels == "auto"
+    assert settings("--kernels", "torch").kernels == "torch"
+    assert settings(environ={"KERNELS": "native"}).kernels == "native"
+    with pytest.raises(SystemExit, match="--kernels must be auto, native or torch"):
+        settings("--kernels", "fast")
+    main(["kernels", "build"])
+    printed = capsys.readouterr().out
+    assert str(kernels.library) in printed and f"native ({kernels.isa})" in printed

@@ -1,0 +1,83 @@
+"""A GGUF served on the native kernels (`--kernels native`): its projections and its tied head
+multiply the file's own blocks, its embedding looks rows up in them, the model computes what the
+torch path computes up to the activations' 8-bit rounding, and a sequence's logits are the same
+bits alone or in a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opentgi.config import Settings
+from opentgi.models.loader import load_model
+from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, GGUFEmbedding
+from opentgi.models.quantization.linear import QuantizedLinear
+from tests.helpers import tiny_models
+from tests.helpers.paged import PagedRunner
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf():
+    return tiny_models.tiny_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def native_model(kernels, tiny_gguf, tmp_path_factory):
+    return load_model(Settings(model_id=str(tiny_gguf), dtype="float32", kernels="native",
+                               cache_dir=str(tmp_path_factory.mktemp("cache"))))
+
+
+@pytest.fixture(scope="module")
+def torch_model(tiny_gguf, tmp_path_factory):
+    return load_model(Settings(model_id=str(tiny_gguf), dtype="float32", kernels="torch",
+                               cache_dir=str(tmp_path_factory.mktemp("cache"))))
+
+
+def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_model):
+    assert native_model.kernels == f"native ({native_model.kernels[8:-1]})"
+    layer = native_model.model.model.layers[0]
+    # q Q4_0, k Q4_1, v Q6_K: three block types, run side by side; gate Q4_K + up Q4_1 likewise
+    qkv = [p.weight_format for p in layer.self_attn.qkv_proj.parts]
+    assert [type(f) for f in qkv] == [GGUFBlockWeight] * 3
+    assert [f.description.split()[0] for f in qkv] == ["Q4_0", "Q4_1", "Q6_K"]
+    assert isinstance(layer.self_attn.o_proj.weight_format, GGUFBlockWeight)
+    assert layer.mlp.down_proj.weight_format.description.startswith("Q5_K blocks")
+    head = native_model.model.logits_proj
+    assert isinstance(head, QuantizedLinear) and head.weight_format.description.startswith("Q8_0 blocks")
+    assert head.weight_format.blocks.shape == (49152, 256 // 32 * 34)  # the embedding's bytes, no copy
+    embedding = native_model.model.model.embed_tokens
+    assert isinstance(embedding, GGUFEmbedding)
+    assert embedding.gguf_blocks.data_ptr() == head.weight_format.blocks.data_ptr()  # one set of blocks
+    resident = native_model.model.resident
+    assert "Q8_0 blocks (embedding) 13 MiB" in resident and "float32 0 MiB" in resident  # norms only
+
+
+def test_the_embedding_looks_up_the_values_a_dense_copy_holds(native_model, torch_model):
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 3]])
+    dense = torch_model.model.model.embed_tokens
+    assert torch.equal(native_model.model.model.embed_tokens(ids), dense(ids))
+
+
+def test_the_native_model_computes_what_the_torch_path_does(native_model, torch_model):
+    assert torch_model.kernels == "torch (--kernels torch)"
+    prompt = native_model.tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    got, want = (m.model.compute_logits(PagedRunner(m.model).step({0: prompt}))[0]
+                 for m in (native_model, torch_model))
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.99
+
+
+def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(native_model):
+    tok = native_model.tokenizer
+    prompts = [tok(text)["input_ids"] for text in ("Once upon a time", "The quick brown fox", "A b c d e f g")]
+    model = native_model.model
+    alone = PagedRunner(model)
+    together = PagedRunner(model)
+    first = model.compute_logits(alone.step({0: prompts[0]}))
+    batch = model.compute_logits(together.step({i: p for i, p in enumerate(prompts)}))
+    assert torch.equal(first[0], batch[0])
+    for token in (7, 11, 13):  # decode steps: one row alone, three rows together
+        first = model.compute_logits(alone.step({0: [token]}))
+        batch = model.compute_logits(together.step({0: [token], 1: [token + 1], 2: [token + 2]}))
+        assert torch.equal(first[0], batch[0])
