@@ -17,11 +17,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/opentgi \
+    OPENTGI_KERNELS_CACHE=/opt/opentgi/kernels \
     PATH=/opt/opentgi/bin:$PATH
 
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates g++ \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv "$VIRTUAL_ENV" \
@@ -37,6 +38,7 @@ COPY impl ./impl
 COPY docker/healthcheck.py /usr/local/bin/opentgi-healthcheck
 RUN echo "torch==${TORCH_VERSION}" > /tmp/torch.txt \
     && pip install -c /tmp/torch.txt . \
+    && opentgi kernels build \
     && rm -rf /opt/src/* /tmp/torch.txt \
     && chmod 0755 /usr/local/bin/opentgi-healthcheck
 
