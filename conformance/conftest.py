@@ -17,15 +17,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from conformance.live import free_port, serve
+from conformance.live import LIVE_MAX_INPUT_TOKENS, LIVE_MAX_TOTAL_TOKENS, free_port, serve
 from opentgi.config import Settings
 from tests.helpers import tiny_models
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 
-# Small limits: every request stays cheap, and the limits themselves get exercised.
-LIVE_MAX_INPUT_TOKENS = 192
-LIVE_MAX_TOTAL_TOKENS = 256
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,10 @@ from collections.abc import Iterator
 
 from opentgi.config import Settings
 
+# Small limits: every request stays cheap, and the limits themselves get exercised.
+LIVE_MAX_INPUT_TOKENS = 192
+LIVE_MAX_TOTAL_TOKENS = 256
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

@@ -10,8 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conformance.conftest import LIVE_MAX_INPUT_TOKENS, LIVE_MAX_TOTAL_TOKENS
-from conformance.live import free_port, serve
+from conformance.live import LIVE_MAX_INPUT_TOKENS, LIVE_MAX_TOTAL_TOKENS, free_port, serve
 from opentgi.config import Settings
 
 pytestmark = pytest.mark.slow  # a nested pytest run against a server of another process
