@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +105,27 @@ def test_the_kernels_flag_and_the_build_subcommand(kernels, capsys):
     main(["kernels", "build"])
     printed = capsys.readouterr().out
     assert str(kernels.library) in printed and f"native ({kernels.isa})" in printed
+
+
+def test_two_processes_starting_at_once_compile_once(monkeypatch, tmp_path):
+    """Concurrent builds of one key wait for each other: one compiles, the other finds its file."""
+    import threading
+
+    links = []
+
+    def fake_run_all(jobs, parallel):
+        for command in jobs:
+            if "-shared" in command:
+                links.append(command)
+                time.sleep(0.2)  # a build long enough for the other caller to arrive
+                Path(command[command.index("-o") + 1]).write_bytes(b"library")
+
+    monkeypatch.setattr(build, "_run_all", fake_run_all)
+    results = []
+    callers = [threading.Thread(target=lambda: results.append(build.build(tmp_path))) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(links) == 1
+    assert sorted(r.cached for r in results) == [False, True] and results[0].path == results[1].path

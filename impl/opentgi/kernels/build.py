@@ -12,6 +12,7 @@ processes building at once both end with a whole file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -119,14 +120,36 @@ def build(directory: Path | None = None) -> Built:
     if target.is_file():
         return Built(target, isas, time.perf_counter() - start, True)
     directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
-        out = Path(tmp)
-        _run_all(_jobs(cxx, out, isas), os.cpu_count() or 1)
-        _, link_flags = _torch_flags()
-        linked = out / target.name
-        _run_all([[cxx, "-shared", *sorted(str(p) for p in out.glob("*.o")), "-o", str(linked), *link_flags]], 1)
-        os.rename(linked, target)  # atomic: a concurrent build's file is whole either way
+    with _one_builder(directory / f".lock-{key}"):  # a second process waits, then finds the file
+        if target.is_file():
+            return Built(target, isas, time.perf_counter() - start, True)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
+            out = Path(tmp)
+            _run_all(_jobs(cxx, out, isas), os.cpu_count() or 1)
+            _, link_flags = _torch_flags()
+            linked = out / target.name
+            _run_all([[cxx, "-shared", *sorted(str(p) for p in out.glob("*.o")), "-o", str(linked), *link_flags]],
+                     1)
+            os.rename(linked, target)  # atomic: a reader never sees half a file
     return Built(target, isas, time.perf_counter() - start, False)
+
+
+@contextlib.contextmanager
+def _one_builder(lock: Path):
+    """Holds an exclusive lock on `lock` where the platform has one (fcntl), so concurrent starts
+    compile once; without it (or on a read-only cache) each builds, and the rename keeps files whole."""
+    try:
+        import fcntl
+
+        handle = open(lock, "a")  # noqa: SIM115 - held for the block
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()
 
 
 def _run_all(jobs: list[list[str]], parallel: int) -> None:

@@ -24,18 +24,6 @@ static inline __m256i values32(const uint8_t* qs) {
   const __m128i t = _mm_load_si128((const __m128i*)kvalues);
   return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nibbles32(qs));
 }
-static inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-// the totals of eight vectors of 8 int32: lane i holds sum(s[i])
-static inline __m256i reduce8(const __m256i* s) {
-  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
-}
 #else
 static inline void values32(const uint8_t* qs, int8_t* v) {
   for (int i = 0; i < 16; ++i) {

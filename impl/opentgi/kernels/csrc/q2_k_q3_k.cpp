@@ -26,15 +26,6 @@ static inline void q3_scales(const uint8_t* s, uint32_t* aux) {
   aux[1] = (aux[1] & m4) | (((tmp >> 2) & m2) << 4);
 }
 
-#ifdef OPENTGI_AVX2
-static inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-#endif
-
 template <bool Q3>
 struct TileLowBit {
   template <int R>

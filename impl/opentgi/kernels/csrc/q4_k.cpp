@@ -7,18 +7,6 @@
 namespace opentgi {
 namespace {
 
-static inline void scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {  // ggml's get_scale_min_k4
-  for (int j = 0; j < 8; ++j) {
-    if (j < 4) {
-      sc[j] = q[j] & 63;
-      mn[j] = q[j + 4] & 63;
-    } else {
-      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-  }
-}
-
 struct TileQ4K {
   template <int R>
   static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {

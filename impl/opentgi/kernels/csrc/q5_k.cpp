@@ -11,18 +11,6 @@ namespace {
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 static_assert(sizeof(BlockQ5_K) == 176, "ggml layout");
 
-static inline void scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {  // ggml's get_scale_min_k4
-  for (int j = 0; j < 8; ++j) {
-    if (j < 4) {
-      sc[j] = q[j] & 63;
-      mn[j] = q[j + 4] & 63;
-    } else {
-      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-  }
-}
-
 struct TileQ5K {
   template <int R>
   static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
