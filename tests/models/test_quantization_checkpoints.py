@@ -86,6 +86,17 @@ def write_packed(tmp_path, method: str, qconfig_extra: dict | None = None):
     return packed_dir, float_dir
 
 
+def assert_same_weights(got, want, int4: bool = True):
+    """Quantized layers (`got`) against the float model holding their dequantized weights (`want`).
+    On CPU float32 rows go through the int4 kernel as bfloat16 (models/quantization/int4.py,
+    kernel_dtype): the activations' rounding is all that differs there, never a weight."""
+    if not int4:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        return
+    assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.9999
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=0)
+
+
 def logits_of(path, **settings):
     loaded = load_model(Settings(model_id=str(path), dtype="float32", **settings))
     return loaded, loaded.model.compute_logits(PagedRunner(loaded.model).step({0: PROMPT}))[0]
@@ -102,7 +113,7 @@ def test_packed_checkpoint_serves_its_weights_through_the_int4_path(tmp_path, me
     assert isinstance(layer.self_attn.o_proj, QuantizedLinear)
     assert "int4 (groups of 32)" in loaded.model.resident
     _, want = logits_of(reference)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_same_weights(got, want)
     # the flag naming the checkpoint's method is accepted
     _, flagged = logits_of(packed, quantize=method)
     assert torch.equal(flagged, got)
@@ -147,6 +158,6 @@ def test_quantize_at_load_is_round_to_nearest(tmp_path, quantize):
     save_file({name: quantize_at_load(t, method).dequantize() if ".layers." in name and name.endswith("_proj.weight")
                else t for name, t in state.items()}, reference / "model.safetensors")
     _, want = logits_of(reference)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert_same_weights(got, want, int4=quantize.startswith("int4"))
     _, unquantized = logits_of(base)
     assert torch.nn.functional.cosine_similarity(got, unquantized, dim=0) > 0.95  # random weights, 4 bits
