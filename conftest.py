@@ -67,7 +67,6 @@ def default_server(default_model) -> Iterator[str]:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
-        if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.slow)
         if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group(DEFAULT_MODEL_GROUP))
