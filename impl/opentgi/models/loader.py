@@ -263,6 +263,14 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
                      architecture_of(config))
             config = text_tower.text_config(config)
     _check_quantize(quantize, config, device, sharded, model_id)
+    native_types: frozenset[int] = frozenset()
+    if checkpoint is None and not sharded and _quantized_folder(quantize, config):
+        kernel_path = _kernel_path(settings, device, None)  # native_layouts.py: the kernels' blocks
+        kernels = kernel_path.describe()
+        if kernel_path.name == "native":
+            from opentgi.models.quantization.gguf_blocks import NATIVE_TYPES
+
+            native_types = NATIVE_TYPES
     reason = paged_unsupported_reason(config)
     if reason is None:
         backend = select_backend(device, dtype)
@@ -272,7 +280,8 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             kernel_choices.attach(default_model.default_cache_dir(settings.cache_dir))
         try:
             model = build_paged_model(checkpoint or folder, config, backend, dtype, device, tp=tp,
-                                      quantize=quantize, batch_invariant=not settings.nondeterministic)
+                                      quantize=quantize, batch_invariant=not settings.nondeterministic,
+                                      native_types=native_types)
         except ValueError as exc:
             raise ModelLoadError(f"cannot load {model_id!r}: {exc}") from None
         finally:
@@ -330,6 +339,16 @@ def _kernel_path(settings: Settings, device: torch.device, quantize):
         return native.load(settings.kernels)
     except (native.KernelsUnavailable, ValueError) as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def _quantized_folder(quantize, config) -> bool:
+    """Whether a folder's linears are 4- or 8-bit: `--quantize int8|int4`, or an AWQ/GPTQ checkpoint."""
+    if quantize is not None and quantize.method in ("int8", "int4", "awq", "gptq"):
+        return True
+    qconfig = getattr(config, "quantization_config", None)
+    if qconfig is not None and not isinstance(qconfig, dict):
+        qconfig = qconfig.to_dict()
+    return str((qconfig or {}).get("quant_method", "")).lower() in ("awq", "gptq")
 
 
 def _release_free_heap() -> None:

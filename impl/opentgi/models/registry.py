@@ -69,13 +69,14 @@ def paged_unsupported_reason(config) -> str | None:
 
 def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dtype,
                       device: torch.device, tp=None, quantize: Quantize | None = None,
-                      batch_invariant: bool = True) -> PagedDecoder:
+                      batch_invariant: bool = True, native_types: frozenset[int] = frozenset()) -> PagedDecoder:
     """The model on `device`, from a checkpoint folder or an open GGUFCheckpoint, its linears in
     the formats the checkpoint and `quantize` ask for (models/checkpoints/loading.py); with `tp` (a
     models.parallel.TPGroup of more than one rank) this rank's shard of it, loaded from its slices
     of the checkpoint. `batch_invariant` (the default; False with --nondeterministic): a row's
-    numbers do not depend on the rest of the step (docs/determinism.md). `model.resident` says in
-    one line what it holds."""
+    numbers do not depend on the rest of the step (docs/determinism.md). `native_types`: the GGML
+    block types the native kernels serve, where a folder's quantized weights take their layouts
+    (models/quantization/native_layouts.py). `model.resident` says in one line what it holds."""
     reason = paged_unsupported_reason(config)
     if reason is not None:
         raise ValueError(f"cannot serve {folder} on the paged path: {reason}")
@@ -105,7 +106,7 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
         model = PagedDecoder(local, spec, backend, DecoderLayout.of(local, FAMILIES[family]), head)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
     if plan is None:
-        weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config)
+        weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config, native_types)
         model = load_quantized(model, weights, quantize, dtype, device, ignore_unexpected=ignore)
     else:
         from opentgi.models.parallel import parallelize

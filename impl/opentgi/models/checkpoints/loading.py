@@ -17,7 +17,7 @@ from torch import nn
 
 from opentgi.models.checkpoints.text_tower import tensor_renamer
 from opentgi.models.checkpoints.weights import checkpoint_files, iter_checkpoint
-from opentgi.models.quantization import awq_gptq, rtn
+from opentgi.models.quantization import awq_gptq, native_layouts, rtn
 from opentgi.models.quantization.fp8 import FP8
 from opentgi.models.quantization.gguf_blocks import GGUFEmbedding
 from opentgi.models.quantization.linear import QuantizedLinear
@@ -30,8 +30,9 @@ class FolderWeights:
     """A Hugging Face checkpoint folder; AWQ / GPTQ 4-bit linears (config.json's
     `quantization_config`) come as Int4Groups."""
 
-    def __init__(self, folder: Path, config):
+    def __init__(self, folder: Path, config, native_types: frozenset[int] = frozenset()):
         self.folder = folder
+        self.native_types = native_types  # GGML types the native kernels serve (quantization/native_layouts.py)
         qconfig = getattr(config, "quantization_config", None)
         if qconfig is not None and not isinstance(qconfig, dict):
             qconfig = qconfig.to_dict()
@@ -83,9 +84,10 @@ class FolderWeights:
                                     got.get("g_idx"), self.zero_offset)
 
 
-def quantize_at_load(weight: torch.Tensor, quantize: Quantize):
+def quantize_at_load(weight: torch.Tensor, quantize: Quantize, native_types: frozenset[int] = frozenset()):
     if quantize.method == "int8":
-        return rtn.int8_rows(weight)
+        blocks = native_layouts.in_native_layout(weight, native_types)
+        return rtn.int8_rows(weight) if blocks is weight else blocks
     if quantize.method == "int4":
         return rtn.int4_groups(weight, quantize.group_size)
     return rtn.Fp8Rows(weight.detach().float())
@@ -114,6 +116,7 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
         raise ValueError("--quantize fp8: this torch build has no float8 type")
     int4 = weights.int4_names()
     names = set(int4)
+    native_types = getattr(weights, "native_types", frozenset())
     if quantize is not None and quantize.at_load:  # every layer projection in the asked format
         projections = {name for name, _ in model.named_parameters() if _PROJECTION.match(name)}
         int4 -= projections  # a GGUF's 4-bit ones too: dequantized, then quantized again
@@ -143,7 +146,8 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
             if name in quantized:
                 linear = quantized[name]
                 if isinstance(value, torch.Tensor):
-                    value = quantize_at_load(value, quantize)
+                    value = quantize_at_load(value, quantize, native_types)
+                value = native_layouts.in_native_layout(value, native_types)
                 if tuple(value.shape) != (linear.out_features, linear.in_features):
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape "
                                      f"{(linear.out_features, linear.in_features)}")
