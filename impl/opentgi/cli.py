@@ -156,6 +156,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cors-allow-origin", str, "origins allowed to call the API from a browser, comma-separated "
            "(default: any, as TGI)"),
     Option("--api-key-file", str, "a file of API keys, one a line (with or instead of --api-key)"),
+    # images in (vision-language models; api/images.py)
+    Option("--max-image-bytes", int, "one image's bytes at most, fetched or in a data: URL (default 20000000)"),
+    Option("--max-images", int, "images per request at most; more get a 422 (default 16)"),
+    Option("--max-image-pixels", int, "an image's width x height at most, checked before decoding "
+           "(default 40000000)"),
+    Option("--image-fetch-timeout", float, "seconds to fetch one http(s) image, redirects included (default 10)"),
+    Option("--allow-private-image-urls", _bool, "fetch images from loopback, private, link-local and "
+           "metadata addresses too (default: refused)", is_switch=True),
 )
 
 
@@ -224,6 +232,10 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
         raise SystemExit(f"opentgi: --speculate must be 0 or more, got {settings.speculate}")
     if settings.responses_store_size < 0:
         raise SystemExit(f"opentgi: --responses-store-size must be 0 or more, got {settings.responses_store_size}")
+    if min(settings.max_image_bytes, settings.max_images, settings.max_image_pixels) < 1 \
+            or settings.image_fetch_timeout <= 0:
+        raise SystemExit("opentgi: --max-image-bytes, --max-images, --max-image-pixels and "
+                         "--image-fetch-timeout must be positive")
     if settings.kernels not in ("auto", "native", "torch"):
         raise SystemExit(f"opentgi: --kernels must be auto, native or torch, got {settings.kernels!r}")
     if settings.api not in ("tgi", "lightllm"):

@@ -89,3 +89,10 @@ class Settings:
     cors_allow_origin: str | None = None  # comma-separated origins allowed by CORS; None = any (TGI's default)
     api_key_file: str | None = None  # API keys, one a line (beside api_key, which may list several, comma-separated)
     api_keys: list[str] = field(default_factory=list)  # the keys read from api_key_file
+
+    # --- images in (api/images.py) --------------------------------------------------------------
+    max_image_bytes: int = 20_000_000  # one image's encoded bytes at most (fetched or data: URL)
+    max_images: int = 16  # images per request at most; more: 422
+    max_image_pixels: int = 40_000_000  # width x height at most, read from the header before decoding
+    image_fetch_timeout: float = 10.0  # seconds for one http(s) image, redirects included
+    allow_private_image_urls: bool = False  # fetch from loopback, private, link-local and metadata addresses

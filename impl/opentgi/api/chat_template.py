@@ -80,22 +80,28 @@ def select_template(chat_template: str | dict | list | None, *, with_tools: bool
     raise TemplateError("the model's named chat templates have no \"default\" entry")
 
 
-def _text_of(content: Any, index: int) -> str | None:
-    """A message's content as one string: multi-part text is joined; images are refused."""
+def _text_of(content: Any, index: int, image_parts: bool = False) -> str | list[dict] | None:
+    """A message's content as one string: multi-part text is joined; images are refused. With
+    `image_parts` (a model that takes images): the content as parts, as transformers' processors
+    render it (`{"type": "text", "text": ...}`, and `{"type": "image"}` where an image goes)."""
     if content is None or isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content or ""}] if image_parts else content
     parts: list[str] = []
+    as_parts: list[dict] = []
     for part in content:
         kind = part.get("type")
         if kind == "text":
             parts.append(part.get("text", ""))
+            as_parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind in ("image_url", "image") and image_parts:
+            as_parts.append({"type": "image"})
         elif kind in ("image_url", "image", "input_audio"):
             raise ValidationError(
                 f"messages[{index}]: content part of type \"{kind}\" is not supported: this model "
                 "takes text only")
         else:
             raise ValidationError(f"messages[{index}]: unknown content part type {kind!r}")
-    return "".join(parts)
+    return as_parts if image_parts else "".join(parts)
 
 
 def _tool_call_for_template(call: dict) -> dict:
@@ -110,14 +116,15 @@ def _tool_call_for_template(call: dict) -> dict:
     return {**call, "function": function}
 
 
-def normalize_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI messages as plain dicts the templates understand (content a string)."""
+def normalize_messages(messages: list[dict], image_parts: bool = False) -> list[dict]:
+    """OpenAI messages as plain dicts the templates understand (content a string, or with
+    `image_parts` a list of parts: `_text_of`)."""
     if not messages:
         raise ValidationError("`messages` must not be empty")
     out = []
     for i, message in enumerate(messages):
         msg = {k: v for k, v in message.items() if v is not None}
-        msg["content"] = _text_of(message.get("content"), i)
+        msg["content"] = _text_of(message.get("content"), i, image_parts)
         if msg["content"] is None:
             # Templates concatenate content; an assistant turn that only called tools has none.
             msg["content"] = ""
@@ -142,19 +149,23 @@ def render_chat(
     tool_prompt: str | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    image_parts: bool = False,
 ) -> str:
     """Render the conversation into the prompt text. `template_kwargs` (a request's
     `chat_template_kwargs`, e.g. `enable_thinking`) are more variables the template sees; they may
     not replace the conversation's own. Raises ValidationError / TemplateError."""
     source = select_template(chat_template, with_tools=bool(tools))
     template = compile_template(source)
-    msgs = normalize_messages(messages)
+    msgs = normalize_messages(messages, image_parts)
     if tools and not template_mentions_tools(source):
         prompt = DEFAULT_TOOL_PROMPT if tool_prompt is None else tool_prompt
         tools_json = json.dumps({"tools": tools}, ensure_ascii=False, separators=(",", ":"))
         last = dict(msgs[-1])
-        last["content"] = f"{last['content']}\n---\n{prompt}{tools_json}" if last["content"] \
-            else f"{prompt}{tools_json}"
+        if isinstance(last["content"], list):
+            last["content"] = [*last["content"], {"type": "text", "text": f"\n---\n{prompt}{tools_json}"}]
+        else:
+            last["content"] = f"{last['content']}\n---\n{prompt}{tools_json}" if last["content"] \
+                else f"{prompt}{tools_json}"
         msgs[-1] = last
     reserved = {"messages", "tools", "add_generation_prompt"}.intersection(template_kwargs or {})
     if reserved:

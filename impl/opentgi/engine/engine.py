@@ -42,7 +42,7 @@ from opentgi.engine.info import ChatTemplate, EngineInfo, EngineStats, Tokenized
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.output.detokenizer import IncrementalDetokenizer
 from opentgi.engine.output.stop_checker import StopChecker
-from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
+from opentgi.engine.request import GenerationRequest, ImageData, ImageInput, SamplingParams, StoppingParams
 from opentgi.engine.sampling.sampler import Sampler
 from opentgi.engine.scheduling.block_manager import BlockManager
 from opentgi.engine.scheduling.request_state import Delivery, RequestState
@@ -97,6 +97,11 @@ class Engine:
         self.runner = runner
         self.spec = spec
         self.info: EngineInfo = build_info(loaded, settings, spec, num_blocks, block_size, runner.kind)
+        # images only where the runner has the image encoder (not on the generic or sharded path)
+        self.info.image_input = getattr(loaded, "image_prompts", None) is not None and \
+            getattr(runner, "vision", None) is not None
+        if self.info.image_input:
+            self.info.image_marker = loaded.image_prompts.image_token
         info = self.info
         # kernels by row kind: generated tokens' k/v must not serve a later prompt (docs/determinism.md)
         prompt_blocks_only = info.deterministic and getattr(runner, "kernels_by_row_kind", False)
@@ -259,6 +264,19 @@ class Engine:
         return await asyncio.to_thread(
             lambda: self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
+    async def encode_images(self, text: str, images: list[ImageData], add_special_tokens: bool = True,
+                            max_tokens: int | None = None) -> tuple[list[int], list[ImageInput]]:
+        """Token ids of `text`, whose image markers (the chat template's) are expanded into each
+        image's tokens, and the images preprocessed for the model, in order."""
+        if not self.info.image_input:
+            raise ValidationError("images are not supported: this model takes text only")
+        if max_tokens is not None:
+            self.check_text_length(text, max_tokens)
+        try:
+            return await asyncio.to_thread(self.loaded.image_prompts, text, images, add_special_tokens)
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
+
     def check_text_length(self, text: str, max_tokens: int) -> None:
         if self._max_token_chars is None:
             vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
@@ -303,6 +321,8 @@ class Engine:
             raise ValidationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         if request.n < 1:
             raise ValidationError(f"n must be at least 1, got {request.n}")
+        if request.images and not info.image_input:
+            raise ValidationError("images are not supported: this model takes text only")
         self.resolve_adapter(request)
         if request.score and not info.is_reward_model:
             raise NotSupportedError("scoring needs a reward model (a *ForSequenceClassification model)")

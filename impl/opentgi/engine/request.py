@@ -6,6 +6,9 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+# the image fields' types, defined beside the model code that reads them
+from opentgi.models.vision.inputs import ImageData, ImageInput  # noqa: F401
+
 _request_ids = itertools.count()
 
 
@@ -98,6 +101,7 @@ class GenerationRequest:
     reasoning: ReasoningSpec | None = None  # the thinking span a grammar waits for / a budget closes
     score: bool = False  # reward model: one prefill pass, result.score, no tokens generated
     adapter_id: str | None = None  # a LoRA adapter loaded at start-up (--lora-adapters); None = base
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order (vision-language models)
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     @property

@@ -52,6 +52,8 @@ class LoadedModel:
     adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded (--lora-adapters), in order
     tp: Any = None  # models.parallel.TPGroup when this is one rank's shard of the model
     kernels: str = "torch"  # the matmul path of GGUF blocks: "native (avx2)", or "torch (why)"
+    # a vision-language model's (text, images) -> (token ids, ImageInputs); None: it takes text only
+    image_prompts: Any = None
 
     @property
     def is_reward_model(self) -> bool:
@@ -231,6 +233,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     sharded = tp is not None and tp.world_size > 1
     checkpoint, eos = None, None
     kernels = "torch (no GGUF blocks to serve)"
+    image_prompts = None  # a vision-language model's prompt builder (models/vision/processing.py)
     if folder.suffix == ".gguf":
         if sharded:
             raise ModelLoadError("--num-shard with a GGUF file is not supported; serve it with one shard")
@@ -258,7 +261,15 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load the config/tokenizer of {model_id!r}: {exc}") from None
-        if text_tower.is_text_tower(config):
+        if architecture_of(config) in text_tower.VISION_TOWERS:
+            from opentgi.models.vision.processing import image_prompts_for
+
+            try:
+                image_prompts = image_prompts_for(folder, config, tokenizer)
+            except ValueError as exc:
+                raise ModelLoadError(f"cannot load the processor of {model_id!r}: {exc}") from None
+            config = text_tower.text_config(config)
+        elif text_tower.is_text_tower(config):
             log.info("%s: the paged path serves its text tower; image inputs are refused",
                      architecture_of(config))
             config = text_tower.text_config(config)
@@ -293,6 +304,8 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         log.info("%s", model.resident)
         kind, spec, backend_name = "paged", model.spec, backend.name
         block_size = select_block_size(backend, settings.block_size)
+    elif image_prompts is not None:
+        raise ModelLoadError(f"{model_id!r} takes images only on the paged path, which cannot serve it ({reason})")
     elif checkpoint is not None or quantize is not None:
         raise ModelLoadError(f"{model_id!r} is not served by the paged model code ({reason}); GGUF files "
                              f"and --quantize are served only there")
@@ -319,11 +332,12 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
         eos = eos_token_ids_of(folder, tokenizer, config)
     spec.eos_token_ids = eos
     reward = bool(getattr(model, "is_reward_model", False))
+    template = _chat_template_of(tokenizer) or getattr(image_prompts, "chat_template", None)
     return LoadedModel(model=model, kind=kind, tokenizer=tokenizer, spec=spec, hf_config=config,
-                       model_id=model_id, model_sha=model_sha, chat_template=_chat_template_of(tokenizer),
+                       model_id=model_id, model_sha=model_sha, chat_template=template,
                        eos_token_ids=eos, pipeline_tag="text-classification" if reward else "text-generation",
                        folder=folder, attention_backend=backend_name, block_size=block_size,
-                       adapters=adapters, tp=tp, kernels=kernels)
+                       adapters=adapters, tp=tp, kernels=kernels, image_prompts=image_prompts)
 
 
 def _kernel_path(settings: Settings, device: torch.device, quantize):

@@ -32,6 +32,7 @@ PAGED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma2", "lm"),
     "Gemma3ForCausalLM": ("gemma3", "lm"),
     "Gemma3ForConditionalGeneration": ("gemma3", "lm"),  # its text tower (checkpoints/text_tower.py)
+    "Idefics3ForConditionalGeneration": ("llama", "lm"),  # and its image encoder (models/vision/)
     "Phi3ForCausalLM": ("phi3", "lm"),
     "Starcoder2ForCausalLM": ("starcoder2", "lm"),
     "LlamaForSequenceClassification": ("llama", "score"),
@@ -104,6 +105,10 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
     with torch.device("meta"):
         local = config if plan is None else plan.local_config(config)
         model = PagedDecoder(local, spec, backend, DecoderLayout.of(local, FAMILIES[family]), head)
+        if getattr(config, "vision_source", None) is not None:  # an image-taking checkpoint
+            from opentgi.models.vision.idefics3 import Idefics3Vision
+
+            model.vision = Idefics3Vision(config.vision_source)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
     if plan is None:
         weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config, native_types)

@@ -1,4 +1,4 @@
-# GENERATED from openapi/openai-responses.yaml (sha256 e6369abdcf31f287) by codegen with
+# GENERATED from openapi/openai-responses.yaml (sha256 f3b8468bc2c33103) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -39,6 +39,8 @@ class InputContent(BaseModel):
     type: Type1
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None
+    detail: str | None = None
 
 
 class Type2(Enum):

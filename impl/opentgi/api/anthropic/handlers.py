@@ -39,7 +39,8 @@ def chat_turn(request: schema.MessagesRequest | schema.CountTokensRequest) -> Ch
     tool_choice, parallel = convert.chat_tool_choice(request.tool_choice, tools)
     kwargs, budget = convert.thinking_options(request.thinking, getattr(request, "max_tokens", None))
     response_format, effort_budget = convert.output_options(getattr(request, "output_config", None))
-    return ChatTurn(messages=convert.chat_messages(request.system, request.messages), tools=tools,
+    images = bool(getattr(runtime.engine().info, "image_input", False))
+    return ChatTurn(messages=convert.chat_messages(request.system, request.messages, images), tools=tools,
                     tool_choice=tool_choice, parallel_tool_calls=parallel, chat_template_kwargs=kwargs,
                     reasoning_budget=budget if budget is not None else effort_budget,
                     response_format=response_format)
@@ -77,7 +78,8 @@ async def _prepare_message(body: dict) -> tuple[list[GenerationRequest], Prepare
         prompt_token_ids=turn.prompt_token_ids, sampling=sampling,
         stopping=StoppingParams(max_new_tokens=request.max_tokens, stop_sequences=stops,
                                 include_stop_str_in_output=False),
-        needs_logprobs=False, grammar=turn.grammar, reasoning=turn.reasoning, adapter_id=adapter)
+        needs_logprobs=False, grammar=turn.grammar, reasoning=turn.reasoning, adapter_id=adapter,
+        images=turn.images)
     return [engine_request], PreparedMessage(f"msg_{uuid.uuid4().hex}", served_model_name(info, adapter), turn, num_prompt, stops)
 
 

@@ -50,23 +50,42 @@ def _tool_result_text(block: schema.ToolResultBlockParam, where: str) -> str:
     return "\n".join(texts)
 
 
-def _user_messages(message: schema.InputMessage, where: str) -> list[dict]:
-    """A user turn: its tool results as tool messages and its text as user messages, in order."""
+def image_part(source: dict, where: str) -> dict:
+    """An `image` block's source (`base64` or `url`) as an OpenAI `image_url` part."""
+    kind = source.get("type")
+    if kind == "base64":
+        return {"type": "image_url",
+                "image_url": {"url": f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"}}
+    if kind == "url":
+        return {"type": "image_url", "image_url": {"url": source.get("url", "")}}
+    raise ValidationError(f"{where}: an image source is `base64` or `url`, not {kind!r}")
+
+
+def _user_messages(message: schema.InputMessage, where: str, images: bool = False) -> list[dict]:
+    """A user turn: its tool results as tool messages and its text (and with `images`, its image
+    blocks as `image_url` parts) as user messages, in order."""
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     out: list[dict] = []
     texts: list[str] = []
+    parts: list[dict] = []  # the same content as parts, images included
 
     def flush() -> None:
-        if texts:
+        if any(part["type"] == "image_url" for part in parts):
+            out.append({"role": "user", "content": list(parts)})
+        elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
-            texts.clear()
+        texts.clear()
+        parts.clear()
 
     for i, block in enumerate(message.content):
         at = f"{where}.content.{i}"
-        if block.type in REFUSED_BLOCKS:
+        if block.type == "image" and images:
+            parts.append(image_part(block.source, at))
+        elif block.type in REFUSED_BLOCKS:
             _refuse_media(block.type, at)
-        elif block.type == "text":
+        elif block.type == "text":  # texts joined by newlines, as parts too
+            parts.append({"type": "text", "text": ("\n" if texts else "") + block.text})
             texts.append(block.text)
         elif block.type == "tool_result":
             flush()
@@ -104,8 +123,9 @@ def _assistant_message(message: schema.InputMessage, where: str) -> dict:
     return out
 
 
-def chat_messages(system: Any, messages: list[schema.InputMessage]) -> list[dict]:
-    """OpenAI chat messages for the system prompt and Anthropic `messages`."""
+def chat_messages(system: Any, messages: list[schema.InputMessage], images: bool = False) -> list[dict]:
+    """OpenAI chat messages for the system prompt and Anthropic `messages`; `images`: the model
+    takes them (else image blocks are refused)."""
     if not messages:
         raise ValidationError("messages: at least one message is required")
     out = []
@@ -115,7 +135,7 @@ def chat_messages(system: Any, messages: list[schema.InputMessage]) -> list[dict
     for i, message in enumerate(messages):
         where = f"messages.{i}"
         if message.role.value == "user":
-            out.extend(_user_messages(message, where))
+            out.extend(_user_messages(message, where, images))
         else:
             out.append(_assistant_message(message, where))
     return out

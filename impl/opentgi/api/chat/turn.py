@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from opentgi.api.chat.forced_json import tool_grammar_schema
@@ -26,6 +26,7 @@ from opentgi.api.chat.markers import ChatMarkers, find_markers
 from opentgi.api.chat.parser import ChatOutputParser
 from opentgi.api.chat.tools import ToolError, ToolSelection, call_schema, select_tools
 from opentgi.api.chat_template import render_chat, select_template
+from opentgi.api.images import ImageLimits, chat_image_urls, load_images
 from opentgi.engine.errors import ValidationError
 from opentgi.engine.request import GrammarSpec, ReasoningSpec
 
@@ -57,6 +58,7 @@ class PreparedTurn:
     markers: ChatMarkers
     _parser: partial
     prompt_text: str = ""  # the rendered template (/chat_tokenize shows it)
+    images: list = field(default_factory=list)  # ImageInputs of the prompt's images, in order
 
     @property
     def using_tools(self) -> bool:
@@ -131,11 +133,21 @@ async def prepare_chat_turn(engine, turn: ChatTurn, *, settings, max_input_token
     if selection.constrained:
         mode = NATIVE if markers.tool_calls is not None and turn.tool_prompt is None else FORCED_JSON
     grammar = _grammar(turn, selection, mode, markers, settings, format_grammar)
+    # a model that takes images: the images fetched and checked first (api/images.py); a text-only
+    # model refuses image parts while rendering
+    takes_images = bool(getattr(engine.info, "image_input", False))
+    urls = chat_image_urls(turn.messages) if takes_images else []
+    images = await load_images(urls, ImageLimits.of(settings)) if urls else []
     text = await asyncio.to_thread(
         render_chat, template.template, turn.messages, bos_token=template.bos_token,
         eos_token=template.eos_token, special_tokens=template.special_tokens, tools=tools or None,
-        tool_prompt=turn.tool_prompt, template_kwargs=_template_kwargs(turn, settings))
-    prompt_ids = await engine.encode(text, add_special_tokens=False, max_tokens=max_input_tokens)
+        tool_prompt=turn.tool_prompt, template_kwargs=_template_kwargs(turn, settings), image_parts=takes_images)
+    image_inputs: list = []
+    if images:
+        prompt_ids, image_inputs = await engine.encode_images(text, images, add_special_tokens=False,
+                                                              max_tokens=max_input_tokens)
+    else:
+        prompt_ids = await engine.encode(text, add_special_tokens=False, max_tokens=max_input_tokens)
     reasoning = None
     think = markers.think
     state = think.prompt_state(prompt_ids) if think is not None else "closed"
@@ -145,4 +157,4 @@ async def prepare_chat_turn(engine, turn: ChatTurn, *, settings, max_input_token
         reasoning = ReasoningSpec([think.start_id], [think.end_id], starts_open=state == "open", budget=budget)
     parser = partial(ChatOutputParser, think=think, starts_in_reasoning=state == "open",
                      tool_calls=markers.tool_calls if mode == NATIVE else None, forced_json=mode == FORCED_JSON)
-    return PreparedTurn(prompt_ids, grammar, reasoning, mode, markers, parser, prompt_text=text)
+    return PreparedTurn(prompt_ids, grammar, reasoning, mode, markers, parser, prompt_text=text, images=image_inputs)

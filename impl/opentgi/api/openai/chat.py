@@ -85,7 +85,7 @@ async def _prepare_chat(body: dict) -> tuple[list[GenerationRequest], PreparedCh
                                 stopping=stopping_params(budget, stops), n=n, top_n_tokens=top_logprobs,
                                 top_n_ties=False,  # OpenAI's top_logprobs: exactly n
                                 needs_logprobs=logprobs, grammar=prepared.grammar, reasoning=prepared.reasoning,
-                                adapter_id=adapter_named_by_model(engine.info, req.model))
+                                adapter_id=adapter_named_by_model(engine.info, req.model), images=prepared.images)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     model = served_model_name(engine.info, request.adapter_id)
     return [request], PreparedChat(meta=shape.ResponseMeta.new("chatcmpl", model), turn=prepared,

@@ -108,7 +108,7 @@ async def _prepare_response(body: dict) -> tuple[list[GenerationRequest], Prepar
         if previous is None:
             raise ResponseNotFoundError(request.previous_response_id, "previous_response_id")
         conversation = list(previous.conversation)
-    conversation += convert.input_messages(request.input)
+    conversation += convert.input_messages(request.input, bool(getattr(info, "image_input", False)))
     if not conversation:
         raise ValidationError("input: a response needs input (or a previous_response_id)")
     tools = convert.chat_tools(request.tools)
@@ -128,7 +128,8 @@ async def _prepare_response(body: dict) -> tuple[list[GenerationRequest], Prepar
     engine_request = GenerationRequest(
         prompt_token_ids=prepared.prompt_token_ids, sampling=sampling_params(request),
         stopping=StoppingParams(max_new_tokens=max_tokens, include_stop_str_in_output=False),
-        needs_logprobs=False, grammar=prepared.grammar, reasoning=prepared.reasoning, adapter_id=adapter)
+        needs_logprobs=False, grammar=prepared.grammar, reasoning=prepared.reasoning, adapter_id=adapter,
+        images=prepared.images)
     meta = shapes.ResponseMeta(model=served_model_name(info, adapter),
                                echo=shapes.request_echo(request, tool_choice))
     return [engine_request], PreparedResponse(meta, prepared, num_prompt, conversation,

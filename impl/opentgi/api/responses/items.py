@@ -22,9 +22,21 @@ from opentgi.schemas import openai_responses as schema
 TEXT_PARTS = ("input_text", "output_text")
 
 
-def _text_of(content: str | list[schema.InputContent], where: str) -> str:
+def _text_of(content: str | list[schema.InputContent], where: str, images: bool = False) -> str | list[dict]:
+    """The content as text; with `images` (the model takes them) and an `input_image` among the
+    parts, as OpenAI chat parts (`text`, `image_url`)."""
     if isinstance(content, str):
         return content
+    if images and any(part.type.value == "input_image" for part in content):
+        parts: list[dict] = []
+        for i, part in enumerate(content):
+            if part.type.value == "input_image":
+                if not part.image_url:
+                    raise ValidationError(f"{where}.{i}: an `input_image` part needs `image_url`")
+                parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+            else:
+                parts.append({"type": "text", "text": _text_of([part], where)})
+        return parts
     texts = []
     for i, part in enumerate(content):
         kind = part.type.value
@@ -40,7 +52,8 @@ def _text_of(content: str | list[schema.InputContent], where: str) -> str:
 class _Conversation:
     """Builds the chat messages in order, merging an assistant turn's text, reasoning and calls."""
 
-    def __init__(self):
+    def __init__(self, images: bool = False):
+        self.images = images
         self.messages: list[dict] = []
         self.pending_reasoning: list[str] = []
 
@@ -57,7 +70,7 @@ class _Conversation:
     def add(self, item, where: str) -> None:
         if isinstance(item, schema.InputMessage):
             role = item.role.value
-            text = _text_of(item.content, f"{where}.content")
+            text = _text_of(item.content, f"{where}.content", self.images and role == "user")
             if role == "assistant":
                 self._assistant(fresh=True)["content"] = text
             else:
@@ -74,13 +87,14 @@ class _Conversation:
             self.pending_reasoning.extend(texts)
 
 
-def input_messages(input_: Any) -> list[dict]:
-    """The request's `input` as chat messages (reasoning with no assistant turn after it is dropped)."""
+def input_messages(input_: Any, images: bool = False) -> list[dict]:
+    """The request's `input` as chat messages (reasoning with no assistant turn after it is dropped);
+    `images`: the model takes them (else `input_image` parts are refused)."""
     if input_ is None:
         return []
     if isinstance(input_, str):
         return [{"role": "user", "content": input_}]
-    conversation = _Conversation()
+    conversation = _Conversation(images)
     for i, item in enumerate(input_):
         conversation.add(item, f"input.{i}")
     return conversation.messages

@@ -25,6 +25,7 @@ from opentgi import __version__
 from opentgi.api import generation, runtime
 from opentgi.api.adapters import models_list
 from opentgi.api.errors import DeserializationError, IncompleteGenerationError, tgi_error
+from opentgi.api.images import ImageLimits, load_images, markdown_images
 from opentgi.api.tgi import shapes as encode
 from opentgi.api.tgi.params import Limits, build_request, check_integer_widths, check_parameters
 from opentgi.api.tgi.tokens import detokenize, get_chat_tokenize  # noqa: F401 - operationIds of tgi.json
@@ -81,11 +82,21 @@ def _prepare(body: dict, parameters: GenerateParameters | None, *, stream: bool,
         if parameters is None or parameters.return_full_text is None:
             params.return_full_text = default_return_full_text
         # with `truncate`, TGI keeps the prompt's last tokens: any length is fine
-        prompt_token_ids = await engine.encode(inputs, max_tokens=None if params.truncate else limits.max_input_tokens)
+        max_tokens = None if params.truncate else limits.max_input_tokens
+        # a model that takes images reads TGI's markdown images, `![](url)`, as TGI does
+        text, urls = markdown_images(inputs, engine.info.image_marker) if engine.info.image_input else (inputs, [])
+        images = await load_images(urls, ImageLimits.of(state.settings)) if urls else []
+        if images:
+            prompt_token_ids, image_inputs = await engine.encode_images(text, images, max_tokens=max_tokens)
+        else:
+            prompt_token_ids, image_inputs = await engine.encode(inputs, max_tokens=max_tokens), []
         if parameters is not None and parameters.grammar is not None:  # the schema checks: off the loop
             request = await asyncio.to_thread(build_request, params, prompt_token_ids, limits, parameters)
         else:
             request = build_request(params, prompt_token_ids, limits, parameters)
+        if image_inputs and request.num_prompt_tokens < len(prompt_token_ids):
+            raise ValidationError("`truncate` would cut into a prompt with images: raise it or leave it out")
+        request.images = image_inputs
         return [request], Prepared(inputs=inputs, input_length=request.num_prompt_tokens, details=params.details,
                                    decoder_input_details=params.decoder_input_details,
                                    return_full_text=params.return_full_text)

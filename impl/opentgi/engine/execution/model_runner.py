@@ -7,6 +7,12 @@ its block_table; its attention reads its first context_lens[b] tokens. Where the
 kernel by row kind (`kernels_by_row_kind`: int4 layers with dense copies for prompt rows, prompt
 attention in its own batch-invariant form), the forward runs with the step's row kinds
 (models/layers/row_kinds.py) and the attention metadata says how many new tokens are prompt tokens.
+
+A vision-language model's step first encodes the images whose tokens the step feeds and that are
+not encoded yet (an encoder step of its own, before the decoder's), then hands the decoder those
+tokens' rows. Batch-invariant (the default), each image is encoded alone, so its rows never depend
+on the other images of the step; with --nondeterministic the step's images of one tile size are
+encoded as one batch.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class ModelRunner:
         self._pad_block = -1 if self.device.type == "cpu" else 0
         self.lora = getattr(model, "lora", None)  # models/lora/ LoraState when adapters are loaded
         self.kernels_by_row_kind = bool(getattr(model, "kernels_by_row_kind", False))
+        self.vision = getattr(model, "vision", None)  # a vision-language model's image encoder
 
     def free(self, seq: Sequence) -> None:
         """Nothing to drop: the paged cache belongs to the block manager."""
@@ -119,15 +126,59 @@ class ModelRunner:
             return None
         return RowKinds(prompt_new_tokens, num_new_tokens, self.device)
 
+    def encode_images(self, images: list) -> None:
+        """Set `embeds` of each ImageInput (the encoder step)."""
+        if getattr(self.model, "batch_invariant", False) or len(images) == 1:
+            for image in images:
+                image.embeds = self.vision.encode(image.pixel_values, image.pixel_mask)
+            return
+        groups: dict[tuple, list] = {}
+        for image in images:
+            groups.setdefault(tuple(image.pixel_values.shape[1:]), []).append(image)
+        for group in groups.values():
+            rows = self.vision.encode(torch.cat([i.pixel_values for i in group]), torch.cat([i.pixel_mask for i in group]))
+            for image, part in zip(group, rows.split([len(i.positions) for i in group])):
+                image.embeds = part
+
+    def image_embeds(self, seqs: list[Sequence], num_new_tokens: list[int], cu_q: list[int]):
+        """(flat indices, rows) of the step's image tokens, encoding the images first where needed;
+        None when the step feeds none."""
+        fed: list[tuple[int, object, int, int]] = []  # (flat offset of the row's start, image, first, last)
+        for row, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            for image in seq.request.images:
+                if image.start < end and image.end > start:
+                    fed.append((cu_q[row] - start, image, start, end))
+        if not fed:
+            return None
+        pending = {id(image): image for _, image, _, _ in fed if image.embeds is None}
+        if pending:
+            self.encode_images(list(pending.values()))
+        index: list[int] = []
+        rows: list[torch.Tensor] = []
+        for offset, image, start, end in fed:
+            picked = [k for k, p in enumerate(image.positions) if start <= p < end]
+            if picked:
+                index.extend(offset + image.positions[k] for k in picked)
+                rows.append(image.embeds[picked[0]:picked[-1] + 1])
+        if not rows:  # the step's tokens lie between the image's tiles (their tags)
+            return None
+        return torch.tensor(index, dtype=torch.int64, device=self.device), torch.cat(rows)
+
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
                 logit_rows: list[int] = (), score_rows: list[int] = ()) -> StepOutput:
         input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)
+        extra = {}
+        if self.vision is not None and any(s.request.images for s in seqs):
+            image_embeds = self.image_embeds(seqs, num_new_tokens, cu_q)
+            if image_embeds is not None:
+                extra["image_embeds"] = image_embeds
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:
             with step_row_kinds(self.row_kinds(attn.prompt_new_tokens, num_new_tokens)):
-                hidden = self.model.forward(input_ids, positions, attn, self.kv_caches)
+                hidden = self.model.forward(input_ids, positions, attn, self.kv_caches, **extra)
         finally:
             if self.lora is not None:
                 self.lora.end_step()

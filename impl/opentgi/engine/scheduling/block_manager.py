@@ -2,7 +2,9 @@
 
 Blocks are reference counted. A full block whose tokens are all computed is registered in the
 prefix cache under hash(parent block's hash, its token ids); the ids are stored too, so a hash
-collision never hands out the wrong k/v. A block nobody references any more keeps its content and
+collision never hands out the wrong k/v. A block holding image tokens (all alike: the model's
+image placeholder) is keyed by the content hash of each image too (`block_key`), so only the same
+image at the same place shares it. A block nobody references any more keeps its content and
 its hash (when prefix caching is on) and waits in an LRU list: a later prompt with the same prefix
 takes it back, and allocation evicts the least recently freed one first. Sequences never write into
 a shared block: only full blocks are shared, and a prefix match always leaves the prompt's last
@@ -41,6 +43,15 @@ class Block:
 
 def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def block_key(token_ids: list[int], images, index: int, block_size: int) -> tuple:
+    """What identifies the tokens of block `index`: their ids, then (content hash, start) of each
+    image (ImageInput) whose tokens it holds."""
+    lo, hi = index * block_size, (index + 1) * block_size
+    key = tuple(token_ids[lo:hi])
+    marks = tuple((image.content_hash, image.start) for image in images if image.start < hi and image.end > lo)
+    return key + marks if marks else key
 
 
 def root_hash(seq: Sequence) -> int | None:
@@ -100,15 +111,16 @@ class BlockManager:
         return block_id
 
     def match_prefix(self, token_ids: list[int], max_tokens: int,
-                     root: int | None = None) -> tuple[list[int], list[int]]:
+                     root: int | None = None, images=()) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of token_ids of at most max_tokens tokens, under
-        the given root hash (`root_hash`): (block ids, their hashes). Takes no reference."""
+        the given root hash (`root_hash`), with the prompt's `images` (`block_key`): (block ids,
+        their hashes). Takes no reference."""
         bs = self.block_size
         block_ids: list[int] = []
         hashes: list[int] = []
         parent: int | None = root
         for i in range(max_tokens // bs):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            chunk = block_key(token_ids, images, i, bs)
             h = block_hash(parent, chunk)
             block_id = self._lookup(h, chunk)
             if block_id is None:
@@ -125,7 +137,8 @@ class BlockManager:
         assert not seq.block_table, "admit() of a sequence that holds blocks"
         n = len(seq.token_ids)
         limit = min(n - 1, seq.num_prompt_tokens) if self.prompt_blocks_only else n - 1
-        block_ids, hashes = self.match_prefix(seq.token_ids, limit, root_hash(seq)) if use_prefix_cache else ([], [])
+        block_ids, hashes = self.match_prefix(seq.token_ids, limit, root_hash(seq), seq.request.images) \
+            if use_prefix_cache else ([], [])
         for block_id in block_ids:
             self._ref(block_id)
         seq.block_table = block_ids
@@ -149,7 +162,7 @@ class BlockManager:
             num_full = min(num_full, seq.num_prompt_tokens // bs)
         parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
         for i in range(seq.num_hashed_blocks, num_full):
-            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            chunk = block_key(seq.token_ids, seq.request.images, i, bs)
             h = block_hash(parent, chunk)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block:

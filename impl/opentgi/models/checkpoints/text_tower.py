@@ -1,14 +1,18 @@
-"""Multimodal checkpoints whose text tower the paged path serves on its own: Gemma 3's 4B, 12B and
-27B (`Gemma3ForConditionalGeneration`; the 1B is the text-only `Gemma3ForCausalLM`). Without an
-image a prompt never reaches the vision tower, so the text tower alone computes what the whole
-model does; the APIs refuse image inputs for every model.
+"""Multimodal checkpoints read through their text tower: Gemma 3's 4B, 12B and 27B
+(`Gemma3ForConditionalGeneration`; the 1B is the text-only `Gemma3ForCausalLM`), served on the text
+tower alone (without an image a prompt never reaches the vision tower, so the text tower computes
+what the whole model does; the APIs refuse its image inputs), and Idefics3 / SmolVLM
+(`Idefics3ForConditionalGeneration`), whose image encoder is loaded beside it (`VISION_TOWERS`,
+models/vision/).
 
 - `text_config`: the checkpoint's text config in place of the wrapper's, still naming the
   wrapper's architecture (what /info reports and the registry maps to a family), with the
   wrapper's forward's values where they differ (no final logit soft-capping).
+  An image-taking checkpoint's text config also holds the whole one as `vision_source`.
 - `tensor_renamer`: the text tower's tensor names as the decoder's (both layouts transformers
   has saved: `language_model.model.*` and `model.language_model.*`); the vision tower's and the
-  projector's tensors are skipped (None).
+  projector's tensors are skipped (None), or for an image-taking checkpoint named as the paged
+  model's `vision` module holds them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-TEXT_TOWERS = ("Gemma3ForConditionalGeneration",)
+VISION_TOWERS = ("Idefics3ForConditionalGeneration",)  # served with their image encoder
+TEXT_TOWERS = ("Gemma3ForConditionalGeneration", *VISION_TOWERS)
+_IDEFICS3_RENAMED = (("model.text_model.", "model."), ("model.vision_model.", "vision.vision_model."),
+                     ("model.connector.", "vision.connector."))
 _RENAMED = (("language_model.model.", "model."), ("model.language_model.", "model."),
             ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -38,6 +45,9 @@ def text_config(config):
         return config
     text = copy.deepcopy(config.text_config)
     text.architectures = [_architecture(config)]
+    if _architecture(config) in VISION_TOWERS:
+        text.vision_source = config
+        return text
     # transformers' Gemma3ForConditionalGeneration never soft-caps its logits (Gemma 3's own
     # checkpoints set no cap; only a text-only Gemma3ForCausalLM applies one it is given)
     text.final_logit_softcapping = None
@@ -51,6 +61,15 @@ def text_tower_name(name: str) -> str | None:
     return None if name.startswith(_SKIPPED) else name
 
 
+def idefics3_name(name: str) -> str:
+    for old, new in _IDEFICS3_RENAMED:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def tensor_renamer(config) -> Callable[[str], str | None] | None:
     """How the checkpoint's tensor names map to the paged decoder's (None: as they are)."""
+    if _architecture(config) in VISION_TOWERS:
+        return idefics3_name
     return text_tower_name if is_text_tower(config) else None

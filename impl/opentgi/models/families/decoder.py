@@ -184,8 +184,14 @@ class PagedDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`image_embeds` (a vision-language model's prompt rows with images): (flat indices,
+        rows) that replace those tokens' embeddings (models/vision/)."""
         h = self.model.embed_tokens(input_ids)
+        if image_embeds is not None:
+            index, rows = image_embeds
+            h = h.index_copy(0, index, rows.to(h.dtype))
         if self.embed_scale is not None:  # in the model dtype, as Gemma's code rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]

@@ -1,0 +1,1 @@
+"""Image encoders of the vision-language families on the paged path, and their preprocessing."""

@@ -1,0 +1,32 @@
+"""What a request carries of its images: `ImageData` from the API's intake, `ImageInput` once
+preprocessed for the model (the engine's `GenerationRequest.images`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ImageData:
+    """An image as the API's intake hands it to the engine: decoded (a PIL image) and validated,
+    with the SHA-256 of its bytes."""
+
+    image: Any
+    sha256: str
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt, preprocessed for the model (models/vision/processing.py). Its tokens
+    are prompt tokens: they count in every token limit and budget like any other."""
+
+    content_hash: str  # of the image's bytes: the prefix cache keys the blocks of its tokens by it
+    start: int  # the prompt index of its first image token
+    end: int  # one past its last image token
+    positions: list[int]  # the prompt indices whose embeddings the image encoder gives, in order
+    pixel_values: Any  # tensor [tiles, channels, height, width]
+    pixel_mask: Any  # bool tensor [tiles, height, width]: real pixels (not padding)
+    # the encoder's rows for `positions`, set by the model runner when first needed and kept for
+    # the request's life (a preempted sequence recomputes its prompt without encoding again)
+    embeds: Any = None

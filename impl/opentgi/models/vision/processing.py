@@ -1,0 +1,83 @@
+"""A prompt with images -> its token ids and one preprocessed `ImageInput` per image.
+
+Idefics3 (SmolVLM): transformers' own Idefics3ImageProcessor, read from the model folder, preprocesses
+each image (resize, split into tiles, rescale, normalise: its pixels by construction), and its
+`get_image_prompt_string` expands the prompt's `<image>` marker into the image's tokens (a row and
+column tag, `<fake_token_around_image>` and `image_seq_len` `<image>` tokens per tile, the global
+image last), as Idefics3Processor's `__call__` does; the expanded text is tokenized whole. Each
+image is preprocessed on its own, so its pixels never depend on the other images of the request.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from opentgi.models.vision.inputs import ImageData, ImageInput
+
+
+class Idefics3Prompts:
+    # Idefics3Processor's own tokens (it takes none from its config)
+    image_token, fake_token, global_token = "<image>", "<fake_token_around_image>", "<global-img>"
+
+    def __init__(self, folder: Path, tokenizer):
+        from transformers import AutoImageProcessor
+
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(folder)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"the folder has no usable image processor ({exc})") from None
+        config = folder / "processor_config.json"
+        # Idefics3Processor's default when its config does not say
+        self.image_seq_len = int(json.loads(config.read_text()).get("image_seq_len", 169)) if config.is_file() else 169
+        self.tokenizer = tokenizer
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {self.image_token} token")
+        self.chat_template = processor_chat_template(folder)
+
+    def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
+        from transformers.models.idefics3.processing_idefics3 import get_image_prompt_string
+
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the prompt holds {len(pieces) - 1} image markers ({self.image_token}) for "
+                             f"{len(images)} images")
+        expanded, tensors = [pieces[0]], []
+        for image, after in zip(images, pieces[1:]):
+            out = self.image_processor([[image.image]], return_row_col_info=True, return_tensors="pt")
+            rows, cols = out["rows"][0][0], out["cols"][0][0]
+            expanded.append(get_image_prompt_string(rows, cols, self.image_seq_len, self.fake_token,
+                                                    self.image_token, self.global_token))
+            expanded.append(after)
+            tensors.append((out["pixel_values"][0], out["pixel_attention_mask"][0].bool()))
+        ids = list(self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens)["input_ids"])
+        positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
+        wanted = sum(pixels.shape[0] for pixels, _ in tensors) * self.image_seq_len
+        if len(positions) != wanted:
+            raise ValueError(f"the prompt holds {len(positions)} image tokens where its images give {wanted}")
+        inputs, at = [], 0
+        for image, (pixels, mask) in zip(images, tensors):
+            mine = positions[at:at + pixels.shape[0] * self.image_seq_len]
+            at += len(mine)
+            inputs.append(ImageInput(content_hash=image.sha256, start=mine[0], end=mine[-1] + 1, positions=mine,
+                                     pixel_values=pixels, pixel_mask=mask))
+        return ids, inputs
+
+
+def processor_chat_template(folder: Path) -> str | None:
+    """The chat template transformers saved with the processor (`chat_template.jinja`, or the older
+    `chat_template.json`), else None."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return None
+
+
+def image_prompts_for(folder: Path, config, tokenizer):
+    """The prompt builder of a vision-language checkpoint the paged path serves, else None."""
+    archs = getattr(config, "architectures", None) or []
+    if archs and archs[0] == "Idefics3ForConditionalGeneration":
+        return Idefics3Prompts(folder, tokenizer)
+    return None
