@@ -60,3 +60,10 @@ async def test_disable_ui_gives_tgi_405_back():
         response = await http.get("/")
     assert response.status_code == 405
     assert response.json() == METHOD_NOT_ALLOWED
+
+
+async def test_page_attaches_an_image_as_an_image_url_part():
+    async with client() as http:
+        text = (await http.get("/")).text
+    assert re.search(r'<input id="image" type="file" accept="image/\*"', text)
+    assert 'type: "image_url", image_url: { url: image }' in text and "readAsDataURL" in text

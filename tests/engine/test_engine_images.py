@@ -100,3 +100,25 @@ def test_image_tokens_count_in_the_prompt_limits(loaded):
     request = asyncio.run(main())
     assert len(request.images[0].positions) == 3 * 4
     assert request.num_prompt_tokens == 53
+
+
+def test_without_batch_invariance_a_steps_images_are_encoded_as_one_batch(loaded, monkeypatch):
+    from opentgi.engine.execution.model_runner import ModelRunner
+    from opentgi.models.vision.processing import image_prompts_for
+
+    prompts = image_prompts_for(tiny_idefics3_path(), loaded.hf_config.vision_source, loaded.tokenizer)
+    _, inputs = prompts("<image><image><image>", [image(FIRST), image(SECOND), image(png_bytes(30, 30))], False)
+    runner = ModelRunner(loaded.model, num_blocks=2, block_size=16)
+    assert loaded.model.batch_invariant  # the default: each image alone
+    runner.encode_images(inputs)
+    alone = [i.embeds for i in inputs]
+    calls = []
+    encode = runner.vision.encode
+    monkeypatch.setattr(runner.vision, "encode", lambda *a: calls.append(a[0].shape[0]) or encode(*a))
+    monkeypatch.setattr(loaded.model, "batch_invariant", False)
+    for i in inputs:
+        i.embeds = None
+    runner.encode_images(inputs)
+    assert calls == [3 + 3 + 5]  # every tile of the three images, one call
+    for one, batched in zip(alone, (i.embeds for i in inputs)):
+        assert one.shape == batched.shape and torch.allclose(one, batched, atol=1e-5)
