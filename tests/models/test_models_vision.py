@@ -93,3 +93,13 @@ def test_the_fixed_position_ids_differ_from_transformers_4_57(vlm):
     side = loaded.model.vision.vision_model.embeddings.side
     ids = loaded.model.vision.vision_model.embeddings.position_ids(torch.ones(1, side, side, dtype=torch.bool))
     assert ids[0].tolist() == list(range(side * side))
+
+
+def test_thin_images_are_read_height_by_width(vlm):
+    """A PIL image is height x width x channels; transformers would guess channels first for an
+    image 1 or 3 pixels high. 1 x 1 and 2 x 2 both scale to 112 x 112: 2 x 2 tiles and the global."""
+    loaded = vlm[0]
+    for width, height in ((1, 1), (2, 2), (3000, 1)):
+        data = ImageData(image_of(png_bytes(width, height)), "h")
+        _, (image,) = loaded.image_prompts("<image>", [data], False)
+        assert image.pixel_values.shape[0] == (3 if width > 2 else 5)

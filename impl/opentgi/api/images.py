@@ -13,8 +13,8 @@ the request and the reason:
   bytes themselves: declared content types (headers, `data:` media types) are not trusted;
 - an http(s) URL whose host resolves to a loopback, private, link-local, shared, reserved or
   multicast address (cloud metadata services among them), at the first request and at every
-  redirect, unless `--allow-private-image-urls`; redirects at most `MAX_REDIRECTS`; the whole fetch
-  within `--image-fetch-timeout` seconds.
+  redirect, unless `--allow-private-image-urls`; redirects at most `MAX_REDIRECTS`; a fetch past
+  `--image-fetch-timeout` seconds (each read waits at most that long, and none starts after it).
 
 A fetch runs in a worker thread and every request's images are fetched concurrently, so a slow
 image host holds only its own request. The address check resolves the host before urllib connects
@@ -152,7 +152,7 @@ def _fetch(index: int, url: str, limits: ImageLimits) -> bytes:
     try:
         with opener.open(request, timeout=limits.timeout_s) as response:
             chunks, size = [], 0
-            while chunk := response.read(_CHUNK):
+            while chunk := response.read1(_CHUNK):  # returns what one read gives: a slow drip cannot hold it
                 size += len(chunk)
                 if size > limits.max_bytes:
                     raise ImageRefused(index, f"the image is larger than {limits.max_bytes} bytes (--max-image-bytes)")

@@ -24,7 +24,8 @@ class Idefics3Prompts:
         from transformers import AutoImageProcessor
 
         try:
-            self.image_processor = AutoImageProcessor.from_pretrained(folder)
+            # the slow processor: the fast one needs torchvision, which the pinned torch has not
+            self.image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
         except (OSError, ValueError) as exc:
             raise ValueError(f"the folder has no usable image processor ({exc})") from None
         config = folder / "processor_config.json"
@@ -45,7 +46,10 @@ class Idefics3Prompts:
                              f"{len(images)} images")
         expanded, tensors = [pieces[0]], []
         for image, after in zip(images, pieces[1:]):
-            out = self.image_processor([[image.image]], return_row_col_info=True, return_tensors="pt")
+            # a PIL image is height x width x channels: said, not guessed (transformers guesses
+            # channels first for an image 1 or 3 pixels high, which scrambles it)
+            out = self.image_processor([[image.image]], return_row_col_info=True, return_tensors="pt",
+                                       input_data_format="channels_last")
             rows, cols = out["rows"][0][0], out["cols"][0][0]
             expanded.append(get_image_prompt_string(rows, cols, self.image_seq_len, self.fake_token,
                                                     self.image_token, self.global_token))
