@@ -137,6 +137,12 @@ def test_responses_input_image(vlm_client):
         {"type": "input_image", "image_url": IMAGE}, {"type": "input_text", "text": "What is this?"}]}]}
     response = vlm_client.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
+    content = body["input"][0]["content"]
+    content[0] = {"type": "input_image"}
+    assert vlm_client.post("/v1/responses", json=body).status_code == 400  # no image_url
+    content[0] = {"type": "input_file"}
+    refused = vlm_client.post("/v1/responses", json=body)
+    assert refused.status_code == 400 and "input.0.content.0: `input_file`" in refused.text
 
 
 @pytest.fixture(scope="module")

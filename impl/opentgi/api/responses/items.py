@@ -27,26 +27,23 @@ def _text_of(content: str | list[schema.InputContent], where: str, images: bool 
     parts, as OpenAI chat parts (`text`, `image_url`)."""
     if isinstance(content, str):
         return content
-    if images and any(part.type.value == "input_image" for part in content):
-        parts: list[dict] = []
-        for i, part in enumerate(content):
-            if part.type.value == "input_image":
-                if not part.image_url:
-                    raise ValidationError(f"{where}.{i}: an `input_image` part needs `image_url`")
-                parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
-            else:
-                parts.append({"type": "text", "text": _text_of([part], where)})
-        return parts
-    texts = []
+    takes_images = images and any(part.type.value == "input_image" for part in content)
+    texts, parts = [], []
     for i, part in enumerate(content):
         kind = part.type.value
+        if kind == "input_image" and takes_images:
+            if not part.image_url:
+                raise ValidationError(f"{where}.{i}: an `input_image` part needs `image_url`")
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+            continue
         if kind in ("input_image", "input_file"):
             raise NotSupportedError(f"{where}.{i}: `{kind}` content is not supported: the served model reads text only")
         text = part.refusal if kind == "refusal" else part.text
         if text is None:
             raise ValidationError(f"{where}.{i}: a `{kind}` part needs `{'refusal' if kind == 'refusal' else 'text'}`")
         texts.append(text)
-    return "".join(texts)
+        parts.append({"type": "text", "text": text})
+    return parts if takes_images else "".join(texts)
 
 
 class _Conversation:
