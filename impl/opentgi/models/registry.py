@@ -97,6 +97,9 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
         is_reward_model=head == "score",
     )
     plan = None
+    if tp is not None and tp.world_size > 1 and getattr(config, "vision_source", None) is not None:
+        raise ValueError(f"--num-shard with {arch} (an image encoder beside the text model) is not "
+                         f"supported yet; serve it with one shard")
     if tp is not None and tp.world_size > 1:
         from opentgi.models.parallel import ShardPlan
 

@@ -84,7 +84,8 @@ def _prepare(body: dict, parameters: GenerateParameters | None, *, stream: bool,
         # with `truncate`, TGI keeps the prompt's last tokens: any length is fine
         max_tokens = None if params.truncate else limits.max_input_tokens
         # a model that takes images reads TGI's markdown images, `![](url)`, as TGI does
-        text, urls = markdown_images(inputs, engine.info.image_marker) if engine.info.image_input else (inputs, [])
+        marker = engine.info.image_marker if getattr(engine.info, "image_input", False) else None
+        text, urls = markdown_images(inputs, marker) if marker else (inputs, [])
         images = await load_images(urls, ImageLimits.of(state.settings)) if urls else []
         if images:
             prompt_token_ids, image_inputs = await engine.encode_images(text, images, max_tokens=max_tokens)
