@@ -206,3 +206,17 @@ def test_http_fetch_sniffs_bytes_caps_redirects_size_and_time(image_host):
     with pytest.raises(ValidationError, match="loopback, private"):  # the same host, without the flag
         load_image(0, f"{base}/png", ImageLimits())
 
+
+def test_a_stuck_fetch_gives_the_request_its_answer(monkeypatch):
+    import asyncio
+    import time
+
+    from opentgi.api import images
+
+    monkeypatch.setattr(images, "GIVE_UP_MARGIN_S", 0.0)
+    monkeypatch.setattr(images, "load_image", lambda index, url, limits: time.sleep(1.5))
+    started = time.monotonic()
+    with pytest.raises(ValidationError, match="image 0: reading the image took longer than 0.2 s"):
+        asyncio.run(images.load_images(["http://example.com/a.png"], ImageLimits(timeout_s=0.1)))
+    assert time.monotonic() - started < 1.0
+

@@ -16,8 +16,9 @@ the request and the reason:
   redirect, unless `--allow-private-image-urls`; redirects at most `MAX_REDIRECTS`; a fetch past
   `--image-fetch-timeout` seconds (each read waits at most that long, and none starts after it).
 
-A fetch runs in a worker thread and every request's images are fetched concurrently, so a slow
-image host holds only its own request. The address check resolves the host before urllib connects
+A fetch runs in a thread of the intake's own pool (never the threads that tokenize) and every
+request's images are fetched concurrently, so a slow image host holds only its own request, which
+gets its answer within about twice the fetch timeout whatever the fetch still does. The address check resolves the host before urllib connects
 (which resolves it again): a DNS answer that changes in between is not caught.
 """
 
@@ -35,6 +36,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentgi.engine.errors import ValidationError
@@ -42,6 +44,8 @@ from opentgi.engine.request import ImageData
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 MAX_REDIRECTS = 3
+FETCH_THREADS = 32
+GIVE_UP_MARGIN_S = 5.0  # a request's answer comes within 2 x the fetch timeout + this
 _CHUNK = 1 << 16
 
 
@@ -71,10 +75,31 @@ def check_count(count: int, limits: ImageLimits) -> None:
                               f"(--max-images)")
 
 
+_fetchers: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Image fetches' own threads: slow image hosts never hold the threads that tokenize."""
+    global _fetchers
+    if _fetchers is None:
+        _fetchers = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="image-fetch")
+    return _fetchers
+
+
 async def load_images(urls: list[str], limits: ImageLimits) -> list[ImageData]:
     """The request's images, in order (each a `data:` or http(s) URL)."""
     check_count(len(urls), limits)
-    return list(await asyncio.gather(*(asyncio.to_thread(load_image, i, url, limits) for i, url in enumerate(urls))))
+    loop = asyncio.get_running_loop()
+    # past this a request gets its answer whatever a stuck fetch (a resolver that hangs) still does
+    give_up_s = 2 * limits.timeout_s + GIVE_UP_MARGIN_S
+
+    async def one(index: int, url: str) -> ImageData:
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(_pool(), load_image, index, url, limits), give_up_s)
+        except asyncio.TimeoutError:
+            raise ImageRefused(index, f"reading the image took longer than {give_up_s:g} s") from None
+
+    return list(await asyncio.gather(*(one(i, url) for i, url in enumerate(urls))))
 
 
 def load_image(index: int, url: str, limits: ImageLimits) -> ImageData:
