@@ -235,12 +235,10 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
     kernels = "torch (no GGUF blocks to serve)"
     image_prompts = None  # a vision-language model's prompt builder (models/vision/processing.py)
     if folder.suffix == ".gguf":
-        if sharded:
-            raise ModelLoadError("--num-shard with a GGUF file is not supported; serve it with one shard")
         packed_cache = None
-        kernel_path = _kernel_path(settings, device, quantize)
+        kernel_path = _sharded_kernel_path() if sharded else _kernel_path(settings, device, quantize)
         kernels = kernel_path.describe()
-        if device.type == "cpu" and folder.is_file() and kernel_path.name != "native":
+        if device.type == "cpu" and folder.is_file() and kernel_path.name != "native" and not sharded:
             from opentgi.models.checkpoints.packed_cache import PackedCache
 
             packed_cache = PackedCache(folder, default_model.default_cache_dir(settings.cache_dir), dtype)
@@ -253,6 +251,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             from opentgi.models.quantization.gguf_blocks import NATIVE_TYPES
 
             checkpoint.native_types = NATIVE_TYPES
+        _check_gguf_types(checkpoint, quantize, model_id)
     else:
         from transformers import AutoConfig, AutoTokenizer
 
@@ -363,6 +362,54 @@ def _quantized_folder(quantize, config) -> bool:
     if qconfig is not None and not isinstance(qconfig, dict):
         qconfig = qconfig.to_dict()
     return str((qconfig or {}).get("quant_method", "")).lower() in ("awq", "gptq")
+
+
+def _check_gguf_types(checkpoint, quantize, model_id: str) -> None:
+    """Refuse a GGUF tensor no path serves; say in one line which tensors the native kernels lack
+    (served dense through torch), and in one line that an at-load --quantize of a GGUF whose layers
+    are already quantized requantizes them (as llama.cpp's `quantize --allow-requantize`: each
+    projection dequantized from its blocks, then rounded to the asked format, a second rounding)."""
+    from opentgi.models.checkpoints.gguf_checkpoint import GGUFError
+
+    try:
+        lacking = checkpoint.check_types()
+    except GGUFError as exc:
+        raise ModelLoadError(f"cannot serve GGUF file {str(checkpoint.path)!r}: {exc}") from None
+    if lacking:
+        log.info("GGUF: tensors of block types the native kernels lack are served dense through torch: %s",
+                 "; ".join(f"{t} ({len(names)} tensors, e.g. {names[0]})" for t, names in sorted(lacking.items())))
+    quantized = checkpoint.quantized_projections() if quantize is not None and quantize.at_load else []
+    if quantized:
+        types = sorted({qtype for _, qtype in quantized})
+        log.warning("--quantize %s: %s's %d layer projections are already quantized (%s); they are "
+                    "requantized from their blocks, a second rounding (serve the file without --quantize "
+                    "to keep its own blocks)", quantize.method, model_id, len(quantized), ", ".join(types))
+
+
+def _sharded_kernel_path():
+    """A rank of a sharded GGUF holds its slices of the file's tensors dense in the serving dtype
+    (checkpoints/gguf_slice.py), as a rank of a folder checkpoint does."""
+    from opentgi.kernels import native
+
+    return native.KernelPath("torch", reason="--num-shard: each rank's slices dense")
+
+
+def read_config(folder: Path, trust_remote_code: bool = False):
+    """The transformers config of a checkpoint folder, or of a .gguf file (from its metadata)."""
+    if folder.suffix == ".gguf":
+        from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint, GGUFError
+
+        try:
+            checkpoint = GGUFCheckpoint(folder)
+            try:
+                return checkpoint.config()
+            finally:
+                checkpoint.close()
+        except (GGUFError, OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load GGUF file {str(folder)!r}: {exc}") from None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
 
 def _release_free_heap() -> None:

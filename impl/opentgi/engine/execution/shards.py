@@ -320,16 +320,14 @@ def check_shardable(settings: Settings) -> None:
     """Before any rank starts: the model exists, the paged code serves it, it splits `num_shard`
     ways, and its LoRA adapters load and fit it (raises SystemExit with the reason, so it is said
     once)."""
-    from transformers import AutoConfig
-
-    from opentgi.models.loader import ModelLoadError, resolve_device, resolve_model_folder
+    from opentgi.models.loader import ModelLoadError, read_config, resolve_device, resolve_model_folder
     from opentgi.models.parallel import ShardingError, ShardPlan
     from opentgi.models.registry import paged_unsupported_reason
 
     n = settings.num_shard
     try:
         folder, model_id, _sha = resolve_model_folder(settings)
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=settings.trust_remote_code)
+        config = read_config(folder, settings.trust_remote_code)  # a .gguf file's from its metadata
     except (ModelLoadError, OSError, ValueError) as exc:
         raise SystemExit(f"opentgi: {exc}") from None
     reason = paged_unsupported_reason(config)

@@ -16,6 +16,7 @@ permutation of output rows, which moves whole quantization blocks).
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from collections.abc import Iterator
@@ -24,9 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from opentgi.models.checkpoints.gguf_header import GGUFHeader
+from opentgi.models.checkpoints.gguf_slice import read_slice
 from opentgi.models.quantization import ggml
 from opentgi.models.quantization.gguf_blocks import GGUFBlocks
 
@@ -54,6 +56,19 @@ _LAYER_NAMES = {
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _dequantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether one block of `qtype` dequantizes (ggml.dense: its own steps or gguf-py's)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    try:
+        ggml.dense(np.zeros((1, type_size), dtype=np.uint8), qtype, (1, block))
+    except (NotImplementedError, ValueError, KeyError, TypeError):
+        return False
+    return True
 
 
 class GGUFError(ValueError):
@@ -196,9 +211,9 @@ class GGUFCheckpoint:
                 counts[qtype.name] = counts.get(qtype.name, 0) + 1
         return counts
 
-    def iter_tensors(self, int4_names: set[str], skip: set[str] = frozenset()) -> Iterator[tuple[str, object]]:
-        """(Hugging Face name, DenseTensor, GGUFBlocks or Int4Groups) for every tensor the model has
-        but those in `skip`; names in `int4_names` come quantized (`int4_names`)."""
+    def _named(self) -> Iterator[tuple[str, object, tuple[int, ...], torch.Tensor | None]]:
+        """(Hugging Face name, GGUFTensor, shape in Hugging Face's order, row order or None) of
+        every tensor the model has (llama.cpp's q/k permutation: the rows that undo it)."""
         config = self.config()
         permuted = _ARCHITECTURES[self.arch][2]
         for name, tensor in self.tensors.items():
@@ -207,13 +222,44 @@ class GGUFCheckpoint:
                 if name.startswith("rope_freqs"):
                     continue
                 raise GGUFError(f"GGUF tensor {name!r} has no place in the model")
-            if hf in skip:
-                continue
             shape = tuple(reversed(tensor.shape))
             order = None
             if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = config.num_attention_heads if "q_proj" in hf else config.num_key_value_heads
                 order = unpermute_rows(shape[0], heads)
+            yield hf, tensor, shape, order
+
+    def quantized_projections(self) -> list[tuple[str, str]]:
+        """(GGUF name, block type) of the layer projections stored in a block type, not a float."""
+        return [(name, tensor.tensor_type.name) for name, tensor in self.tensors.items()
+                if tensor.tensor_type not in _FLOAT_TYPES and _PROJECTION.match(hf_name(name) or "")]
+
+    def check_types(self) -> dict[str, list[str]]:
+        """Refuse, naming the tensor and its type, a tensor no path serves: neither the native
+        kernels (`native_types`) nor a dequantization (models/quantization/ggml.py, gguf-py's).
+        Returns the block types the native kernels lack -> their tensors, which are served dense
+        through torch (the loader says so in one line); empty unless the native kernels serve."""
+        servable: dict[GGMLQuantizationType, bool] = {}
+        lacking: dict[str, list[str]] = {}
+        for name, tensor in self.tensors.items():
+            qtype = tensor.tensor_type
+            if qtype in _FLOAT_TYPES or int(qtype) in self.native_types:
+                continue
+            if qtype not in servable:
+                servable[qtype] = _dequantizable(qtype)
+            if not servable[qtype]:
+                raise GGUFError(f"tensor {name!r} has block type {qtype.name}, which neither the native "
+                                "kernels nor the torch path (dequantized) serve")
+            if self.native_types:
+                lacking.setdefault(qtype.name, []).append(name)
+        return lacking
+
+    def iter_tensors(self, int4_names: set[str], skip: set[str] = frozenset()) -> Iterator[tuple[str, object]]:
+        """(Hugging Face name, DenseTensor, GGUFBlocks or Int4Groups) for every tensor the model has
+        but those in `skip`; names in `int4_names` come quantized (`int4_names`)."""
+        for hf, tensor, shape, order in self._named():
+            if hf in skip:
+                continue
             if hf in int4_names and int(tensor.tensor_type) in self.native_types:
                 blocks = GGUFBlocks(np.asarray(tensor.data), int(tensor.tensor_type), shape)
                 yield hf, blocks if order is None else blocks.rows(order)
@@ -222,6 +268,13 @@ class GGUFCheckpoint:
                 yield hf, groups if order is None else groups.rows(order)
             else:
                 yield hf, DenseTensor(tensor.data, tensor.tensor_type, shape, order)
+
+    def iter_sliced(self, shard) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 slice) of every tensor for one tensor-parallel rank:
+        `shard(name, shape, read)` is models/parallel.py's ShardPlan.slice, and `read(index)`
+        dequantizes only the blocks the slice covers (gguf_slice.py)."""
+        for hf, tensor, shape, order in self._named():
+            yield hf, shard(hf, shape, functools.partial(read_slice, tensor, shape, order))
 
     def close(self) -> None:
         """Drop the memory map; unmapped now unless weights are served on the file's blocks (then

@@ -5,6 +5,10 @@ gguf-py's `GGUFReader` turns every element of every metadata array into a numpy 
 and string metadata, the arrays' lengths and where each tensor lies; this reader walks the header
 with `struct` (skipping array elements) and maps the file once (numpy memmap), in milliseconds.
 Block sizes and type names come from gguf-py (GGML_QUANT_SIZES, GGMLQuantizationType).
+
+A truncated or corrupt file is refused here, before anything is served, with the tensor named:
+an unknown type, a row that is not whole blocks, data off the file's alignment, running past the
+end of the file or into the next tensor's data (`_check_extents`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,48 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 _MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+
+
+def tensor_nbytes(name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    """The bytes a tensor of `dims` (ggml's order) and `qtype` takes; a row that is not a whole
+    number of blocks is refused, naming the tensor."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if not dims or dims[0] % block:
+        raise ValueError(f"tensor {name!r} ({qtype.name}, shape {list(dims)}): {dims[0] if dims else 0} "
+                         f"values a row are not a whole number of {qtype.name} blocks of {block}")
+    return int(np.prod(dims, dtype=np.int64)) // block * type_size
+
+
+def _tensor_type(name: str, type_id: int) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ValueError(f"tensor {name!r} has GGML type id {type_id}, which is unknown") from None
+    if qtype not in GGML_QUANT_SIZES:
+        raise ValueError(f"tensor {name!r} has GGML type {qtype.name}, whose block size is unknown")
+    return qtype
+
+
+def _check_extents(infos, alignment: int, data_bytes: int) -> None:
+    """Every tensor's data lies inside the file's data section, starts on the file's alignment and
+    ends before the next tensor's starts (a size that disagrees with the shape and type shows as
+    an overlap, or as a run past the end); the error names the tensor."""
+    spans = []
+    for name, dims, qtype, offset in infos:
+        nbytes = tensor_nbytes(name, dims, qtype)
+        what = f"tensor {name!r} ({qtype.name}, shape {list(dims)}, {nbytes} bytes at data offset {offset})"
+        if offset % alignment:
+            raise ValueError(f"{what}: the offset is not a multiple of the file's alignment {alignment} "
+                             "(a corrupt file)")
+        if offset + nbytes > data_bytes:
+            raise ValueError(f"{what}: its data runs past the end of the file's {data_bytes} data bytes "
+                             "(a truncated or corrupt file)")
+        spans.append((offset, offset + nbytes, name, what))
+    spans.sort()
+    for (_, end, _, what), (start, _, following, _) in zip(spans, spans[1:]):
+        if end > start:
+            raise ValueError(f"{what}: its data overlaps tensor {following!r}'s at data offset {start} "
+                             "(its size does not match its shape and type, or the file is corrupt)")
 
 
 @dataclass
@@ -65,13 +111,15 @@ class GGUFHeader:
             pos += 8 * n_dims
             qtype, offset = struct.unpack_from("<IQ", buf, pos)
             pos += 12
-            infos.append((name, dims, GGMLQuantizationType(qtype), offset))
+            infos.append((name, tuple(int(d) for d in dims), _tensor_type(name, qtype), offset))
         buf.release()
         alignment = int(self.fields.get("general.alignment", 32))
+        if alignment <= 0 or alignment % 8:
+            raise ValueError(f"general.alignment {alignment} is not a positive multiple of 8")
         data_start = (pos + alignment - 1) // alignment * alignment
+        _check_extents(infos, alignment, self._map.shape[0] - data_start)
         for name, dims, qtype, offset in infos:
-            self.tensors[name] = GGUFTensor(name, qtype, tuple(int(d) for d in dims),
-                                            self._tensor_data(data_start + offset, dims, qtype))
+            self.tensors[name] = GGUFTensor(name, qtype, dims, self._tensor_data(data_start + offset, dims, qtype))
 
     @staticmethod
     def _string(buf, pos: int) -> tuple[str, int]:
@@ -99,6 +147,7 @@ class GGUFHeader:
         return pos + count * struct.calcsize(_SCALARS[item_type])
 
     def _tensor_data(self, start: int, dims: tuple[int, ...], qtype: GGMLQuantizationType) -> np.ndarray:
+        """A view of the tensor's data (its extent checked by `_check_extents`)."""
         block, type_size = GGML_QUANT_SIZES[qtype]
         columns = int(dims[0])
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1

@@ -75,10 +75,14 @@ def load_weights(module: nn.Module, folder: Path, ignore_unexpected: tuple[str, 
     parameter are fine only when they end with one of `ignore_unexpected`. `shard` (tensor
     parallelism, models/parallel.py ShardPlan.slice) picks the part of each tensor to load;
     `observe(name, tensor)` sees each loaded tensor as the checkpoint holds it, before the copy
-    converts its dtype. `rename`: as iter_checkpoint's."""
+    converts its dtype. `rename`: as iter_checkpoint's. `folder` may also be a GGUFCheckpoint
+    (gguf_checkpoint.py), whose tensors are read by its `iter_sliced`."""
     params = dict(module.named_parameters())
     loaded: set[str] = set()
-    tensors = iter_checkpoint(folder, rename) if shard is None else iter_checkpoint_sliced(folder, shard, rename)
+    if hasattr(folder, "iter_sliced"):  # a GGUFCheckpoint: each tensor dequantized from its blocks
+        tensors = folder.iter_sliced(shard or (lambda name, shape, read: read(slice(None))))
+    else:
+        tensors = iter_checkpoint(folder, rename) if shard is None else iter_checkpoint_sliced(folder, shard, rename)
     with torch.no_grad():
         for name, tensor in tensors:
             param = params.get(name)
