@@ -36,6 +36,20 @@ def tiny_gguf():
     return tiny_models.tiny_gguf_path()
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, tiny_gguf_tokenizers):
+    """An opentgi cache dir for this module's servers and loads, holding the tiny GGUF's tokenizer."""
+    root = tmp_path_factory.mktemp("gguf-modes")
+    shutil.copytree(tiny_gguf_tokenizers, root / "tokenizers")
+    return root
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_gguf, cache):
+    """The tiny GGUF as it is served by default in the tests (torch's path)."""
+    return load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(cache)))
+
+
 def greedy(ids, adapter_id=None) -> GenerationRequest:
     return GenerationRequest(list(ids), SamplingParams(), StoppingParams(max_new_tokens=MAX_NEW),
                              adapter_id=adapter_id)
@@ -73,48 +87,43 @@ def test_each_rank_reads_exactly_its_slice_of_the_blocks(tiny_gguf):
     checkpoint.close()
 
 
-@pytest.fixture(scope="module")
-def shard_cache(tmp_path_factory, tiny_gguf_tokenizers):
-    root = tmp_path_factory.mktemp("gguf-shards")
-    shutil.copytree(tiny_gguf_tokenizers, root / "tokenizers")
-    return root
 
 
-def _greedy_tokens(url: str, prompt: str) -> list[int]:
+def _greedy_tokens(url: str, prompt: str, adapter: str | None = None) -> list[int]:
     import httpx
 
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW, "details": True}}
-    response = httpx.post(f"{url}/generate", json=body, timeout=120)
+    parameters = {"max_new_tokens": MAX_NEW, "details": True, **({"adapter_id": adapter} if adapter else {})}
+    response = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": parameters}, timeout=120)
     assert response.status_code == 200, response.text
     return [t["id"] for t in response.json()["details"]["tokens"]]
 
 
 @pytest.mark.slow  # a 2-rank server: processes that talk over gloo
-def test_two_shards_of_a_gguf_answer_as_one(tiny_gguf, shard_cache):
-    """`opentgi serve --num-shard 2 --speculate 3` on a GGUF (the ranks once read it as a JSON
-    config): greedy tokens equal one shard's with the same weights dense (--dequantize) and no
-    speculation, as a folder's do."""
+def test_two_shards_of_a_gguf_answer_as_one(tiny_gguf, cache):
+    """`opentgi serve --num-shard 2 --speculate 3 --lora-adapters a=...` on a GGUF (the ranks once
+    read it as a JSON config): greedy tokens, with and without the adapter, equal one shard's with
+    the same weights dense (--dequantize) and no speculation, as a folder's do."""
     from conformance.live import free_port, serve
     from tests.helpers.servers import SERVER_FLAGS, spawn_server, stop, wait_ready
 
+    adapter = write_adapter(cache / "adapter", GGUFCheckpoint(tiny_gguf).config())
     port = free_port()
     # with speculative decoding: the drafts' logits come back from the shards too
-    proc = spawn_server(tiny_gguf, port, "--num-shard", "2", "--speculate", "3", "--cache-dir", str(shard_cache),
-                        *SERVER_FLAGS)
+    proc = spawn_server(tiny_gguf, port, "--num-shard", "2", "--speculate", "3", "--cache-dir", str(cache),
+                        "--lora-adapters", f"a={adapter}", *SERVER_FLAGS)
+    jobs = [(text, adapter_id) for text in TEXTS for adapter_id in (None, "a")]
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url)
-        import httpx
-
-        info = httpx.get(f"{url}/info", timeout=10).json()
-        sharded = [_greedy_tokens(url, text) for text in TEXTS]
+        sharded = [_greedy_tokens(url, text, adapter_id) for text, adapter_id in jobs]
     finally:
         stop(proc)
-    assert info["model_id"] == str(tiny_gguf)
     settings = Settings(model_id=str(tiny_gguf), hostname="127.0.0.1", port=free_port(), num_threads=1,
-                        max_batch_total_tokens=4096, dtype="float32", dequantize=True, cache_dir=str(shard_cache))
+                        max_batch_total_tokens=4096, dtype="float32", dequantize=True, cache_dir=str(cache),
+                        lora_adapters=f"a={adapter}")
     with serve(settings) as single:
-        assert sharded == [_greedy_tokens(single, text) for text in TEXTS]
+        assert sharded == [_greedy_tokens(single, text, adapter_id) for text, adapter_id in jobs]
+    assert sharded[0] != sharded[1]  # the adapter changes the answer
 
 
 # --- LoRA -----------------------------------------------------------------------------------------
@@ -146,31 +155,35 @@ def write_adapter(folder, config, seed: int = 1, r: int = 4, alpha: float = 8.0,
     return folder
 
 
-def test_lora_adapters_on_a_gguf(tiny_gguf, gguf_cache, tmp_path):
-    """An adapter on the GGUF's quantized layers changes the logits as it does on the same weights
-    dense (--dequantize; the dense path is checked against PEFT in test_lora.py); base rows of the
-    adapted model are the plain model's."""
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_lora_adapters_on_a_gguf(tiny_gguf, cache, plain, tmp_path, kernels):
+    """An adapter on the GGUF's quantized layers (torch's int4 kernel, or the native kernels on the
+    file's blocks) changes the logits as it does on the same weights dense (--dequantize; the dense
+    path is checked against PEFT in test_lora.py); base rows of the adapted model are the plain
+    model's."""
     adapter = write_adapter(tmp_path / "adapter", GGUFCheckpoint(tiny_gguf).config())
-    kept = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache),
-                               lora_adapters=f"a={adapter}"))
-    dense = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache),
+    kept = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(cache),
+                               lora_adapters=f"a={adapter}", kernels=kernels))
+    dense = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(cache),
                                 lora_adapters=f"a={adapter}", dequantize=True))
-    assert kept.adapters == ["a"] and "int4" in kept.model.resident
-    plain = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache)))
+    assert kept.adapters == ["a"] and ("int4" if kernels == "torch" else "blocks (native") in kept.model.resident
+    alone = plain if kernels == "torch" else load_model(Settings(model_id=str(tiny_gguf), dtype="float32",
+                                                               cache_dir=str(cache), kernels=kernels))
     prompt = kept.tokenizer(TEXTS[0])["input_ids"]
     base = last_logits(kept, prompt)
-    assert torch.equal(base, last_logits(plain, prompt))
+    assert torch.equal(base, last_logits(alone, prompt))
     delta = last_logits(kept, prompt, "a") - base
     want = last_logits(dense, prompt, "a") - last_logits(dense, prompt)
     assert delta.norm() > 0.1 * base.norm()  # the adapter does change the answer
-    # the int4 layers multiply float32 rows as bfloat16 (int4.kernel_dtype), the dense ones do not
+    # the quantized layers round their rows (int4: to bfloat16, int4.kernel_dtype; native: to
+    # 8-bit blocks), the dense ones do not
     assert COSINE(delta, want, dim=0) > 0.99
 
 
 # --- speculative decoding -------------------------------------------------------------------------
-def test_speculate_on_a_gguf_keeps_greedy_output(tiny_gguf, gguf_cache):
+def test_speculate_on_a_gguf_keeps_greedy_output(tiny_gguf, cache):
     """--speculate on a GGUF: drafts are accepted, and greedy output is token for token plain decoding's."""
-    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache), speculate=3))
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(cache), speculate=3))
     prompts = [loaded.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
 
     async def run(speculate: int):
@@ -178,20 +191,20 @@ def test_speculate_on_a_gguf_keeps_greedy_output(tiny_gguf, gguf_cache):
             out = [(await generate(engine, greedy(p))).sequences[0].token_ids for p in prompts]
             return out, engine.scheduler.accepted_tokens_total
 
-    plain, _ = asyncio.run(run(0))
+    reference, _ = asyncio.run(run(0))
     speculated, accepted = asyncio.run(run(3))
-    assert speculated == plain
+    assert speculated == reference
     assert accepted > 0
 
 
 # --- --quantize -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantize_requantizes_a_quantized_gguf_with_one_line(tiny_gguf, gguf_cache, caplog, method):
+def test_quantize_requantizes_a_quantized_gguf_with_one_line(tiny_gguf, cache, plain, caplog, method):
     """--quantize on a GGUF whose layers are already blocks (llama.cpp's `--allow-requantize`):
     every layer projection in the asked format, one warning naming the file's types, the answer
     close to the file's own blocks."""
     with caplog.at_level(logging.WARNING, logger="opentgi.models.loader"):
-        loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache),
+        loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(cache),
                                      quantize=method))
     lines = [r.getMessage() for r in caplog.records if "requantized" in r.getMessage()]
     assert len(lines) == 1 and f"--quantize {method}" in lines[0]
@@ -200,6 +213,5 @@ def test_quantize_requantizes_a_quantized_gguf_with_one_line(tiny_gguf, gguf_cac
     projections = [m for m in layer.modules() if isinstance(m, QuantizedLinear)]
     assert projections and {m.weight_format.kind for m in projections} == {method}
     assert isinstance(layer.mlp.down_proj, QuantizedLinear)  # Q5_K: dense before, now requantized
-    own = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache)))
-    prompt = own.tokenizer(TEXTS[0])["input_ids"]
-    assert COSINE(last_logits(loaded, prompt), last_logits(own, prompt), dim=0) > 0.95
+    prompt = plain.tokenizer(TEXTS[0])["input_ids"]
+    assert COSINE(last_logits(loaded, prompt), last_logits(plain, prompt), dim=0) > 0.95
