@@ -274,7 +274,7 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             config = text_tower.text_config(config)
     _check_quantize(quantize, config, device, sharded, model_id)
     native_types: frozenset[int] = frozenset()
-    if checkpoint is None and not sharded and _quantized_folder(quantize, config):
+    if not sharded and _quantized_linears(quantize, config):
         kernel_path = _kernel_path(settings, device, None)  # native_layouts.py: the kernels' blocks
         kernels = kernel_path.describe()
         if kernel_path.name == "native":
@@ -354,8 +354,9 @@ def _kernel_path(settings: Settings, device: torch.device, quantize):
         raise ModelLoadError(str(exc)) from None
 
 
-def _quantized_folder(quantize, config) -> bool:
-    """Whether a folder's linears are 4- or 8-bit: `--quantize int8|int4`, or an AWQ/GPTQ checkpoint."""
+def _quantized_linears(quantize, config) -> bool:
+    """Whether linears become 4- or 8-bit values at load: `--quantize int8|int4` (a GGUF's too), or
+    an AWQ/GPTQ checkpoint."""
     if quantize is not None and quantize.method in ("int8", "int4", "awq", "gptq"):
         return True
     qconfig = getattr(config, "quantization_config", None)

@@ -76,7 +76,7 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
     models.parallel.TPGroup of more than one rank) this rank's shard of it, loaded from its slices
     of the checkpoint. `batch_invariant` (the default; False with --nondeterministic): a row's
     numbers do not depend on the rest of the step (docs/determinism.md). `native_types`: the GGML
-    block types the native kernels serve, where a folder's quantized weights take their layouts
+    block types the native kernels serve, where quantized values take their layouts
     (models/quantization/native_layouts.py). `model.resident` says in one line what it holds."""
     reason = paged_unsupported_reason(config)
     if reason is not None:
@@ -114,8 +114,9 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
             model.vision = Idefics3Vision(config.vision_source)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
     if plan is None:
-        weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config, native_types)
-        model = load_quantized(model, weights, quantize, dtype, device, ignore_unexpected=ignore)
+        weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config)
+        model = load_quantized(model, weights, quantize, dtype, device, ignore_unexpected=ignore,
+                               native_types=native_types)
     else:
         from opentgi.models.parallel import parallelize
 

@@ -30,9 +30,8 @@ class FolderWeights:
     """A Hugging Face checkpoint folder; AWQ / GPTQ 4-bit linears (config.json's
     `quantization_config`) come as Int4Groups."""
 
-    def __init__(self, folder: Path, config, native_types: frozenset[int] = frozenset()):
+    def __init__(self, folder: Path, config):
         self.folder = folder
-        self.native_types = native_types  # GGML types the native kernels serve (quantization/native_layouts.py)
         qconfig = getattr(config, "quantization_config", None)
         if qconfig is not None and not isinstance(qconfig, dict):
             qconfig = qconfig.to_dict()
@@ -107,7 +106,8 @@ def _swap_linears(model: nn.Module, names: set[str]) -> dict[str, QuantizedLinea
 
 
 def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: torch.dtype,
-                   device: torch.device, ignore_unexpected: tuple[str, ...] = ()) -> nn.Module:
+                   device: torch.device, ignore_unexpected: tuple[str, ...] = (),
+                   native_types: frozenset[int] = frozenset()) -> nn.Module:
     """`model` (on the meta device) with its weights from `weights` (FolderWeights or a
     GGUFCheckpoint): int4 linears of the checkpoint and, with an at-load `quantize`, every layer
     projection (in that format) become QuantizedLinear; the rest is allocated on `device` in
@@ -116,7 +116,6 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
         raise ValueError("--quantize fp8: this torch build has no float8 type")
     int4 = weights.int4_names()
     names = set(int4)
-    native_types = getattr(weights, "native_types", frozenset())
     if quantize is not None and quantize.at_load:  # every layer projection in the asked format
         projections = {name for name, _ in model.named_parameters() if _PROJECTION.match(name)}
         int4 -= projections  # a GGUF's 4-bit ones too: dequantized, then quantized again

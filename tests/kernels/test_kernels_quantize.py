@@ -1,5 +1,5 @@
 """`--quantize int8|int4`, AWQ and GPTQ on the native kernels (models/quantization/native_layouts.py):
-the blocks hold the values gguf-py's reference dequantizes, a folder's projections are held as
+the blocks hold the values gguf-py's reference dequantizes, a model's projections are held as
 Q8_0 / Q4_1 blocks, the model computes what the float model with the same weights does (up to the
 activations' 8-bit rounding), and a sequence's logits are the same bits alone or in a batch."""
 
@@ -71,6 +71,14 @@ def test_quantize_at_load_serves_native_blocks(kernels, quantize, qtype):
     # int8: finer scales than the torch path's one per channel; int4: the same values
     assert torch.nn.functional.cosine_similarity(got, torch_path, dim=0) > (0.999 if qtype == "Q4_1" else 0.99)
     assert torch.nn.functional.cosine_similarity(got, unquantized, dim=0) > (0.95 if qtype == "Q4_1" else 0.999)
+
+
+def test_a_quantized_gguf_requantized_at_load_serves_native_blocks(kernels):
+    """--quantize int8 on a GGUF: each projection dequantized from its blocks, then held as Q8_0."""
+    loaded, got = logits_of(tiny_models.tiny_gguf_path(), quantize="int8", kernels="native")
+    assert block_types(loaded) == {"Q8_0"}
+    _, own_blocks = logits_of(tiny_models.tiny_gguf_path(), kernels="native")
+    assert torch.nn.functional.cosine_similarity(got, own_blocks, dim=0) > 0.99
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
