@@ -102,6 +102,10 @@ class GenerationRequest:
     score: bool = False  # reward model: one prefill pass, result.score, no tokens generated
     adapter_id: str | None = None  # a LoRA adapter loaded at start-up (--lora-adapters); None = base
     images: list[ImageInput] = field(default_factory=list)  # in prompt order (vision-language models)
+    # Who asks (--tenants): the scheduler shares the batch between tenants by weight
+    # (engine/scheduling/fair_share.py). None: no tenant, first-come with every other such request.
+    tenant: str | None = None
+    tenant_weight: float = 1.0
     request_id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
 
     @property

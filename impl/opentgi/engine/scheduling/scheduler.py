@@ -18,6 +18,13 @@ left of the budget. Knobs, with TGI's meaning:
 - `num_speculative_tokens` (`--speculate`): a running decode that `can_speculate` also feeds up to
   that many n-gram drafts (engine/sampling/speculative.py), verified by the same forward. Drafts never
   exceed what the sequence may still generate, so a sequence alone still always fits the pool.
+
+Tenants (`--tenants`, `GenerationRequest.tenant`): every computed token is service for the
+sequence's tenant (`FairShare`, engine/scheduling/fair_share.py). Admission takes the waiting
+sequence of the tenant furthest below its weighted share, first-come within a tenant; preemption
+takes the newest not-yet-scheduled sequence of the tenant most over its share. With one tenant in
+play (every request without one, as without `--tenants`) both are exactly first-come: the queue's
+head is admitted, the newest running sequence preempted.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 
 from opentgi.engine.sampling.speculative import NgramProposer, can_speculate
 from opentgi.engine.scheduling.block_manager import BlockManager
+from opentgi.engine.scheduling.fair_share import FairShare
 from opentgi.engine.scheduling.sequence import Sequence, SequenceStatus
 
 
@@ -69,9 +77,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, fair_share: FairShare | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.fair_share = fair_share if fair_share is not None else FairShare()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.steps_since_admission = 0
@@ -115,20 +124,48 @@ class Scheduler:
                 seq.draft_token_ids = self.proposer.propose(seq)
                 n += len(seq.draft_token_ids)
             while not bm.allocate_slots(seq, n):
-                victim = self.running[-1]
+                victim = self._preemption_victim(i)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 if n > 1:
                     budget -= n
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
+                self._serve(out, seq, n)
                 i += 1
                 continue
-            # seq itself was preempted (it was the newest): everything after it is gone too
-            break
+            # seq itself was preempted: running[i] is now the one after it (without tenants there
+            # is none, since seq was the newest and everything after it went first)
         return budget
+
+    def _serve(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """Schedule n of seq's tokens this step, counted as service for its tenant."""
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        request = seq.request
+        self.fair_share.serve(request.tenant, request.tenant_weight, n)
+
+    def _preemption_victim(self, i: int) -> Sequence:
+        """Of the running sequences not yet scheduled this step (running[i:]), the newest one of
+        the tenant most over its share; with one tenant among them, simply the newest."""
+        candidates = self.running[i:]
+        tenants = _tenants_in_order(candidates)
+        if len(tenants) == 1:
+            return candidates[-1]
+        worst = self.fair_share.most_over_share(tenants.items())
+        return next(s for s in reversed(candidates) if s.request.tenant == worst)
+
+    def _next_waiting(self, skipped: set[int]) -> Sequence | None:
+        """The waiting sequence to admit next (none of `skipped`, by seq_id): the first in queue
+        order of the tenant furthest below its share; with one tenant waiting, the queue's head."""
+        firsts: dict[str | None, Sequence] = {}
+        for seq in self.waiting:
+            if seq.seq_id not in skipped and seq.request.tenant not in firsts:
+                firsts[seq.request.tenant] = seq
+        if len(firsts) <= 1:
+            return next(iter(firsts.values()), None)
+        tenants = {t: s.request.tenant_weight for t, s in firsts.items()}
+        return firsts[self.fair_share.next_tenant(tenants.items())]
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -156,15 +193,17 @@ class Scheduler:
             return
         bm = self.block_manager
         cfg = self.config
-        skipped: list[Sequence] = []
+        skipped: set[int] = set()  # seq_ids left in the queue this step
         while self.waiting and budget > 0:
             if cfg.max_batch_size is not None and len(self.running) >= cfg.max_batch_size:
                 break
-            seq = self.waiting[0]
+            seq = self._next_waiting(skipped)
+            if seq is None:
+                break
             parent = seq.parent
             if parent is not None and parent.status is SequenceStatus.RUNNING and parent.is_prefilling:
                 # n > 1: wait until sequence 0 has computed the prompt, then share its blocks
-                skipped.append(self.waiting.popleft())
+                skipped.add(seq.seq_id)
                 continue
             bm.admit(seq, use_prefix_cache=cfg.share_prefix and seq.prompt_logprobs is None)
             n = seq.num_uncomputed_tokens
@@ -178,17 +217,17 @@ class Scheduler:
                     or not bm.allocate_slots(seq, n):
                 bm.free(seq)
                 break
-            self.waiting.popleft()
+            if self.waiting[0] is seq:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            self._serve(out, seq, n)
             out.num_admitted += 1
             budget -= n
         if out.num_admitted and reason != "new_batch":
             out.concat_reason = reason
-        for seq in reversed(skipped):
-            self.waiting.appendleft(seq)
 
     # --- after the step ------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, new_token_ids: list[list[int]]) -> None:
@@ -233,3 +272,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+
+def _tenants_in_order(seqs: list[Sequence]) -> dict[str | None, float]:
+    """The tenants of `seqs` in order of first appearance, with their weights."""
+    tenants: dict[str | None, float] = {}
+    for seq in seqs:
+        tenants.setdefault(seq.request.tenant, seq.request.tenant_weight)
+    return tenants
