@@ -164,6 +164,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--image-fetch-timeout", float, "seconds to fetch one http(s) image, redirects included (default 10)"),
     Option("--allow-private-image-urls", _bool, "fetch images from loopback, private, link-local and "
            "metadata addresses too (default: refused)", is_switch=True),
+    Option("--tenants", str, "a YAML or JSON file of tenants: keys, weight (share of the batch), "
+           "tokens_per_minute, max_concurrent_requests, admin (docs/tenants.md); instead of --api-key"),
 )
 
 
@@ -218,7 +220,7 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
 
     settings = Settings()
     settings.num_shard, settings.shard_rank = resolve_shards(values, environ)
-    renamed = {"sensitive_words": "sensitive_words_file"}
+    renamed = {"sensitive_words": "sensitive_words_file", "tenants": "tenants_file"}
     for name, value in values.items():
         if name == "disable_prefix_caching":
             settings.enable_prefix_caching = not value
@@ -265,6 +267,16 @@ def check_chat_settings(settings: Settings) -> None:
         settings.api_keys = read_word_list(settings.api_key_file, "API key file")
         if not settings.api_keys:
             raise SystemExit(f"opentgi: --api-key-file {settings.api_key_file!r} holds no key")
+    if settings.tenants_file:
+        from opentgi.api.tenants.table import TenantFileError, load_tenant_file
+
+        if settings.api_key or settings.api_key_file:
+            raise SystemExit("opentgi: --tenants replaces --api-key and --api-key-file: give the keys as a "
+                             "tenant's in the file")
+        try:
+            load_tenant_file(settings.tenants_file)
+        except TenantFileError as exc:
+            raise SystemExit(f"opentgi: --tenants: {exc}") from exc
 
 
 def _num_cuda_devices(environ: Mapping[str, str]) -> int | None:

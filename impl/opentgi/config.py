@@ -89,6 +89,7 @@ class Settings:
     cors_allow_origin: str | None = None  # comma-separated origins allowed by CORS; None = any (TGI's default)
     api_key_file: str | None = None  # API keys, one a line (beside api_key, which may list several, comma-separated)
     api_keys: list[str] = field(default_factory=list)  # the keys read from api_key_file
+    tenants_file: str | None = None  # --tenants: tenants with keys, weights, quotas (api/tenants/table.py)
 
     # --- images in (api/images.py) --------------------------------------------------------------
     max_image_bytes: int = 20_000_000  # one image's encoded bytes at most (fetched or data: URL)

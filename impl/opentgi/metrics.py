@@ -168,6 +168,12 @@ class Metrics:
         self.generation_tokens = c("opentgi_generation_tokens_total")
         # requests queued per LoRA adapter (label: the adapter's name, or the base model's id)
         self.adapter_requests = c("opentgi_adapter_requests_total", ("adapter",))
+        # per tenant (--tenants, or the one tenant of --api-key; label: the tenant's name, never a key)
+        self.tenant_requests = c("opentgi_tenant_requests_total", ("tenant",))
+        self.tenant_prompt_tokens = c("opentgi_tenant_prompt_tokens_total", ("tenant",))
+        self.tenant_generated_tokens = c("opentgi_tenant_generated_tokens_total", ("tenant",))
+        self.tenant_rejections = c("opentgi_tenant_rejections_total", ("tenant", "reason"))
+        self.tenant_queue_duration = h("opentgi_tenant_queue_duration", dur, ("tenant",))
         # --- speculative decoding (--speculate) ---
         self.request_skipped_tokens = h("tgi_request_skipped_tokens", [0.0])
         self.spec_draft_tokens = c("opentgi_spec_draft_tokens_total")
@@ -226,6 +232,25 @@ class Metrics:
         """A request reached the engine's queue, served by `adapter` (the base model's id for none)."""
         with self._lock:
             self.adapter_requests.inc((adapter,))
+
+    def tenant_request(self, tenant: str) -> None:
+        """A tenant's request passed its quotas."""
+        with self._lock:
+            self.tenant_requests.inc((tenant,))
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        """A tenant's request was refused (429): reason "tokens_per_minute" | "max_concurrent_requests"."""
+        with self._lock:
+            self.tenant_rejections.inc((tenant, reason))
+
+    def tenant_tokens(self, tenant: str, *, prompt_tokens: int, generated_tokens: int,
+                      queue_s: Iterable[float] = ()) -> None:
+        """A tenant's request ended (done or cancelled): what it used, and its engine requests' queue times."""
+        with self._lock:
+            self.tenant_prompt_tokens.inc((tenant,), prompt_tokens)
+            self.tenant_generated_tokens.inc((tenant,), generated_tokens)
+            for seconds in queue_s:
+                self.tenant_queue_duration.observe(seconds, (tenant,))
 
     def request_finished(self, ok: bool, err: str | None = None, *, total_s: float | None = None,
                          validation_s: float | None = None, queue_s: float | None = None,

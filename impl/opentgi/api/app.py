@@ -44,6 +44,7 @@ from opentgi.api.server.auth import accepted_keys
 from opentgi.api.server.limits import InputLimitsMiddleware
 from opentgi.api.server.request_context import RequestContextMiddleware
 from opentgi.api.server.tracing import request_tracer
+from opentgi.api.tenants.table import tenant_table_for
 from opentgi.api.tgi.params import refusal_in_tgi_order
 from opentgi.config import Settings
 from opentgi.engine.errors import OpenTGIError
@@ -75,6 +76,7 @@ DIALECTS: tuple[Dialect, ...] = (
             error_shape="opentgi.api.anthropic.errors:anthropic_error"),
     Dialect("openai-responses", "openai-responses.yaml", "opentgi.api.responses.handlers",
             prefix="/openai-responses", error_shape="opentgi.api.responses.errors:openai_error"),
+    Dialect("tenants", "tenants.yaml", "opentgi.api.tenants.handlers", prefix=""),
 )
 
 
@@ -313,12 +315,14 @@ def create_app(settings: Settings, engine, *, metrics=None,
         from opentgi.api.server.chat_page import ChatPageMiddleware
 
         app.add_middleware(ChatPageMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION)
-    api_keys = accepted_keys(settings.api_key, settings.api_keys)
-    if api_keys:
+    tenants = tenant_table_for(settings, accepted_keys(settings.api_key, settings.api_keys))
+    if tenants is not None:  # every key is a tenant's: quotas, fair scheduling, usage (api/tenants/)
         from opentgi.api.server.auth import BearerAuthMiddleware
+        from opentgi.api.tenants.ledger import TenantLedger
 
+        server_state.tenants = TenantLedger(tenants, server_state.metrics)
         app.add_middleware(BearerAuthMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
-                           api_key=api_keys, error_response=mapper.response)
+                           tenants=tenants, error_response=mapper.response)
     # after the key check: a body is read only for a client that may send one
     app.add_middleware(InputLimitsMiddleware, position=MiddlewarePosition.BEFORE_EXCEPTION,
                        payload_limit=settings.payload_limit, error_response=mapper.response)

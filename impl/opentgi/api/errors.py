@@ -109,6 +109,13 @@ class UnauthorizedError(StatusError):
         super().__init__(401, message, {"WWW-Authenticate": "Bearer"})
 
 
+class ForbiddenError(StatusError):
+    """A tenant's key on a route only an admin tenant may call (--tenants): 403."""
+
+    def __init__(self, message: str = "Forbidden: this route needs an admin key"):
+        super().__init__(403, message)
+
+
 class RequestSchemaError(engine_errors.ValidationError):
     """The body breaks the dialect's document (Connexion's validation), for the dialects with their own
     error shape: LightLLM and SenseNova answer it 400 where their handlers' refusals are 422."""
@@ -153,7 +160,8 @@ def tgi_error(exc: BaseException, limits: FieldLimits | None = None) -> ErrorRep
     if isinstance(exc, engine_errors.UnhealthyError):
         return ErrorReply(503, f"unhealthy: {exc.message}", "healthcheck")
     if isinstance(exc, StatusError):
-        error_type = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status, "validation")
+        error_type = {401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+                      429: "overloaded"}.get(exc.status, "validation")
         return ErrorReply(exc.status, exc.message, error_type, exc.headers)
     if isinstance(exc, IncompleteGenerationError):
         return ErrorReply(500, "Incomplete generation", "incomplete_generation")

@@ -40,6 +40,7 @@ from opentgi.api.request_metrics import (
     record_validated,
 )
 from opentgi.api.sse import Event, sse_response
+from opentgi.api.tenants import table as tenant_table
 from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult, Timings
 from opentgi.engine.request import GenerationRequest
@@ -86,6 +87,7 @@ class Generation:
     requests: list[GenerationRequest] = field(default_factory=list)
     handles: list = field(default_factory=list)
     durations: dict[str, float] | None = None  # recorded at success (TGI's timing headers quote them)
+    lease: Any = None  # the tenant's slot (api/tenants/ledger.py), settled when the generation ends
 
     @property
     def handle(self):
@@ -103,6 +105,14 @@ class Generation:
     def cancel(self) -> None:
         for handle in self.handles:
             handle.cancel()  # a no-op once a request is done
+        if self.lease is not None:  # counts what the requests used, done or cancelled
+            self.lease.settle(self.requests, self.handles)
+
+    def admit_tenant(self) -> None:
+        """Takes a slot of the caller's tenant (TenantQuotaError, a 429, past its quotas)."""
+        ledger, tenant = runtime.state().tenants, tenant_table.current()
+        if ledger is not None and tenant is not None:
+            self.lease = ledger.admit(tenant)
 
 
 Prepare = Callable[[], Awaitable[tuple[list[GenerationRequest], Any]]]
@@ -209,8 +219,11 @@ async def _start(prepare: Prepare, generation: Generation) -> None:
         first = exc.errors()[0]
         raise ValidationError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc
     generation.requests = list(requests)
+    tenant = generation.lease.tenant if generation.lease is not None else None
     for request in generation.requests:
         record_validated(request)
+        if tenant is not None:  # the scheduler shares the batch by tenant
+            request.tenant, request.tenant_weight = tenant.name, tenant.weight
     generation.handles = await submit_all(runtime.engine(), generation.requests)
     record_submitted(generation.requests)
 
@@ -220,6 +233,7 @@ async def generate(prepare: Prepare, policy: ErrorPolicy, answer: Answer, *,
     """A non-streaming generation: `answer(generation, results)` once every request is done."""
     generation = Generation(started_at=record_start())
     try:
+        generation.admit_tenant()
         await unless_client_gone(_start(prepare, generation))
         results = await unless_client_gone(asyncio.gather(*(h.result() for h in generation.handles)))
     except ClientGone:
@@ -239,15 +253,22 @@ async def stream(prepare: Prepare, policy: ErrorPolicy, encode: Encode, *,
     last event in the dialect's error shape. Before it opens, a refusal is a plain error response (unless
     the dialect refuses in the stream, as TGI does)."""
     generation = Generation(started_at=record_start())
+    try:  # a tenant past its quota gets a plain 429, never a stream
+        generation.admit_tenant()
+    except OpenTGIError as exc:
+        record_failure(exc)
+        return policy.error(exc).response()
     if not policy.refuse_in_stream:
         try:
             await unless_client_gone(_start(prepare, generation))
         except ClientGone:
+            generation.cancel()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except OpenTGIError as exc:
+            generation.cancel()
             record_failure(exc)
             return policy.error(exc).response()
-    return sse_response(_events(prepare, policy, encode, generation), headers=headers,
+    return sse_response(_events(prepare, policy, encode, generation), headers=headers, handle=generation,
                         error_event=lambda exc: policy.error_event(exc, generation))
 
 

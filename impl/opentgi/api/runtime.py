@@ -32,6 +32,7 @@ class ServerState:
     last_success_at: float | None = None  # monotonic time of the last generation that succeeded
     drain: Drain = field(default_factory=Drain)  # graceful shutdown (api/server/shutdown.py)
     responses: Any = None  # the Responses API's stored responses (api/responses/store.py), made on first use
+    tenants: Any = None  # api/tenants/ledger.TenantLedger when the server has keys, else None
 
     def record_success(self) -> None:
         self.last_success_at = time.monotonic()

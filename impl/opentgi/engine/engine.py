@@ -252,7 +252,11 @@ class Engine:
 
     def _cancel(self, request_id: str) -> None:
         self._probes.discard(request_id)
-        if self._live.pop(request_id, None) is not None:
+        handle = self._live.pop(request_id, None)
+        if handle is not None:
+            state = self.core.requests.get(request_id)
+            if state is not None:  # what it used counts (tenant quotas): a count at most one step old
+                handle.num_generated_tokens = sum(s.num_generated_tokens for s in state.seqs)
             self.core.abort(request_id)
 
     # --- requests ----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ class RequestHandle:
         # Whether the consumer reads the events (streams). `result` clears it: from then on the
         # engine hands this handle only its end, not every step's tokens (read by the engine thread).
         self.streams = True
+        self.num_generated_tokens = 0  # set when cancelled: the tokens generated until then (usage)
 
     @property
     def request_id(self) -> str:

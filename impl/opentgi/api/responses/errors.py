@@ -47,6 +47,10 @@ def status_type_code(exc: BaseException) -> tuple[int, str, str | None]:
             return 401, "authentication_error", "invalid_api_key"
         if exc.status == 404:
             return 404, "not_found_error", None
+        if exc.status == 403:
+            return 403, "permission_error", None
+        if exc.status == 429:
+            return 429, "rate_limit_error", "rate_limit_exceeded"
         return exc.status, "invalid_request_error", None
     if isinstance(exc, OverloadedError):
         return 429, "rate_limit_error", "rate_limit_exceeded"

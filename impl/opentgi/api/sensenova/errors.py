@@ -23,6 +23,7 @@ from opentgi.engine.errors import (
 from opentgi.schemas import sensenova as schema
 
 INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE, UNAUTHENTICATED = 3, 8, 13, 14, 16
+PERMISSION_DENIED = 7
 ERRORS = (  # engine error type -> (HTTP status, SenseNova code)
     (ValidationError, 422, INVALID_ARGUMENT),
     (OverloadedError, 429, RESOURCE_EXHAUSTED),
@@ -42,7 +43,8 @@ def error_status_code(exc: BaseException) -> tuple[int, int]:
     if isinstance(exc, RequestSchemaError):  # the body breaks the document
         return 400, INVALID_ARGUMENT
     if isinstance(exc, StatusError):  # refused at the HTTP level (401, 413, 415, 404, 405)
-        return exc.status, UNAUTHENTICATED if exc.status == 401 else INVALID_ARGUMENT
+        codes = {401: UNAUTHENTICATED, 403: PERMISSION_DENIED, 429: RESOURCE_EXHAUSTED}
+        return exc.status, codes.get(exc.status, INVALID_ARGUMENT)
     for error_type, status, code in ERRORS:
         if isinstance(exc, error_type):
             return status, code

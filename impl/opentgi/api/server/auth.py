@@ -6,19 +6,26 @@ When the server has an API key, every HTTP route of every dialect needs `Authori
 (or Anthropic's `x-api-key: <key>`) except the health checks (`/health`, `/healthz` under any mount)
 and the API documents with their Swagger UI (`/openapi.json`, `/docs`, `/ui/...`), which hold nothing
 secret. A missing or wrong key gets a 401 in the error shape of the dialect that owns the path, with `WWW-Authenticate: Bearer`.
+
+Each key belongs to a tenant (api/tenants/: `--tenants FILE`, or the one admin tenant of
+`--api-key`). The middleware binds the caller's tenant for the request (quotas, fair scheduling,
+usage, the log line), and answers a non-admin tenant 403 on the admin routes (`ADMIN_PATHS`).
 """
 
 from __future__ import annotations
 
-import hmac
 import re
 from collections.abc import Callable, Iterable, Sequence
 
 from starlette.responses import Response
 
-from opentgi.api.errors import UnauthorizedError
+from opentgi.api.errors import ForbiddenError, UnauthorizedError
+from opentgi.api.server import request_context
+from opentgi.api.tenants import table as tenant_table
 
 OPEN_PATH_NAMES = frozenset({"health", "healthz"})
+# Routes only an admin tenant may call (under any mount): usage, metrics, adapters at run time.
+ADMIN_PATHS = ("/metrics", "/v1/usage", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DOC_PATH_NAMES = frozenset({"openapi.json", "openapi.yaml", "docs", "swagger.json"})
 
 
@@ -86,33 +93,58 @@ def path_matcher(paths: Iterable[str]) -> Callable[[str], bool]:
     return lambda path: path in exact or any(t.match(path) for t in templated)
 
 
+def is_admin_path(path: str) -> bool:
+    return path.rstrip("/").endswith(ADMIN_PATHS)
+
+
 class BearerAuthMiddleware:
     """ASGI middleware: a 401 (UnauthorizedError) in the path's dialect shape unless the bearer token
-    (or the `x-api-key` header, as Anthropic's clients send it) matches."""
+    (or the `x-api-key` header, as Anthropic's clients send it) is a tenant's key; a 403
+    (ForbiddenError) for a non-admin tenant on an admin route. `api_key`: keys of one admin tenant
+    (`--api-key`); `tenants`: the table of `--tenants FILE` instead."""
 
-    def __init__(self, app, *, api_key: str | Sequence[str], error_response: Callable[[str, Exception], Response]):
-        keys = [api_key] if isinstance(api_key, str) else list(api_key)
-        if not keys or not all(keys):
-            raise ValueError("BearerAuthMiddleware needs non-empty api keys")
+    def __init__(self, app, *, api_key: str | Sequence[str] = (),
+                 error_response: Callable[[str, Exception], Response],
+                 tenants: tenant_table.TenantTable | None = None):
+        if tenants is None:
+            keys = [api_key] if isinstance(api_key, str) else list(api_key)
+            if not keys or not all(keys):
+                raise ValueError("BearerAuthMiddleware needs non-empty api keys")
+            tenants = tenant_table.TenantTable.from_keys(keys)
         self.app = app
-        self._expected = [key.encode() for key in keys]
+        self.tenants = tenants
         self._error_response = error_response
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or is_open_path(scope["path"]) or self._authorized(scope):
+        if scope["type"] != "http" or is_open_path(scope["path"]):
             await self.app(scope, receive, send)
             return
-        await self._error_response(scope["path"], UnauthorizedError())(scope, receive, send)
+        tenant = self._tenant(scope)
+        if tenant is None:
+            await self._error_response(scope["path"], UnauthorizedError())(scope, receive, send)
+            return
+        record = request_context.current()
+        if record is not None:
+            record.tenant = tenant.name
+        if not tenant.admin and is_admin_path(scope["path"]):
+            await self._error_response(scope["path"], ForbiddenError())(scope, receive, send)
+            return
+        token = tenant_table.bind(tenant)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            tenant_table.unbind(token)
 
-    def _authorized(self, scope) -> bool:
+    def _tenant(self, scope) -> tenant_table.Tenant | None:
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.strip().partition(b" ")
-                if scheme.lower() == b"bearer" and self._matches(token.strip()):
-                    return True
-            elif name == b"x-api-key" and self._matches(value.strip()):
-                return True
-        return False
-
-    def _matches(self, token: bytes) -> bool:
-        return sum(hmac.compare_digest(token, key) for key in self._expected) > 0
+                if scheme.lower() == b"bearer":
+                    found = self.tenants.find(token.strip())
+                    if found is not None:
+                        return found
+            elif name == b"x-api-key":
+                found = self.tenants.find(value.strip())
+                if found is not None:
+                    return found
+        return None

@@ -43,6 +43,7 @@ class RequestRecord:
     generated_tokens: int | None = None
     timings: Timings | None = None  # the engine's stamps, when the request reached the engine
     error: str | None = None  # TGI's error_type when the request failed
+    tenant: str | None = None  # the caller's tenant (--tenants / --api-key), never its key
 
     def wall_ns(self, monotonic: float) -> int:
         """A time.monotonic() stamp of this request as wall-clock nanoseconds."""
@@ -70,6 +71,8 @@ class RequestRecord:
     def fields(self) -> dict:
         out = {"request_id": self.request_id, "method": self.method, "path": self.path,
                "operation": self.operation_name, "status": self.status}
+        if self.tenant is not None:
+            out["tenant"] = self.tenant
         if self.input_tokens is not None:
             out["input_tokens"] = self.input_tokens
         if self.generated_tokens is not None:
