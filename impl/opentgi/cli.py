@@ -393,6 +393,10 @@ def serve(settings: Settings) -> None:
     from opentgi.api.server.shutdown import GracefulServer
 
     app = create_app(settings, engine, metrics=metrics)
+    if settings.tenants_file:  # SIGHUP re-reads the file; requests in flight carry on
+        from opentgi.api.tenants.ledger import reload_on_sighup
+
+        reload_on_sighup(app.server_state.tenants, settings.tenants_file)
     log.info("serving %s on http://%s:%d", engine.info.model_id, settings.hostname, settings.port)
     log.info("%s", inference_mode_line(engine.info))
     for line in startup_links(settings):

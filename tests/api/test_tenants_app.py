@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 
 import httpx
 import pytest
 import pytest_asyncio
 
 from opentgi.api.app import create_app
-from opentgi.api.tenants.ledger import TenantLedger
+from opentgi.api.tenants.ledger import TenantLedger, reload_on_sighup
 from opentgi.config import Settings
 from opentgi.engine.events import GenerationResult, SequenceResult, Timings, TokenEvent
 from opentgi.engine.handle import RequestHandle
@@ -213,3 +215,39 @@ async def test_api_key_is_one_admin_tenant():
         assert [(t["name"], t["requests"]) for t in usage["tenants"]] == [("default", 1)]
         assert (await client.get("/metrics", headers={"Authorization": "Bearer k1"})).status_code == 200
     assert engine.submitted[0].tenant == "default"
+
+
+async def test_sighup_reloads_the_file_and_requests_in_flight_finish(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANTS)
+    engine = GeneratingEngine()
+    app = create_app(Settings(tenants_file=str(path)), engine)
+    ledger = app.server_state.tenants
+    previous = reload_on_sighup(ledger, str(path))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            engine.hold = asyncio.Event()
+            in_flight = asyncio.ensure_future(generate(client, BETA))
+            while not engine.submitted:
+                await asyncio.sleep(0.01)
+            path.write_text(TENANTS.replace("[sk-alpha-1, sk-alpha-2]", "[sk-alpha-3]")
+                            .replace("max_concurrent_requests: 1", "max_concurrent_requests: 2"))
+            os.kill(os.getpid(), signal.SIGHUP)
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if ledger.table.find(b"sk-alpha-3") is not None:
+                    break
+            assert (await generate(client, ALPHA)).status_code == 401  # the old key is gone
+            second = asyncio.ensure_future(generate(client, BETA))  # beta has a second slot now
+            while len(engine.submitted) < 2 and not second.done():
+                await asyncio.sleep(0.01)
+            assert not second.done()  # in flight beside the first, not refused
+            path.write_text("tenants: [")  # a broken file: the tenants stay as they are
+            assert not ledger.reload(str(path))
+            assert ledger.table.find(b"sk-alpha-3").name == "alpha"
+            engine.hold.set()
+            assert (await in_flight).status_code == 200 and (await second).status_code == 200
+            usage = {t["name"]: t for t in (await client.get("/v1/usage", headers=OPS)).json()["tenants"]}
+            assert (usage["beta"]["requests"], usage["beta"]["in_flight"]) == (2, 0)
+    finally:
+        signal.signal(signal.SIGHUP, previous)

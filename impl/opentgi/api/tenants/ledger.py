@@ -13,7 +13,9 @@ Every count also goes to the app's per-tenant Prometheus counters (opentgi.metri
 
 from __future__ import annotations
 
+import logging
 import math
+import signal
 import threading
 import time
 from collections import deque
@@ -21,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentgi.api.errors import StatusError
-from opentgi.api.tenants.table import Tenant, TenantTable
+from opentgi.api.tenants.table import Tenant, TenantFileError, TenantTable, load_tenant_file
+
+log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # tokens_per_minute is over any rolling minute
 RETRY_CONCURRENCY_S = 1  # Retry-After when max_concurrent_requests is reached
@@ -125,12 +129,41 @@ class TenantLedger:
         return 1
 
     def snapshot(self) -> dict[str, dict]:
-        """Per-tenant totals (GET /v1/usage), tenants in the file's order."""
+        """Per-tenant totals (GET /v1/usage) of the current tenants, in the file's order."""
         with self._lock:
             now = self.clock()
-            for usage in self.usage.values():
+            out = {}
+            for tenant in self.table.tenants:
+                usage = self.usage.setdefault(tenant.name, TenantUsage())
                 self._age(usage, now)
-            return {name: usage.as_json() for name, usage in self.usage.items()}
+                out[tenant.name] = usage.as_json()
+            return out
+
+    def reload(self, path: str) -> bool:
+        """Re-reads the tenants file (SIGHUP): new requests see the new keys, weights and quotas;
+        requests in flight finish under their lease and count to their tenant's name, whose usage
+        is kept. A file with a mistake is logged and the old tenants stay. True when reloaded."""
+        try:
+            table = load_tenant_file(path)
+        except TenantFileError as exc:
+            log.error("tenants not reloaded, the old ones stay: %s", exc)
+            return False
+        with self._lock:
+            for tenant in table.tenants:
+                self.usage.setdefault(tenant.name, TenantUsage())
+            self.table.replace(table)
+        log.info("tenants reloaded from %s: %s", path, ", ".join(t.name for t in table.tenants))
+        return True
+
+
+def reload_on_sighup(ledger: TenantLedger, path: str):
+    """SIGHUP reloads `path` into `ledger` (in a thread of its own: a signal handler may interrupt
+    the event loop while it holds the ledger's lock). Returns the handler it replaced."""
+
+    def on_sighup(_signum, _frame):
+        threading.Thread(target=ledger.reload, args=(path,), name="opentgi-tenants-reload", daemon=True).start()
+
+    return signal.signal(signal.SIGHUP, on_sighup)
 
 
 class Lease:

@@ -46,12 +46,23 @@ class Tenant:
 
 
 class TenantTable:
-    """The tenants of a server, found by key."""
+    """The tenants of a server, found by key. `replace` swaps in another file's tenants at once (a
+    lookup in progress finishes on the old ones)."""
 
     def __init__(self, tenants: Iterable[Tenant]):
-        self.tenants = list(tenants)
-        self.by_name = {t.name: t for t in self.tenants}
-        self._keys = [(key.encode(), tenant) for tenant in self.tenants for key in tenant.keys]
+        listed = list(tenants)
+        self._state = (listed, {t.name: t for t in listed}, [(k.encode(), t) for t in listed for k in t.keys])
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        return self._state[0]
+
+    @property
+    def by_name(self) -> dict[str, Tenant]:
+        return self._state[1]
+
+    def replace(self, other: TenantTable) -> None:
+        self._state = other._state  # one assignment: never half of each
 
     @classmethod
     def from_keys(cls, keys: Iterable[str]) -> TenantTable:
@@ -61,7 +72,7 @@ class TenantTable:
     def find(self, token: bytes) -> Tenant | None:
         """The tenant holding `token`; every key is compared, in constant time each."""
         found = None
-        for key, tenant in self._keys:
+        for key, tenant in self._state[2]:
             if hmac.compare_digest(token, key):
                 found = tenant
         return found
