@@ -164,7 +164,7 @@ async def test_max_concurrent_requests_429_in_the_dialect_shape(served, method, 
     refused = await client.request(method, path, json=body, headers=BETA)
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
-    message = "tenant 'beta' has 1 requests in flight, its limit (max_concurrent_requests)"
+    message = "tenant 'beta' has reached its max_concurrent_requests (1 in flight)"
     assert refused.json() == shape(message, "overloaded")
     other = asyncio.ensure_future(client.request(method, path, json=body, headers=ALPHA))
     await asyncio.sleep(0.05)

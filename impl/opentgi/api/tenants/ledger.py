@@ -77,8 +77,7 @@ class TenantLedger:
             if tenant.max_concurrent_requests is not None and usage.in_flight >= tenant.max_concurrent_requests:
                 refusal = TenantQuotaError(
                     tenant.name, "max_concurrent_requests", RETRY_CONCURRENCY_S,
-                    f"tenant {tenant.name!r} has {usage.in_flight} requests in flight, its limit "
-                    f"(max_concurrent_requests)")
+                    f"tenant {tenant.name!r} has reached its max_concurrent_requests ({usage.in_flight} in flight)")
             elif tenant.tokens_per_minute is not None and usage.window_tokens >= tenant.tokens_per_minute:
                 refusal = TenantQuotaError(
                     tenant.name, "tokens_per_minute", self._retry_after(usage, tenant.tokens_per_minute, now),
