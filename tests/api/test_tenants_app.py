@@ -16,6 +16,7 @@ import pytest_asyncio
 from opentgi.api.app import create_app
 from opentgi.api.tenants.ledger import TenantLedger, reload_on_sighup
 from opentgi.config import Settings
+from opentgi.engine.errors import AdapterInUseError
 from opentgi.engine.events import GenerationResult, SequenceResult, Timings, TokenEvent
 from opentgi.engine.handle import RequestHandle
 from opentgi.engine.info import ChatTemplate
@@ -58,6 +59,16 @@ class GeneratingEngine(FakeEngine):
         asyncio.get_running_loop().create_task(self._finish(handle))
         return handle
 
+    async def load_adapter(self, name, path):
+        if path == "/nowhere":
+            await super().load_adapter(name, path)
+        self.info.adapters.append(name)
+
+    async def unload_adapter(self, name):
+        if name == "busy":
+            raise AdapterInUseError(f"adapter {name!r} is in use by 1 requests in flight")
+        self.info.adapters.remove(name)
+
     def chat_template(self):
         return ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
@@ -98,6 +109,7 @@ async def served(app_and_engine):
     state.tenants = TenantLedger(state.tenants.table, state.metrics)
     engine.submitted.clear()
     engine.hold = None
+    engine.info.adapters.clear()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         yield client, engine
 
@@ -251,3 +263,25 @@ async def test_sighup_reloads_the_file_and_requests_in_flight_finish(tmp_path):
             assert (usage["beta"]["requests"], usage["beta"]["in_flight"]) == (2, 0)
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+async def test_adapter_routes_are_admin_only_and_answer_as_vllm(served):
+    client, engine = served
+    body = {"lora_name": "sql", "lora_path": "/nowhere"}
+    assert (await client.post("/v1/load_lora_adapter", json=body)).status_code == 401
+    assert (await client.post("/v1/load_lora_adapter", json=body, headers=ALPHA)).status_code == 403
+    refused = await client.post("/v1/load_lora_adapter", json=body, headers=OPS)  # the fake serves none
+    assert refused.status_code == 400
+    assert refused.json() == {"error": "LoRA adapters are served on the paged path only", "error_type": "validation"}
+    missing = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=OPS)
+    assert missing.status_code == 404 and missing.json()["error"] == "adapter 'sql' is not loaded"
+    assert (await client.post("/v1/load_lora_adapter", json={"lora_name": "x"}, headers=OPS)).status_code == 422
+    for name in ("sql", "busy"):
+        loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": "/a"}, headers=OPS)
+        assert loaded.status_code == 200 and loaded.text == f"Success: LoRA adapter '{name}' added successfully."
+    models = (await client.get("/v1/models", headers=ALPHA)).json()
+    assert [m["id"] for m in models["data"]] == ["fake/model", "sql", "busy"]
+    busy = await client.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}, headers=OPS)
+    assert busy.status_code == 409 and busy.json()["error"].startswith("adapter 'busy' is in use")
+    unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=OPS)
+    assert unloaded.status_code == 200 and engine.info.adapters == ["busy"]

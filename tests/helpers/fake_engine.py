@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opentgi.engine.errors import OverloadedError
+from opentgi.engine.errors import AdapterError, OverloadedError
 from opentgi.engine.info import ChatTemplate, EngineStats, TokenizedText
 
 
@@ -55,6 +55,12 @@ class FakeEngine:
 
     async def submit(self, request):
         raise OverloadedError("Model is overloaded")
+
+    async def load_adapter(self, name, path):
+        raise AdapterError("LoRA adapters are served on the paged path only")
+
+    async def unload_adapter(self, name):
+        raise AdapterError(f"adapter {name!r} is not loaded")
 
     def healthy(self):
         return True

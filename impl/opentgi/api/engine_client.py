@@ -39,6 +39,13 @@ class EngineClient(Protocol):
     # --- generation ------------------------------------------------------------------------------
     async def submit(self, request: GenerationRequest) -> RequestHandle: ...
 
+    # --- LoRA adapters at run time --------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter at `path` as `name` (AdapterError: refused, the server keeps serving)."""
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (AdapterInUseError while requests use it)."""
+
     # --- health and load -------------------------------------------------------------------------
     def healthy(self) -> bool: ...
 

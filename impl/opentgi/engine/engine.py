@@ -436,6 +436,17 @@ class Engine:
                 processors=processors, parent=seqs[0] if seqs else None))
         return seqs
 
+    # --- LoRA adapters at run time (engine/adapter_loading.py) ------------------------------------
+    async def load_adapter(self, name: str, path: str) -> None:
+        from opentgi.engine.adapter_loading import load_adapter
+
+        await load_adapter(self, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        from opentgi.engine.adapter_loading import unload_adapter
+
+        await unload_adapter(self, name)
+
     # --- health and stats ----------------------------------------------------------------------------
     def healthy(self) -> bool:
         """The loop thread runs and no step has stalled (see the watchdog)."""

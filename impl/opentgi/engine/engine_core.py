@@ -12,6 +12,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -42,6 +44,7 @@ class EngineCore:
         self.requests: dict[str, RequestState] = {}
         self._inbox: deque[RequestState] = deque()
         self._aborts: deque[str] = deque()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # run between two steps
         self.wakeup = threading.Event()
         self.steps_total = 0
         self.last_step_at = time.monotonic()
@@ -58,11 +61,25 @@ class EngineCore:
         self._aborts.append(request_id)
         self.wakeup.set()
 
+    def call_between_steps(self, fn: Callable[[], object]) -> Future:
+        """Runs `fn` on the engine thread before the next step (nothing runs the model meanwhile):
+        how the model is changed while serving (LoRA adapters loaded at run time)."""
+        future: Future = Future()
+        self._calls.append((fn, future))
+        self.wakeup.set()
+        return future
+
     def has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+        return bool(self._inbox or self._aborts or self._calls or self.scheduler.has_work())
 
     # --- the step ------------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                future.set_exception(exc)
         aborted = set()
         while self._aborts:
             request_id = self._aborts.popleft()

@@ -57,3 +57,12 @@ class GenerationError(OpenTGIError):
 
 class UnhealthyError(OpenTGIError):
     """The engine loop is dead or stalled (TGI: 503, error_type "healthcheck")."""
+
+
+class AdapterError(ValidationError):
+    """A LoRA adapter cannot be loaded or unloaded at run time (a missing folder, another base
+    model, a name already taken or not loaded); the server keeps serving."""
+
+
+class AdapterInUseError(OpenTGIError):
+    """An adapter cannot be unloaded while requests in flight use it (409)."""

@@ -1,10 +1,27 @@
-# GENERATED from openapi/tenants.yaml (sha256 9019359a9a3bb573) by codegen with
+# GENERATED from openapi/tenants.yaml (sha256 9aacd77b7988cebc) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(..., examples=['sql'], min_length=1)
+    lora_path: str = Field(
+        ...,
+        description='A local PEFT adapter folder, or a hub id already in the local cache',
+        examples=['/adapters/sql-lora'],
+        min_length=1,
+    )
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(..., examples=['sql'], min_length=1)
+    lora_int_id: int | None = Field(
+        None, description="Accepted and ignored (vLLM's), adapters are named"
+    )
 
 
 class Rejections(BaseModel):

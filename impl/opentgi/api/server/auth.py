@@ -24,8 +24,8 @@ from opentgi.api.server import request_context
 from opentgi.api.tenants import table as tenant_table
 
 OPEN_PATH_NAMES = frozenset({"health", "healthz"})
-# Routes only an admin tenant may call (under any mount): per-tenant usage and the metrics.
-ADMIN_PATHS = ("/metrics", "/v1/usage")
+# Routes only an admin tenant may call (under any mount): usage, metrics, adapters at run time.
+ADMIN_PATHS = ("/metrics", "/v1/usage", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DOC_PATH_NAMES = frozenset({"openapi.json", "openapi.yaml", "docs", "swagger.json"})
 
 

@@ -14,7 +14,7 @@ qkv_proj/gate_up_proj, StarCoder2's c_fc/c_proj, a routed-experts block's expert
 A step where no row uses an adapter, or a server without adapters, does no LoRA work at all.
 """
 
-from opentgi.models.lora.attach import attach_lora
+from opentgi.models.lora.attach import attach_lora, detach_lora, replace_lora
 from opentgi.models.lora.peft import (
     LoraAdapter,
     LoraAdapterError,
@@ -42,6 +42,7 @@ from opentgi.models.lora.targets import (
 __all__ = [
     "ACCEPTED_MODULES", "EXPERT_MODULES", "GROUPS", "OTHER_GROUPS", "ROUTER", "TARGET_MODULES", "LoraAdapter",
     "LoraAdapterError", "LoraLinear", "LoraState", "LoraStep", "attach_lora", "bgmv_delta", "check_fits",
+    "detach_lora", "replace_lora",
     "expert_of", "load_adapters", "load_peft_adapter", "module_shapes", "num_experts", "parse_adapter_list",
     "resolve_adapter_folder", "shape_key",
 ]

@@ -57,6 +57,7 @@ def attach_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
     adapters the model is left exactly as it was."""
     if not adapters:
         return None
+    model.lora_adapters = list(adapters)  # as loaded (unsliced): `replace_lora` attaches them again
     plan = getattr(model, "shard_plan", None)  # models/parallel.py: this rank's slices only
     if plan is not None:
         adapters = [_sliced(adapter, plan) for adapter in adapters]
@@ -121,3 +122,29 @@ def _attach_expert_lora(model, i: int, layer, adapters: list[LoraAdapter], state
     if getattr(model, "batch_invariant", False):
         lora.make_row_invariant()
     block.lora = lora
+
+
+def detach_lora(model) -> None:
+    """Undo `attach_lora`: every `LoraLinear` back to its base projection, no experts' LoRA, no
+    `model.lora`; the model is then as it was loaded."""
+    for layer in model.model.layers:
+        for attr, (owner, _) in [*GROUPS.items(), *OTHER_GROUPS.items()]:
+            parent = getattr(layer, owner, None)
+            current = getattr(parent, attr, None)
+            if isinstance(current, RowParallel) and isinstance(current.linear, LoraLinear):
+                current.linear = current.linear.base
+            elif isinstance(current, LoraLinear):
+                setattr(parent, attr, current.base)
+        block = getattr(layer, "feed_forward", None)
+        if getattr(block, "lora", None) is not None:
+            block.lora = None
+    model.lora = None
+    model.lora_adapters = []
+
+
+def replace_lora(model, adapters: list[LoraAdapter]) -> LoraState | None:
+    """Serve exactly `adapters` from now on (adapters loaded or unloaded at run time): the model's
+    LoRA is built again as `attach_lora` builds it at start, so an adapter added later is served
+    exactly as one given at start in the same position."""
+    detach_lora(model)
+    return attach_lora(model, adapters)
