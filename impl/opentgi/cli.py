@@ -156,6 +156,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--cors-allow-origin", str, "origins allowed to call the API from a browser, comma-separated "
            "(default: any, as TGI)"),
     Option("--api-key-file", str, "a file of API keys, one a line (with or instead of --api-key)"),
+    Option("--tenants", str, "a YAML or JSON file of tenants: keys, weight (share of the batch), "
+           "tokens_per_minute, max_concurrent_requests, admin (docs/tenants.md); instead of --api-key"),
     # images in (vision-language models; api/images.py)
     Option("--max-image-bytes", int, "one image's bytes at most, fetched or in a data: URL (default 20000000)"),
     Option("--max-images", int, "images per request at most; more get a 422 (default 16)"),
@@ -164,8 +166,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("--image-fetch-timeout", float, "seconds to fetch one http(s) image, redirects included (default 10)"),
     Option("--allow-private-image-urls", _bool, "fetch images from loopback, private, link-local and "
            "metadata addresses too (default: refused)", is_switch=True),
-    Option("--tenants", str, "a YAML or JSON file of tenants: keys, weight (share of the batch), "
-           "tokens_per_minute, max_concurrent_requests, admin (docs/tenants.md); instead of --api-key"),
 )
 
 
