@@ -103,6 +103,7 @@ class TenantSchedulerMachine(RuleBasedStateMachine):
         running = {id(s) for s in self.sched.running}
         waiting = {id(s) for s in self.sched.waiting}
         assert not running & waiting and running | waiting == {id(s) for s in self.live}
+        assert self.sched.waiting_tenants == Counter(s.request.tenant for s in self.sched.waiting)
         for seq in self.sched.waiting:
             assert seq.status is SequenceStatus.WAITING and not seq.block_table
         holders = [0] * self.bm.num_blocks

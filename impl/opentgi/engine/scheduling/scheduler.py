@@ -29,7 +29,7 @@ head is admitted, the newest running sequence preempted.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from opentgi.engine.sampling.speculative import NgramProposer, can_speculate
@@ -82,6 +82,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.fair_share = fair_share if fair_share is not None else FairShare()
         self.waiting: deque[Sequence] = deque()
+        self.waiting_tenants: Counter[str | None] = Counter()  # waiting sequences per tenant
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self.steps_since_admission = 0
         self.preemptions_total = 0
@@ -92,6 +93,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.waiting_tenants[seq.request.tenant] += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -159,9 +161,11 @@ class Scheduler:
         """The waiting sequence to admit next (none of `skipped`, by seq_id): the first in queue
         order of the tenant furthest below its share; with one tenant waiting, the queue's head."""
         firsts: dict[str | None, Sequence] = {}
-        for seq in self.waiting:
+        for seq in self.waiting:  # until every waiting tenant has its first
             if seq.seq_id not in skipped and seq.request.tenant not in firsts:
                 firsts[seq.request.tenant] = seq
+                if len(firsts) == len(self.waiting_tenants):
+                    break
         if len(firsts) <= 1:
             return next(iter(firsts.values()), None)
         tenants = {t: s.request.tenant_weight for t, s in firsts.items()}
@@ -173,6 +177,7 @@ class Scheduler:
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self.waiting_tenants[seq.request.tenant] += 1
         out.preempted.append(seq)
         self.preemptions_total += 1
 
@@ -217,10 +222,7 @@ class Scheduler:
                     or not bm.allocate_slots(seq, n):
                 bm.free(seq)
                 break
-            if self.waiting[0] is seq:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(seq)
+            self._leave_queue(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._serve(out, seq, n)
@@ -258,12 +260,22 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
-            self.waiting.remove(seq)
+            self._leave_queue(seq)
         self.block_manager.free(seq)
         seq.draft_token_ids = []
         seq.status = SequenceStatus.FINISHED
         if self.proposer is not None:
             self.proposer.forget(seq)
+
+    def _leave_queue(self, seq: Sequence) -> None:
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+        tenant = seq.request.tenant
+        self.waiting_tenants[tenant] -= 1
+        if not self.waiting_tenants[tenant]:
+            del self.waiting_tenants[tenant]
 
     @property
     def num_waiting(self) -> int:
