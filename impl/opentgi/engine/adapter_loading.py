@@ -76,9 +76,14 @@ async def unload_adapter(engine, name: str) -> None:
                                     "once they are done")
         _serve(engine, model, [a for a in getattr(model, "lora_adapters", None) or [] if a.name != name])
 
-    await asyncio.wrap_future(core.call_between_steps(swap))
-    if name in engine.info.adapters:
-        engine.info.adapters.remove(name)
+    adapters = engine.info.adapters
+    position = adapters.index(name)
+    adapters.remove(name)  # refused from now on (`submit` checks again after a grammar compiles)
+    try:
+        await asyncio.wrap_future(core.call_between_steps(swap))
+    except BaseException:
+        adapters.insert(position, name)
+        raise
     log.info("LoRA adapter %r unloaded", name)
 
 

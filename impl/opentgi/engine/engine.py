@@ -389,6 +389,7 @@ class Engine:
                 grammar_factory = await self._compile_grammar(request)
             finally:
                 self._compiling -= 1
+            self.resolve_adapter(request)  # its adapter may have been unloaded meanwhile
         handle = RequestHandle(request, self._cancel)
         seqs = self._make_sequences(request, grammar_factory)
         state = RequestState(request, seqs, handle, queued_at=time.monotonic())
