@@ -358,8 +358,8 @@ def freeze_startup_objects() -> None:
 def serve(settings: Settings) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from opentgi.engine.engine import Engine
     from opentgi.engine.execution import torch_threads
+    from opentgi.engine.pooling import engine_from_settings
     from opentgi.metrics import Metrics
     from opentgi.models.loader import ModelLoadError
     from opentgi.process import keep_gpu_compilers_out_without_cuda
@@ -382,7 +382,7 @@ def serve(settings: Settings) -> None:
             engine = shards.start(observer=metrics.observer)
         else:  # the model loads while this thread imports the HTTP side
             with ThreadPoolExecutor(1, thread_name_prefix="opentgi-start") as pool:
-                loading = pool.submit(Engine.from_settings, settings, observer=metrics.observer)
+                loading = pool.submit(engine_from_settings, settings, observer=metrics.observer)
                 _import_http_side()
                 engine = loading.result()
     except ModelLoadError as exc:  # a missing model or a bad adapter: say why, no traceback

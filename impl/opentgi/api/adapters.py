@@ -24,7 +24,8 @@ def served_model_name(info, adapter_id: str | None) -> str:
 def models_list(info) -> dict:
     """OpenAI's `GET /v1/models`: the base model, then each loaded adapter (its parent: the base)."""
     created = int(time.time())
-    base = {"id": info.model_id, "object": "model", "created": created, "owned_by": info.model_id}
+    base = {"id": info.model_id, "object": "model", "created": created, "owned_by": info.model_id,
+            "model_kind": getattr(info, "model_kind", "generation")}
     adapters = [{"id": name, "object": "model", "created": created, "owned_by": info.model_id,
                  "parent": info.model_id} for name in info.adapters]
     return {"object": "list", "data": [base, *adapters]}

@@ -77,6 +77,10 @@ DIALECTS: tuple[Dialect, ...] = (
     Dialect("openai-responses", "openai-responses.yaml", "opentgi.api.responses.handlers",
             prefix="/openai-responses", error_shape="opentgi.api.responses.errors:openai_error"),
     Dialect("tenants", "tenants.yaml", "opentgi.api.tenants.handlers", prefix=""),
+    Dialect("embeddings", "embeddings.yaml", "opentgi.api.embeddings.handlers", prefix="/embeddings",
+            error_shape="opentgi.api.responses.errors:openai_error"),
+    Dialect("tei", "tei.yaml", "opentgi.api.tei.handlers", prefix="/tei",
+            error_shape="opentgi.api.tei.errors:tei_error"),
 )
 
 

@@ -47,6 +47,16 @@ class NotSupportedError(ValidationError):
     """A feature this model or server does not support (e.g. grammar disabled, no FIM tokens)."""
 
 
+class ModelKindError(NotSupportedError):
+    """The route asks for what the served model does not do (embeddings of a generation model,
+    generation from an embedding model); the message names what it serves."""
+
+    def __init__(self, message: str, *, served: str, asked: str):
+        super().__init__(message)
+        self.served = served  # "generation" | "embedding" | "rerank" | "classification"
+        self.asked = asked
+
+
 class OverloadedError(OpenTGIError):
     """Too many concurrent requests (TGI: 429 "Model is overloaded", error_type "overloaded")."""
 

@@ -42,6 +42,8 @@ class EngineInfo:
     kernels: str = "torch"  # a GGUF's matmul path: "native (avx2)" or "torch (why)" (opentgi.kernels)
     image_input: bool = False  # a vision-language model served with its image encoder
     image_marker: str | None = None  # where an image goes in its prompt text (e.g. Idefics3's `<image>`)
+    model_kind: str = "generation"  # | "embedding" | "rerank" | "classification" (engine/pooling/)
+    embedding_dimension: int = 0  # an embedding model's vector size
 
 
 @dataclass

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 ffa4147aca46df5c) by codegen with
+# GENERATED from openapi/tgi.json (sha256 3ab6354a75b40259) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -73,6 +73,13 @@ class RegexGrammar(BaseModel):
     value: str
 
 
+class ModelKind(Enum):
+    generation = 'generation'
+    embedding = 'embedding'
+    rerank = 'rerank'
+    classification = 'classification'
+
+
 class Info(BaseModel):
     docker_label: str | None = Field(None, examples=[None])
     max_batch_size: int | None = Field(None, examples=[None], ge=0)
@@ -126,6 +133,11 @@ class Info(BaseModel):
         None,
         description='The architectures served natively on the paged path (paged KV cache, prefix cache, every engine feature); a model of another architecture runs on the generic transformers path (an opentgi addition)',
         examples=[['LlamaForCausalLM', 'Gemma2ForCausalLM']],
+    )
+    model_kind: ModelKind | None = Field(
+        None,
+        description='What the served model does: generation, or a pooling model (embedding: /v1/embeddings and /embed; rerank: /v1/rerank, /rerank and /predict; classification: /predict) (an opentgi addition)',
+        examples=['generation'],
     )
 
 
@@ -271,6 +283,11 @@ class ModelInfo(BaseModel):
     owned_by: str = Field(..., examples=['HuggingFaceTB/SmolLM2-135M-Instruct'])
     parent: str | None = Field(
         None, description="For a LoRA adapter: the base model's id", examples=[None]
+    )
+    model_kind: ModelKind | None = Field(
+        None,
+        description='What the served model does: generation, or a pooling model (embedding: /v1/embeddings and /embed; rerank: /v1/rerank, /rerank and /predict; classification: /predict) (an opentgi addition)',
+        examples=['generation'],
     )
 
 

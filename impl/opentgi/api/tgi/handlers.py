@@ -247,6 +247,7 @@ async def get_model_info() -> Response:
         "kernels": getattr(info, "kernels", "torch"),
         "model_architecture": info.architecture,
         "supported_architectures": list(info.supported_architectures),
+        "model_kind": getattr(info, "model_kind", "generation"),
     })
 
 

@@ -1,0 +1,129 @@
+"""A pooling model on transformers' modelling classes: a whole batch of inputs in one forward pass,
+no KV cache, then pooling (embedding) or the classification head (rerank, classification).
+
+**Invariance** (as the paged path's, docs/determinism.md): an input's numbers do not depend on the
+other inputs of its batch. Inputs of one length run together, unpadded (a padded input would meet
+another attention kernel than it does alone: transformers drops an all-ones mask), every linear is
+in a row-invariant form (models/layers/linear.py: oneDNN's packed linear in its probed form, else
+row tiles), attention and the norms work per sequence and per row, and pooling per input.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from opentgi.models.layers.linear import onednn_linear_usable, pack_linears, tile_linears
+from opentgi.models.pooling.folder import PoolingFolder, PoolingFolderError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolingInput:
+    """One input as the model takes it: token ids and, for a BERT pair, their token type ids."""
+
+    ids: list[int]
+    type_ids: list[int] | None = None
+
+
+class PoolingModel:
+    """`run(inputs)` -> one float32 tensor per input: the pooled vector (embedding) or the head's
+    logits (rerank, classification)."""
+
+    def __init__(self, model, folder: PoolingFolder, max_length: int, device: torch.device,
+                 max_batch_tokens: int = 16384):
+        self.model = model
+        self.folder = folder
+        self.max_batch_tokens = max_batch_tokens  # one forward pass takes at most this many tokens
+        self.max_length = max_length
+        self.device = device
+        config = model.config
+        self.hidden_size = int(getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0))
+        # a decoder classifier (Qwen3/Llama ...ForSequenceClassification) scores its last token: run
+        # its body and its `score` head on the last token here (transformers' own looks for padding)
+        self.decoder_head = getattr(model, "score", None) if folder.kind != "embedding" else None
+
+    @property
+    def kind(self) -> str:
+        return self.folder.kind
+
+    @torch.inference_mode()
+    def run(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(inputs):
+            groups.setdefault(len(item.ids), []).append(i)
+        for length, members in sorted(groups.items()):
+            step = max(1, self.max_batch_tokens // max(length, 1))
+            for start in range(0, len(members), step):
+                chunk = members[start:start + step]
+                for i, row in zip(chunk, self._forward([inputs[i] for i in chunk], length), strict=True):
+                    out[i] = row
+        return out
+
+    def _forward(self, inputs: list[PoolingInput], length: int) -> list[torch.Tensor]:
+        """Inputs of `length` tokens each, as one batch."""
+        ids = torch.tensor([item.ids for item in inputs], dtype=torch.long, device=self.device)
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if inputs[0].type_ids is not None:
+            kwargs["token_type_ids"] = torch.tensor([item.type_ids or [0] * length for item in inputs],
+                                                    dtype=torch.long, device=self.device)
+        if self.folder.kind == "embedding":
+            hidden = self.model(**kwargs).last_hidden_state
+            return [pool(hidden[row], self.folder.pooling) for row in range(len(inputs))]
+        if self.decoder_head is not None:
+            hidden = self.model.base_model(**kwargs).last_hidden_state
+            return [self.decoder_head(hidden[row, -1:]).float()[0] for row in range(len(inputs))]
+        logits = self.model(**kwargs).logits
+        return [logits[row].float() for row in range(len(inputs))]
+
+
+def pool(hidden: torch.Tensor, mode: str) -> torch.Tensor:
+    """One input's token vectors [n, hidden] -> its vector, in float32."""
+    hidden = hidden.float()
+    if mode == "cls":
+        return hidden[0].clone()
+    if mode == "lasttoken":
+        return hidden[-1].clone()
+    if mode == "max":
+        return hidden.max(dim=0).values
+    return hidden.sum(dim=0) / hidden.shape[0]
+
+
+def _max_length(model_config, tokenizer, folder: PoolingFolder, limit: int | None) -> int:
+    """The most tokens an input may have: the least of the model's positions (less RoBERTa's
+    padding offset), the tokenizer's and sentence-transformers' limits and --max-input-tokens."""
+    positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+    if positions and getattr(model_config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+        positions -= int(getattr(model_config, "pad_token_id", 1) or 1) + 1
+    candidates = [positions or None, folder.max_seq_length, limit]
+    model_max = getattr(tokenizer, "model_max_length", None)
+    if isinstance(model_max, int) and model_max < 1_000_000:
+        candidates.append(model_max)
+    found = [int(c) for c in candidates if c]
+    return min(found) if found else 512
+
+
+def load_pooling_model(folder: PoolingFolder, tokenizer, dtype: torch.dtype, device: torch.device, *,
+                       max_input_tokens: int | None = None, batch_invariant: bool = True,
+                       trust_remote_code: bool = False) -> PoolingModel:
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    loader = AutoModel if folder.kind == "embedding" else AutoModelForSequenceClassification
+    try:
+        model = loader.from_pretrained(folder.body, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise PoolingFolderError(f"transformers cannot load {folder.body} as a {folder.kind} model: {exc}") from None
+    model = model.to(device).eval()
+    if device.type == "cpu":
+        if onednn_linear_usable(device, dtype):
+            pack_linears(model, row_invariant=batch_invariant)
+        elif batch_invariant:
+            tile_linears(model)
+    max_length = _max_length(model.config, tokenizer, folder, max_input_tokens)
+    log.info("%s: %s model (%s), at most %d tokens an input", folder.architecture, folder.kind,
+             folder.pooling or f"{len(folder.id2label)} labels", max_length)
+    return PoolingModel(model, folder, max_length, device)
