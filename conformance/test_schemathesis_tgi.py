@@ -141,12 +141,16 @@ DEFAULT_ACCEPTED = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx"]
 
 
 def documented_validation_statuses(document: dict) -> list[str]:
-    """The statuses a document gives for requests its schemas cannot rule out (400 / 422)."""
+    """The statuses a document gives for requests its schemas cannot rule out (400 / 422), and
+    those of responses marked `x-model-kind-refusal` (TEI's 424 for a route the served model does
+    not serve: the live server serves a generation model)."""
     found = set()
     for path_item in (document.get("paths") or {}).values():
         for operation in path_item.values():
             if isinstance(operation, dict):
-                found.update(str(s) for s in (operation.get("responses") or {}) if str(s) in ("400", "422"))
+                for status, response in (operation.get("responses") or {}).items():
+                    if str(status) in ("400", "422") or resolve(document, response).get("x-model-kind-refusal"):
+                        found.add(str(status))
     return sorted(found)
 
 

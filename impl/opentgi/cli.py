@@ -115,7 +115,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-input-tokens", int, "prompt tokens at most (default: min(context - 1, 4095))",
            env=("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH")),
     Option("--max-total-tokens", int, "prompt + new tokens at most (default: min(context, 4096))"),
-    Option("--max-client-batch-size", int, "prompts per /v1/completions request at most (default 4)"),
+    Option("--max-client-batch-size", int,
+           "prompts per /v1/completions request, inputs per embeddings/rerank/predict request (default 4)"),
     Option("--max-batch-prefill-tokens", int, "prompt tokens per prefill batch (default: "
            "max-input-tokens + 50)"),
     Option("--max-batch-total-tokens", int, "KV cache size in tokens (default: from memory)"),

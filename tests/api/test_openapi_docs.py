@@ -295,7 +295,8 @@ ADDED_FIELDS = {
     "FunctionDefinition": {"parameters"},
     "Info": {"adapters", "deterministic",  # LoRA adapters (issue 13), batch invariance (issue 24)
              "model_architecture", "supported_architectures",  # the paged path's families (issue 22)
-             "kernels"},  # the matmul path of GGUF layers (issue 36)
+             "kernels",  # the matmul path of GGUF layers (issue 36)
+             "model_kind"},  # generation or a pooling model (issue 39)
 }
 RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"], "FunctionDefinition": ["name"]}
 

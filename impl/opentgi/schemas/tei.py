@@ -1,4 +1,4 @@
-# GENERATED from openapi/tei.yaml (sha256 c86bbb7296d1e20d) by codegen with
+# GENERATED from openapi/tei.yaml (sha256 75835375176c2b49) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 

@@ -15,7 +15,13 @@ import logging
 
 from opentgi.api.embeddings.common import EmptyInputError
 from opentgi.api.errors import JSONError, StatusError
-from opentgi.engine.errors import ModelKindError, OpenTGIError, OverloadedError, UnhealthyError, ValidationError
+from opentgi.engine.errors import (
+    ModelKindError,
+    OpenTGIError,
+    OverloadedError,
+    UnhealthyError,
+    ValidationError,
+)
 
 log = logging.getLogger(__name__)
 
