@@ -121,8 +121,11 @@ def test_pooling_model_refuses_other_routes(embedder):
         response = embedder.post(path, json=body)
         assert response.status_code == 424 and response.json()["error_type"] == "Backend"
         assert "it serves /v1/embeddings and /embed" in response.json()["error"]
-    response = embedder.post("/generate", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}})
-    assert response.status_code == 422 and "embedding model" in response.json()["error"]
+    for body in ({"inputs": "hello", "parameters": {"max_new_tokens": 2}}, {"inputs": "hello"}):
+        response = embedder.post("/generate", json=body)
+        assert response.status_code == 422 and "is an embedding model: it serves" in response.json()["error"]
+    response = embedder.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400 and "embedding model" in response.text
     response = embedder.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert 400 <= response.status_code < 500 and "embedding model" in response.text
     response = embedder.post("/v1/rerank", json={"query": "q", "documents": ["d"]})

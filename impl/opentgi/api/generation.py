@@ -43,6 +43,7 @@ from opentgi.api.sse import Event, sse_response
 from opentgi.api.tenants import table as tenant_table
 from opentgi.engine.errors import OpenTGIError, ValidationError
 from opentgi.engine.events import GenerationResult, Timings
+from opentgi.engine.pooling import kinds
 from opentgi.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,9 @@ async def submit_all(engine, requests: list[GenerationRequest]) -> list:
 async def _start(prepare: Prepare, generation: Generation) -> None:
     if runtime.state().drain.draining:
         raise ShuttingDownError("the server is shutting down")
+    info = runtime.engine().info
+    if getattr(info, "model_kind", "generation") != "generation":  # a pooling model: refused before parsing
+        raise kinds.refusal(info.model_id, info.model_kind, "generation")
     try:
         requests, generation.context = await prepare()
     except pydantic.ValidationError as exc:  # the document and the generated model disagree
