@@ -4,6 +4,7 @@ not a dependency): the reference the served vectors and scores are checked again
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -31,6 +32,8 @@ def reference_embeddings(folder: Path, texts: list[str], dimensions: int | None 
     with torch.no_grad():
         for text in texts:
             encoding = tokenizer(text, return_tensors="pt")
+            if "token_type_ids" not in inspect.signature(model.forward).parameters:
+                encoding.pop("token_type_ids", None)
             hidden = model(**encoding).last_hidden_state[0]
             vector = {"cls": hidden[0], "lasttoken": hidden[-1], "mean": hidden.mean(0)}[mode]
             if dimensions is not None:

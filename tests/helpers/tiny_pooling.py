@@ -3,6 +3,7 @@
 - `tiny_bert_embedding_path(pooling, normalize)`: a sentence-transformers folder over a BertModel
   (hidden 64, 2 layers, 64 positions, a small WordPiece vocabulary): modules.json, 1_Pooling,
   optionally 2_Normalize, sentence_bert_config.json.
+- `tiny_encoder_embedding_path(family)`: the same over XLM-RoBERTa or ModernBERT.
 - `tiny_qwen3_embedding_path()`: the same layout over a Qwen3 decoder (SmolLM2's tokenizer),
   last-token pooling and Normalize, as Qwen3-Embedding.
 - `tiny_bert_classifier_path(num_labels)`: BertForSequenceClassification; one label is a
@@ -70,6 +71,31 @@ def tiny_bert_embedding_path(pooling: str = "mean", normalize: bool = True, seed
 
     return _cached_folder("tiny-bert-embedding", {"pooling": pooling, "normalize": normalize, "seed": seed,
                                                   "shape": _BERT}, build)
+
+
+ENCODERS = {  # family -> (config class, model class, config beside the vocabulary)
+    "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaModel", {**_BERT, "max_position_embeddings": 66, "pad_token_id": 0}),
+    "modernbert": ("ModernBertConfig", "ModernBertModel", {**_BERT, "num_hidden_layers": 3, "pad_token_id": 0,
+                                                           "local_attention": 8}),
+}
+
+
+def tiny_encoder_embedding_path(family: str, seed: int = 0) -> Path:
+    """A sentence-transformers folder (mean pooling, Normalize) over a tiny XLM-RoBERTa or
+    ModernBERT encoder with the small WordPiece vocabulary."""
+    config_class, model_class, config = ENCODERS[family]
+
+    def build(out: Path) -> None:
+        import torch
+        import transformers
+
+        vocab_size = _bert_tokenizer(out)
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(vocab_size=vocab_size, **config))
+        model.eval().save_pretrained(out)
+        _sentence_transformers_files(out, "mean", True, config["hidden_size"], 64)
+
+    return _cached_folder(f"tiny-{family}-embedding", {"seed": seed, "config": config}, build)
 
 
 def tiny_qwen3_embedding_path(seed: int = 0) -> Path:

@@ -67,8 +67,10 @@ def test_unserved_sentence_transformers_modules_are_refused(tmp_path):
 @pytest.mark.parametrize("builder", [
     lambda: tiny_pooling.tiny_bert_embedding_path("mean", True),
     lambda: tiny_pooling.tiny_bert_embedding_path("cls", False),
+    lambda: tiny_pooling.tiny_encoder_embedding_path("xlm-roberta"),
+    lambda: tiny_pooling.tiny_encoder_embedding_path("modernbert"),
     tiny_pooling.tiny_qwen3_embedding_path,
-], ids=["bert-mean", "bert-cls", "qwen3-lasttoken"])
+], ids=["bert-mean", "bert-cls", "xlm-roberta", "modernbert", "qwen3-lasttoken"])
 def test_embeddings_match_the_reference_and_are_batch_invariant(builder):
     path = builder()
     model, inputs = _load(path)

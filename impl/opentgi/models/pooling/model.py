@@ -10,6 +10,7 @@ row tiles), attention and the norms work per sequence and per row, and pooling p
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ class PoolingModel:
         # a decoder classifier (Qwen3/Llama ...ForSequenceClassification) scores its last token: run
         # its body and its `score` head on the last token here (transformers' own looks for padding)
         self.decoder_head = getattr(model, "score", None) if folder.kind != "embedding" else None
+        body = model.base_model if self.decoder_head is not None else model
+        self.takes_token_types = "token_type_ids" in inspect.signature(body.forward).parameters
 
     @property
     def kind(self) -> str:
@@ -68,7 +71,7 @@ class PoolingModel:
         """Inputs of `length` tokens each, as one batch."""
         ids = torch.tensor([item.ids for item in inputs], dtype=torch.long, device=self.device)
         kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if inputs[0].type_ids is not None:
+        if self.takes_token_types and inputs[0].type_ids is not None:
             kwargs["token_type_ids"] = torch.tensor([item.type_ids or [0] * length for item in inputs],
                                                     dtype=torch.long, device=self.device)
         if self.folder.kind == "embedding":
