@@ -84,6 +84,24 @@ def test_embeddings_match_the_reference_and_are_batch_invariant(builder):
         assert torch.equal(model.run([items[-1], item, item])[1], batch[i])
 
 
+@pytest.mark.parametrize("builder", [tiny_pooling.tiny_bert_embedding_path, tiny_pooling.tiny_qwen3_embedding_path],
+                         ids=["bert", "qwen3"])
+def test_padded_buckets_keep_every_input_invariant(builder):
+    """Inputs of many lengths (bucket edges, the model's maximum, unpadded) share batches; each
+    gets the bits it gets alone."""
+    model, inputs = _load(builder())
+    words = "deep learning is a branch of machine learning about neural networks and data".split()
+    lengths = [1, 14, 15, 16, 17, 31, 32, 33, model.max_length - 1, model.max_length]
+    items = []
+    for n in lengths:  # token lists of exactly n tokens
+        items.append(inputs.ids([1 + (i * 7 + n) % 40 for i in range(n)], truncate=False))
+    items += [inputs.text(" ".join(words[:k]), truncate=False) for k in (1, 5, 9)]
+    batch = model.run(items)
+    for i, item in enumerate(items):
+        assert torch.equal(model.run([item])[0], batch[i]), len(item.ids)
+    assert torch.equal(model.run(items[::-1])[::-1][3], batch[3])
+
+
 @pytest.mark.parametrize("builder, pairs", [
     (lambda: tiny_pooling.tiny_bert_classifier_path(1), [("what is deep learning?", t) for t in TEXTS]),
     (lambda: tiny_pooling.tiny_bert_classifier_path(3), [(t,) for t in TEXTS]),

@@ -1,11 +1,16 @@
 """A pooling model on transformers' modelling classes: a whole batch of inputs in one forward pass,
 no KV cache, then pooling (embedding) or the classification head (rerank, classification).
 
+**Batches**: inputs are padded (right, masked) to a length bucket, a multiple of `BUCKET` tokens,
+and each bucket runs as one batch, so inputs of different lengths share a forward pass.
+
 **Invariance** (as the paged path's, docs/determinism.md): an input's numbers do not depend on the
-other inputs of its batch. Inputs of one length run together, unpadded (a padded input would meet
-another attention kernel than it does alone: transformers drops an all-ones mask), every linear is
-in a row-invariant form (models/layers/linear.py: oneDNN's packed linear in its probed form, else
-row tiles), attention and the norms work per sequence and per row, and pooling per input.
+other inputs of its batch. Its padded length depends on its own length only, and it always gets at
+least one pad token, so every batch carries a mask and attention always takes its masked form
+(transformers drops an all-ones mask: alone, an input would meet another attention call); one at
+the model's maximum runs unpadded, only with inputs of its exact length. Every linear is in a
+row-invariant form (models/layers/linear.py: oneDNN's packed linear in its probed form, else row
+tiles), attention and the norms work per sequence and per row, and pooling per input.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from opentgi.models.pooling.folder import PoolingFolder, PoolingFolderError
 
 log = logging.getLogger(__name__)
 
+BUCKET = 16  # padded lengths are multiples of this many tokens
+
 
 @dataclass(frozen=True)
 class PoolingInput:
@@ -35,8 +42,9 @@ class PoolingModel:
     logits (rerank, classification)."""
 
     def __init__(self, model, folder: PoolingFolder, max_length: int, device: torch.device,
-                 max_batch_tokens: int = 16384):
+                 max_batch_tokens: int = 16384, pad_token_id: int = 0):
         self.model = model
+        self.pad_token_id = pad_token_id
         self.folder = folder
         self.max_batch_tokens = max_batch_tokens  # one forward pass takes at most this many tokens
         self.max_length = max_length
@@ -56,10 +64,10 @@ class PoolingModel:
     @torch.inference_mode()
     def run(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(inputs)
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, bool], list[int]] = {}
         for i, item in enumerate(inputs):
-            groups.setdefault(len(item.ids), []).append(i)
-        for length, members in sorted(groups.items()):
+            groups.setdefault(self.padded_length(len(item.ids)), []).append(i)
+        for (length, padded), members in sorted(groups.items()):
             step = max(1, self.max_batch_tokens // max(length, 1))
             for start in range(0, len(members), step):
                 chunk = members[start:start + step]
@@ -67,21 +75,35 @@ class PoolingModel:
                     out[i] = row
         return out
 
+    def padded_length(self, n: int) -> tuple[int, bool]:
+        """(the length an input of `n` tokens runs at, whether that is padded): the next multiple of
+        `BUCKET` past n, at least one pad, up to the model's maximum; else n, unpadded."""
+        length = (n // BUCKET + 1) * BUCKET
+        return (length, True) if length <= self.max_length else (n, False)
+
     def _forward(self, inputs: list[PoolingInput], length: int) -> list[torch.Tensor]:
-        """Inputs of `length` tokens each, as one batch."""
-        ids = torch.tensor([item.ids for item in inputs], dtype=torch.long, device=self.device)
-        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if self.takes_token_types and inputs[0].type_ids is not None:
-            kwargs["token_type_ids"] = torch.tensor([item.type_ids or [0] * length for item in inputs],
-                                                    dtype=torch.long, device=self.device)
+        """Inputs of at most `length` tokens, padded to it on the right, as one batch."""
+        batch = len(inputs)
+        ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, length), dtype=torch.long)
+        types = torch.zeros((batch, length), dtype=torch.long)
+        lengths = [len(item.ids) for item in inputs]
+        for row, item in enumerate(inputs):
+            ids[row, :lengths[row]] = torch.tensor(item.ids, dtype=torch.long)
+            mask[row, :lengths[row]] = 1
+            if item.type_ids is not None:
+                types[row, :lengths[row]] = torch.tensor(item.type_ids, dtype=torch.long)
+        kwargs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        if self.takes_token_types and any(item.type_ids is not None for item in inputs):
+            kwargs["token_type_ids"] = types.to(self.device)
         if self.folder.kind == "embedding":
             hidden = self.model(**kwargs).last_hidden_state
-            return [pool(hidden[row], self.folder.pooling) for row in range(len(inputs))]
+            return [pool(hidden[row, :n], self.folder.pooling) for row, n in enumerate(lengths)]
         if self.decoder_head is not None:
             hidden = self.model.base_model(**kwargs).last_hidden_state
-            return [self.decoder_head(hidden[row, -1:]).float()[0] for row in range(len(inputs))]
+            return [self.decoder_head(hidden[row, n - 1:n]).float()[0] for row, n in enumerate(lengths)]
         logits = self.model(**kwargs).logits
-        return [logits[row].float() for row in range(len(inputs))]
+        return [logits[row].float() for row in range(batch)]
 
 
 def pool(hidden: torch.Tensor, mode: str) -> torch.Tensor:
@@ -129,4 +151,5 @@ def load_pooling_model(folder: PoolingFolder, tokenizer, dtype: torch.dtype, dev
     max_length = _max_length(model.config, tokenizer, folder, max_input_tokens)
     log.info("%s: %s model (%s), at most %d tokens an input", folder.architecture, folder.kind,
              folder.pooling or f"{len(folder.id2label)} labels", max_length)
-    return PoolingModel(model, folder, max_length, device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else getattr(model.config, "pad_token_id", None)
+    return PoolingModel(model, folder, max_length, device, pad_token_id=int(pad or 0))
