@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine.errors import ModelKindError, OverloadedError
+from opentgi.engine.errors import AdapterError, ModelKindError, OverloadedError
 from opentgi.engine.pooling import engine_from_settings
 from opentgi.engine.pooling.engine import PoolingEngine
 from opentgi.models.pooling.loading import pooling_folder_of
@@ -76,3 +76,5 @@ def test_generation_is_refused_naming_what_the_model_serves(engine):
         engine.chat_template()
     with pytest.raises(ModelKindError, match="does not serve classification"):
         asyncio.run(engine.classify([]))
+    with pytest.raises(AdapterError, match="served with generation models"):
+        asyncio.run(engine.load_adapter("a", "/nowhere"))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine.errors import OverloadedError, UnhealthyError
+from opentgi.engine.errors import AdapterError, OverloadedError, UnhealthyError
 from opentgi.engine.execution import torch_threads
 from opentgi.engine.info import ChatTemplate, EngineInfo, EngineStats, TokenizedText
 from opentgi.engine.pooling import kinds
@@ -200,6 +200,13 @@ class PoolingEngine:
 
     async def submit(self, request):
         raise kinds.refusal(self.info.model_id, self.info.model_kind, "generation")
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise AdapterError(f"LoRA adapters are served with generation models; {self.info.model_id!r} is "
+                           f"{kinds.SERVES[self.info.model_kind]}")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise AdapterError(f"an adapter named {name!r} is not loaded")
 
     def healthy(self) -> bool:
         return self.failure is None and self._thread is not None and self._thread.is_alive()
