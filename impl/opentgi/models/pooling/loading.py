@@ -14,7 +14,10 @@ def pooling_folder_of(settings: Settings) -> PoolingFolder | None:
     """What the settings' model serves as a pooling model; None for a generation model."""
     if settings.model_id is None or settings.model_id.endswith(".gguf"):
         return None
-    folder, _, _ = resolve_model_folder(settings)
+    try:
+        folder, _, _ = resolve_model_folder(settings)
+    except ModelLoadError:  # the generation engine's loader says why, in its own words
+        return None
     try:
         return detect(folder)
     except PoolingFolderError as exc:
