@@ -296,10 +296,7 @@ class Engine:
 
     async def tokenize(self, text: str) -> TokenizedText | None:
         """Ids with character offsets; None when the tokenizer is not a fast one (no offsets)."""
-        if not getattr(self.tokenizer, "is_fast", False):
-            return None
-        encoding = await asyncio.to_thread(self.tokenizer, text, return_offsets_mapping=True)
-        return TokenizedText(list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]])
+        return await asyncio.to_thread(TokenizedText.of, self.tokenizer, text)
 
     async def encode_fim(self, prefix: str, suffix: str, fim_template: str | None = None) -> list[int]:
         from opentgi.engine.fim import build_fim_prompt_ids

@@ -80,3 +80,11 @@ class TokenizedText:
 
     ids: list[int]
     offsets: list[tuple[int, int]]
+
+    @staticmethod
+    def of(tokenizer, text: str) -> TokenizedText | None:
+        """`text` through `tokenizer` with offsets; None when it is not a fast one (no offsets)."""
+        if not getattr(tokenizer, "is_fast", False):
+            return None
+        encoding = tokenizer(text, return_offsets_mapping=True)
+        return TokenizedText(list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]])

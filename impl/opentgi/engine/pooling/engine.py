@@ -186,10 +186,8 @@ class PoolingEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     async def tokenize(self, text: str) -> TokenizedText | None:
-        if not getattr(self.tokenizer, "is_fast", False):
-            return None
-        encoding = await asyncio.to_thread(self.tokenizer, text, return_offsets_mapping=True)
-        return TokenizedText(list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]])
+        """Ids with character offsets; None when the tokenizer is not a fast one (no offsets)."""
+        return await asyncio.to_thread(TokenizedText.of, self.tokenizer, text)
 
     async def encode_fim(self, prefix: str, suffix: str, fim_template: str | None = None) -> list[int]:
         raise kinds.refusal(self.info.model_id, self.info.model_kind, "generation")
