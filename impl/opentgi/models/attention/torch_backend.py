@@ -100,10 +100,11 @@ class TorchAttentionBackend:
             return self._attend_plan(q, k, v, k_cache, v_cache, plan, scale, group, softcap)
 
     def _attend_plan(self, q, k, v, k_cache, v_cache, plan: Plan, scale: float, group: int,
-                     softcap: float | None) -> torch.Tensor:
+                     softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The plan's rows into `out` (a new tensor when None; native_backend.py passes the one
+        holding its rows already)."""
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         num_blocks, block_size, _, head_dim = k_cache.shape
-        out = None
         if plan.decode:
             # [Nd, kv_heads, group, D]: the query heads sharing one kv head act as a query axis.
             q_dec = q if plan.decode_in_order else q.index_select(0, plan.decode_tokens)
@@ -131,10 +132,10 @@ class TorchAttentionBackend:
                 outs.append(_attend(q_dec[dec.start:dec.end], keys.to(q.dtype), values.to(q.dtype), dec.mask,
                                     scale, softcap))
             o_dec = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(-1, num_heads, head_dim)
-            if plan.decode_in_order:
+            if plan.decode_in_order and out is None:
                 out = o_dec
             else:
-                out = torch.empty_like(q)
+                out = torch.empty_like(q) if out is None else out
                 out.index_copy_(0, plan.decode_tokens, o_dec)
         if out is None:
             out = torch.empty_like(q)

@@ -175,7 +175,7 @@ class PagedDecoder(nn.Module):
         too: models/layers/moe.py)."""
         backend = self.model.layers[0].self_attn.backend if self.model.layers else None
         self.batch_invariant = (wanted and torch.device(self.spec.device).type == "cpu"
-                                and getattr(backend, "name", None) == "torch")
+                                and getattr(backend, "name", None) in ("torch", "native"))
         if wanted and not self.batch_invariant:
             log.warning("batch invariance is built for the CPU path; this model runs without it "
                         "(docs/determinism.md)")
