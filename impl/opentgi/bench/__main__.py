@@ -1,16 +1,11 @@
 """`python -m opentgi.bench [flags]` runs the benchmark (runner.py); `python -m opentgi.bench
 write-gguf OUT.gguf` writes the random Llama-1B-shaped GGUF of the llama.cpp comparison
-(gguf_fixture.py); `python -m opentgi.bench kernels` times the linear kernels (kernels.py); `python -m opentgi.bench
-attention` times decode attention per layer, torch and native backends (attention.py)."""
+(gguf_fixture.py); `python -m opentgi.bench kernels` times the linear kernels (kernels.py)."""
 
 import sys
 
 if sys.argv[1:2] == ["write-gguf"]:
     from opentgi.bench.gguf_fixture import main
-
-    main(sys.argv[2:])
-elif sys.argv[1:2] == ["attention"]:
-    from opentgi.bench.attention import main
 
     main(sys.argv[2:])
 elif sys.argv[1:2] == ["kernels"]:

@@ -20,7 +20,7 @@ import torch
 from opentgi.kernels import native
 from opentgi.models.attention.backend import write_kv_cache
 from opentgi.models.attention.metadata import AttentionMetadata
-from opentgi.models.attention.torch_backend import TorchAttentionBackend, _one_thread
+from opentgi.models.attention.torch_backend import TorchAttentionBackend, one_thread
 from opentgi.models.attention.torch_plan import make_plan
 
 
@@ -53,5 +53,5 @@ class NativeAttentionBackend(TorchAttentionBackend):
                 return o
             out = torch.empty_like(q)
             out.index_copy_(0, rows.tokens, o)
-        with _one_thread(self.batch_invariant and q.dtype == torch.float32):
+        with one_thread(self.batch_invariant and q.dtype == torch.float32):
             return self._attend_plan(q, k, v, k_cache, v_cache, plan, scale, group, softcap, out)
