@@ -8,10 +8,13 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "attention.h"
 #include "common.h"
+#include "layer_ops.h"
 
 namespace opentgi {
 
@@ -193,6 +196,101 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
+// Fused layer ops (layer_ops.h), rows split among torch's intra-op threads, each row by one thread.
+
+int row_dtype(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), op,
+              ": a float32 or bfloat16 CPU tensor");
+  return t.scalar_type() == at::kBFloat16 ? ROW_BF16 : ROW_F32;
+}
+
+void check_isa(int64_t isa, const char* op) {
+  TORCH_CHECK(isa == SCALAR
+#ifdef OPENTGI_WITH_AVX2
+                  || isa == AVX2
+#endif
+              , op, ": no kernel for ISA ", isa);
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                             const at::Tensor& weight, double eps, int64_t isa) {
+  check_isa(isa, "rms_norm");
+  const int dtype = row_dtype(x, "rms_norm");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight [", n, "] in x's dtype");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor rc, sum;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "add_rms_norm: residual of x's shape and dtype");
+    rc = residual->contiguous();
+    sum = at::empty(xc.sizes(), xc.options());
+  }
+  at::Tensor out = at::empty(xc.sizes(), xc.options());
+  const int64_t rows = n ? xc.numel() / n : 0;
+  const size_t es = xc.element_size();
+  const char* xp = (const char*)xc.data_ptr();
+  const char* rp = rc.defined() ? (const char*)rc.data_ptr() : nullptr;
+  char* sp = sum.defined() ? (char*)sum.data_ptr() : nullptr;
+  char* op = (char*)out.data_ptr();
+  const void* wp = wc.data_ptr();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(n + 8);
+    for (int64_t r = r0; r < r1; ++r) {
+      const size_t off = (size_t)r * n * es;
+#ifdef OPENTGI_WITH_AVX2
+      if (isa == AVX2) {
+        rms_norm_row_avx2(xp + off, rp ? rp + off : nullptr, sp ? sp + off : nullptr, wp, (int)n, (float)eps, dtype,
+                          op + off, buf.data());
+        continue;
+      }
+#endif
+      rms_norm_row_scalar(xp + off, rp ? rp + off : nullptr, sp ? sp + off : nullptr, wp, (int)n, (float)eps, dtype,
+                          op + off, buf.data());
+    }
+  });
+  return {out, sum};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa) {
+  return std::get<0>(norm_rows(x, std::nullopt, weight, eps, isa));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, int64_t isa) {
+  return norm_rows(x, residual, weight, eps, isa);
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
+  check_isa(isa, "silu_mul");
+  const int dtype = row_dtype(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_mul: the last dim holds gate then up, of one size");
+  const int64_t n = gate_up.size(-1) / 2;
+  const at::Tensor g = gate_up.contiguous();
+  std::vector<int64_t> shape(g.sizes().begin(), g.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, g.options());
+  const int64_t rows = n ? g.numel() / (2 * n) : 0;
+  const size_t es = g.element_size();
+  const char* gp = (const char*)g.data_ptr();
+  char* op = (char*)out.data_ptr();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(n + 8);
+    for (int64_t r = r0; r < r1; ++r) {
+      const char* row = gp + (size_t)r * 2 * n * es;
+#ifdef OPENTGI_WITH_AVX2
+      if (isa == AVX2) {
+        silu_mul_row_avx2(row, row + n * es, (int)n, dtype, op + (size_t)r * n * es, buf.data());
+        continue;
+      }
+#endif
+      silu_mul_row_scalar(row, row + n * es, (int)n, dtype, op + (size_t)r * n * es, buf.data());
+    }
+  });
+  return out;
+}
+
 std::vector<int64_t> isas() {
   std::vector<int64_t> found = {SCALAR};
 #ifdef OPENTGI_WITH_AVX2
@@ -217,11 +315,17 @@ TORCH_LIBRARY(opentgi, m) {
   m.def("isas() -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, Tensor ctx, "
         "float scale, int window, float softcap, int isa) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("gguf_mm", gguf_mm);
   m.impl("paged_attention", paged_attention);
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_mul", silu_mul);
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CompositeExplicitAutograd, m) {
