@@ -179,3 +179,13 @@ def test_the_selector_follows_kernels(kernels):
     assert select_backend(cpu, torch.float32, "native").name == "native"
     assert select_backend(cpu, torch.float32, "auto").name == "native"
     assert select_backend(cpu, torch.float32, "torch").name == "torch"
+
+
+def test_float16_queries_take_the_torch_forms(kernels):
+    lens = [5, 33]
+    k_cache, v_cache, tables = cache_and_tables(lens, 2, 16, seed=11, dtype=torch.float16)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(12)).half()
+    empty = torch.zeros(2, 2, 16, dtype=torch.float16)
+    ours = NativeAttentionBackend().forward(q, empty, empty, k_cache, v_cache, decode_meta(lens, tables), 0.25)
+    theirs = TorchAttentionBackend().forward(q, empty, empty, k_cache, v_cache, decode_meta(lens, tables), 0.25)
+    assert torch.equal(ours, theirs)

@@ -33,6 +33,8 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        if q.dtype not in (torch.float32, torch.bfloat16):  # the kernel's query dtypes; float16: torch's
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
         group = q.shape[1] // k.shape[1]
         plan_key = ("native", sliding_window, q.dtype, group)
         plan = meta.scratch.get(plan_key)
