@@ -75,7 +75,8 @@ OPTIONS: tuple[Option, ...] = (
            is_switch=True),
     Option("--kernels", str, "auto | native | torch: how a GGUF's quantized layers multiply on CPU: native "
            "kernels on the file's own blocks, compiled on first use (`opentgi kernels build`), or torch's "
-           "(default: auto, native where a compiler builds them, else torch's)"),
+           "(default: auto, native where a compiler builds them, else torch's); the native kernels also serve "
+           "decode attention and fused norms/activations on CPU (docs/cpu.md)"),
     Option("--device", str, "cpu | cuda | cuda:N (default: cuda when available)"),
     Option("--num-threads", int, "torch threads of the engine loop on CPU (default: torch's choice, one per "
            "physical core); the HTTP event loop keeps one"),

@@ -156,7 +156,7 @@ def write_adapter(folder, config, seed: int = 1, r: int = 4, alpha: float = 8.0,
 
 
 @pytest.mark.parametrize("kernels", ["torch", "native"])
-def test_lora_adapters_on_a_gguf(tiny_gguf, cache, plain, tmp_path, kernels):
+def test_lora_adapters_on_a_gguf(tiny_gguf, cache, tmp_path, kernels):
     """An adapter on the GGUF's quantized layers (torch's int4 kernel, or the native kernels on the
     file's blocks) changes the logits as it does on the same weights dense (--dequantize; the dense
     path is checked against PEFT in test_lora.py); base rows of the adapted model are the plain
@@ -167,8 +167,8 @@ def test_lora_adapters_on_a_gguf(tiny_gguf, cache, plain, tmp_path, kernels):
     dense = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(cache),
                                 lora_adapters=f"a={adapter}", dequantize=True))
     assert kept.adapters == ["a"] and ("int4" if kernels == "torch" else "blocks (native") in kept.model.resident
-    alone = plain if kernels == "torch" else load_model(Settings(model_id=str(tiny_gguf), dtype="float32",
-                                                               cache_dir=str(cache), kernels=kernels))
+    # the plain model on the same kernels (`plain`, --kernels auto, has the native attention backend)
+    alone = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(cache), kernels=kernels))
     prompt = kept.tokenizer(TEXTS[0])["input_ids"]
     base = last_logits(kept, prompt)
     assert torch.equal(base, last_logits(alone, prompt))

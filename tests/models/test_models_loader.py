@@ -11,7 +11,7 @@ from opentgi.models.loader import ModelLoadError, load_model
 
 def test_llama_loads_on_the_paged_path(tiny_llama):
     loaded = load_model(Settings(model_id=str(tiny_llama)))
-    assert loaded.kind == "paged" and loaded.attention_backend == "torch"
+    assert loaded.kind == "paged" and loaded.attention_backend == "native"  # --kernels auto, built here
     assert loaded.block_size == 16
     assert loaded.spec.architecture == "LlamaForCausalLM"
     assert (loaded.spec.num_layers, loaded.spec.num_kv_heads, loaded.spec.head_dim) == (2, 2, 16)

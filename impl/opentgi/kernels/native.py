@@ -5,6 +5,9 @@ logging one line: what was built or loaded and how long it took, or why the torc
 `gguf_mm(x, blocks, qtype, out_features)` multiplies float32 or bfloat16 rows by a weight held as
 the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_mm`, with a fake
 (meta) implementation registered so torch.compile and FX see it as one op.
+`paged_attention(...)` attends decode rows over the paged KV cache in place (csrc/attention.h), the
+torch op `opentgi::paged_attention`; `rms_norm`, `add_rms_norm` and `silu_mul` are fused per-row
+layer ops (csrc/layer_ops.h).
 """
 
 from __future__ import annotations
@@ -89,6 +92,22 @@ def _register_fake() -> None:
     def _(x, w, qtype, out_features, isa):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("opentgi::paged_attention")
+    def _(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("opentgi::rms_norm")
+    def _(x, weight, eps, isa):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("opentgi::add_rms_norm")
+    def _(x, residual, weight, eps, isa):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("opentgi::silu_mul")
+    def _(gate_up, isa):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
 
 def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, isa: str | None = None) -> torch.Tensor:
     """`x @ W.T`, W the GGUF blocks of `qtype` (rows of x [..., K] quantized to 8-bit blocks)."""
@@ -98,3 +117,45 @@ def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.opentgi.gguf_mm(rows, blocks, qtype, out_features, ISAS[isa or path.isa])
     return out.view(*x.shape[:-1], out_features)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq: torch.Tensor, ctx: torch.Tensor, scale: float, window: int | None = None,
+                    softcap: float | None = None, isa: str | None = None) -> torch.Tensor:
+    """Decode rows' attention over the paged KV cache, read in place (csrc/attention.h).
+
+    q [rows, heads, D] float32 or bfloat16 (one query token a row); k_cache/v_cache [blocks,
+    block_size, kv_heads, D] float32, bfloat16 or float16; block_tables int32 [seqs, width]; seq and
+    ctx int32 [rows]: row r attends the first ctx[r] positions of block table seq[r] (with `window`
+    W the last W of them), its logits q.k * scale, soft-capped to softcap * tanh(logit / softcap)
+    with `softcap`. Returns [rows, heads, D] in q's dtype; a row's bits depend on nothing but its
+    own query, keys and values (and the ISA)."""
+    path = loaded()
+    if path is None:
+        raise KernelsUnavailable("the native kernels are not loaded (kernels.native.load)")
+    return torch.ops.opentgi.paged_attention(q, k_cache, v_cache, block_tables, seq, ctx, float(scale),
+                                             int(window or 0), float(softcap or 0.0), ISAS[isa or path.isa])
+
+
+def _isa(isa: str | None) -> int:
+    path = loaded()
+    if path is None:
+        raise KernelsUnavailable("the native kernels are not loaded (kernels.native.load)")
+    return ISAS[isa or path.isa]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str | None = None) -> torch.Tensor:
+    """RMSNorm of x's rows (float32 or bfloat16) times `weight`, as models/layers/norm.py's RMSNorm
+    computes it, each row's sum of squares in one fixed order (csrc/layer_ops.h)."""
+    return torch.ops.opentgi.rms_norm(x, weight, float(eps), _isa(isa))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass over the rows; the sum in x's dtype."""
+    return torch.ops.opentgi.add_rms_norm(x, residual, weight, float(eps), _isa(isa))
+
+
+def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """silu(gate) * up, gate and up the two halves of gate_up's last dim (float32 or bfloat16)."""
+    return torch.ops.opentgi.silu_mul(gate_up, _isa(isa))

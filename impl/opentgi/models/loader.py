@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from opentgi.config import Settings
+from opentgi.kernels import native as native_kernels
 from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.base import ModelSpec
 from opentgi.models.checkpoints import default_model, text_tower
@@ -283,7 +284,10 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             native_types = NATIVE_TYPES
     reason = paged_unsupported_reason(config)
     if reason is None:
-        backend = select_backend(device, dtype)
+        try:
+            backend = select_backend(device, dtype, settings.kernels)
+        except native_kernels.KernelsUnavailable as exc:
+            raise ModelLoadError(str(exc)) from None
         if device.type == "cpu":  # kernel choices probed on an earlier start are read back
             from opentgi.models.layers.linear import kernel_choices
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
 from opentgi.models.attention.backend import AttentionBackend
+
+log = logging.getLogger(__name__)
 
 CPU_BLOCK_SIZE = 16
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged kernels need a multiple of 256
@@ -19,12 +22,25 @@ def flash_attn_available(device: torch.device, dtype: torch.dtype | None = None)
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
-def select_backend(device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
-    """flash-attn on CUDA when it is installed (and the dtype is 16-bit), else the torch backend."""
+def select_backend(device: torch.device, dtype: torch.dtype | None = None,
+                   kernels: str = "torch") -> AttentionBackend:
+    """flash-attn on CUDA when it is installed (and the dtype is 16-bit); on CPU, with `kernels`
+    (`--kernels`) auto or native, the native backend (decode rows in one native kernel call per
+    layer: native_backend.py) where the native kernels build and load (auto: else the torch
+    backend, with a warning; native: else KernelsUnavailable); else the torch backend."""
     if flash_attn_available(device, dtype):
         from opentgi.models.attention.flash_backend import FlashAttentionBackend
 
         return FlashAttentionBackend()
+    if device.type == "cpu" and kernels != "torch":
+        from opentgi.kernels import native
+
+        path = native.load(kernels)  # KernelsUnavailable with --kernels native and no library
+        if path.name == "native":
+            from opentgi.models.attention.native_backend import NativeAttentionBackend
+
+            return NativeAttentionBackend()
+        log.warning("attention: the torch backend serves decode rows (%s)", path.reason)
     from opentgi.models.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()

@@ -65,7 +65,7 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _one_thread(on: bool):
+def one_thread(on: bool):
     """The attention calls on one thread: float32's batch invariance (module docstring)."""
     threads = torch.get_num_threads() if on else 1
     if threads == 1:
@@ -96,14 +96,15 @@ class TorchAttentionBackend:
         if plan.tails is not None:  # zeros, so that masked keys are finite (-inf + nan is nan)
             k_cache.view(-1, *k_cache.shape[2:]).index_fill_(0, plan.tails, 0)
             v_cache.view(-1, *v_cache.shape[2:]).index_fill_(0, plan.tails, 0)
-        with _one_thread(self.batch_invariant and q.dtype == torch.float32):
+        with one_thread(self.batch_invariant and q.dtype == torch.float32):
             return self._attend_plan(q, k, v, k_cache, v_cache, plan, scale, group, softcap)
 
     def _attend_plan(self, q, k, v, k_cache, v_cache, plan: Plan, scale: float, group: int,
-                     softcap: float | None) -> torch.Tensor:
+                     softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The plan's rows into `out` (a new tensor when None; native_backend.py passes the one
+        holding its rows already)."""
         num_heads, num_kv_heads = q.shape[1], k.shape[1]
         num_blocks, block_size, _, head_dim = k_cache.shape
-        out = None
         if plan.decode:
             # [Nd, kv_heads, group, D]: the query heads sharing one kv head act as a query axis.
             q_dec = q if plan.decode_in_order else q.index_select(0, plan.decode_tokens)
@@ -131,10 +132,10 @@ class TorchAttentionBackend:
                 outs.append(_attend(q_dec[dec.start:dec.end], keys.to(q.dtype), values.to(q.dtype), dec.mask,
                                     scale, softcap))
             o_dec = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(-1, num_heads, head_dim)
-            if plan.decode_in_order:
+            if plan.decode_in_order and out is None:
                 out = o_dec
             else:
-                out = torch.empty_like(q)
+                out = torch.empty_like(q) if out is None else out
                 out.index_copy_(0, plan.decode_tokens, o_dec)
         if out is None:
             out = torch.empty_like(q)
@@ -236,7 +237,7 @@ def prompt_form_invariant(num_kv_heads: int, group: int, head_dim: int, dtype: t
             outs.append(_prompt_segment(q[seg.start:seg.end], k_cache, v_cache, blocks, mask, scale, softcap))
         return torch.cat(outs)
 
-    with torch.inference_mode(), _one_thread(dtype == torch.float32):  # as the backend attends
+    with torch.inference_mode(), one_thread(dtype == torch.float32):  # as the backend attends
         per_segment = max(1, torch_plan.PROMPT_ROWS // group)
         ok = True
         for start, count, extra in ((0, per_segment, 0), (7, 2 * per_segment + 5, 2), (520, 41, 4), (300, 3, 0)):

@@ -99,6 +99,17 @@ class PromptSegment:
 
 
 @dataclass
+class NativeRows:
+    """Tokens attended by the native decode kernel (native_backend.py), each as a decode row: its
+    sequence's block table row and its own context length (its position + 1)."""
+    tokens: torch.Tensor  # int64 [N]: the step's token rows
+    seq: torch.Tensor  # int32 [N]: each token's row of block_tables
+    ctx: torch.Tensor  # int32 [N]: each token's keys (the positions before it and its own)
+    block_tables: torch.Tensor  # int32 [B, width], contiguous
+    in_order: bool  # tokens is 0..T-1
+
+
+@dataclass
 class Plan:
     has_skips: bool
     decode_tokens: torch.Tensor | None  # int64 [Nd]: the flat-batch row of each decode row, grouped
@@ -113,6 +124,7 @@ class Plan:
     # soft-capped decode groups: each group's (row, kv head, position) cache rows, built by the
     # step's first layer (`head_major_index`)
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
+    native: NativeRows | None = None  # make_plan(native=True): the tokens in the decode row's form
 
 
 def head_major_index(blocks: torch.Tensor, rows: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
@@ -260,7 +272,11 @@ def _prompt_batch(spans: list[tuple[int, int]], group: int, dtype: torch.dtype,
 
 
 def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtype: torch.dtype,
-               heads_per_kv: int, batch_invariant: bool = False, prompt_form: bool = False) -> Plan:
+               heads_per_kv: int, batch_invariant: bool = False, prompt_form: bool = False,
+               native: bool = False) -> Plan:
+    """The step's plan. With `native`, every token the torch form attends as a decode row (decode
+    rows, `Segment` tokens, speculative verify tokens) is listed in `Plan.native` instead, for the
+    native kernel: the same tokens, so a token's form still follows only its kind."""
     cu_q = meta.cu_seqlens_q.tolist()
     context_lens = meta.context_lens.tolist()
     device = meta.block_tables.device
@@ -271,6 +287,10 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
     segments: list[Segment] = []
     prompt_segments: list[PromptSegment] = []
     prompt_new = meta.prompt_new_tokens if batch_invariant and prompt_form else None
+    native_rows: list[tuple[int, int, int]] = []  # (token row, sequence, context) with `native`
+
+    def as_rows(b: int, q_start: int, n: int, last_ctx: int) -> None:
+        native_rows.extend((q_start + j, b, last_ctx - n + 1 + j) for j in range(n))
     for b, ctx in enumerate(context_lens):
         q_len = cu_q[b + 1] - cu_q[b]
         if q_len == 0:
@@ -285,9 +305,14 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
         if num_prompt:  # prompt tokens first (their own form), then any generated ones
             prompt_segments += cut_into_prompt_segments(meta, b, cu_q[b], num_prompt, ctx - q_len + num_prompt,
                                                 block_size, window, heads_per_kv)
-            if num_prompt < q_len:
+            if num_prompt < q_len and native:
+                as_rows(b, cu_q[b] + num_prompt, q_len - num_prompt, ctx)
+            elif num_prompt < q_len:
                 segments += _segments(meta, b, cu_q[b] + num_prompt, q_len - num_prompt, ctx, block_size,
                                       window, dtype)
+            continue
+        if native and (q_len == 1 or batch_invariant or (q_len <= MAX_TOKENWISE_QUERY and ctx > q_len)):
+            as_rows(b, cu_q[b], q_len, ctx)
             continue
         if q_len == 1:
             decode_seqs.append(b)
@@ -335,5 +360,12 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
             prefill.append(PrefillRow(spans[0][0], spans[0][1], spans[0][1] - spans[0][0], None, None))
         else:
             prompts.append(_prompt_batch(spans, heads_per_kv, dtype, device))
-    return Plan(has_skips, decode_tokens, decode_blocks, decode_in_order, tail_slots, decode, prefill,
-                 prompts, segments, prompt_segments)
+    plan = Plan(has_skips, decode_tokens, decode_blocks, decode_in_order, tail_slots, decode, prefill,
+                prompts, segments, prompt_segments)
+    if native_rows:
+        rows, seqs, ctxs = zip(*native_rows, strict=True)
+        plan.native = NativeRows(torch.tensor(rows, dtype=torch.long, device=device),
+                                 torch.tensor(seqs, dtype=torch.int32, device=device),
+                                 torch.tensor(ctxs, dtype=torch.int32, device=device),
+                                 meta.block_tables.to(torch.int32).contiguous(), list(rows) == list(range(cu_q[-1])))
+    return plan

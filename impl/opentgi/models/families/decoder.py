@@ -34,7 +34,7 @@ from opentgi.models.layers.linear import (
 )
 from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
-from opentgi.models.layers.norm import make_norm
+from opentgi.models.layers.norm import add_and_norm, make_norm, use_native
 from opentgi.models.layers.rotary import RotaryEmbedding, local_rope_config
 from opentgi.models.quantization.prompt_copy import add_prompt_copies
 
@@ -75,8 +75,9 @@ class DecoderLayer(ForwardWithoutHooks, nn.Module):
             h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, meta, *kv_cache)).add_(h)
             ff = self.feed_forward(self.pre_feedforward_layernorm(h))
             return self.post_feedforward_layernorm(ff).add_(h)
-        h = self.self_attn(self.input_layernorm(h), cos, sin, meta, *kv_cache).add_(h)
-        return self.feed_forward(self.post_attention_layernorm(h)).add_(h)
+        normed, h = add_and_norm(self.post_attention_layernorm,
+                                 self.self_attn(self.input_layernorm(h), cos, sin, meta, *kv_cache), h)
+        return self.feed_forward(normed).add_(h)
 
 
 class DecoderModel(nn.Module):
@@ -162,6 +163,8 @@ class PagedDecoder(nn.Module):
         if self.logits_proj is not None and not self.tie_word_embeddings:
             del self.lm_head
         backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        if getattr(backend, "name", None) == "native":  # the native kernels are loaded: fused layer ops
+            use_native(self)
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form
             spec = self.spec
             group = self.config.num_attention_heads // spec.num_kv_heads
@@ -175,7 +178,7 @@ class PagedDecoder(nn.Module):
         too: models/layers/moe.py)."""
         backend = self.model.layers[0].self_attn.backend if self.model.layers else None
         self.batch_invariant = (wanted and torch.device(self.spec.device).type == "cpu"
-                                and getattr(backend, "name", None) == "torch")
+                                and getattr(backend, "name", None) in ("torch", "native"))
         if wanted and not self.batch_invariant:
             log.warning("batch invariance is built for the CPU path; this model runs without it "
                         "(docs/determinism.md)")

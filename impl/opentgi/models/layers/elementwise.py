@@ -24,6 +24,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from opentgi.kernels import native
+
 VECTOR_RUN = 128  # values: a multiple of any CPU loop's step of two vectors (AVX-512 bfloat16: 64)
 ELEMENTWISE_GRAIN = 32768  # torch's `at::internal::GRAIN_SIZE`: elementwise ops split their range past it
 ONE_SHARE = 16384  # values that every elementwise op here runs in one share (gelu's threshold)
@@ -82,3 +84,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": _activation(partial(F.gelu, approximate="tanh"),
                                      partial(torch.ops.aten.gelu_, approximate="tanh")),
 }
+
+
+def act_and_mul(gate_up: torch.Tensor, intermediate: int, act: str, use_native: bool = False) -> torch.Tensor:
+    """act(gate) * up, gate and up the halves of gate_up's last dim (a gated MLP's one matmul). With
+    `use_native` and silu on CPU in float32/bfloat16: one native op (`opentgi::silu_mul`: every value
+    through the same vector code, so no padding is needed for a row's bits to be its own); else
+    `ACTIVATIONS[act](gate).mul_(up)`."""
+    if (use_native and act in ("silu", "swish") and gate_up.device.type == "cpu"
+            and gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.shape[-1] == 2 * intermediate):
+        return native.silu_mul(gate_up)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    return ACTIVATIONS[act](gate).mul_(up)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from opentgi.models.base import ForwardWithoutHooks
-from opentgi.models.layers.elementwise import ACTIVATIONS
+from opentgi.models.layers.elementwise import ACTIVATIONS, act_and_mul
 from opentgi.models.quantization.linear import fuse_linears
 
 
@@ -32,6 +32,8 @@ class GatedMLP(ForwardWithoutHooks, nn.Module):
         super().__init__()
         self.intermediate = intermediate
         self.act = ACTIVATIONS[act]
+        self.act_name = act
+        self.native = False  # silu-and-multiply as one native op (layers/norm.py's `use_native`)
         self.names = names
         gate, up, down = names
         if up is None:
@@ -53,8 +55,7 @@ class GatedMLP(ForwardWithoutHooks, nn.Module):
             self.down_proj = self._modules.pop(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate).mul_(up))
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.intermediate, self.act_name, self.native))
 
 
 class PlainMLP(ForwardWithoutHooks, nn.Module):

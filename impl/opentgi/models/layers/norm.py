@@ -10,6 +10,12 @@
   two dtype conversions around it (faster for a decode row: docs/benchmarks.md).
   Rows are normed independently.
 - `LayerNorm` (StarCoder2): torch's, with its bias.
+
+Where the native kernels serve the model (`use_native`: the native attention backend, set by the
+model), `RMSNorm` runs as one native op (`opentgi::rms_norm`), and `add_and_norm` adds the
+residual and norms the sum in one pass (`opentgi::add_rms_norm`): the same formula, the sum of
+squares in the kernel's own fixed order (other bits than torch's, within float rounding; the
+same bits for a row whatever the rows beside it). The torch composition is the fallback.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn import LayerNorm
 
+from opentgi.kernels import native
 from opentgi.models.base import ForwardWithoutHooks
 
-__all__ = ["GemmaRMSNorm", "HeadsNorm", "LayerNorm", "RMSNorm", "make_norm"]
+__all__ = ["GemmaRMSNorm", "HeadsNorm", "LayerNorm", "RMSNorm", "add_and_norm", "make_norm"]
 
 
 class RMSNorm(ForwardWithoutHooks, torch.nn.Module):
@@ -28,8 +35,15 @@ class RMSNorm(ForwardWithoutHooks, torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.native = False  # the native op serves (`use_native`)
+
+    def _native_serves(self, x: torch.Tensor) -> bool:
+        return (self.native and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and x.dtype in (torch.float32, torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_serves(x):
+            return native.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         rstd = x32.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
@@ -74,6 +88,23 @@ class HeadsNorm(ForwardWithoutHooks, torch.nn.Module):
         rstd = x32.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         x32 = x32 * rstd if x32 is x else x32.mul_(rstd)
         return x32.to(x.dtype).mul_(self.weight)
+
+
+def add_and_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): one native pass where `norm` is a native RMSNorm, else
+    the sum in place in x (x.add_(residual), as the decoder layer adds) and the norm of it."""
+    if isinstance(norm, RMSNorm) and norm._native_serves(x) and residual.dtype == x.dtype:
+        return native.add_rms_norm(x, residual, norm.weight, norm.eps)
+    h = x.add_(residual)
+    return norm(h), h
+
+
+def use_native(module: torch.nn.Module) -> None:
+    """The native fused ops serve `module`'s RMSNorms and SiLU-gated MLPs (the native kernels are
+    loaded: the model's attention backend is the native one)."""
+    for sub in module.modules():
+        if hasattr(sub, "native") and isinstance(getattr(sub, "native"), bool):
+            sub.native = True
 
 
 def make_norm(kind: str, size: int, eps: float) -> torch.nn.Module:

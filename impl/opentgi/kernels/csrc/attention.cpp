@@ -1,0 +1,235 @@
+// Paged decode attention (attention.h): per work item, the group of query heads sharing a kv head
+// reads each of the row's key and value rows once, in place in the cache, block by block.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention.h"
+#include "common.h"
+
+namespace opentgi {
+
+namespace {
+
+static inline float bf16_to_fp32(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One cache row (head_dim values of one position and kv head) as float32: the cache's own memory
+// for float32, else converted into `buf`.
+template <int KV>
+static inline const float* cache_row(const void* cache, int64_t row, int D, float* buf) {
+  if (KV == KV_F32) return (const float*)cache + row * D;
+  const uint16_t* src = (const uint16_t*)cache + row * D;
+  int i = 0;
+#ifdef OPENTGI_AVX2
+  for (; i + 8 <= D; i += 8) {
+    const __m128i h = _mm_loadu_si128((const __m128i*)(src + i));
+    __m256 f;
+    if (KV == KV_BF16) {
+      f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      f = _mm256_cvtph_ps(h);
+    }
+    _mm256_storeu_ps(buf + i, f);
+  }
+#endif
+  for (; i < D; ++i) buf[i] = KV == KV_BF16 ? bf16_to_fp32(src[i]) : fp16_to_fp32(src[i]);
+  return buf;
+}
+
+// The logits of one query head against n key rows: out[j] = q . k[j] * scale. In the AVX2 variant
+// keys go 4 at a time, each key's lanes summed by the same tree whatever its place among the 4 (a
+// short last group repeats its last key), so a logit's bits depend only on q, the key and D.
+static inline void logits_of(const float* q, const float* const* k, int n, int D, float scale, float* out) {
+#ifdef OPENTGI_AVX2
+  const int body = D / 8 * 8;
+  for (int j = 0; j < n; j += 4) {
+    const float* k0 = k[j];
+    const float* k1 = k[j + 1 < n ? j + 1 : n - 1];
+    const float* k2 = k[j + 2 < n ? j + 2 : n - 1];
+    const float* k3 = k[j + 3 < n ? j + 3 : n - 1];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int i = 0; i < body; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    float sums[4];
+    _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    for (int u = 0; u < 4 && j + u < n; ++u) {
+      float sum = sums[u];
+      for (int i = body; i < D; ++i) sum += q[i] * k[j + u][i];
+      out[j + u] = sum * scale;
+    }
+  }
+#else
+  for (int j = 0; j < n; ++j) {
+    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int i = 0;
+    for (; i + 4 <= D; i += 4)
+      for (int u = 0; u < 4; ++u) p[u] += q[i + u] * k[j][i + u];
+    float sum = (p[0] + p[1]) + (p[2] + p[3]);
+    for (; i < D; ++i) sum += q[i] * k[j][i];
+    out[j] = sum * scale;
+  }
+#endif
+}
+
+#ifdef OPENTGI_AVX2
+// acc[d .. d + 8W) += sum over j (in order) of p[j] * v[j][d ..], the accumulators in registers
+template <int W>
+static inline void pv_chunk(float* acc, const float* p, const float* const* v, int n, int d) {
+  __m256 r[W];
+  for (int u = 0; u < W; ++u) r[u] = _mm256_loadu_ps(acc + d + 8 * u);
+  for (int j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int u = 0; u < W; ++u) r[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + d + 8 * u), r[u]);
+  }
+  for (int u = 0; u < W; ++u) _mm256_storeu_ps(acc + d + 8 * u, r[u]);
+}
+#endif
+
+// acc[d] += p[j] * v[j][d] for j = 0 .. n - 1 in order, each d on its own
+static inline void probs_times_values(float* acc, const float* p, const float* const* v, int n, int D) {
+  int d = 0;
+#ifdef OPENTGI_AVX2
+  for (; d + 64 <= D; d += 64) pv_chunk<8>(acc, p, v, n, d);
+  for (; d + 8 <= D; d += 8) pv_chunk<1>(acc, p, v, n, d);
+#endif
+  for (; d < D; ++d)
+    for (int j = 0; j < n; ++j) acc[d] += p[j] * v[j][d];
+}
+
+static inline void scale_by(float* acc, float s, int D) {
+  for (int i = 0; i < D; ++i) acc[i] *= s;
+}
+
+#ifdef OPENTGI_AVX2
+// e^x, float32, ~1 ulp on [-87, 88] (Cephes' expf); flushes to 0 below -87.3
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// s[j] = exp(s[j] - m) for j < n (n rounded up to 8 is writable)
+static inline void exp_shifted(float* s, int n, float m) {
+  int j = 0;
+#ifdef OPENTGI_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j < n; j += 8) _mm256_storeu_ps(s + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+#endif
+  for (; j < n; ++j) s[j] = std::exp(s[j] - m);
+}
+
+// One cache row (a position's kv head), keys and values, towards the cache: the blocks of a table
+// lie anywhere in the pool, and no hardware prefetcher guesses the jump to the next one.
+static inline void prefetch_row(const PagedAttention& a, int64_t row, size_t elem) {
+  const size_t bytes = (size_t)a.head_dim * elem, offset = (size_t)row * bytes;
+  for (size_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch((const char*)a.k_cache + offset + b);
+    __builtin_prefetch((const char*)a.v_cache + offset + b);
+  }
+}
+
+template <int KV>
+void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch) {
+  const int D = a.head_dim, bs = a.block_size, Hkv = a.num_kv_heads, H = a.num_heads;
+  const int G = H / Hkv, per = a.kv_heads_per_item, chunks = Hkv / per;
+  const int stride = (bs + 7) / 8 * 8;  // logits of one query head in one block
+  const size_t elem = KV == KV_F32 ? 4 : 2;
+  float* logits = scratch;
+  float* acc = logits + (int64_t)G * stride;  // [per * G][D]
+  float* m = acc + (int64_t)per * G * D;      // [per * G]: running max
+  float* l = m + per * G;                     // [per * G]: running sum
+  float* kbuf = l + per * G;                  // [block_size][D]: a block's keys as float32
+  float* vbuf = kbuf + (int64_t)bs * D;       // and its values
+  const float* kp[1024];                      // block_size <= 1024 (checked by the op)
+  const float* vp[1024];
+  for (int64_t item = item0; item < item1; ++item) {
+    const int64_t r = item / chunks;
+    const int h0 = (int)(item % chunks) * per, h1 = h0 + per;
+    const float* q = a.q + (r * H + (int64_t)h0 * G) * D;  // the item's query heads, in order
+    float* out = a.out + (r * H + (int64_t)h0 * G) * D;
+    const int ctx = a.ctx[r];
+    const int lo = a.window > 0 && ctx > a.window ? ctx - a.window : 0;
+    const int32_t* table = a.block_tables + (int64_t)a.seq[r] * a.table_stride;
+    for (int i = 0; i < per * G; ++i) {
+      m[i] = -std::numeric_limits<float>::infinity();
+      l[i] = 0.0f;
+    }
+    std::memset(acc, 0, sizeof(float) * per * G * D);
+    for (int blk = lo / bs; blk * bs < ctx; ++blk) {
+      const int t0 = lo > blk * bs ? lo - blk * bs : 0;
+      const int t1 = ctx < (blk + 1) * bs ? ctx - blk * bs : bs;
+      const int n = t1 - t0;
+      const bool more = (blk + 1) * bs < ctx;
+      for (int h = h0; h < h1; ++h) {  // each kv head on its own: its numbers never see the others
+        const int64_t first = ((int64_t)table[blk] * bs + t0) * Hkv + h;  // cache row of (t0, h)
+        const int64_t next = more ? ((int64_t)table[blk + 1] * bs) * Hkv + h : 0;
+        const int i0 = (h - h0) * G;  // the head's query heads within the item
+        for (int j = 0; j < n; ++j) {
+          kp[j] = cache_row<KV>(a.k_cache, first + (int64_t)j * Hkv, D, kbuf + (int64_t)j * D);
+          vp[j] = cache_row<KV>(a.v_cache, first + (int64_t)j * Hkv, D, vbuf + (int64_t)j * D);
+        }
+        if (more)  // the next block's rows of this head, while this one computes
+          for (int t = 0; t < bs; ++t) prefetch_row(a, next + (int64_t)t * Hkv, elem);
+        for (int g = 0; g < G; ++g) {
+          float* s = logits + g * stride;
+          logits_of(q + (int64_t)(i0 + g) * D, kp, n, D, a.scale, s);
+          if (a.softcap > 0.0f)
+            for (int j = 0; j < n; ++j) s[j] = a.softcap * std::tanh(s[j] / a.softcap);
+          float mb = s[0];
+          for (int j = 1; j < n; ++j) mb = s[j] > mb ? s[j] : mb;
+          if (mb > m[i0 + g]) {
+            const float alpha = std::exp(m[i0 + g] - mb);
+            l[i0 + g] *= alpha;
+            scale_by(acc + (int64_t)(i0 + g) * D, alpha, D);
+            m[i0 + g] = mb;
+          }
+          exp_shifted(s, n, m[i0 + g]);
+          float sum = 0.0f;
+          for (int j = 0; j < n; ++j) sum += s[j];
+          l[i0 + g] += sum;
+          probs_times_values(acc + (int64_t)(i0 + g) * D, s, vp, n, D);
+        }
+      }
+    }
+    for (int i = 0; i < per * G; ++i) {
+      const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+      for (int d = 0; d < D; ++d) out[(int64_t)i * D + d] = acc[(int64_t)i * D + d] * inv;
+    }
+  }
+}
+
+}  // namespace
+
+void OPENTGI_FN(paged_attention)(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch) {
+  switch (a.kv_dtype) {
+    case KV_F32: attend<KV_F32>(a, item0, item1, scratch); break;
+    case KV_BF16: attend<KV_BF16>(a, item0, item1, scratch); break;
+    default: attend<KV_F16>(a, item0, item1, scratch); break;
+  }
+}
+
+}  // namespace opentgi

@@ -1,0 +1,49 @@
+// Paged decode attention: one query token (all its heads) per row, keys and values read in place
+// from the paged KV cache through the row's block table.
+//
+// Invariant: a work item is one row's kv heads h0 .. h0 + kv_heads_per_item - 1; each kv head's
+// query heads are computed against its visible keys (positions lo .. ctx - 1, lo = ctx - window with a window, else 0), met cache block by
+// cache block in position order, with a float32 online softmax (running max, running sum, output
+// rescaled when the max grows), the kv heads of an item one after the other within each block (so a
+// block's cache lines are read once for all of them). A head's bits depend only on the row's query, its keys and values, the
+// block size, scale, window and soft-cap: never on the other rows, their padding, or which thread runs
+// it. Each ISA variant has its own bits (its own exp and dot products).
+#pragma once
+#include <cstdint>
+
+namespace opentgi {
+
+enum KvDtype { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+struct PagedAttention {
+  const float* q;             // float32 [rows][num_heads][head_dim], contiguous
+  const void* k_cache;        // [num_blocks][block_size][num_kv_heads][head_dim] of kv_dtype
+  const void* v_cache;
+  int kv_dtype;
+  const int32_t* block_tables;  // [num_seqs][table_stride]
+  int64_t table_stride;
+  const int32_t* seq;  // [rows]: the row's block table
+  const int32_t* ctx;  // [rows]: its keys are positions < ctx (1 <= ctx <= table's blocks * block_size)
+  int num_heads, num_kv_heads, head_dim, block_size;
+  int window;     // > 0: keys at positions > ctx - 1 - window only
+  float scale;    // logits are q.k * scale
+  float softcap;  // > 0: logits become softcap * tanh(logit / softcap)
+  float* out;     // float32 [rows][num_heads][head_dim]
+  int kv_heads_per_item;  // divides num_kv_heads: 1, or all of them (which does not change a bit)
+};
+
+// Work items item0 .. item1 - 1 (item = row * (num_kv_heads / kv_heads_per_item) + chunk of kv
+// heads); scratch holds
+// paged_attention_scratch(args) floats for the calling thread.
+void paged_attention_scalar(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch);
+void paged_attention_avx2(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch);
+
+inline int64_t paged_attention_scratch(const PagedAttention& a) {
+  const int64_t group = a.num_heads / a.num_kv_heads, heads = group * a.kv_heads_per_item;
+  // logits [group][block rounded to 8], accumulators [heads][head_dim], max and sum [heads], a
+  // block's keys and values as float32
+  return group * (((int64_t)a.block_size + 7) / 8 * 8) + heads * a.head_dim + 2 * heads
+         + 2 * (int64_t)a.block_size * a.head_dim + 16;
+}
+
+}  // namespace opentgi

@@ -1,0 +1,127 @@
+// Fused per-row layer ops (layer_ops.h): RMSNorm with an optional residual add before it, and
+// SiLU-and-multiply. Each row is computed on its own, its sums in one fixed order and every value
+// through the same instructions wherever it sits in the row, so a row's bits depend only on the
+// row (and the ISA).
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+#include "layer_ops.h"
+
+namespace opentgi {
+
+namespace {
+
+static inline float bf16_load(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// float32 -> bfloat16, round to nearest even (NaN kept a NaN), as torch rounds
+static inline uint16_t bf16_store(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+static inline float round_to(float f, int dtype) {
+  return dtype == ROW_BF16 ? bf16_load(bf16_store(f)) : f;
+}
+
+static inline float load(const void* p, int64_t i, int dtype) {
+  return dtype == ROW_BF16 ? bf16_load(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline void store(void* p, int64_t i, float f, int dtype) {
+  if (dtype == ROW_BF16) ((uint16_t*)p)[i] = bf16_store(f); else ((float*)p)[i] = f;
+}
+
+// sum of squares of n floats, in one fixed order for a given n
+static inline float sum_squares(const float* x, int n) {
+  int i = 0;
+#ifdef OPENTGI_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
+    a0 = _mm256_fmadd_ps(x0, x0, a0);
+    a1 = _mm256_fmadd_ps(x1, x1, a1);
+    a2 = _mm256_fmadd_ps(x2, x2, a2);
+    a3 = _mm256_fmadd_ps(x3, x3, a3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x0 = _mm256_loadu_ps(x + i);
+    a0 = _mm256_fmadd_ps(x0, x0, a0);
+  }
+  float s = hsum_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+  float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) p[j] += x[i + j] * x[i + j];
+  float s = (p[0] + p[1]) + (p[2] + p[3]);
+#endif
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+#ifdef OPENTGI_AVX2
+// e^x, float32 (Cephes' expf, as attention.cpp's)
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// silu(g) in place over n floats (n rounded up to 8 writable): every value the same instructions
+static inline void silu_inplace(float* g, int n) {
+#ifdef OPENTGI_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    _mm256_storeu_ps(g + i, _mm256_div_ps(x, _mm256_add_ps(one, e)));
+  }
+#else
+  for (int i = 0; i < n; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
+#endif
+}
+
+}  // namespace
+
+void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, const void* weight, int n, float eps,
+                              int dtype, void* out, float* buf) {
+  for (int i = 0; i < n; ++i) {
+    float v = load(x, i, dtype);
+    if (residual != nullptr) {
+      v = round_to(v + load(residual, i, dtype), dtype);  // the residual stream, in its own dtype
+      store(sum, i, v, dtype);
+    }
+    buf[i] = v;
+  }
+  const float rstd = 1.0f / std::sqrt(sum_squares(buf, n) / (float)n + eps);
+  for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i] * rstd, dtype) * load(weight, i, dtype), dtype);
+}
+
+void OPENTGI_FN(silu_mul_row)(const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
+  for (int i = 0; i < n; ++i) buf[i] = load(gate, i, dtype);
+  for (int i = n; i < (n + 7) / 8 * 8; ++i) buf[i] = 0.0f;
+  silu_inplace(buf, n);
+  for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i], dtype) * load(up, i, dtype), dtype);
+}
+
+}  // namespace opentgi

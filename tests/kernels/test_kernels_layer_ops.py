@@ -1,0 +1,91 @@
+"""The fused layer ops (kernels/csrc/layer_ops.h) equal their unfused torch composition within float
+rounding (the sum of squares and exp in the kernel's own order), bitwise where the arithmetic is the
+same (the residual sum; the norm of a sum), and give a row the same bits alone, among others and on
+1..N threads, on every ISA path this CPU has."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from opentgi.kernels import native
+from opentgi.models.layers.elementwise import ACTIVATIONS, act_and_mul
+from opentgi.models.layers.norm import RMSNorm, add_and_norm
+
+torch.set_num_threads(1)
+
+SIZES = (8, 13, 64, 576)  # whole vectors and not
+
+
+def rows(n: int, size: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(n, size, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_torch_norm_and_float64(kernels, dtype):
+    for size in SIZES:
+        x, w = rows(9, size, 1, dtype), rows(1, size, 2, dtype)[0]
+        norm = RMSNorm(size, 1e-6).to(dtype)
+        norm.weight.data.copy_(w)
+        expected = norm(x)  # the torch composition (norm.native is off)
+        x64 = x.double()
+        exact = x64 * (x64.square().mean(-1, keepdim=True) + 1e-6).rsqrt() * w.double()
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+        for isa in native.supported_isas():
+            out = native.rms_norm(x, w, 1e-6, isa)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out, expected, **tol)
+            torch.testing.assert_close(out.double(), exact, **tol)
+            total, summed = native.add_rms_norm(x, x.flip(0), w, 1e-6, isa)
+            assert torch.equal(summed, x + x.flip(0))  # the residual sum: the same arithmetic
+            assert torch.equal(total, native.rms_norm(summed, w, 1e-6, isa))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_silu_times_up(kernels, dtype):
+    for size in SIZES:
+        gate_up = rows(7, 2 * size, 3, dtype)
+        gate, up = gate_up.split(size, dim=-1)
+        expected = F.silu(gate) * up
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+        for isa in native.supported_isas():
+            out = native.silu_mul(gate_up, isa)
+            assert out.shape == (7, size) and out.dtype == dtype
+            torch.testing.assert_close(out, expected, **tol)
+        assert torch.equal(act_and_mul(gate_up, size, "silu", use_native=True), native.silu_mul(gate_up))
+        assert torch.equal(act_and_mul(gate_up.clone(), size, "silu"), ACTIVATIONS["silu"](gate).mul_(up))
+
+
+def test_a_row_gets_the_same_bits_alone_among_others_and_on_any_thread_count(kernels):
+    x, w = rows(64, 576, 4), rows(1, 576, 5)[0]
+    gate_up = rows(64, 2 * 1536, 6)
+    threads = torch.get_num_threads()
+    try:
+        for isa in native.supported_isas():
+            norm = native.rms_norm(x, w, 1e-5, isa)
+            act = native.silu_mul(gate_up, isa)
+            for r in (0, 31, 63):
+                assert torch.equal(native.rms_norm(x[r:r + 1], w, 1e-5, isa), norm[r:r + 1])
+                assert torch.equal(native.silu_mul(gate_up[r:r + 1], isa), act[r:r + 1])
+            for count in range(2, max(2, os.cpu_count() or 1) + 2):
+                torch.set_num_threads(count)
+                assert torch.equal(native.rms_norm(x, w, 1e-5, isa), norm)
+                assert torch.equal(native.silu_mul(gate_up, isa), act)
+            torch.set_num_threads(1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_norm_module_serves_natively_only_when_told(kernels):
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.copy_(rows(1, 64, 7)[0])
+    x, residual = rows(3, 64, 8), rows(3, 64, 9)
+    torch_out, torch_sum = add_and_norm(norm, x.clone(), residual)
+    norm.native = True
+    out, summed = add_and_norm(norm, x.clone(), residual)
+    assert torch.equal(summed, torch_sum) and torch.equal(out, native.rms_norm(summed, norm.weight, 1e-6))
+    torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(norm(x), native.rms_norm(x, norm.weight, 1e-6))
