@@ -21,12 +21,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from opentgi.engine.output.stop_checker import StopChecker
-from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.engine.scheduling.block_manager import BlockManager
 from opentgi.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from opentgi.engine.scheduling.sequence import Sequence, SequenceStatus
 from tests.helpers.hypothesis_profiles import examples
+from tests.helpers.scheduler_driver import check_consistent, check_step, complete_step, new_sequence
 
 MAX_PROMPT = 12
 MAX_NEW = 6
@@ -54,9 +53,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(1, MAX_PROMPT), max_new=st.integers(1, MAX_NEW), first=st.integers(0, 3))
     def add(self, prompt_len: int, max_new: int, first: int) -> None:
         prompt = [(first + i) % 4 for i in range(prompt_len)]  # shared prefixes now and then
-        req = GenerationRequest(prompt, SamplingParams(), StoppingParams(max_new_tokens=max_new))
-        seq = Sequence(req, 0, seed=None, detokenizer=None, stop_checker=StopChecker(req.stopping, [], 1 << 20),
-                       processors=[])
+        seq = new_sequence(prompt, max_new)
         self.sched.add(seq)
         self.live.append(seq)
         self.added += 1
@@ -78,14 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched = self.sched
         head = sched.waiting[0] if sched.waiting else None
         out = sched.schedule()
-        prefill = sum(n for n in out.num_new_tokens if n > 1)
-        assert prefill <= self.config.prefill_budget, (out.num_new_tokens, self.config.prefill_budget)
-        if self.config.max_batch_size is not None:
-            assert len(sched.running) <= self.config.max_batch_size
-        assert len(set(id(s) for s in out.seqs)) == len(out.seqs)
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
-            assert len(seq.block_table) >= self.bm.blocks_for(seq.num_computed_tokens + n)
+        check_step(sched, out)
         if head is not None and head.status is SequenceStatus.WAITING and self.large_pool:
             if self.config.chunked_prefill:  # it waits only while running prefills spend the budget
                 k = len(out.seqs) - out.num_admitted
@@ -95,35 +85,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 waited = self.head_wait.get(head.seq_id, 0) + 1
                 self.head_wait[head.seq_id] = waited
                 assert waited <= self.config.max_waiting_tokens, (waited, self.config.max_waiting_tokens)
-        tokens = [[7] if n == seq.num_uncomputed_tokens else [] for seq, n in zip(out.seqs, out.num_new_tokens)]
-        sched.update_from_output(out, tokens)
-        for seq in list(out.seqs):
-            if seq.num_generated_tokens >= seq.max_new_tokens:
-                self._end(seq)
+        for seq in complete_step(sched, out):
+            self._end(seq)
 
     @invariant()
-    def running_xor_waiting(self) -> None:
-        if not hasattr(self, "sched"):
-            return
-        running = {id(s) for s in self.sched.running}
-        waiting = {id(s) for s in self.sched.waiting}
-        assert not running & waiting
-        assert len(running) == len(self.sched.running) and len(waiting) == len(self.sched.waiting)
-        for seq in self.sched.running:
-            assert seq.status is SequenceStatus.RUNNING
-        for seq in self.sched.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table
-        assert running | waiting == {id(s) for s in self.live}
-
-    @invariant()
-    def refcounts_are_block_tables(self) -> None:
-        if not hasattr(self, "sched"):
-            return
-        holders = [0] * self.bm.num_blocks
-        for seq in self.sched.running:
-            for block_id in seq.block_table:
-                holders[block_id] += 1
-        assert [b.ref_count for b in self.bm.blocks] == holders
+    def consistent(self) -> None:
+        if hasattr(self, "sched"):
+            check_consistent(self.sched, self.live)
 
     def teardown(self) -> None:
         if not hasattr(self, "sched"):

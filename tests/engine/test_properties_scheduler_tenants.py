@@ -14,13 +14,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from opentgi.engine.output.stop_checker import StopChecker
-from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.engine.scheduling.block_manager import BlockManager
 from opentgi.engine.scheduling.fair_share import FairShare
 from opentgi.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from opentgi.engine.scheduling.sequence import Sequence, SequenceStatus
+from opentgi.engine.scheduling.sequence import Sequence
 from tests.helpers.hypothesis_profiles import examples
+from tests.helpers.scheduler_driver import check_consistent, check_step, complete_step, new_sequence
 
 MAX_PROMPT = 10
 MAX_NEW = 6
@@ -52,10 +51,7 @@ class TenantSchedulerMachine(RuleBasedStateMachine):
     @rule(prompt_len=st.integers(1, MAX_PROMPT), max_new=st.integers(1, MAX_NEW),
           tenant=st.sampled_from(list(TENANTS)))
     def add(self, prompt_len: int, max_new: int, tenant: str | None) -> None:
-        req = GenerationRequest([len(self.ended) + i for i in range(prompt_len)], SamplingParams(),
-                                StoppingParams(max_new_tokens=max_new), tenant=tenant, tenant_weight=TENANTS[tenant])
-        seq = Sequence(req, 0, seed=None, detokenizer=None, stop_checker=StopChecker(req.stopping, [], 1 << 20),
-                       processors=[])
+        seq = new_sequence([len(self.ended) + i for i in range(prompt_len)], max_new, tenant, TENANTS[tenant])
         self.sched.add(seq)
         self.live.append(seq)
         self.added[tenant].append(seq.seq_id)
@@ -79,38 +75,22 @@ class TenantSchedulerMachine(RuleBasedStateMachine):
         self.clock.now += 0.5
         sched = self.sched
         out = sched.schedule()
-        assert sum(n for n in out.num_new_tokens if n > 1) <= self.config.prefill_budget
-        if self.config.max_batch_size is not None:
-            assert len(sched.running) <= self.config.max_batch_size
-        assert len({id(s) for s in out.seqs}) == len(out.seqs)
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
+        check_step(sched, out)
+        for seq in out.seqs:
             tenant = seq.request.tenant
             if seq.seq_id not in self.first_admitted[tenant]:
                 self.first_admitted[tenant].append(seq.seq_id)
         for tenant, admitted in self.first_admitted.items():  # first-come within a tenant
             assert admitted == self.added[tenant][:len(admitted)], tenant
-        tokens = [[7] if n == seq.num_uncomputed_tokens else [] for seq, n in zip(out.seqs, out.num_new_tokens)]
-        sched.update_from_output(out, tokens)
-        for seq in list(out.seqs):
-            if seq.num_generated_tokens >= seq.max_new_tokens:
-                self._end(seq)
+        for seq in complete_step(sched, out):
+            self._end(seq)
 
     @invariant()
     def consistent(self) -> None:
         if not hasattr(self, "sched"):
             return
-        running = {id(s) for s in self.sched.running}
-        waiting = {id(s) for s in self.sched.waiting}
-        assert not running & waiting and running | waiting == {id(s) for s in self.live}
+        check_consistent(self.sched, self.live)
         assert self.sched.waiting_tenants == Counter(s.request.tenant for s in self.sched.waiting)
-        for seq in self.sched.waiting:
-            assert seq.status is SequenceStatus.WAITING and not seq.block_table
-        holders = [0] * self.bm.num_blocks
-        for seq in self.sched.running:
-            for block_id in seq.block_table:
-                holders[block_id] += 1
-        assert [b.ref_count for b in self.bm.blocks] == holders
 
     def teardown(self) -> None:
         if not hasattr(self, "sched"):
