@@ -1,6 +1,7 @@
 """`python -m opentgi.bench [flags]` runs the benchmark (runner.py); `python -m opentgi.bench
 write-gguf OUT.gguf` writes the random Llama-1B-shaped GGUF of the llama.cpp comparison
-(gguf_fixture.py); `python -m opentgi.bench kernels` times the linear kernels (kernels.py)."""
+(gguf_fixture.py); `python -m opentgi.bench kernels` times the linear kernels (kernels.py);
+`python -m opentgi.bench --late-tenant` is the tenants comparison (http_load.py)."""
 
 import sys
 

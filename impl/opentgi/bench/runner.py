@@ -13,6 +13,8 @@ In one run, on one machine:
 then prints the numbers and the ratios as markdown tables (`--output FILE` also appends them to FILE).
 Separate modes: `--lora K,...` (adapters mixed; with `--shards N`, one value, on an N-shard
 server), `--shards K,...` (tensor parallelism),
+`--late-tenant` (the tenants issue's scenario: a late tenant's latency behind another's flood, with
+`--tenants` and first-come, against idle: `http_load.late_tenant_comparison`),
 `--architectures A,...` (each family at the default model's shape beside Llama:
 `bench/architectures.py`) and `--speculate N` (speculative decoding on a
 code-editing workload, single stream, side by side with a plain server: `bench/speculate.py`).
@@ -77,6 +79,8 @@ def parse_args(argv=None):
                    "workload, single stream, a plain server beside one with --speculate N (bench/speculate.py)")
     p.add_argument("--speculate-new-tokens", type=int, default=256, help="new tokens at most (--speculate)")
     p.add_argument("--speculate-rounds", type=int, default=4, help="interleaved rounds (--speculate)")
+    p.add_argument("--late-tenant", action="store_true", help="only the tenants comparison: beta's latency "
+                   "behind alpha's 16 requests in flight on --max-batch-size 1, with --tenants and first-come")
     args = p.parse_args(argv)
     if args.lora and args.shards and not args.shards.strip().isdigit():
         p.error("--shards with --lora takes one --num-shard value (the LoRA comparison's server)")
@@ -135,6 +139,16 @@ def main(argv=None) -> None:
     tokenizer = loaded.tokenizer
     prompts = [make_prompt(tokenizer, n) for n in PROMPT_TOKENS]
     long_prompt = make_prompt(tokenizer, 1000, prefix=f"Session {uuid.uuid4().hex}. ")
+    if args.late_tenant:
+        from opentgi.bench.http_load import late_tenant_comparison
+
+        text = late_tenant_comparison(args, tokenizer, f"{loaded.model_id}, {machine_line(args.num_threads)}")
+        print()
+        print(text)
+        if args.output:
+            with Path(args.output).open("a") as f:
+                f.write("\n" + text)
+        return
     if args.architectures:
         from opentgi.bench.architectures import architecture_comparison, engine_step_comparison
 
