@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import hypothesis_profiles  # noqa: F401 - registers the profiles
 
@@ -34,7 +35,8 @@ def kernel_cache() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory) -> Callable:
     """`default_model(**settings)`: the default model (SmolLM2-135M-Instruct's GGUF) loaded with these
-    Settings fields, once per process; one cache dir for the whole session."""
+    Settings fields, once per process; one cache dir for the whole session. `default_model.transformers()`:
+    transformers' import of the same file, the reference, also once."""
     from opentgi.config import Settings
     from opentgi.models.loader import load_model
 
@@ -47,7 +49,17 @@ def default_model(tmp_path_factory) -> Callable:
             loaded[key] = load_model(Settings(cache_dir=cache_dir, **settings))
         return loaded[key]
 
+    def transformers_model():
+        """transformers' own float32 import of the default model's GGUF (the reference), once."""
+        if "transformers" not in loaded:
+            from opentgi.models.checkpoints.default_model import default_gguf_path
+            from opentgi.models.loader import load_transformers_model
+
+            loaded["transformers"] = load_transformers_model(default_gguf_path(), torch.float32)
+        return loaded["transformers"]
+
     load.cache_dir = cache_dir
+    load.transformers = transformers_model
     return load
 
 

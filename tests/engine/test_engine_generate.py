@@ -16,7 +16,7 @@ from opentgi.engine.engine import Engine
 from opentgi.engine.errors import InputTooLongError, OverloadedError, ValidationError
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.request import FinishReason, GenerationRequest, SamplingParams, StoppingParams
-from opentgi.models.loader import load_model, load_transformers_model
+from opentgi.models.loader import load_model
 from tests.helpers.engine import generate, running
 
 torch.set_num_threads(1)
@@ -429,7 +429,7 @@ async def test_stop_fails_requests_in_flight(llama, prompts):
 async def test_default_model_greedy_equals_generate(default_model):
     """The real default model (SmolLM2-135M-Instruct): chat prompt, chunked prefill, warm prefix."""
     loaded = default_model(dtype="float32")
-    hf = load_transformers_model(loaded.folder, torch.float32)
+    hf = default_model.transformers()
     tok = loaded.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}],
                                   add_generation_prompt=True, tokenize=True)

@@ -30,12 +30,16 @@ def test_the_library_is_found_in_the_cache_once_built(kernels, kernel_cache):
     assert not list(build.cache_dir().glob(".build-*"))  # no temporary folder left behind
 
 
-@pytest.mark.slow  # a whole build: every kernel source compiled, twice on x86-64
-def test_a_fresh_cache_gets_a_whole_build_that_loads(monkeypatch, tmp_path):
+@pytest.mark.slow  # a whole build: every kernel source compiled
+def test_a_fresh_cache_gets_a_whole_build(monkeypatch, tmp_path):
+    """A machine's first start: every source compiled and linked into the cache. Built for the
+    portable variant alone (the session's own build, `kernels`, has every variant this CPU runs:
+    the ops' tests load it), so the suite compiles each source once more, not twice."""
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(build, "variants", lambda: ("scalar",))
     built = build.build()
     assert not built.cached and built.path.parent == tmp_path and built.path.is_file()
-    assert set(built.isas) <= set(build.variants()) and "scalar" in built.isas
+    assert built.isas == ("scalar",)
     assert not list(tmp_path.glob(".build-*"))
 
 

@@ -95,14 +95,14 @@ def test_a_broken_gguf_is_refused_clearly(tmp_path):
 def test_default_model_is_read_from_its_gguf(default_model):
     """No --model-id: SmolLM2-135M-Instruct's GGUF read as it is; the logits agree with
     transformers' own GGUF import (float32), and a second start reuses the cached tokenizer."""
-    from opentgi.models.checkpoints.default_model import default_gguf_path
 
     loaded = default_model(dtype="float32")
     assert loaded.kind == "paged" and loaded.model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert loaded.eos_token_ids == [2, 0] and loaded.tokenizer.eos_token == "<|im_end|>"
     prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
                                                   add_generation_prompt=True)
-    want = _reference_logits(default_gguf_path(), prompt)[-1]
+    with torch.no_grad():
+        want = default_model.transformers()(torch.tensor([prompt])).logits[0, -1]
     paged = loaded.model.compute_logits(PagedRunner(loaded.model).step({0: prompt}))[0]
     # float32, the int4 layers' rows through torch's kernel as bfloat16 (int4.kernel_dtype)
     assert torch.nn.functional.cosine_similarity(paged, want, dim=0) > 0.999
