@@ -120,6 +120,15 @@ def side_by_side(args, url: str, prompts: list[str]) -> list[str]:
     return lines
 
 
+def _report(text: str, output: str | None) -> None:
+    """A comparison's table on stdout, and appended to `--output` when given."""
+    print()
+    print(text)
+    if output:
+        with Path(output).open("a") as f:
+            f.write("\n" + text)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from opentgi.bench import steps as bench_steps
@@ -143,12 +152,7 @@ def main(argv=None) -> None:
         from opentgi.bench.http_load import late_tenant_comparison
 
         text = late_tenant_comparison(args, tokenizer, f"{loaded.model_id}, {machine_line(args.num_threads)}")
-        print()
-        print(text)
-        if args.output:
-            with Path(args.output).open("a") as f:
-                f.write("\n" + text)
-        return
+        return _report(text, args.output)
     if args.architectures:
         from opentgi.bench.architectures import architecture_comparison, engine_step_comparison
 
@@ -156,12 +160,7 @@ def main(argv=None) -> None:
             text = own_thread(lambda: engine_step_comparison(args, prompts, server_settings, machine_line))
         else:
             text = own_thread(lambda: architecture_comparison(args, prompts, local_server, run_level, machine_line))
-        print()
-        print(text)
-        if args.output:
-            with Path(args.output).open("a") as f:
-                f.write("\n" + text)
-        return
+        return _report(text, args.output)
     if args.lora or args.shards or args.speculate:
         if args.lora or args.shards:
             text = own_thread(lambda: lora_comparison(args, loaded, prompts) if args.lora
@@ -170,12 +169,7 @@ def main(argv=None) -> None:
             from opentgi.bench.speculate import speculate_comparison
 
             text = own_thread(lambda: speculate_comparison(args, loaded, local_server, machine_line))
-        print()
-        print(text)
-        if args.output:
-            with Path(args.output).open("a") as f:
-                f.write("\n" + text)
-        return
+        return _report(text, args.output)
     levels: list[LevelResult] = []
     hf_tps = bare_tps = 0.0
     baseline_prompts = (prompts * args.baseline_prompts)[:args.baseline_prompts]

@@ -11,13 +11,6 @@ namespace opentgi {
 
 namespace {
 
-static inline float bf16_to_fp32(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // One cache row (head_dim values of one position and kv head) as float32: the cache's own memory
 // for float32, else converted into `buf`.
 template <int KV>

@@ -43,6 +43,14 @@ struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
              Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23 };
 
+// bfloat16 is float32's upper half: exact
+static inline float bf16_to_fp32(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 static inline float fp16_to_fp32(uint16_t h) {
 #ifdef OPENTGI_AVX2
   return _cvtsh_ss(h);

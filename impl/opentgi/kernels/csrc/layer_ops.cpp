@@ -12,13 +12,6 @@ namespace opentgi {
 
 namespace {
 
-static inline float bf16_load(uint16_t h) {
-  const uint32_t bits = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // float32 -> bfloat16, round to nearest even (NaN kept a NaN), as torch rounds
 static inline uint16_t bf16_store(float f) {
   uint32_t bits;
@@ -29,11 +22,11 @@ static inline uint16_t bf16_store(float f) {
 }
 
 static inline float round_to(float f, int dtype) {
-  return dtype == ROW_BF16 ? bf16_load(bf16_store(f)) : f;
+  return dtype == ROW_BF16 ? bf16_to_fp32(bf16_store(f)) : f;
 }
 
 static inline float load(const void* p, int64_t i, int dtype) {
-  return dtype == ROW_BF16 ? bf16_load(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+  return dtype == ROW_BF16 ? bf16_to_fp32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
 static inline void store(void* p, int64_t i, float f, int dtype) {
