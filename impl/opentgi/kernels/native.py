@@ -7,7 +7,8 @@ the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_
 (meta) implementation registered so torch.compile and FX see it as one op.
 `paged_attention(...)` attends decode rows over the paged KV cache in place (csrc/attention.h), the
 torch op `opentgi::paged_attention`; `rms_norm`, `add_rms_norm` and `silu_mul` are fused per-row
-layer ops (csrc/layer_ops.h).
+layer ops (csrc/layer_ops.h); `opentgi::decode_stack` runs a decode step's Llama-shaped layers in
+one call (models/families/native_stack.py).
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("opentgi::silu_mul")
     def _(gate_up, isa):
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    @torch.library.register_fake("opentgi::decode_stack")
+    def _(h, cos, sin, weights, qtypes, biases, norms, k_caches, v_caches, slots, tails, block_tables, seq, ctx,
+          num_heads, num_kv_heads, scale, windows, eps, isa):
+        return torch.empty_like(h)
 
 
 def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, isa: str | None = None) -> torch.Tensor:

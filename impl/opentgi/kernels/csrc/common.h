@@ -51,6 +51,15 @@ static inline float bf16_to_fp32(uint16_t h) {
   return f;
 }
 
+// float32 -> bfloat16, round to nearest even (NaN kept a NaN), as torch rounds
+static inline uint16_t bf16_store(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
 static inline float fp16_to_fp32(uint16_t h) {
 #ifdef OPENTGI_AVX2
   return _cvtsh_ss(h);

@@ -12,15 +12,6 @@ namespace opentgi {
 
 namespace {
 
-// float32 -> bfloat16, round to nearest even (NaN kept a NaN), as torch rounds
-static inline uint16_t bf16_store(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
 static inline float round_to(float f, int dtype) {
   return dtype == ROW_BF16 ? bf16_to_fp32(bf16_store(f)) : f;
 }

@@ -91,28 +91,118 @@ void quantize_rows(const float* x, int64_t M, int K, bool superblocks, int64_t i
   });
 }
 
-at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t out_features, int64_t isa) {
+// One weight of GGUF blocks, checked against its input width.
+struct Matmul {
   Kernel k;
-  TORCH_CHECK(kernel_for(qtype, isa, &k), "opentgi::gguf_mm: no kernel for GGML type ", qtype, " on ISA ", isa);
+  const uint8_t* w;
+  int64_t N, K, row_bytes;
+  size_t act_row_bytes;
+};
+
+Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int64_t isa, const char* op) {
+  Matmul mm;
+  TORCH_CHECK(kernel_for(qtype, isa, &mm.k), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
+  TORCH_CHECK(K % mm.k.block_values == 0, op, ": K=", K, " is not a multiple of ", mm.k.block_values);
+  mm.N = N;
+  mm.K = K;
+  mm.row_bytes = K / mm.k.block_values * mm.k.block_bytes;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * mm.row_bytes, op,
+              ": w must be contiguous uint8 holding ", N, " rows of ", mm.row_bytes, " bytes");
+  mm.w = w.data_ptr<uint8_t>();
+  mm.act_row_bytes = mm.k.superblocks ? K / QK_K * sizeof(ActQ8K) : K / QK * sizeof(ActQ8);
+  return mm;
+}
+
+// out [M, N] float32 = x [M, K] float32 @ W.T: rows quantized, outputs split among the threads
+void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float* out, std::vector<uint8_t>& act) {
+  if (M == 0 || mm.N == 0) return;
+  act.resize(M * mm.act_row_bytes);
+  quantize_rows(x, M, (int)mm.K, mm.k.superblocks, isa, act.data(), mm.act_row_bytes);
+  const uint8_t* ap = act.data();
+  at::parallel_for(0, mm.N, 8, [&](int64_t n0, int64_t n1) {
+    mm.k.matmul(mm.w, mm.row_bytes, ap, mm.act_row_bytes, (int)M, (int)n0, (int)n1, (int)mm.K, out, (int)mm.N);
+  });
+}
+
+at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t out_features, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "gguf_mm: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gguf_mm: x float32 or bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(K % k.block_values == 0, "gguf_mm: K=", K, " is not a multiple of ", k.block_values);
-  const int64_t row_bytes = K / k.block_values * k.block_bytes;
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
-              "gguf_mm: w must be contiguous uint8 holding ", N, " rows of ", row_bytes, " bytes");
+  const Matmul mm = make_matmul(w, qtype, out_features, x.size(1), isa, "gguf_mm");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out.to(x.scalar_type());
-  const size_t arb = k.superblocks ? K / QK_K * sizeof(ActQ8K) : K / QK * sizeof(ActQ8);
-  std::vector<uint8_t> act(M * arb);
-  quantize_rows(xf.data_ptr<float>(), M, (int)K, k.superblocks, isa, act.data(), arb);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    k.matmul(wp, row_bytes, act.data(), arb, (int)M, (int)n0, (int)n1, (int)K, op, (int)N);
-  });
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  std::vector<uint8_t> act;
+  run_matmul(mm, xf.data_ptr<float>(), x.size(0), isa, out.data_ptr<float>(), act);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// The attention's arguments but q and out, after checking that every block a row reads (through
+// its table, from its window's first key to its last) is one of the cache's.
+PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq, const at::Tensor& ctx, int64_t rows, int64_t heads, int64_t D,
+                              int64_t window, double scale, double softcap, const char* op) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type()
+                  && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              op, ": k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, D] alike");
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, ": cache float32, bfloat16 or float16");
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(bs >= 1 && bs <= 1024, op, ": block size ", bs, " is not in 1..1024");
+  TORCH_CHECK(k_cache.size(3) == D && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 256,
+              op, ": heads must be a multiple (at most 256x) of the cache's kv heads, head_dim alike");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              op, ": block_tables must be contiguous int32 [seqs, width]");
+  TORCH_CHECK(seq.scalar_type() == at::kInt && ctx.scalar_type() == at::kInt && seq.is_contiguous() && ctx.is_contiguous()
+                  && seq.numel() == rows && ctx.numel() == rows,
+              op, ": seq and ctx must be contiguous int32 [rows]");
+  const int64_t seqs = block_tables.size(0), width = block_tables.size(1);
+  const int32_t* sp = seq.data_ptr<int32_t>();
+  const int32_t* cp = ctx.data_ptr<int32_t>();
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < seqs, op, ": row ", r, " names block table ", sp[r], " of ", seqs);
+    TORCH_CHECK(cp[r] >= 1 && cp[r] <= width * bs, op, ": row ", r, " has ", cp[r], " keys; its table holds ", width * bs);
+    const int64_t lo = window > 0 && cp[r] > window ? cp[r] - window : 0;
+    for (int64_t b = lo / bs; b * bs < cp[r]; ++b) {
+      const int32_t id = tp[sp[r] * width + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, op, ": row ", r, " reads block ", id, " of ", num_blocks);
+    }
+  }
+  PagedAttention a;
+  a.q = nullptr;
+  a.out = nullptr;
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.kv_dtype = dt == at::kFloat ? KV_F32 : dt == at::kBFloat16 ? KV_BF16 : KV_F16;
+  a.block_tables = tp;
+  a.table_stride = width;
+  a.seq = sp;
+  a.ctx = cp;
+  a.num_heads = (int)heads;
+  a.num_kv_heads = (int)kv_heads;
+  a.head_dim = (int)k_cache.size(3);
+  a.block_size = (int)bs;
+  a.window = window > 0 ? (int)window : 0;
+  a.scale = (float)scale;
+  a.softcap = softcap > 0 ? (float)softcap : 0.0f;
+  // a row's kv heads in one item where the rows alone keep the threads busy (a block read once
+  // for all its kv heads), else one item per (row, kv head): the same bits either way (attention.h)
+  a.kv_heads_per_item = rows >= 2 * at::get_num_threads() ? (int)kv_heads : 1;
+  return a;
+}
+
+void run_attention(const PagedAttention& a, int64_t rows, int64_t isa) {
+  const int64_t items = rows * (a.num_kv_heads / a.kv_heads_per_item);
+  const int64_t scratch = paged_attention_scratch(a);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(scratch);
+#ifdef OPENTGI_WITH_AVX2
+    if (isa == AVX2) {
+      paged_attention_avx2(a, i0, i1, buf.data());
+      return;
+    }
+#endif
+    paged_attention_scalar(a, i0, i1, buf.data());
+  });
 }
 
 // opentgi::paged_attention (attention.h): q [rows, heads, D] float32 or bfloat16, the caches
@@ -129,70 +219,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               , "paged_attention: no kernel for ISA ", isa);
   TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), "paged_attention: q must be a 3-D CPU tensor");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_attention: q float32 or bfloat16");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type()
-                  && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention: k_cache and v_cache must be contiguous [blocks, block_size, kv_heads, D] alike");
-  const auto dt = k_cache.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "paged_attention: cache float32, bfloat16 or float16");
   const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(bs >= 1 && bs <= 1024, "paged_attention: block size ", bs, " is not in 1..1024");
-  TORCH_CHECK(k_cache.size(3) == D && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 256,
-              "paged_attention: heads must be a multiple (at most 256x) of the cache's kv heads, head_dim alike");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
-              "paged_attention: block_tables must be contiguous int32 [seqs, width]");
-  TORCH_CHECK(seq.scalar_type() == at::kInt && ctx.scalar_type() == at::kInt && seq.is_contiguous() && ctx.is_contiguous()
-                  && seq.numel() == rows && ctx.numel() == rows,
-              "paged_attention: seq and ctx must be contiguous int32 [rows]");
-  const int64_t seqs = block_tables.size(0), width = block_tables.size(1);
-  const int32_t* sp = seq.data_ptr<int32_t>();
-  const int32_t* cp = ctx.data_ptr<int32_t>();
-  const int32_t* tp = block_tables.data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r) {  // every block a row reads is one of the cache's
-    TORCH_CHECK(sp[r] >= 0 && sp[r] < seqs, "paged_attention: row ", r, " names block table ", sp[r], " of ", seqs);
-    TORCH_CHECK(cp[r] >= 1 && cp[r] <= width * bs, "paged_attention: row ", r, " has ", cp[r], " keys; its table holds ",
-                width * bs);
-    const int64_t lo = window > 0 && cp[r] > window ? cp[r] - window : 0;
-    for (int64_t b = lo / bs; b * bs < cp[r]; ++b) {
-      const int32_t id = tp[sp[r] * width + b];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: row ", r, " reads block ", id, " of ", num_blocks);
-    }
-  }
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, heads, D}, q.options().dtype(at::kFloat));
+  PagedAttention a = attention_args(k_cache, v_cache, block_tables, seq, ctx, rows, heads, D, window, scale,
+                                    softcap, "paged_attention");
   if (rows == 0) return out.to(q.scalar_type());
-  PagedAttention a;
   a.q = qf.data_ptr<float>();
-  a.k_cache = k_cache.data_ptr();
-  a.v_cache = v_cache.data_ptr();
-  a.kv_dtype = dt == at::kFloat ? KV_F32 : dt == at::kBFloat16 ? KV_BF16 : KV_F16;
-  a.block_tables = tp;
-  a.table_stride = width;
-  a.seq = sp;
-  a.ctx = cp;
-  a.num_heads = (int)heads;
-  a.num_kv_heads = (int)kv_heads;
-  a.head_dim = (int)D;
-  a.block_size = (int)bs;
-  a.window = window > 0 ? (int)window : 0;
-  a.scale = (float)scale;
-  a.softcap = softcap > 0 ? (float)softcap : 0.0f;
   a.out = out.data_ptr<float>();
-  // a row's kv heads in one item where the rows alone keep the threads busy (a block read once
-  // for all its kv heads), else one item per (row, kv head): the same bits either way (attention.h)
-  a.kv_heads_per_item = rows >= 2 * at::get_num_threads() ? (int)kv_heads : 1;
-  const int64_t items = rows * (kv_heads / a.kv_heads_per_item);
-  const int64_t scratch = paged_attention_scratch(a);
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(scratch);
-#ifdef OPENTGI_WITH_AVX2
-    if (isa == AVX2) {
-      paged_attention_avx2(a, i0, i1, buf.data());
-      return;
-    }
-#endif
-    paged_attention_scalar(a, i0, i1, buf.data());
-  });
+  run_attention(a, rows, isa);
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
@@ -210,6 +245,21 @@ void check_isa(int64_t isa, const char* op) {
                   || isa == AVX2
 #endif
               , op, ": no kernel for ISA ", isa);
+}
+
+void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const void* weight, int n, float eps,
+              int dtype, void* out, float* buf) {
+#ifdef OPENTGI_WITH_AVX2
+  if (isa == AVX2) return rms_norm_row_avx2(x, residual, sum, weight, n, eps, dtype, out, buf);
+#endif
+  rms_norm_row_scalar(x, residual, sum, weight, n, eps, dtype, out, buf);
+}
+
+void silu_row(int64_t isa, const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
+#ifdef OPENTGI_WITH_AVX2
+  if (isa == AVX2) return silu_mul_row_avx2(gate, up, n, dtype, out, buf);
+#endif
+  silu_mul_row_scalar(gate, up, n, dtype, out, buf);
 }
 
 std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -239,15 +289,8 @@ std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const std::opt
     std::vector<float> buf(n + 8);
     for (int64_t r = r0; r < r1; ++r) {
       const size_t off = (size_t)r * n * es;
-#ifdef OPENTGI_WITH_AVX2
-      if (isa == AVX2) {
-        rms_norm_row_avx2(xp + off, rp ? rp + off : nullptr, sp ? sp + off : nullptr, wp, (int)n, (float)eps, dtype,
-                          op + off, buf.data());
-        continue;
-      }
-#endif
-      rms_norm_row_scalar(xp + off, rp ? rp + off : nullptr, sp ? sp + off : nullptr, wp, (int)n, (float)eps, dtype,
-                          op + off, buf.data());
+      norm_row(isa, xp + off, rp ? rp + off : nullptr, sp ? sp + off : nullptr, wp, (int)n, (float)eps, dtype,
+               op + off, buf.data());
     }
   });
   return {out, sum};
@@ -279,16 +322,189 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
     std::vector<float> buf(n + 8);
     for (int64_t r = r0; r < r1; ++r) {
       const char* row = gp + (size_t)r * 2 * n * es;
-#ifdef OPENTGI_WITH_AVX2
-      if (isa == AVX2) {
-        silu_mul_row_avx2(row, row + n * es, (int)n, dtype, op + (size_t)r * n * es, buf.data());
-        continue;
-      }
-#endif
-      silu_mul_row_scalar(row, row + n * es, (int)n, dtype, op + (size_t)r * n * es, buf.data());
+      silu_row(isa, row, row + n * es, (int)n, dtype, op + (size_t)r * n * es, buf.data());
     }
   });
   return out;
+}
+
+// opentgi::decode_stack: a step's decoder layers, every row a decode row, in one call. The layer is
+// Llama's (models/families/decoder.py): RMSNorm, one qkv matmul (+ bias), RoPE by halves on q and k,
+// k and v stored in the paged cache, paged attention, o (+ bias), residual add + RMSNorm, gate_up,
+// SiLU-and-multiply, down, residual add; every matmul on GGUF blocks. Each op is the function the
+// layer's modules call one by one, in their order, rounding to the row dtype where they round, so
+// the hidden states equal the module-by-module step's bit for bit (and stay batch-invariant).
+
+static inline float to_dtype(float f, int dtype) { return dtype == ROW_BF16 ? bf16_to_fp32(bf16_store(f)) : f; }
+static inline float ld(const void* p, int64_t i, int dtype) {
+  return dtype == ROW_BF16 ? bf16_to_fp32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void st(void* p, int64_t i, float f, int dtype) {
+  if (dtype == ROW_BF16) ((uint16_t*)p)[i] = bf16_store(f); else ((float*)p)[i] = f;
+}
+
+// out [M, N] (dtype) = x [M, K] (dtype) @ W.T, then + bias (dtype): gguf_mm's rounding, then add_'s
+void linear_rows(const Matmul& mm, const void* x, const void* bias, int64_t M, int dtype, int64_t isa,
+                 std::vector<float>& xf, std::vector<float>& of, std::vector<uint8_t>& act, void* out) {
+  const int64_t K = mm.K, N = mm.N;
+  const float* xin = (const float*)x;
+  if (dtype != ROW_F32) {
+    xf.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = ld(x, i, dtype);
+    xin = xf.data();
+  }
+  float* o = (float*)out;
+  if (dtype != ROW_F32) {
+    of.resize(M * N);
+    o = of.data();
+  }
+  run_matmul(mm, xin, M, isa, o, act);
+  if (dtype == ROW_F32 && bias == nullptr) return;
+  at::parallel_for(0, M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float v = to_dtype(o[i], dtype);
+      if (bias != nullptr) v = to_dtype(v + ld(bias, i % N, dtype), dtype);
+      st(out, i, v, dtype);
+    }
+  });
+}
+
+at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
+                        at::IntArrayRef qtypes, const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms,
+                        at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
+                        const std::optional<at::Tensor>& tails, const at::Tensor& block_tables, const at::Tensor& seq,
+                        const at::Tensor& ctx, int64_t num_heads, int64_t num_kv_heads, double scale,
+                        at::IntArrayRef windows, double eps, int64_t isa) {
+  const char* op = "decode_stack";
+  check_isa(isa, op);
+  const int dtype = row_dtype(h_in, op);
+  const int64_t L = (int64_t)k_caches.size();
+  TORCH_CHECK(h_in.dim() == 2 && L >= 1, op, ": h [rows, hidden] and at least one layer");
+  TORCH_CHECK((int64_t)weights.size() == 4 * L && (int64_t)qtypes.size() == 4 * L && (int64_t)biases.size() == 4 * L
+                  && (int64_t)norms.size() == 2 * L && (int64_t)v_caches.size() == L && (int64_t)windows.size() == L,
+              op, ": 4 weights, qtypes and biases, 2 norms, a k and a v cache and a window per layer");
+  const int64_t T = h_in.size(0), hidden = h_in.size(1), H = num_heads, KV = num_kv_heads;
+  const int64_t D = cos.size(-1), es = h_in.element_size();
+  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.scalar_type() == h_in.scalar_type()
+                  && sin.scalar_type() == h_in.scalar_type() && cos.is_contiguous() && sin.is_contiguous() && D % 2 == 0,
+              op, ": cos and signed sin [rows, 1, head_dim] in h's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, op,
+              ": slots int64 [rows]");
+  at::Tensor h = h_in.contiguous().clone();
+  if (T == 0) return h;
+  const int64_t qkv_n = (H + 2 * KV) * D;
+  std::vector<Matmul> mms;
+  std::vector<const void*> bias_ptrs;
+  std::vector<at::Tensor> kept;  // the biases' contiguous copies, alive for the call
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t gu_n = weights[4 * l + 2].size(0);
+    TORCH_CHECK(gu_n % 2 == 0, op, ": gate_up holds gate then up rows, of one size");
+    const int64_t shapes[4][2] = {{qkv_n, hidden}, {hidden, H * D}, {gu_n, hidden}, {hidden, gu_n / 2}};
+    for (int j = 0; j < 4; ++j) {
+      mms.push_back(make_matmul(weights[4 * l + j], qtypes[4 * l + j], shapes[j][0], shapes[j][1], isa, op));
+      const std::optional<at::Tensor> b = biases.get(4 * l + j);
+      if (b.has_value() && b->defined()) {
+        TORCH_CHECK(b->numel() == shapes[j][0] && b->scalar_type() == h.scalar_type(), op, ": a bias [out] in h's dtype");
+        kept.push_back(b->contiguous());
+        bias_ptrs.push_back(kept.back().data_ptr());
+      } else {
+        bias_ptrs.push_back(nullptr);
+      }
+    }
+    for (int j = 0; j < 2; ++j)
+      TORCH_CHECK(norms[2 * l + j].numel() == hidden && norms[2 * l + j].scalar_type() == h.scalar_type()
+                      && norms[2 * l + j].is_contiguous(), op, ": norm weights [hidden] in h's dtype");
+    TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes()
+                    && k_caches[l].scalar_type() == h.scalar_type() && v_caches[l].scalar_type() == h.scalar_type()
+                    && k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
+                op, ": every layer's caches [blocks, block_size, kv_heads, head_dim] alike, in h's dtype");
+  }
+  // every block any layer reads (windows only narrow what a row reads), checked once
+  PagedAttention att = attention_args(k_caches[0], v_caches[0], block_tables, seq, ctx, T, H, D, 0, scale, 0.0, op);
+  TORCH_CHECK(k_caches[0].size(2) == KV, op, ": the caches hold ", k_caches[0].size(2), " kv heads, not ", KV);
+  const int64_t cache_slots = k_caches[0].size(0) * k_caches[0].size(1), slot_bytes = KV * D * es;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= -1 && sl[t] < cache_slots, op, ": row ", t, " writes slot ", sl[t], " of ", cache_slots);
+  at::Tensor tail;
+  if (tails.has_value() && tails->defined()) {
+    tail = tails->to(at::kLong).contiguous();
+    for (int64_t i = 0; i < tail.numel(); ++i)
+      TORCH_CHECK(tail.data_ptr<int64_t>()[i] >= 0 && tail.data_ptr<int64_t>()[i] < cache_slots, op, ": a tail slot out of the cache");
+  }
+  const int64_t gu_max = weights[2].size(0);
+  std::vector<char> x(T * hidden * es), qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
+      d(T * hidden * es), gu(T * gu_max * es), a(T * gu_max / 2 * es);
+  std::vector<float> qf(T * H * D), out(T * H * D), xf, of;
+  std::vector<uint8_t> act;
+  char* hp = (char*)h.data_ptr();
+  const char* cp = (const char*)cos.data_ptr();
+  const char* sp = (const char*)sin.data_ptr();
+  const auto norm_all = [&](const void* src, bool residual, const at::Tensor& w) {
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(hidden + 8);
+      for (int64_t r = r0; r < r1; ++r) {
+        const size_t off = (size_t)r * hidden * es;
+        norm_row(isa, (const char*)src + off, residual ? hp + off : nullptr, residual ? hp + off : nullptr,
+                 w.data_ptr(), (int)hidden, (float)eps, dtype, x.data() + off, buf.data());
+      }
+    });
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const Matmul* mm = &mms[4 * l];
+    const void* const* bias = &bias_ptrs[4 * l];
+    if (l == 0) norm_all(hp, false, norms[0]); else norm_all(d.data(), true, norms[2 * l]);
+    linear_rows(mm[0], x.data(), bias[0], T, dtype, isa, xf, of, act, qkv.data());
+    char* kc = (char*)k_caches[l].data_ptr();
+    char* vc = (char*)v_caches[l].data_ptr();
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t t = r0; t < r1; ++t) {
+        char* row = qkv.data() + t * qkv_n * es;
+        const char* c = cp + t * D * es;
+        const char* s = sp + t * D * es;
+        std::vector<float> head(D);
+        for (int64_t j = 0; j < H + KV; ++j) {  // x * cos + cat(x2, x1) * signed sin (layers/rotary.py)
+          char* hd = row + j * D * es;
+          for (int64_t i = 0; i < D; ++i) head[i] = ld(hd, i, dtype);
+          for (int64_t i = 0; i < D; ++i) {
+            const float rot = head[i < D / 2 ? i + D / 2 : i - D / 2];
+            const float p = to_dtype(head[i] * ld(c, i, dtype), dtype);
+            const float q = to_dtype(rot * ld(s, i, dtype), dtype);
+            st(hd, i, p + q, dtype);
+          }
+        }
+        for (int64_t i = 0; i < H * D; ++i) qf[t * H * D + i] = ld(row, i, dtype);
+        if (sl[t] >= 0) {
+          std::memcpy(kc + sl[t] * slot_bytes, row + H * D * es, slot_bytes);
+          std::memcpy(vc + sl[t] * slot_bytes, row + (H + KV) * D * es, slot_bytes);
+        }
+      }
+    });
+    for (int64_t i = 0; i < tail.numel(); ++i) {  // zeros past the context (the torch forms read whole blocks)
+      std::memset(kc + tail.data_ptr<int64_t>()[i] * slot_bytes, 0, slot_bytes);
+      std::memset(vc + tail.data_ptr<int64_t>()[i] * slot_bytes, 0, slot_bytes);
+    }
+    att.k_cache = kc;
+    att.v_cache = vc;
+    att.window = windows[l] > 0 ? (int)windows[l] : 0;
+    att.q = qf.data();
+    att.out = out.data();
+    run_attention(att, T, isa);
+    for (int64_t i = 0; i < T * H * D; ++i) st(att_d.data(), i, out[i], dtype);
+    linear_rows(mm[1], att_d.data(), bias[1], T, dtype, isa, xf, of, act, o.data());
+    norm_all(o.data(), true, norms[2 * l + 1]);
+    linear_rows(mm[2], x.data(), bias[2], T, dtype, isa, xf, of, act, gu.data());
+    const int64_t I = mm[2].N / 2;
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(I + 8);
+      for (int64_t r = r0; r < r1; ++r)
+        silu_row(isa, gu.data() + r * 2 * I * es, gu.data() + (r * 2 + 1) * I * es, (int)I, dtype,
+                 a.data() + r * I * es, buf.data());
+    });
+    linear_rows(mm[3], a.data(), bias[3], T, dtype, isa, xf, of, act, d.data());
+  }
+  for (int64_t i = 0; i < T * hidden; ++i) st(hp, i, to_dtype(ld(d.data(), i, dtype) + ld(hp, i, dtype), dtype), dtype);
+  return h;
 }
 
 std::vector<int64_t> isas() {
@@ -318,6 +534,10 @@ TORCH_LIBRARY(opentgi, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
+  m.def("decode_stack(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int[] qtypes, Tensor?[] biases, "
+        "Tensor[] norms, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, "
+        "Tensor seq, Tensor ctx, int num_heads, int num_kv_heads, float scale, int[] windows, float eps, int isa) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
@@ -326,6 +546,7 @@ TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("decode_stack", decode_stack);
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CompositeExplicitAutograd, m) {

@@ -24,6 +24,7 @@ from opentgi.models.attention.torch_backend import prompt_form_invariant
 from opentgi.models.base import ForwardWithoutHooks, ModelSpec
 from opentgi.models.families.attention import DecoderAttention
 from opentgi.models.families.layout import DecoderLayout
+from opentgi.models.families.native_stack import NativeDecodeStack
 from opentgi.models.layers.elementwise import elementwise_on_padded_copy
 from opentgi.models.layers.linear import (
     OneDNNLinear,
@@ -122,6 +123,8 @@ class PagedDecoder(nn.Module):
         self.kernels_by_row_kind = False
         # a tied head on the embedding's GGUF blocks (native kernels), set by the loader
         self.native_head: nn.Module | None = None
+        # decode steps' layers in one native call, where they are of its shape (set by `materialize`)
+        self.native_stack: NativeDecodeStack | None = None
 
     def materialize(self, batch_invariant: bool = False) -> None:
         """After the weights are loaded: fuse projections (quantized ones too, where their formats
@@ -165,6 +168,7 @@ class PagedDecoder(nn.Module):
         backend = self.model.layers[0].self_attn.backend if self.model.layers else None
         if getattr(backend, "name", None) == "native":  # the native kernels are loaded: fused layer ops
             use_native(self)
+            self.native_stack = NativeDecodeStack.build(self)
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form
             spec = self.spec
             group = self.config.num_attention_heads // spec.num_kv_heads
@@ -198,6 +202,10 @@ class PagedDecoder(nn.Module):
         if self.embed_scale is not None:  # in the model dtype, as Gemma's code rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]
+        if self.native_stack is not None and getattr(self, "lora", None) is None:
+            last = self.native_stack(h, *tables[0], attn, kv_caches)
+            if last is not None:
+                return self.model.norm(last)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, *tables[layer.rope], attn, kv_cache)
         return self.model.norm(h)

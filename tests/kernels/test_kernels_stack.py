@@ -1,0 +1,123 @@
+"""A decode step's layers in one native call (models/families/native_stack.py): the hidden states
+and the KV cache it leaves are the module-by-module step's bit for bit, in float32 and bfloat16,
+for one row and for several rows of several tokens, with q/k/v biases; steps it does not take
+(prompt tokens, replaced projections) go through the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opentgi.config import Settings
+from opentgi.models.attention.metadata import AttentionMetadata
+from opentgi.models.families.native_stack import NativeDecodeStack
+from opentgi.models.loader import load_model
+from tests.helpers import tiny_models
+from tests.helpers.paged import PagedRunner
+
+torch.set_num_threads(1)
+
+# one type per fused projection (q/k/v and gate/up stack into one weight), four families in all
+UNIFORM = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q4_0",
+           "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def uniform_gguf():
+    return tiny_models.tiny_gguf_path(layer_types=UNIFORM)
+
+
+def load(path, dtype: str, tmp_path_factory):
+    return load_model(Settings(model_id=str(path), dtype=dtype, kernels="native",
+                               cache_dir=str(tmp_path_factory.mktemp("cache")))).model
+
+
+class Toggled:
+    """The model's forward with its native stack on or off."""
+
+    def __init__(self, model, on: bool):
+        self.model, self.on, self.spec = model, on, model.spec
+
+    def __call__(self, *args):
+        stack = self.model.native_stack
+        if not self.on:
+            self.model.native_stack = None
+        try:
+            return self.model(*args)
+        finally:
+            self.model.native_stack = stack
+
+
+class CountingStack:
+    def __init__(self, stack):
+        self.stack, self.taken = stack, []
+
+    def __call__(self, *args):
+        out = self.stack(*args)
+        self.taken.append(out is not None)
+        return out
+
+
+def run_both(model, steps: list[dict[int, list[int]]]):
+    fused, modules = PagedRunner(Toggled(model, True)), PagedRunner(Toggled(model, False))
+    for new_tokens in steps:
+        a, b = fused.step(new_tokens), modules.step(new_tokens)
+        assert torch.equal(a, b)
+    for (ka, va), (kb, vb) in zip(fused.kv_caches, modules.kv_caches, strict=True):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_equal_the_modules_bit_for_bit(kernels, uniform_gguf, tmp_path_factory, dtype):
+    model = load(uniform_gguf, dtype, tmp_path_factory)
+    assert model.native_stack is not None
+    counting = model.native_stack = CountingStack(model.native_stack)
+    prompts = {0: list(range(5, 40)), 1: list(range(100, 117)), 2: [7, 8, 9]}
+    steps = [prompts, {0: [11]}, {0: [12], 1: [13], 2: [14]}, {1: [15, 16, 17], 2: [18, 19]}, {0: [20], 2: [21]}]
+    run_both(model, steps)
+    # PagedRunner tells no prompt tokens: every token in the decode row's form, every step the stack's
+    assert counting.taken == [True] * len(steps)
+
+
+def test_biases_are_added_as_the_modules_add_them(kernels, uniform_gguf, tmp_path_factory):
+    model = load(uniform_gguf, "float32", tmp_path_factory)
+    gen = torch.Generator().manual_seed(0)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+            linear.bias = torch.randn(linear.out_features, generator=gen)
+    model.native_stack = NativeDecodeStack.build(model)
+    assert model.native_stack is not None
+    run_both(model, [{0: list(range(5, 30)), 1: [3, 4]}, {0: [9], 1: [10]}, {0: [11], 1: [12]}])
+
+
+def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(kernels, uniform_gguf, tmp_path_factory):
+    model = load(uniform_gguf, "float32", tmp_path_factory)
+    stack = model.native_stack
+    runner = PagedRunner(model)
+    runner.step({0: list(range(5, 20))})
+    h = torch.zeros(1, model.config.hidden_size)
+    cos, sin = model.rotary[0].cos_sin(torch.tensor([15]), torch.float32, 16)
+    def meta(prompt: list[int] | None):
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([runner.tables[0][0] * 16 + 15]), cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 16], dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=16,
+            context_lens=torch.tensor([16], dtype=torch.int32),
+            block_tables=torch.tensor([runner.tables[0]], dtype=torch.int32), decode_only=True,
+            prompt_new_tokens=prompt)
+
+    assert stack(h, cos, sin, meta(None), runner.kv_caches) is not None
+    stack.backend.prompt_form = True  # prompt tokens attended in their own form (torch_backend.py)
+    assert stack(h, cos, sin, meta([1]), runner.kv_caches) is None
+    stack.backend.prompt_form = False
+    layer = model.model.layers[1]
+    original = layer.mlp.down_proj
+    layer.mlp.down_proj = torch.nn.Identity()  # as an adapter's wrapper replaces it
+    try:
+        assert stack(h, cos, sin, meta(None), runner.kv_caches) is None
+    finally:
+        layer.mlp.down_proj = original
+
+
+def test_layers_of_another_shape_get_no_stack(kernels, tmp_path_factory):
+    mixed = load(tiny_models.tiny_gguf_path(), "float32", tmp_path_factory)  # q, k, v in three block types
+    assert mixed.native_stack is None
