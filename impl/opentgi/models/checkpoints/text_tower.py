@@ -2,8 +2,8 @@
 (`Gemma3ForConditionalGeneration`; the 1B is the text-only `Gemma3ForCausalLM`), served on the text
 tower alone (without an image a prompt never reaches the vision tower, so the text tower computes
 what the whole model does; the APIs refuse its image inputs), and Idefics3 / SmolVLM
-(`Idefics3ForConditionalGeneration`), whose image encoder is loaded beside it (`VISION_TOWERS`,
-models/vision/).
+(`Idefics3ForConditionalGeneration`) and Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`), whose
+image encoders are loaded beside it (`VISION_TOWERS`, models/vision/).
 
 - `text_config`: the checkpoint's text config in place of the wrapper's, still naming the
   wrapper's architecture (what /info reports and the registry maps to a family), with the
@@ -20,10 +20,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-VISION_TOWERS = ("Idefics3ForConditionalGeneration",)  # served with their image encoder
+# served with their image encoder
+VISION_TOWERS = ("Idefics3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 TEXT_TOWERS = ("Gemma3ForConditionalGeneration", *VISION_TOWERS)
 _IDEFICS3_RENAMED = (("model.text_model.", "model."), ("model.vision_model.", "vision.vision_model."),
                      ("model.connector.", "vision.connector."))
+# both layouts: transformers 4.x's save_pretrained writes the first names (the hub's), loads either
+_QWEN2_5_VL_RENAMED = (("visual.", "vision."), ("model.visual.", "vision."), ("model.language_model.", "model."))
 _RENAMED = (("language_model.model.", "model."), ("model.language_model.", "model."),
             ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -68,8 +71,17 @@ def idefics3_name(name: str) -> str:
     return name
 
 
+def qwen2_5_vl_name(name: str) -> str:
+    for old, new in _QWEN2_5_VL_RENAMED:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def tensor_renamer(config) -> Callable[[str], str | None] | None:
     """How the checkpoint's tensor names map to the paged decoder's (None: as they are)."""
+    if _architecture(config) == "Qwen2_5_VLForConditionalGeneration":
+        return qwen2_5_vl_name
     if _architecture(config) in VISION_TOWERS:
         return idefics3_name
     return text_tower_name if is_text_tower(config) else None

@@ -1,4 +1,5 @@
-"""A prompt with images -> its token ids and one preprocessed `ImageInput` per image.
+"""A prompt with images -> its token ids and one preprocessed `ImageInput` per image
+(Qwen2.5-VL's: qwen2_5_vl_processing.py).
 
 Idefics3 (SmolVLM): transformers' own Idefics3ImageProcessor, read from the model folder, preprocesses
 each image (resize, split into tiles, rescale, normalise: its pixels by construction), and its
@@ -84,4 +85,8 @@ def image_prompts_for(folder: Path, config, tokenizer):
     archs = getattr(config, "architectures", None) or []
     if archs and archs[0] == "Idefics3ForConditionalGeneration":
         return Idefics3Prompts(folder, tokenizer)
+    if archs and archs[0] == "Qwen2_5_VLForConditionalGeneration":
+        from opentgi.models.vision.qwen2_5_vl_processing import Qwen2_5_VLPrompts
+
+        return Qwen2_5_VLPrompts(folder, tokenizer)
     return None
