@@ -171,3 +171,18 @@ def test_a_request_with_images_is_the_same_alone_batched_cached_and_chunked(vlm)
     cached, hits = asyncio.run(run(0, True))
     assert cached == alone and hits > 16  # the images' blocks came from the cache
     assert asyncio.run(run(2, False, chunked_prefill_tokens=7))[0] == alone
+
+
+def test_images_encoded_as_one_batch_give_each_image_its_rows(vlm):
+    """--nondeterministic: the step's images in one pass of the tower (windows and full
+    attention stay within each image); a refused image is named."""
+    loaded = vlm[0]
+    _, inputs = loaded.image_prompts(IMAGE * 3, [data(WIDE), data(SQUARE), data(png_bytes(60, 130, seed=4))], False)
+    vision = loaded.model.vision
+    vision.encode_images(inputs, batched=False)
+    alone = [i.embeds for i in inputs]
+    vision.encode_images(inputs, batched=True)
+    for one, batched in zip(alone, (i.embeds for i in inputs)):
+        assert one.shape == batched.shape and torch.allclose(one, batched, atol=1e-5)
+    with pytest.raises(ValueError, match="image 1: .*aspect ratio is over 200"):
+        loaded.image_prompts(IMAGE * 2, [data(WIDE), data(png_bytes(1000, 4))], False)

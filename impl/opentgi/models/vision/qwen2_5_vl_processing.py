@@ -103,8 +103,11 @@ class Qwen2_5_VLPrompts:
         if len(pieces) - 1 != len(images):
             raise ValueError(f"the prompt holds {len(pieces) - 1} images ({self.image_token}) for {len(images)} images")
         expanded, tensors = [pieces[0]], []
-        for image, after in zip(images, pieces[1:]):
-            pixels, grid = self.images(image.image)
+        for index, (image, after) in enumerate(zip(images, pieces[1:])):
+            try:
+                pixels, grid = self.images(image.image)
+            except ValueError as exc:
+                raise ValueError(f"image {index}: {exc}") from None
             tokens = grid[0] * grid[1] * grid[2] // self.images.merge_size ** 2
             expanded.append(self.image_token.replace(self.pad_token, self.pad_token * tokens))
             expanded.append(after)
