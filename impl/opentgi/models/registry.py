@@ -70,6 +70,10 @@ def paged_unsupported_reason(config) -> str | None:
 
 
 def _image_encoder(arch: str, config) -> torch.nn.Module:
+    if arch == "Gemma3ForConditionalGeneration":
+        from opentgi.models.vision.gemma3 import Gemma3Vision
+
+        return Gemma3Vision(config)
     if arch == "Qwen2_5_VLForConditionalGeneration":
         from opentgi.models.vision.qwen2_5_vl import Qwen2_5_VLVision
 

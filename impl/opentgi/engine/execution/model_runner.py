@@ -14,6 +14,8 @@ tokens' rows. Batch-invariant (the default), each image is encoded alone, so its
 on the other images of the step; with --nondeterministic the step's images are encoded as one
 batch (Idefics3: those of one tile size). With M-RoPE (Qwen2.5-VL) a sequence with images has
 three positions per token, which its images give (the text after an image continues from it).
+Gemma 3's image tokens attend each other both ways: the step tells the attention which rows
+(AttentionMetadata.image_spans).
 """
 
 from __future__ import annotations
@@ -144,6 +146,21 @@ class ModelRunner:
             at += n
         return positions
 
+    @staticmethod
+    def image_spans(seqs: list[Sequence], num_new_tokens: list[int], cu_q: list[int]) -> list[tuple]:
+        """The step's image tokens that attend each other both ways (AttentionMetadata.image_spans);
+        the scheduler keeps each image within one step."""
+        spans = []
+        for b, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            for image in seq.request.images:
+                first, last = max(start, image.start), min(end, image.end)
+                if image.bidirectional and first < last:
+                    if image.end > end:
+                        raise RuntimeError("a step ends inside an image whose tokens attend each other both ways")
+                    spans.append((cu_q[b] + first - start, b, first, last, image.start, image.end))
+        return spans
+
     def image_embeds(self, seqs: list[Sequence], num_new_tokens: list[int], cu_q: list[int]):
         """(flat indices, rows) of the step's image tokens, encoding the images first where needed;
         None when the step feeds none."""
@@ -180,6 +197,8 @@ class ModelRunner:
                 extra["image_embeds"] = image_embeds
             if getattr(self.vision, "mrope", False):  # the whole sequence's positions follow its images
                 positions = self.mrope_positions(seqs, num_new_tokens, positions)
+            if getattr(self.vision, "bidirectional", False):
+                attn.image_spans = self.image_spans(seqs, num_new_tokens, cu_q) or None
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:

@@ -195,11 +195,11 @@ class PagedDecoder(nn.Module):
         rows) that replace those tokens' embeddings (models/vision/). `positions` int64 [T], or
         [3, T] with M-RoPE (layers/rotary.py)."""
         h = self.model.embed_tokens(input_ids)
-        if image_embeds is not None:
-            index, rows = image_embeds
-            h = h.index_copy(0, index, rows.to(h.dtype))
         if self.embed_scale is not None:  # in the model dtype, as Gemma's code rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        if image_embeds is not None:  # after the scale, as transformers places them (Gemma 3)
+            index, rows = image_embeds
+            h = h.index_copy(0, index, rows.to(h.dtype))
         tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, *tables[layer.rope], attn, kv_cache)
