@@ -5,7 +5,8 @@ recomputed gets a chunk of the step's prefill budget), then admits waiting seque
 left of the budget. Knobs, with TGI's meaning:
 
 - prefill budget per step: `chunked_prefill_tokens` (capped by `max_batch_prefill_tokens`); with
-  chunking off, `max_batch_prefill_tokens` and a new prompt is prefilled whole in one step;
+  chunking off, `max_batch_prefill_tokens` and a new prompt is prefilled whole in one step; a
+  chunk never ends inside an image whose tokens attend each other both ways (`whole_images`);
 - `max_waiting_tokens` / `waiting_served_ratio` (chunking off): while sequences are running, new
   ones are admitted only when at least `waiting_served_ratio` x running are waiting, or after
   `max_waiting_tokens` steps without admission. With chunked prefill, as in TGI v3, the rule is
