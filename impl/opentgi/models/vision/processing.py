@@ -141,5 +141,5 @@ def image_prompts_for(folder: Path, config, tokenizer):
     if archs and archs[0] == "Qwen2_5_VLForConditionalGeneration":
         from opentgi.models.vision.qwen2_5_vl_processing import Qwen2_5_VLPrompts
 
-        return Qwen2_5_VLPrompts(folder, tokenizer)
+        return Qwen2_5_VLPrompts(folder, tokenizer, processor_chat_template(folder))
     return None

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from opentgi.models.vision.inputs import ImageData, ImageInput
-from opentgi.models.vision.processing import processor_chat_template
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / STD, the processor's defaults
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -87,7 +86,7 @@ class Qwen2_5_VLPrompts:
     image_token = "<|vision_start|><|image_pad|><|vision_end|>"  # the chat template's image
     pad_token = "<|image_pad|>"
 
-    def __init__(self, folder: Path, tokenizer):
+    def __init__(self, folder: Path, tokenizer, chat_template: str | None):
         config = folder / "preprocessor_config.json"
         if not config.is_file():
             raise ValueError("the folder has no preprocessor_config.json")
@@ -96,7 +95,7 @@ class Qwen2_5_VLPrompts:
         self.pad_token_id = tokenizer.convert_tokens_to_ids(self.pad_token)
         if self.pad_token_id is None or self.pad_token_id == tokenizer.unk_token_id:
             raise ValueError(f"the tokenizer has no {self.pad_token} token")
-        self.chat_template = processor_chat_template(folder)
+        self.chat_template = chat_template  # the processor's (processing.py: processor_chat_template)
 
     def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
         pieces = text.split(self.image_token)
