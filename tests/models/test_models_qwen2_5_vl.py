@@ -186,3 +186,25 @@ def test_images_encoded_as_one_batch_give_each_image_its_rows(vlm):
         assert one.shape == batched.shape and torch.allclose(one, batched, atol=1e-5)
     with pytest.raises(ValueError, match="image 1: .*aspect ratio is over 200"):
         loaded.image_prompts(IMAGE * 2, [data(WIDE), data(png_bytes(1000, 4))], False)
+
+
+def test_the_newer_checkpoint_layout_loads_the_same_weights(vlm, tmp_path):
+    """transformers' newer names (`model.visual.*`, `model.language_model.*`) load as the hub's do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_qwen2_5_vl_path()
+    for item in path.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    tensors = load_file(str(path / "model.safetensors"))
+    renamed = {("model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)): v
+               for k, v in tensors.items()}
+    assert any(k.startswith("model.language_model.layers.") for k in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    newer = load_model(Settings(model_id=str(tmp_path), dtype="float32")).model
+    older = vlm[0].model
+    assert torch.equal(newer.vision.blocks[0].attn.qkv.weight, older.vision.blocks[0].attn.qkv.weight)
+    assert torch.equal(newer.model.embed_tokens.weight, older.model.embed_tokens.weight)
+    assert torch.equal(newer.vision.merger.mlp[2].weight, older.vision.merger.mlp[2].weight)
