@@ -12,7 +12,7 @@ import torch
 
 from opentgi.api.images import ImageLimits, load_image, refused_address
 from opentgi.engine.errors import ValidationError
-from tests.helpers.tiny_vision import png_bytes, tiny_idefics3_path
+from tests.helpers.tiny_vision import png_bytes, tiny_gemma3_vl_path, tiny_idefics3_path, tiny_qwen2_5_vl_path
 
 torch.set_num_threads(1)
 
@@ -220,3 +220,46 @@ def test_a_stuck_fetch_gives_the_request_its_answer(monkeypatch):
         asyncio.run(images.load_images(["http://example.com/a.png"], ImageLimits(timeout_s=0.1)))
     assert time.monotonic() - started < 1.0
 
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3"])
+def family_client(request):
+    from opentgi.api.app import create_app
+    from opentgi.config import Settings
+    from opentgi.engine.engine import Engine
+
+    path = {"qwen2_5_vl": tiny_qwen2_5_vl_path, "gemma3": tiny_gemma3_vl_path}[request.param]()
+    settings = Settings(model_id=str(path), device="cpu", max_input_tokens=200, max_total_tokens=256,
+                        max_batch_total_tokens=2048)
+    with create_app(settings, Engine.from_settings(settings)).test_client() as client:
+        yield request.param, client
+
+
+def test_qwen2_5_vl_and_gemma3_take_chat_and_markdown_images(family_client):
+    """Qwen2.5-VL and Gemma 3 (tests/helpers/tiny_vision.py): the chat template's image becomes the
+    image's tokens (Qwen2.5-VL, 90 x 40 pixels: 56 x 84 after smart_resize, 24 patches, 6 merged,
+    and the vision start and end tokens; Gemma 3: 4 soft tokens between its start and end
+    tokens), and the image's pixels reach the model (another image, other logprobs)."""
+    family, client = family_client
+
+    def ask(url=None):
+        parts = [{"type": "image_url", "image_url": {"url": url}}] if url else []
+        response = chat(client, [*parts, {"type": "text", "text": "What?"}], logprobs=True)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        return body["usage"]["prompt_tokens"], [t["logprob"] for t in body["choices"][0]["logprobs"]["content"]]
+
+    (plain, _), (one, first), (same, again) = ask(), ask(IMAGE), ask(IMAGE)  # the second one cached
+    other = ask(data_url(png_bytes(90, 40, seed=9)))
+    assert one == plain + 8 if family == "qwen2_5_vl" else one >= plain + 6
+    assert same == one and other[0] == one
+    assert first == again and other[1] != first
+    marker = {"qwen2_5_vl": "<|im_start|>user\n", "gemma3": "<start_of_turn>user\n"}[family]
+
+    def prefill(inputs: str) -> int:
+        response = client.post("/generate", json={"inputs": inputs, "parameters": {
+            "max_new_tokens": 3, "decoder_input_details": True}})
+        assert response.status_code == 200, response.text
+        return len(response.json()["details"]["prefill"])
+
+    assert prefill(f"{marker}![]({IMAGE})What?") >= prefill(f"{marker}What?") + 6  # the image's tokens

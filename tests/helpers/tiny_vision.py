@@ -6,6 +6,8 @@ small images made in memory.
   tiles in 14 x 14 patches, pixel shuffle by 2 (4 image tokens a tile), SmolLM2's tokenizer with
   the processor's image tokens added, SmolVLM's chat template, images split into tiles of 56 with
   the longest edge resized to 112 (at most 2 x 2 tiles and the global image).
+- `tiny_qwen2_5_vl_path()`: Qwen2_5_VLForConditionalGeneration, as the hub has it (see there).
+- `tiny_gemma3_vl_path()`: Gemma3ForConditionalGeneration with its image processor (see there).
 - `png_bytes(width, height, seed)` / `jpeg_bytes(...)`: an image of random pixels, encoded.
 - `reference_vision_position_ids()`: a context in which transformers' Idefics3 computes its vision
   position ids as fixed upstream (transformers 4.55-4.57 put them one off in float32).
@@ -68,6 +70,130 @@ def tiny_idefics3_path(seed: int = 0) -> Path:
         GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_IDS, pad_token_id=2).save_pretrained(out)
 
     return _cached_folder("tiny-idefics3", params, build)
+
+
+QWEN2_5_VL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN2_5_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def tiny_qwen2_5_vl_path(seed: int = 0) -> Path:
+    """A tiny random Qwen2_5_VLForConditionalGeneration saved as the hub has it (`save_pretrained`
+    of the model, the image processor's preprocessor_config.json, the tokenizer and
+    chat_template.jinja): a three-block vision tower (hidden 32, 2 heads) of 14 x 14 patches with
+    windows of 2 x 2 merged patches (56 pixels) and full attention in block 1, images resized to
+    between 56 x 56 and 112 x 112 pixels; a two-layer Qwen2 text model with M-RoPE sections
+    [2, 3, 3]; SmolLM2's tokenizer with Qwen's vision tokens added."""
+    params = {"seed": seed,
+              "text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                       "rms_norm_eps": 1e-6, "rope_theta": 100000.0, "initializer_range": 0.1,
+                       "tie_word_embeddings": False,
+                       "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+              "vision": {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                         "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                         "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+                         "tokens_per_second": 2, "hidden_act": "silu", "initializer_range": 0.1},
+              "pixels": {"min_pixels": 56 * 56, "max_pixels": 112 * 112}}
+
+    def build(out: Path) -> None:
+        import json
+
+        import torch
+        from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        tokenizer = load_smollm2_tokenizer()
+        tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_5_VL_TOKENS})
+        tokenizer.chat_template = QWEN2_5_VL_TEMPLATE
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_5_VL_TOKENS}
+        config = Qwen2_5_VLConfig(
+            text_config={**params["text"], "vocab_size": len(tokenizer), "bos_token_id": 1, "eos_token_id": 2},
+            vision_config=params["vision"], image_token_id=ids["<|image_pad|>"],
+            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+            vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, torch_dtype="float32")
+        torch.manual_seed(params["seed"])
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        (out / "chat_template.jinja").write_text(QWEN2_5_VL_TEMPLATE)
+        # Qwen2VLImageProcessor's saved config (the video processor beside it needs torchvision)
+        (out / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+            "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
+            "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True, "patch_size": 14,
+            "temporal_patch_size": 2, "merge_size": 2, **params["pixels"],
+            "size": {"shortest_edge": params["pixels"]["min_pixels"],
+                     "longest_edge": params["pixels"]["max_pixels"]}}, indent=2))
+        GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_IDS, pad_token_id=2).save_pretrained(out)
+
+    return _cached_folder("tiny-qwen2_5_vl", params, build)
+
+
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def tiny_gemma3_vl_path(seed: int = 0) -> Path:
+    """A tiny random Gemma3ForConditionalGeneration with its image processor, saved as the hub
+    has it (`save_pretrained` of the model and the Gemma3ImageProcessor, processor_config.json,
+    the tokenizer and chat_template.jinja): the gemma3 family's tiny text config (sliding windows
+    of 8, local RoPE base), a two-layer SigLIP tower over 56 x 56 images in 14 x 14 patches, pooled
+    2 x 2 into 4 image tokens; SmolLM2's tokenizer with Gemma 3's image tokens added."""
+    from tests.helpers.tiny_models import FAMILY_CONFIGS
+
+    params = {"seed": seed, "text": {**FAMILY_CONFIGS["gemma3"][2], "final_logit_softcapping": None},
+              "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+              "tokens": 4}
+
+    def build(out: Path) -> None:
+        import json
+
+        import torch
+        from transformers import (
+            Gemma3Config,
+            Gemma3ForConditionalGeneration,
+            Gemma3ImageProcessor,
+            GenerationConfig,
+        )
+
+        tokenizer = load_smollm2_tokenizer()
+        tokenizer.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
+        tokenizer.chat_template = GEMMA3_TEMPLATE
+        boi, eoi, soft = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_TOKENS)
+        config = Gemma3Config(
+            text_config={**params["text"], "vocab_size": len(tokenizer), "bos_token_id": 1, "eos_token_id": 2},
+            vision_config=params["vision"], mm_tokens_per_image=params["tokens"], boi_token_index=boi,
+            eoi_token_index=eoi, image_token_index=soft, torch_dtype="float32")
+        torch.manual_seed(params["seed"])
+        model = Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+        with torch.no_grad():  # zeros at initialisation: random, so that a wrong projection shows
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        (out / "chat_template.jinja").write_text(GEMMA3_TEMPLATE)
+        Gemma3ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(out)
+        (out / "processor_config.json").write_text(json.dumps({"image_seq_length": params["tokens"],
+                                                                "processor_class": "Gemma3Processor"}))
+        GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_IDS, pad_token_id=2).save_pretrained(out)
+
+    return _cached_folder("tiny-gemma3-vl", params, build)
 
 
 def png_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:

@@ -261,18 +261,20 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot load the config/tokenizer of {model_id!r}: {exc}") from None
-        if architecture_of(config) in text_tower.VISION_TOWERS:
+        # Gemma 3 sharded: its text tower, as before it took images (no image encoder is sharded)
+        if architecture_of(config) in text_tower.VISION_TOWERS and not (
+                sharded and architecture_of(config) == "Gemma3ForConditionalGeneration"):
             from opentgi.models.vision.processing import image_prompts_for
 
             try:
                 image_prompts = image_prompts_for(folder, config, tokenizer)
             except ValueError as exc:
                 raise ModelLoadError(f"cannot load the processor of {model_id!r}: {exc}") from None
-            config = text_tower.text_config(config)
-        elif text_tower.is_text_tower(config):
-            log.info("%s: the paged path serves its text tower; image inputs are refused",
-                     architecture_of(config))
-            config = text_tower.text_config(config)
+        if text_tower.is_text_tower(config):
+            if image_prompts is None:  # Gemma 3 without its image processor, or sharded
+                log.info("%s: the paged path serves its text tower; image inputs are refused",
+                         architecture_of(config))
+            config = text_tower.text_config(config, images=image_prompts is not None)
     _check_quantize(quantize, config, device, sharded, model_id)
     native_types: frozenset[int] = frozenset()
     if not sharded and _quantized_linears(quantize, config):

@@ -33,6 +33,7 @@ PAGED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "lm"),
     "Gemma3ForConditionalGeneration": ("gemma3", "lm"),  # its text tower (checkpoints/text_tower.py)
     "Idefics3ForConditionalGeneration": ("llama", "lm"),  # and its image encoder (models/vision/)
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2", "lm"),  # M-RoPE, and its image encoder
     "Phi3ForCausalLM": ("phi3", "lm"),
     "Starcoder2ForCausalLM": ("starcoder2", "lm"),
     "LlamaForSequenceClassification": ("llama", "score"),
@@ -66,6 +67,20 @@ def paged_unsupported_reason(config) -> str | None:
     if getattr(config, "use_bidirectional_attention", False):
         return "use_bidirectional_attention (not a causal decoder)"
     return None
+
+
+def _image_encoder(arch: str, config) -> torch.nn.Module:
+    if arch == "Gemma3ForConditionalGeneration":
+        from opentgi.models.vision.gemma3 import Gemma3Vision
+
+        return Gemma3Vision(config)
+    if arch == "Qwen2_5_VLForConditionalGeneration":
+        from opentgi.models.vision.qwen2_5_vl import Qwen2_5_VLVision
+
+        return Qwen2_5_VLVision(config)
+    from opentgi.models.vision.idefics3 import Idefics3Vision
+
+    return Idefics3Vision(config)
 
 
 def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dtype,
@@ -109,9 +124,7 @@ def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dt
         local = config if plan is None else plan.local_config(config)
         model = PagedDecoder(local, spec, backend, DecoderLayout.of(local, FAMILIES[family]), head)
         if getattr(config, "vision_source", None) is not None:  # an image-taking checkpoint
-            from opentgi.models.vision.idefics3 import Idefics3Vision
-
-            model.vision = Idefics3Vision(config.vision_source)
+            model.vision = _image_encoder(arch, config.vision_source)
     ignore = ("lm_head.weight",) if head == "lm" and model.tie_word_embeddings else ()
     if plan is None:
         weights = folder if not isinstance(folder, Path) else FolderWeights(folder, config)

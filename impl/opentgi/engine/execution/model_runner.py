@@ -11,8 +11,11 @@ attention in its own batch-invariant form), the forward runs with the step's row
 A vision-language model's step first encodes the images whose tokens the step feeds and that are
 not encoded yet (an encoder step of its own, before the decoder's), then hands the decoder those
 tokens' rows. Batch-invariant (the default), each image is encoded alone, so its rows never depend
-on the other images of the step; with --nondeterministic the step's images of one tile size are
-encoded as one batch.
+on the other images of the step; with --nondeterministic the step's images are encoded as one
+batch (Idefics3: those of one tile size). With M-RoPE (Qwen2.5-VL) a sequence with images has
+three positions per token, which its images give (the text after an image continues from it).
+Gemma 3's image tokens attend each other both ways: the step tells the attention which rows
+(AttentionMetadata.image_spans).
 """
 
 from __future__ import annotations
@@ -127,18 +130,36 @@ class ModelRunner:
         return RowKinds(prompt_new_tokens, num_new_tokens, self.device)
 
     def encode_images(self, images: list) -> None:
-        """Set `embeds` of each ImageInput (the encoder step)."""
-        if getattr(self.model, "batch_invariant", False) or len(images) == 1:
-            for image in images:
-                image.embeds = self.vision.encode(image.pixel_values, image.pixel_mask)
-            return
-        groups: dict[tuple, list] = {}
-        for image in images:
-            groups.setdefault(tuple(image.pixel_values.shape[1:]), []).append(image)
-        for group in groups.values():
-            rows = self.vision.encode(torch.cat([i.pixel_values for i in group]), torch.cat([i.pixel_mask for i in group]))
-            for image, part in zip(group, rows.split([len(i.positions) for i in group])):
-                image.embeds = part
+        """Set `embeds` of each ImageInput (the encoder step): batch-invariant, each image alone."""
+        batched = not getattr(self.model, "batch_invariant", False) and len(images) > 1
+        self.vision.encode_images(images, batched)
+
+    def mrope_positions(self, seqs: list[Sequence], num_new_tokens: list[int], flat: torch.Tensor) -> torch.Tensor:
+        """[3, T] M-RoPE positions of the step's tokens (`flat`: their plain positions), from each
+        sequence's images (a sequence without images keeps its plain ones in all three)."""
+        positions = flat.unsqueeze(0).repeat(3, 1)
+        at = 0
+        for seq, n in zip(seqs, num_new_tokens):
+            if seq.request.images:
+                start = seq.num_computed_tokens
+                positions[:, at:at + n] = self.vision.mrope_positions(seq.request.images, start, start + n).to(flat.device)
+            at += n
+        return positions
+
+    @staticmethod
+    def image_spans(seqs: list[Sequence], num_new_tokens: list[int], cu_q: list[int]) -> list[tuple]:
+        """The step's image tokens that attend each other both ways (AttentionMetadata.image_spans);
+        the scheduler keeps each image within one step."""
+        spans = []
+        for b, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            for image in seq.request.images:
+                first, last = max(start, image.start), min(end, image.end)
+                if image.bidirectional and first < last:
+                    if image.end > end:
+                        raise RuntimeError("a step ends inside an image whose tokens attend each other both ways")
+                    spans.append((cu_q[b] + first - start, b, first, last, image.start, image.end))
+        return spans
 
     def image_embeds(self, seqs: list[Sequence], num_new_tokens: list[int], cu_q: list[int]):
         """(flat indices, rows) of the step's image tokens, encoding the images first where needed;
@@ -174,6 +195,10 @@ class ModelRunner:
             image_embeds = self.image_embeds(seqs, num_new_tokens, cu_q)
             if image_embeds is not None:
                 extra["image_embeds"] = image_embeds
+            if getattr(self.vision, "mrope", False):  # the whole sequence's positions follow its images
+                positions = self.mrope_positions(seqs, num_new_tokens, positions)
+            if getattr(self.vision, "bidirectional", False):
+                attn.image_spans = self.image_spans(seqs, num_new_tokens, cu_q) or None
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:

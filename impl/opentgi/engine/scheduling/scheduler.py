@@ -5,7 +5,8 @@ recomputed gets a chunk of the step's prefill budget), then admits waiting seque
 left of the budget. Knobs, with TGI's meaning:
 
 - prefill budget per step: `chunked_prefill_tokens` (capped by `max_batch_prefill_tokens`); with
-  chunking off, `max_batch_prefill_tokens` and a new prompt is prefilled whole in one step;
+  chunking off, `max_batch_prefill_tokens` and a new prompt is prefilled whole in one step; a
+  chunk never ends inside an image whose tokens attend each other both ways (`whole_images`);
 - `max_waiting_tokens` / `waiting_served_ratio` (chunking off): while sequences are running, new
   ones are admitted only when at least `waiting_served_ratio` x running are waiting, or after
   `max_waiting_tokens` steps without admission. With chunked prefill, as in TGI v3, the rule is
@@ -36,6 +37,17 @@ from opentgi.engine.sampling.speculative import NgramProposer, can_speculate
 from opentgi.engine.scheduling.block_manager import BlockManager
 from opentgi.engine.scheduling.fair_share import FairShare
 from opentgi.engine.scheduling.sequence import Sequence, SequenceStatus
+
+
+def whole_images(seq: Sequence, n: int) -> int:
+    """n of seq's uncomputed tokens, or fewer or more so that the chunk never ends inside an image
+    whose tokens attend each other both ways (Gemma 3): it ends before the image, or where the
+    image starts the chunk (or a cached prefix ended inside it), after it."""
+    start = seq.num_computed_tokens
+    for image in seq.request.images:
+        if image.bidirectional and image.start < start + n < image.end:
+            return image.start - start if image.start > start else image.end - start
+    return n
 
 
 @dataclass
@@ -118,7 +130,7 @@ class Scheduler:
             seq = self.running[i]
             n = seq.num_uncomputed_tokens
             if n > 1:  # prompt chunk or recompute
-                n = min(n, budget)
+                n = whole_images(seq, min(n, budget)) if budget > 0 else 0
                 if n <= 0:
                     i += 1
                     continue
@@ -216,7 +228,7 @@ class Scheduler:
             if n > budget and fresh_prompt and not cfg.chunked_prefill and (self.running or out.seqs):
                 bm.free(seq)  # a whole prompt must fit this step's budget; try next step
                 break
-            n = min(n, budget)
+            n = whole_images(seq, min(n, budget))
             watermark = cfg.watermark_blocks if self.running else 0
             if bm.num_new_blocks_needed(seq, n) + watermark > bm.num_free_blocks \
                     or not bm.allocate_slots(seq, n):

@@ -29,6 +29,10 @@ class AttentionMetadata:
     # attend prompt tokens in another batch-invariant form than generated ones (torch_backend.py);
     # None: not told, every token in the generated tokens' form
     prompt_new_tokens: list[int] | None = None
+    # image tokens that attend each other both ways (Gemma 3: attention/bidirectional.py): one
+    # (flat row of the first, sequence b, its position, one past the last one's, the image's
+    # first position, one past its last) per image a step feeds; None: all causal
+    image_spans: list[tuple[int, int, int, int, int, int]] | None = None
     # Per-step data a backend derives from the fields above once and reuses in every layer (e.g.
     # the torch backend's gathered block ids and masks). The model runner leaves it empty.
     scratch: dict = field(default_factory=dict, repr=False, compare=False)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from opentgi.models.attention.backend import AttentionBackend
+from opentgi.models.attention.bidirectional import attend_image_spans
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.families.layout import DecoderLayout
@@ -71,4 +72,7 @@ class DecoderAttention(ForwardWithoutHooks, nn.Module):
             # windowed and full layers (Gemma 2/3) share one attention plan (the same numbers)
             window = None
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, window, **self.extra)
+        if meta.image_spans:  # image tokens that attend each other both ways (Gemma 3)
+            out = attend_image_spans(out, q, k_cache, v_cache, meta, self.scale, window,
+                                     getattr(self.backend, "batch_invariant", False))
         return self.o_proj(out.reshape(num_tokens, q_size))

@@ -36,7 +36,7 @@ from opentgi.models.layers.linear import (
 from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.layers.norm import add_and_norm, make_norm, use_native
-from opentgi.models.layers.rotary import RotaryEmbedding, local_rope_config
+from opentgi.models.layers.rotary import MRotaryEmbedding, RotaryEmbedding, local_rope_config, mrope_section
 from opentgi.models.quantization.prompt_copy import add_prompt_copies
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,9 @@ class PagedDecoder(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.feed_forward.fuse_projections()
-        self.rotary = [RotaryEmbedding(self.config, self.spec.device)]
+        section = mrope_section(self.config)
+        self.rotary = [RotaryEmbedding(self.config, self.spec.device) if section is None
+                       else MRotaryEmbedding(self.config, self.spec.device, section)]
         if any(self.layout.local_rope):
             self.rotary.append(RotaryEmbedding(local_rope_config(self.config), self.spec.device))
         self._set_batch_invariant(batch_invariant)
@@ -194,13 +196,14 @@ class PagedDecoder(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`image_embeds` (a vision-language model's prompt rows with images): (flat indices,
-        rows) that replace those tokens' embeddings (models/vision/)."""
+        rows) that replace those tokens' embeddings (models/vision/). `positions` int64 [T], or
+        [3, T] with M-RoPE (layers/rotary.py)."""
         h = self.model.embed_tokens(input_ids)
-        if image_embeds is not None:
-            index, rows = image_embeds
-            h = h.index_copy(0, index, rows.to(h.dtype))
         if self.embed_scale is not None:  # in the model dtype, as Gemma's code rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        if image_embeds is not None:  # after the scale, as transformers places them (Gemma 3)
+            index, rows = image_embeds
+            h = h.index_copy(0, index, rows.to(h.dtype))
         tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]
         if self.native_stack is not None and getattr(self, "lora", None) is None:
             last = self.native_stack(h, *tables[0], attn, kv_caches)

@@ -19,7 +19,8 @@ def rope_type(config) -> str:
     scaling = getattr(config, "rope_scaling", None)
     if not isinstance(scaling, dict):
         return "default"
-    return scaling.get("rope_type", scaling.get("type", "default"))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return "default" if kind == "mrope" else kind  # M-RoPE's frequencies are the default ones
 
 
 def local_rope_config(config):
@@ -77,6 +78,39 @@ class RotaryEmbedding:
         half = sin.shape[-1] // 2
         sin[:, :half].neg_()
         return cos, sin
+
+
+def mrope_section(config) -> list[int] | None:
+    """Qwen2.5-VL's M-RoPE: how many of each head's rotary frequencies take the temporal, height
+    and width positions (`rope_scaling.mrope_section`); None for plain RoPE."""
+    scaling = getattr(config, "rope_scaling", None)
+    section = scaling.get("mrope_section") if isinstance(scaling, dict) else None
+    return list(section) if section else None
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (multimodal RoPE): positions int64 [3, T] (temporal, height, width), each head's
+    frequencies in three sections that take one of them each (the sections repeat for the second
+    half, as the frequencies do). A text token's three positions are equal, so its rows are plain
+    RoPE's; 1-D positions (a step without images) are plain RoPE's too."""
+
+    def __init__(self, config, device: torch.device, section: list[int]):
+        super().__init__(config, device)
+        which = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section * 2)])
+        self.which = which.to(device)  # [head_dim]: the position row each column takes
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype, max_position)
+        n = positions.shape[1]
+        cos, sin = super().cos_sin(positions.reshape(-1), dtype, max_position)
+        cos, sin = cos.view(3, n, 1, -1), sin.view(3, n, 1, -1)
+        which = self.which
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return torch.where(which == 0, t[0], torch.where(which == 1, t[1], t[2]))
+
+        return pick(cos), pick(sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

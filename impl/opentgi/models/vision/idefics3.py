@@ -162,3 +162,18 @@ class Idefics3Vision(nn.Module):
         hidden = self.vision_model(pixels, self.patch_mask(pixel_mask.to(weight.device)))
         out = self.connector(hidden)
         return out.reshape(-1, out.shape[-1])
+
+    def encode_images(self, images: list, batched: bool) -> None:
+        """Set `embeds` of each ImageInput: each image alone, or (`batched`) the images of one tile
+        size in one pass."""
+        if not batched:
+            for image in images:
+                image.embeds = self.encode(image.pixel_values, image.pixel_mask)
+            return
+        groups: dict[tuple, list] = {}
+        for image in images:
+            groups.setdefault(tuple(image.pixel_values.shape[1:]), []).append(image)
+        for group in groups.values():
+            rows = self.encode(torch.cat([i.pixel_values for i in group]), torch.cat([i.pixel_mask for i in group]))
+            for image, part in zip(group, rows.split([len(i.positions) for i in group])):
+                image.embeds = part

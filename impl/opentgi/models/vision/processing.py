@@ -1,4 +1,5 @@
-"""A prompt with images -> its token ids and one preprocessed `ImageInput` per image.
+"""A prompt with images -> its token ids and one preprocessed `ImageInput` per image
+(Qwen2.5-VL's: qwen2_5_vl_processing.py; Gemma 3's: `Gemma3Prompts`).
 
 Idefics3 (SmolVLM): transformers' own Idefics3ImageProcessor, read from the model folder, preprocesses
 each image (resize, split into tiles, rescale, normalise: its pixels by construction), and its
@@ -69,6 +70,56 @@ class Idefics3Prompts:
         return ids, inputs
 
 
+class Gemma3Prompts:
+    """Gemma 3: transformers' Gemma3ImageProcessor (slow) resizes each image to the tower's square and
+    normalises it; each `<start_of_image>` of the prompt (the chat template's image) becomes
+    Gemma3Processor's "\\n\\n<start_of_image>", `image_seq_length` `<image_soft_token>`s and
+    "<end_of_image>\\n\\n". Pan and scan (extra crops) is not taken."""
+
+    image_token, soft_token, end_token = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+
+    def __init__(self, folder: Path, tokenizer, config):
+        from transformers import AutoImageProcessor
+
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"the folder has no usable image processor ({exc})") from None
+        if getattr(self.image_processor, "do_pan_and_scan", False):
+            raise ValueError("the image processor's do_pan_and_scan is not supported")
+        processor = folder / "processor_config.json"
+        saved = json.loads(processor.read_text()) if processor.is_file() else {}
+        self.image_seq_len = int(saved.get("image_seq_length", config.mm_tokens_per_image))
+        self.tokenizer = tokenizer
+        self.soft_token_id = tokenizer.convert_tokens_to_ids(self.soft_token)
+        for token in (self.image_token, self.soft_token, self.end_token):
+            if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
+                raise ValueError(f"the tokenizer has no {token} token")
+        self.chat_template = processor_chat_template(folder)
+
+    def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the prompt holds {len(pieces) - 1} image markers ({self.image_token}) for "
+                             f"{len(images)} images")
+        sequence = f"\n\n{self.image_token}{self.soft_token * self.image_seq_len}{self.end_token}\n\n"
+        ids = list(self.tokenizer(sequence.join(pieces), add_special_tokens=add_special_tokens)["input_ids"])
+        positions = [i for i, token in enumerate(ids) if token == self.soft_token_id]
+        if len(positions) != len(images) * self.image_seq_len:
+            raise ValueError(f"the prompt holds {len(positions)} {self.soft_token} tokens where its images "
+                             f"give {len(images) * self.image_seq_len}")
+        inputs = []
+        for k, image in enumerate(images):
+            out = self.image_processor([image.image], return_tensors="pt", input_data_format="channels_last",
+                                       do_pan_and_scan=False)
+            mine = positions[k * self.image_seq_len:(k + 1) * self.image_seq_len]
+            if mine[-1] - mine[0] + 1 != len(mine):
+                raise ValueError(f"an image's {self.soft_token} tokens are not together in the prompt")
+            inputs.append(ImageInput(content_hash=image.sha256, start=mine[0], end=mine[-1] + 1, positions=mine,
+                                     pixel_values=out["pixel_values"], bidirectional=True))
+        return ids, inputs
+
+
 def processor_chat_template(folder: Path) -> str | None:
     """The chat template transformers saved with the processor (`chat_template.jinja`, or the older
     `chat_template.json`), else None."""
@@ -84,4 +135,11 @@ def image_prompts_for(folder: Path, config, tokenizer):
     archs = getattr(config, "architectures", None) or []
     if archs and archs[0] == "Idefics3ForConditionalGeneration":
         return Idefics3Prompts(folder, tokenizer)
+    if archs and archs[0] == "Gemma3ForConditionalGeneration":
+        # without its image processor the folder is served as its text tower (images refused)
+        return Gemma3Prompts(folder, tokenizer, config) if (folder / "preprocessor_config.json").is_file() else None
+    if archs and archs[0] == "Qwen2_5_VLForConditionalGeneration":
+        from opentgi.models.vision.qwen2_5_vl_processing import Qwen2_5_VLPrompts
+
+        return Qwen2_5_VLPrompts(folder, tokenizer, processor_chat_template(folder))
     return None
