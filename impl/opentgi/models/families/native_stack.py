@@ -98,7 +98,7 @@ class NativeDecodeStack:
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The last layer's output for this step (before the final norm), or None where the step
         has tokens the native attention does not attend as decode rows (the modules take it)."""
-        if h.dtype != self.norms[0].dtype or not self._unchanged():
+        if h.dtype != self.norms[0].dtype or meta.image_spans or not self._unchanged():
             return None
         window = self.window0 if self.window0 is not None and self.window0 < meta.max_seqlen_k else None
         group = self.num_heads // self.num_kv_heads
