@@ -71,6 +71,7 @@ def _import_file(path: Path, name: str):
     return module
 
 
+@pytest.mark.slow  # the ci tier: a long run
 def test_generated_code_is_fresh():
     """`python -m codegen` was run and committed after the last change to openapi/."""
     assert stale_files() == []
@@ -127,6 +128,7 @@ def test_a_new_yaml_document_is_generated_without_changes_to_codegen(tmp_path):
     assert sample.EchoResponse(texts=["a"]).texts == ["a"]
 
 
+@pytest.mark.slow  # the ci tier: a long run
 def test_output_does_not_depend_on_the_checkout_location(tmp_path):
     outputs = []
     for place in ("a", "somewhere/else"):

@@ -72,6 +72,7 @@ def test_step_breakdown_splits_decode_steps(tiny_llama):
     assert lines[0].endswith("| c=3 |") and any(line.startswith("| model |") for line in lines)
 
 
+@pytest.mark.slow  # the ci tier: a long run
 def test_speculate_comparison_runs_both_servers(tiny_llama):
     """The --speculate mode: a plain and a speculating server on the code-editing prompts, their
     throughputs, the acceptance rate from /metrics and the outputs compared (float32: the same)."""

@@ -145,6 +145,7 @@ async def _target(loaded, adapter, others=(), position=0, warmup=None, **engine_
 MIXED = [(prompt, new, ("a", "b", None)[i % 3]) for i, (prompt, new) in enumerate(OTHERS)]
 
 
+@pytest.mark.slow  # the ci tier: a long run
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("adapter", ["a", "b", None])
 def test_a_request_with_an_adapter_among_16_others_with_mixed_adapters(model_path, dtype, adapter):  # noqa: F811

@@ -300,6 +300,7 @@ async def test_seeded_sampling_reproduces_with_speculation(llama, prompts):
     assert batched[0].sequences[0].token_ids == alone.sequences[0].token_ids
 
 
+@pytest.mark.slow  # the ci tier: a long run
 @pytest.mark.parametrize("four_bit", [False, True], ids=["dense", "4-bit GGUF"])
 def test_verify_forward_is_bitwise_plain_decoding_in_bfloat16(tiny_llama, four_bit, tmp_path):
     """The logits of a verify row (last token + drafts in one forward) equal, bit for bit, those of

@@ -101,6 +101,7 @@ def model(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
 
 
+@pytest.mark.slow  # the ci tier: a long run
 def test_watermarked_generations_are_detected_and_plain_ones_are_not(model):
     prompt = [1, 504, 3458, 314, 253]
     vocab = model.config.vocab_size

@@ -32,6 +32,11 @@ def load(path, dtype: str, tmp_path_factory):
                                cache_dir=str(tmp_path_factory.mktemp("cache")))).model
 
 
+@pytest.fixture(scope="module")
+def float32_model(kernels, uniform_gguf, tmp_path_factory):
+    return load(uniform_gguf, "float32", tmp_path_factory)
+
+
 class Toggled:
     """The model's forward with its native stack on or off."""
 
@@ -68,13 +73,17 @@ def run_both(model, steps: list[dict[int, list[int]]]):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_steps_equal_the_modules_bit_for_bit(kernels, uniform_gguf, tmp_path_factory, dtype):
-    model = load(uniform_gguf, dtype, tmp_path_factory)
-    assert model.native_stack is not None
-    counting = model.native_stack = CountingStack(model.native_stack)
+def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf, tmp_path_factory, dtype):
+    model = float32_model if dtype == "float32" else load(uniform_gguf, dtype, tmp_path_factory)
+    stack = model.native_stack
+    assert stack is not None
+    counting = model.native_stack = CountingStack(stack)
     prompts = {0: list(range(5, 40)), 1: list(range(100, 117)), 2: [7, 8, 9]}
     steps = [prompts, {0: [11]}, {0: [12], 1: [13], 2: [14]}, {1: [15, 16, 17], 2: [18, 19]}, {0: [20], 2: [21]}]
-    run_both(model, steps)
+    try:
+        run_both(model, steps)
+    finally:
+        model.native_stack = stack
     # PagedRunner tells no prompt tokens: every token in the decode row's form, every step the stack's
     assert counting.taken == [True] * len(steps)
 
@@ -90,8 +99,8 @@ def test_biases_are_added_as_the_modules_add_them(kernels, uniform_gguf, tmp_pat
     run_both(model, [{0: list(range(5, 30)), 1: [3, 4]}, {0: [9], 1: [10]}, {0: [11], 1: [12]}])
 
 
-def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(kernels, uniform_gguf, tmp_path_factory):
-    model = load(uniform_gguf, "float32", tmp_path_factory)
+def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model):
+    model = float32_model
     stack = model.native_stack
     runner = PagedRunner(model)
     runner.step({0: list(range(5, 20))})
@@ -106,9 +115,11 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(kernels, unifo
             prompt_new_tokens=prompt)
 
     assert stack(h, cos, sin, meta(None), runner.kv_caches) is not None
-    stack.backend.prompt_form = True  # prompt tokens attended in their own form (torch_backend.py)
-    assert stack(h, cos, sin, meta([1]), runner.kv_caches) is None
-    stack.backend.prompt_form = False
+    form, stack.backend.prompt_form = stack.backend.prompt_form, True  # prompt tokens in their own form
+    try:
+        assert stack(h, cos, sin, meta([1]), runner.kv_caches) is None
+    finally:
+        stack.backend.prompt_form = form
     layer = model.model.layers[1]
     original = layer.mlp.down_proj
     layer.mlp.down_proj = torch.nn.Identity()  # as an adapter's wrapper replaces it

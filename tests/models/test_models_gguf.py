@@ -58,6 +58,7 @@ def test_unpermute_rows_undoes_llama_cpp_permutation():
     assert torch.equal(permuted[unpermute_rows(rows, heads)], original)
 
 
+@pytest.mark.slow  # the ci tier: a long run
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, gguf_cache, dtype):
     loaded = load_model(Settings(model_id=str(tiny_gguf), dtype=dtype, cache_dir=str(gguf_cache)))
@@ -146,6 +147,7 @@ def test_a_dense_tensor_is_never_dequantized_whole_into_its_weight(tiny_gguf, gg
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.slow  # the ci tier: a long run
 def test_a_large_tied_head_keeps_one_copy(tiny_gguf, gguf_cache, monkeypatch):
     """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
     copy; batch invariance row-tiles that product over the embedding's own storage), with the same
@@ -181,6 +183,7 @@ def test_dequantize_serves_every_layer_dense(tiny_gguf, gguf_cache):
     assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
 
 
+@pytest.mark.slow  # the ci tier: a long run
 def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
     """gguf_header.py's one-pass reader: the same scalar metadata, array lengths and tensor bytes
     as gguf-py's GGUFReader."""

@@ -45,6 +45,7 @@ def test_the_logits_are_soft_capped_as_transformers_does(keys, rows):
     torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.05)
 
 
+@pytest.mark.slow  # the ci tier: a long run
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 64), (2, 2, 16), (4, 2, 256)])

@@ -61,6 +61,52 @@ struct Tile32 {
     for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] + mins[r];
 #endif
   }
+
+#ifdef OPENTGI_AVX2
+  // C weight rows (row_bytes apart) at once against R < 4 activation rows: each output by exactly
+  // run<R>'s instructions in run<R>'s order (the same bits), C independent chains in flight where
+  // run<1> has one (out[r * ldo + c]). Q8_0 keeps one weight row at a time: its column form read a
+  // large weight from memory slower (a model's head), whatever the prefetch distance.
+  static constexpr bool has_cols = Kind != 2;
+  template <int R, int C>
+  static inline void run_cols(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                              float* out, int ldo) {
+    const int nb = K / QK;
+    const ActQ8* a[R];
+    for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
+    const Block* w[C];
+    for (int c = 0; c < C; ++c) w[c] = (const Block*)(wr + c * row_bytes);
+    __m256 acc[R][C];
+    float mins[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm256_setzero_ps();
+        mins[r][c] = 0.0f;
+      }
+    for (int b = 0; b < nb; ++b) {
+      __m256i qy[R];
+      for (int r = 0; r < R; ++r) qy[r] = _mm256_loadu_si256((const __m256i*)a[r][b].qs);
+      for (int c = 0; c < C; ++c) {
+        // the next C rows' same bytes: streams of C interleaved rows defeat the hardware
+        // prefetcher where the weight comes from memory (a large head)
+        _mm_prefetch((const char*)(w[c] + b) + 2 * C * row_bytes, _MM_HINT_T0);
+        const float dw = fp16_to_fp32(w[c][b].d);
+        __m256i q;
+        if constexpr (Kind == 2) q = _mm256_loadu_si256((const __m256i*)w[c][b].qs);
+        else q = nibbles32(w[c][b].qs);
+        if constexpr (Kind == 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+        for (int r = 0; r < R; ++r) {
+          const ActQ8& y = a[r][b];
+          const __m256i s = Kind == 1 ? dot_u8(q, qy[r]) : dot_i8(q, qy[r]);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d), _mm256_cvtepi32_ps(s), acc[r][c]);
+          if constexpr (Kind == 1) mins[r][c] += fp16_to_fp32(((const BlockQ4_1*)w[c])[b].m) * (y.d * (float)y.sum);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum_ps(acc[r][c]) + mins[r][c];
+  }
+#endif
 };
 
 }  // namespace

@@ -1,24 +1,49 @@
 // The row loop every block family shares: for each weight row, activation rows in tiles of up to
 // four (the weight's blocks loaded once per tile); Tile::run<R> computes R rows, each by the same
-// instructions as alone. Also the small helpers several families share.
+// instructions as alone; the last M % 4 rows take four weight rows at a time where the tile has a
+// column form. Also the small helpers several families share.
 #pragma once
 #include "common.h"
 
 namespace opentgi {
 
+template <class Tile, class = void>
+struct HasCols { static constexpr bool value = false; };
+template <class Tile>
+struct HasCols<Tile, decltype((void)Tile::has_cols)> { static constexpr bool value = Tile::has_cols; };
+
+// rows m0 .. m0 + R - 1 (R < 4) against outputs n0 .. n1 - 1: four weight rows at a time where the
+// tile has a column form (Tile::run_cols<R, 4>: the same bits as run<R>, four chains in flight)
+template <class Tile, int R>
+static inline void drive_rest(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
+                              int m0, int n0, int n1, int K, float* out, int ldo) {
+  int n = n0;
+  if constexpr (HasCols<Tile>::value) {
+    for (; n + 4 <= n1; n += 4)
+      Tile::template run_cols<R, 4>(w + (size_t)n * row_bytes, row_bytes, act + m0 * act_row_bytes, act_row_bytes, K,
+                                    out + (size_t)m0 * ldo + n, ldo);
+  }
+  for (; n < n1; ++n)
+    Tile::template run<R>(w + (size_t)n * row_bytes, act + m0 * act_row_bytes, act_row_bytes, K,
+                          out + (size_t)m0 * ldo + n, ldo);
+}
+
 template <class Tile>
 static inline void drive(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
                          int M, int n0, int n1, int K, float* out, int ldo) {
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + (size_t)n * row_bytes;
-    int m = 0;
-    for (; m + 4 <= M; m += 4) Tile::template run<4>(wr, act + m * act_row_bytes, act_row_bytes, K, out + (size_t)m * ldo + n, ldo);
-    switch (M - m) {
-      case 3: Tile::template run<3>(wr, act + m * act_row_bytes, act_row_bytes, K, out + (size_t)m * ldo + n, ldo); break;
-      case 2: Tile::template run<2>(wr, act + m * act_row_bytes, act_row_bytes, K, out + (size_t)m * ldo + n, ldo); break;
-      case 1: Tile::template run<1>(wr, act + m * act_row_bytes, act_row_bytes, K, out + (size_t)m * ldo + n, ldo); break;
-      default: break;
+  const int full = M / 4 * 4;
+  if (full) {
+    for (int n = n0; n < n1; ++n) {
+      const uint8_t* wr = w + (size_t)n * row_bytes;
+      for (int m = 0; m < full; m += 4)
+        Tile::template run<4>(wr, act + m * act_row_bytes, act_row_bytes, K, out + (size_t)m * ldo + n, ldo);
     }
+  }
+  switch (M - full) {
+    case 3: drive_rest<Tile, 3>(w, row_bytes, act, act_row_bytes, full, n0, n1, K, out, ldo); break;
+    case 2: drive_rest<Tile, 2>(w, row_bytes, act, act_row_bytes, full, n0, n1, K, out, ldo); break;
+    case 1: drive_rest<Tile, 1>(w, row_bytes, act, act_row_bytes, full, n0, n1, K, out, ldo); break;
+    default: break;
   }
 }
 
