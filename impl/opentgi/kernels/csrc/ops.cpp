@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -432,7 +433,8 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     for (int64_t i = 0; i < tail.numel(); ++i)
       TORCH_CHECK(tail.data_ptr<int64_t>()[i] >= 0 && tail.data_ptr<int64_t>()[i] < cache_slots, op, ": a tail slot out of the cache");
   }
-  const int64_t gu_max = weights[2].size(0);
+  int64_t gu_max = 0;
+  for (int64_t l = 0; l < L; ++l) gu_max = std::max(gu_max, mms[4 * l + 2].N);
   std::vector<char> x(T * hidden * es), qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
       d(T * hidden * es), gu(T * gu_max * es), a(T * gu_max / 2 * es);
   std::vector<float> qf(T * H * D), out(T * H * D), xf, of;
