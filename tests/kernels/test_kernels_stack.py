@@ -1,7 +1,8 @@
 """A decode step's layers in one native call (models/families/native_stack.py): the hidden states
 and the KV cache it leaves are the module-by-module step's bit for bit, in float32 and bfloat16,
-for one row and for several rows of several tokens, with q/k/v biases; steps it does not take
-(prompt tokens, replaced projections) go through the modules."""
+for one row and for several rows of several tokens, with q/k/v biases, with projections of one
+block type and of several side by side; steps it does not take (prompt tokens, replaced
+projections) go through the modules."""
 
 from __future__ import annotations
 
@@ -72,9 +73,13 @@ def run_both(model, steps: list[dict[int, list[int]]]):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf, tmp_path_factory, dtype):
-    model = float32_model if dtype == "float32" else load(uniform_gguf, dtype, tmp_path_factory)
+@pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16")])
+def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf, tmp_path_factory, file, dtype):
+    if file == "mixed":  # q, k, v in three block types, gate and up in two: parts side by side
+        model = load(tiny_models.tiny_gguf_path(), dtype, tmp_path_factory)
+        assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "ConcatLinear"
+    else:
+        model = float32_model
     stack = model.native_stack
     assert stack is not None
     counting = model.native_stack = CountingStack(stack)
@@ -88,15 +93,20 @@ def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf,
     assert counting.taken == [True] * len(steps)
 
 
-def test_biases_are_added_as_the_modules_add_them(kernels, uniform_gguf, tmp_path_factory):
-    model = load(uniform_gguf, "float32", tmp_path_factory)
+def test_biases_are_added_as_the_modules_add_them(float32_model):
+    model = float32_model
     gen = torch.Generator().manual_seed(0)
-    for layer in model.model.layers:
-        for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
-            linear.bias = torch.randn(linear.out_features, generator=gen)
-    model.native_stack = NativeDecodeStack.build(model)
-    assert model.native_stack is not None
-    run_both(model, [{0: list(range(5, 30)), 1: [3, 4]}, {0: [9], 1: [10]}, {0: [11], 1: [12]}])
+    linears = [linear for layer in model.model.layers for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj)]
+    for linear in linears:
+        linear.bias = torch.randn(linear.out_features, generator=gen)
+    try:
+        model.native_stack = NativeDecodeStack.build(model)
+        assert model.native_stack is not None
+        run_both(model, [{0: list(range(5, 30)), 1: [3, 4]}, {0: [9], 1: [10]}, {0: [11], 1: [12]}])
+    finally:
+        for linear in linears:
+            linear.bias = None
+        model.native_stack = NativeDecodeStack.build(model)
 
 
 def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model):
@@ -129,6 +139,12 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model)
         layer.mlp.down_proj = original
 
 
-def test_layers_of_another_shape_get_no_stack(kernels, tmp_path_factory):
-    mixed = load(tiny_models.tiny_gguf_path(), "float32", tmp_path_factory)  # q, k, v in three block types
-    assert mixed.native_stack is None
+def test_a_projection_of_another_format_gets_no_stack(float32_model):
+    layer = float32_model.model.layers[0]
+    original = layer.mlp.down_proj
+    layer.mlp.down_proj = torch.nn.Linear(original.in_features, original.out_features, bias=False)  # dense
+    try:
+        assert NativeDecodeStack.build(float32_model) is None
+    finally:
+        layer.mlp.down_proj = original
+    assert NativeDecodeStack.build(float32_model) is not None

@@ -110,7 +110,7 @@ def _register_fake() -> None:
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @torch.library.register_fake("opentgi::decode_stack")
-    def _(h, cos, sin, weights, qtypes, biases, norms, k_caches, v_caches, slots, tails, block_tables, seq, ctx,
+    def _(h, cos, sin, weights, qtypes, biases, parts, norms, k_caches, v_caches, slots, tails, block_tables, seq, ctx,
           num_heads, num_kv_heads, scale, windows, eps, isa):
         return torch.empty_like(h)
 

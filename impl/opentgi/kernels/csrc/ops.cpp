@@ -114,14 +114,17 @@ Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int
   return mm;
 }
 
-// out [M, N] float32 = x [M, K] float32 @ W.T: rows quantized, outputs split among the threads
-void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float* out, std::vector<uint8_t>& act) {
+// out [M, N] float32 (rows ldo apart, N by default) = x [M, K] float32 @ W.T: rows quantized,
+// outputs split among the threads
+void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float* out, std::vector<uint8_t>& act,
+                int64_t ldo = 0) {
   if (M == 0 || mm.N == 0) return;
+  if (ldo == 0) ldo = mm.N;
   act.resize(M * mm.act_row_bytes);
   quantize_rows(x, M, (int)mm.K, mm.k.superblocks, isa, act.data(), mm.act_row_bytes);
   const uint8_t* ap = act.data();
   at::parallel_for(0, mm.N, 8, [&](int64_t n0, int64_t n1) {
-    mm.k.matmul(mm.w, mm.row_bytes, ap, mm.act_row_bytes, (int)M, (int)n0, (int)n1, (int)mm.K, out, (int)mm.N);
+    mm.k.matmul(mm.w, mm.row_bytes, ap, mm.act_row_bytes, (int)M, (int)n0, (int)n1, (int)mm.K, out, (int)ldo);
   });
 }
 
@@ -332,7 +335,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
 // opentgi::decode_stack: a step's decoder layers, every row a decode row, in one call. The layer is
 // Llama's (models/families/decoder.py): RMSNorm, one qkv matmul (+ bias), RoPE by halves on q and k,
 // k and v stored in the paged cache, paged attention, o (+ bias), residual add + RMSNorm, gate_up,
-// SiLU-and-multiply, down, residual add; every matmul on GGUF blocks. Each op is the function the
+// SiLU-and-multiply, down, residual add; every matmul on GGUF blocks (q, k and v, or gate and up, one
+// weight or parts of different block types side by side, as a Q4_K_M file holds them). Each op is the function the
 // layer's modules call one by one, in their order, rounding to the row dtype where they round, so
 // the hidden states equal the module-by-module step's bit for bit (and stay batch-invariant).
 
@@ -344,10 +348,19 @@ static inline void st(void* p, int64_t i, float f, int dtype) {
   if (dtype == ROW_BF16) ((uint16_t*)p)[i] = bf16_store(f); else ((float*)p)[i] = f;
 }
 
-// out [M, N] (dtype) = x [M, K] (dtype) @ W.T, then + bias (dtype): gguf_mm's rounding, then add_'s
-void linear_rows(const Matmul& mm, const void* x, const void* bias, int64_t M, int dtype, int64_t isa,
-                 std::vector<float>& xf, std::vector<float>& of, std::vector<uint8_t>& act, void* out) {
-  const int64_t K = mm.K, N = mm.N;
+// A projection: one weight, or parts side by side (q, k, v or gate, up of different block types,
+// as ConcatLinear concatenates them), each with its bias or none.
+struct Projection {
+  std::vector<Matmul> parts;
+  std::vector<const void*> biases;
+  int64_t N = 0, K = 0;
+};
+
+// out [M, N] (dtype) = x [M, K] (dtype) @ W.T, each part's outputs rounded to the dtype and then its
+// bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute
+void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, std::vector<float>& xf,
+                 std::vector<float>& of, std::vector<uint8_t>& act, void* out) {
+  const int64_t K = p.K, N = p.N;
   const float* xin = (const float*)x;
   if (dtype != ROW_F32) {
     xf.resize(M * K);
@@ -359,20 +372,27 @@ void linear_rows(const Matmul& mm, const void* x, const void* bias, int64_t M, i
     of.resize(M * N);
     o = of.data();
   }
-  run_matmul(mm, xin, M, isa, o, act);
-  if (dtype == ROW_F32 && bias == nullptr) return;
-  at::parallel_for(0, M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      float v = to_dtype(o[i], dtype);
-      if (bias != nullptr) v = to_dtype(v + ld(bias, i % N, dtype), dtype);
-      st(out, i, v, dtype);
-    }
+  bool any_bias = false;
+  for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j) {
+    run_matmul(p.parts[j], xin, M, isa, o + off, act, N);
+    any_bias = any_bias || p.biases[j] != nullptr;
+  }
+  if (dtype == ROW_F32 && !any_bias) return;
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j)
+        for (int64_t n = 0; n < p.parts[j].N; ++n) {
+          const int64_t i = m * N + off + n;
+          float v = to_dtype(o[i], dtype);
+          if (p.biases[j] != nullptr) v = to_dtype(v + ld(p.biases[j], n, dtype), dtype);
+          st(out, i, v, dtype);
+        }
   });
 }
 
 at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                        at::IntArrayRef qtypes, const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms,
-                        at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
+                        at::IntArrayRef qtypes, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
+                        at::TensorList norms, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                         const std::optional<at::Tensor>& tails, const at::Tensor& block_tables, const at::Tensor& seq,
                         const at::Tensor& ctx, int64_t num_heads, int64_t num_kv_heads, double scale,
                         at::IntArrayRef windows, double eps, int64_t isa) {
@@ -381,9 +401,10 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
   const int dtype = row_dtype(h_in, op);
   const int64_t L = (int64_t)k_caches.size();
   TORCH_CHECK(h_in.dim() == 2 && L >= 1, op, ": h [rows, hidden] and at least one layer");
-  TORCH_CHECK((int64_t)weights.size() == 4 * L && (int64_t)qtypes.size() == 4 * L && (int64_t)biases.size() == 4 * L
+  TORCH_CHECK((int64_t)parts.size() == 4 * L && qtypes.size() == weights.size() && biases.size() == weights.size()
                   && (int64_t)norms.size() == 2 * L && (int64_t)v_caches.size() == L && (int64_t)windows.size() == L,
-              op, ": 4 weights, qtypes and biases, 2 norms, a k and a v cache and a window per layer");
+              op, ": 4 projections a layer (their parts' weights, qtypes and biases), 2 norms, a k and a v cache and "
+              "a window per layer");
   const int64_t T = h_in.size(0), hidden = h_in.size(1), H = num_heads, KV = num_kv_heads;
   const int64_t D = cos.size(-1), es = h_in.element_size();
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.scalar_type() == h_in.scalar_type()
@@ -394,23 +415,34 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
   at::Tensor h = h_in.contiguous().clone();
   if (T == 0) return h;
   const int64_t qkv_n = (H + 2 * KV) * D;
-  std::vector<Matmul> mms;
-  std::vector<const void*> bias_ptrs;
+  std::vector<Projection> projections;
   std::vector<at::Tensor> kept;  // the biases' contiguous copies, alive for the call
+  kept.reserve(weights.size());
+  size_t next = 0;
   for (int64_t l = 0; l < L; ++l) {
-    const int64_t gu_n = weights[4 * l + 2].size(0);
-    TORCH_CHECK(gu_n % 2 == 0, op, ": gate_up holds gate then up rows, of one size");
-    const int64_t shapes[4][2] = {{qkv_n, hidden}, {hidden, H * D}, {gu_n, hidden}, {hidden, gu_n / 2}};
     for (int j = 0; j < 4; ++j) {
-      mms.push_back(make_matmul(weights[4 * l + j], qtypes[4 * l + j], shapes[j][0], shapes[j][1], isa, op));
-      const std::optional<at::Tensor> b = biases.get(4 * l + j);
-      if (b.has_value() && b->defined()) {
-        TORCH_CHECK(b->numel() == shapes[j][0] && b->scalar_type() == h.scalar_type(), op, ": a bias [out] in h's dtype");
-        kept.push_back(b->contiguous());
-        bias_ptrs.push_back(kept.back().data_ptr());
-      } else {
-        bias_ptrs.push_back(nullptr);
+      Projection p;
+      p.K = j == 0 || j == 2 ? hidden : 0;
+      TORCH_CHECK(parts[4 * l + j] >= 1 && next + parts[4 * l + j] <= weights.size(), op, ": a projection's parts");
+      for (int64_t part = 0; part < parts[4 * l + j]; ++part, ++next) {
+        const int64_t n = weights[next].size(0);
+        const int64_t k = j == 1 ? H * D : j == 3 ? projections[4 * l + 2].N / 2 : hidden;
+        p.parts.push_back(make_matmul(weights[next], qtypes[next], n, k, isa, op));
+        p.N += n;
+        p.K = k;
+        const std::optional<at::Tensor> b = biases.get(next);
+        if (b.has_value() && b->defined()) {
+          TORCH_CHECK(b->numel() == n && b->scalar_type() == h.scalar_type(), op, ": a bias [out] in h's dtype");
+          kept.push_back(b->contiguous());
+          p.biases.push_back(kept.back().data_ptr());
+        } else {
+          p.biases.push_back(nullptr);
+        }
       }
+      const int64_t want = j == 0 ? qkv_n : j == 2 ? p.N : hidden;
+      TORCH_CHECK(p.N == want && (j != 2 || p.N % 2 == 0), op, ": layer ", l, " projection ", j, " has ", p.N,
+                  " outputs (q, k, v: ", qkv_n, "; gate then up of one size; o and down: ", hidden, ")");
+      projections.push_back(std::move(p));
     }
     for (int j = 0; j < 2; ++j)
       TORCH_CHECK(norms[2 * l + j].numel() == hidden && norms[2 * l + j].scalar_type() == h.scalar_type()
@@ -420,6 +452,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
                     && k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
                 op, ": every layer's caches [blocks, block_size, kv_heads, head_dim] alike, in h's dtype");
   }
+  TORCH_CHECK(next == weights.size(), op, ": ", weights.size() - next, " weights belong to no projection");
   // every block any layer reads (windows only narrow what a row reads), checked once
   PagedAttention att = attention_args(k_caches[0], v_caches[0], block_tables, seq, ctx, T, H, D, 0, scale, 0.0, op);
   TORCH_CHECK(k_caches[0].size(2) == KV, op, ": the caches hold ", k_caches[0].size(2), " kv heads, not ", KV);
@@ -434,7 +467,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
       TORCH_CHECK(tail.data_ptr<int64_t>()[i] >= 0 && tail.data_ptr<int64_t>()[i] < cache_slots, op, ": a tail slot out of the cache");
   }
   int64_t gu_max = 0;
-  for (int64_t l = 0; l < L; ++l) gu_max = std::max(gu_max, mms[4 * l + 2].N);
+  for (int64_t l = 0; l < L; ++l) gu_max = std::max(gu_max, projections[4 * l + 2].N);
   std::vector<char> x(T * hidden * es), qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
       d(T * hidden * es), gu(T * gu_max * es), a(T * gu_max / 2 * es);
   std::vector<float> qf(T * H * D), out(T * H * D), xf, of;
@@ -453,10 +486,9 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     });
   };
   for (int64_t l = 0; l < L; ++l) {
-    const Matmul* mm = &mms[4 * l];
-    const void* const* bias = &bias_ptrs[4 * l];
+    const Projection* mm = &projections[4 * l];
     if (l == 0) norm_all(hp, false, norms[0]); else norm_all(d.data(), true, norms[2 * l]);
-    linear_rows(mm[0], x.data(), bias[0], T, dtype, isa, xf, of, act, qkv.data());
+    linear_rows(mm[0], x.data(), T, dtype, isa, xf, of, act, qkv.data());
     char* kc = (char*)k_caches[l].data_ptr();
     char* vc = (char*)v_caches[l].data_ptr();
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
@@ -493,9 +525,9 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
     att.out = out.data();
     run_attention(att, T, isa);
     for (int64_t i = 0; i < T * H * D; ++i) st(att_d.data(), i, out[i], dtype);
-    linear_rows(mm[1], att_d.data(), bias[1], T, dtype, isa, xf, of, act, o.data());
+    linear_rows(mm[1], att_d.data(), T, dtype, isa, xf, of, act, o.data());
     norm_all(o.data(), true, norms[2 * l + 1]);
-    linear_rows(mm[2], x.data(), bias[2], T, dtype, isa, xf, of, act, gu.data());
+    linear_rows(mm[2], x.data(), T, dtype, isa, xf, of, act, gu.data());
     const int64_t I = mm[2].N / 2;
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(I + 8);
@@ -503,7 +535,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
         silu_row(isa, gu.data() + r * 2 * I * es, gu.data() + (r * 2 + 1) * I * es, (int)I, dtype,
                  a.data() + r * I * es, buf.data());
     });
-    linear_rows(mm[3], a.data(), bias[3], T, dtype, isa, xf, of, act, d.data());
+    linear_rows(mm[3], a.data(), T, dtype, isa, xf, of, act, d.data());
   }
   for (int64_t i = 0; i < T * hidden; ++i) st(hp, i, to_dtype(ld(d.data(), i, dtype) + ld(hp, i, dtype), dtype), dtype);
   return h;
@@ -537,7 +569,7 @@ TORCH_LIBRARY(opentgi, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
   m.def("decode_stack(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int[] qtypes, Tensor?[] biases, "
-        "Tensor[] norms, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, "
+        "int[] parts, Tensor[] norms, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, "
         "Tensor seq, Tensor ctx, int num_heads, int num_kv_heads, float scale, int[] windows, float eps, int isa) "
         "-> Tensor");
 }

@@ -1,7 +1,8 @@
 """A decode step's decoder layers in one native call (`opentgi::decode_stack`, kernels/csrc/ops.cpp).
 
-Where the native kernels serve a Llama-shaped decoder whose four projections of every layer are
-GGUF blocks (a GGUF file, or `--quantize`/AWQ/GPTQ in the native layouts), a step whose every token
+Where the native kernels serve a Llama-shaped decoder whose projections are all GGUF blocks (a GGUF
+file, q/k/v or gate/up of one block type or of several, as in Q4_K_M; or `--quantize`/AWQ/GPTQ in the
+native layouts), a step whose every token
 the native attention attends as a decode row (decode rows; with batch invariance also speculative
 verify tokens) runs all its layers in one call instead of some forty torch ops and their Python a
 layer. The call runs the same functions the layer's modules call one by one, in their order and
@@ -23,16 +24,20 @@ from opentgi.models.attention.torch_plan import make_plan
 from opentgi.models.layers.mlp import GatedMLP
 from opentgi.models.layers.norm import RMSNorm
 from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
-from opentgi.models.quantization.linear import QuantizedLinear
+from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
-def _blocks(linear: nn.Module) -> GGUFBlockWeight | None:
-    """The projection's GGUF blocks where it multiplies by them alone (no dense copy for prompt rows)."""
-    if type(linear) is not QuantizedLinear or linear.prompt_linear is not None or linear.dense_above_rows is not None:
-        return None
-    return linear.weight_format if isinstance(linear.weight_format, GGUFBlockWeight) else None
+def _parts(linear: nn.Module | None) -> list[QuantizedLinear] | None:
+    """The projection as GGUF-block linears multiplied by their blocks alone (no dense copy for
+    prompt rows): itself, or a ConcatLinear's parts (projections of different block types), else None."""
+    parts = list(linear.parts) if type(linear) is ConcatLinear else [linear]
+    for part in parts:
+        if (type(part) is not QuantizedLinear or part.prompt_linear is not None or part.dense_above_rows is not None
+                or not isinstance(part.weight_format, GGUFBlockWeight)):
+            return None
+    return parts
 
 
 class NativeDecodeStack:
@@ -51,14 +56,16 @@ class NativeDecodeStack:
         self.weights: list[torch.Tensor] = []
         self.qtypes: list[int] = []
         self.biases: list[torch.Tensor | None] = []
+        self.parts: list[int] = []  # per projection: how many of the weights above are its parts
         self.norms: list[torch.Tensor] = []
         for layer in layers:
             for owner, name in PROJECTIONS:
-                linear = getattr(getattr(layer, owner), name)
-                weight = linear.weight_format
-                self.weights.append(weight.blocks)
-                self.qtypes.append(weight.qtype)
-                self.biases.append(linear.bias)
+                parts = _parts(getattr(getattr(layer, owner), name))
+                self.parts.append(len(parts))
+                for part in parts:
+                    self.weights.append(part.weight_format.blocks)
+                    self.qtypes.append(part.weight_format.qtype)
+                    self.biases.append(part.bias)
             self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
 
     @classmethod
@@ -84,8 +91,8 @@ class NativeDecodeStack:
                     return None
             for owner, name in PROJECTIONS:
                 linear = getattr(getattr(layer, owner), name, None)
-                blocks = _blocks(linear) if linear is not None else None
-                if blocks is None or (linear.bias is not None and linear.bias.dtype != model.spec.dtype):
+                parts = _parts(linear) if linear is not None else None
+                if parts is None or any(p.bias is not None and p.bias.dtype != model.spec.dtype for p in parts):
                     return None
                 modules.append(linear)
         return cls(model, modules)
@@ -113,7 +120,7 @@ class NativeDecodeStack:
             return None
         path = native.loaded()
         return torch.ops.opentgi.decode_stack(
-            h, cos.contiguous(), sin.contiguous(), self.weights, self.qtypes, self.biases, self.norms,
+            h, cos.contiguous(), sin.contiguous(), self.weights, self.qtypes, self.biases, self.parts, self.norms,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, plan.tails,
             rows.block_tables, rows.seq, rows.ctx, self.num_heads, self.num_kv_heads, self.scale, self.windows,
             self.eps, native.ISAS[self.backend.isa or path.isa])
