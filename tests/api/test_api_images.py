@@ -12,7 +12,13 @@ import torch
 
 from opentgi.api.images import ImageLimits, load_image, refused_address
 from opentgi.engine.errors import ValidationError
-from tests.helpers.tiny_vision import png_bytes, tiny_gemma3_vl_path, tiny_idefics3_path, tiny_qwen2_5_vl_path
+from tests.helpers.tiny_vision import (
+    png_bytes,
+    tiny_gemma3_vl_path,
+    tiny_idefics3_path,
+    tiny_llava_next_path,
+    tiny_qwen2_5_vl_path,
+)
 
 torch.set_num_threads(1)
 
@@ -222,24 +228,26 @@ def test_a_stuck_fetch_gives_the_request_its_answer(monkeypatch):
 
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "gemma3", "llava_next"])
 def family_client(request):
     from opentgi.api.app import create_app
     from opentgi.config import Settings
     from opentgi.engine.engine import Engine
 
-    path = {"qwen2_5_vl": tiny_qwen2_5_vl_path, "gemma3": tiny_gemma3_vl_path}[request.param]()
+    path = {"qwen2_5_vl": tiny_qwen2_5_vl_path, "gemma3": tiny_gemma3_vl_path,
+            "llava_next": tiny_llava_next_path}[request.param]()
     settings = Settings(model_id=str(path), device="cpu", max_input_tokens=200, max_total_tokens=256,
                         max_batch_total_tokens=2048)
     with create_app(settings, Engine.from_settings(settings)).test_client() as client:
         yield request.param, client
 
 
-def test_qwen2_5_vl_and_gemma3_take_chat_and_markdown_images(family_client):
-    """Qwen2.5-VL and Gemma 3 (tests/helpers/tiny_vision.py): the chat template's image becomes the
-    image's tokens (Qwen2.5-VL, 90 x 40 pixels: 56 x 84 after smart_resize, 24 patches, 6 merged,
-    and the vision start and end tokens; Gemma 3: 4 soft tokens between its start and end
-    tokens), and the image's pixels reach the model (another image, other logprobs)."""
+def test_qwen2_5_vl_gemma3_and_llava_next_take_chat_and_markdown_images(family_client):
+    """Qwen2.5-VL, Gemma 3 and LLaVA-NeXT (tests/helpers/tiny_vision.py): the chat template's image
+    becomes the image's tokens (Qwen2.5-VL, 90 x 40 pixels: 56 x 84 after smart_resize, 24 patches,
+    6 merged, and the vision start and end tokens; Gemma 3: 4 soft tokens between its start and
+    end tokens; LLaVA-NeXT: 16 for the base image, 4 rows of 8 unpadded features and a newline
+    each), and the image's pixels reach the model (another image, other logprobs)."""
     family, client = family_client
 
     def ask(url=None):
@@ -251,10 +259,10 @@ def test_qwen2_5_vl_and_gemma3_take_chat_and_markdown_images(family_client):
 
     (plain, _), (one, first), (same, again) = ask(), ask(IMAGE), ask(IMAGE)  # the second one cached
     other = ask(data_url(png_bytes(90, 40, seed=9)))
-    assert one == plain + 8 if family == "qwen2_5_vl" else one >= plain + 6
+    assert one == plain + 8 if family == "qwen2_5_vl" else one >= plain + (16 + 4 * 9 if family == "llava_next" else 6)
     assert same == one and other[0] == one
     assert first == again and other[1] != first
-    marker = {"qwen2_5_vl": "<|im_start|>user\n", "gemma3": "<start_of_turn>user\n"}[family]
+    marker = {"qwen2_5_vl": "<|im_start|>user\n", "gemma3": "<start_of_turn>user\n", "llava_next": "[INST] "}[family]
 
     def prefill(inputs: str) -> int:
         response = client.post("/generate", json={"inputs": inputs, "parameters": {

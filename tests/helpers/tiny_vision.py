@@ -237,3 +237,64 @@ def reference_vision_position_ids():
         yield
     finally:
         m.Idefics3VisionEmbeddings.forward = original
+
+
+LLAVA_NEXT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}[INST] {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %} [/INST]{% else %}<|im_end|>{% endif %}{% endfor %}"
+)
+
+
+def tiny_llava_next_path(text: str = "llama", seed: int = 0) -> Path:
+    """A tiny random LlavaNextForConditionalGeneration saved as the hub has it (`save_pretrained` of
+    the model and of a LlavaNextProcessor): a three-layer CLIP tower over 56 x 56 tiles in 14 x 14
+    patches (16 features a tile, its class token dropped: `default`), features of layer -2
+    (`text="mistral"`: layers [-3, -1] concatenated, and a sliding window of 48 in the text model),
+    any-resolution tiling among 56 x 112, 112 x 56, 112 x 112, 168 x 56 and 56 x 168, a two-layer
+    Llama (or Mistral) text model; SmolLM2's tokenizer with `<image>` added."""
+    params = {"seed": seed, "text_type": text,
+              "text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                       "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "initializer_range": 0.1,
+                       "tie_word_embeddings": False, **({"sliding_window": 48} if text == "mistral" else {})},
+              "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                         "num_attention_heads": 2, "image_size": 56, "patch_size": 14, "projection_dim": 32,
+                         "hidden_act": "quick_gelu", "initializer_range": 0.1},
+              "layer": [-3, -1] if text == "mistral" else -2,
+              "pinpoints": [[56, 112], [112, 56], [112, 112], [168, 56], [56, 168]]}
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import (
+            GenerationConfig,
+            LlavaNextConfig,
+            LlavaNextForConditionalGeneration,
+            LlavaNextImageProcessor,
+            LlavaNextProcessor,
+        )
+
+        tokenizer = load_smollm2_tokenizer()
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        tokenizer.chat_template = LLAVA_NEXT_TEMPLATE
+        image_processor = LlavaNextImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+                                                  image_grid_pinpoints=params["pinpoints"])
+        processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                                       vision_feature_select_strategy="default", chat_template=LLAVA_NEXT_TEMPLATE,
+                                       num_additional_image_tokens=1)  # CLIP's class token
+        config = LlavaNextConfig(
+            text_config={**params["text"], "model_type": text, "vocab_size": len(tokenizer), "bos_token_id": 1,
+                         "eos_token_id": 2},
+            vision_config={**params["vision"], "model_type": "clip_vision_model"},
+            image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=params["layer"],
+            vision_feature_select_strategy="default", image_grid_pinpoints=params["pinpoints"],
+            tie_word_embeddings=False, torch_dtype="float32")
+        torch.manual_seed(params["seed"])
+        model = LlavaNextForConditionalGeneration(config).to(torch.float32).eval()
+        model.save_pretrained(out, safe_serialization=True)
+        processor.save_pretrained(out)
+        GenerationConfig(bos_token_id=1, eos_token_id=EOS_TOKEN_IDS, pad_token_id=2).save_pretrained(out)
+
+    return _cached_folder("tiny-llava-next", params, build)

@@ -34,6 +34,8 @@ PAGED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "lm"),  # its text tower (checkpoints/text_tower.py)
     "Idefics3ForConditionalGeneration": ("llama", "lm"),  # and its image encoder (models/vision/)
     "Qwen2_5_VLForConditionalGeneration": ("qwen2", "lm"),  # M-RoPE, and its image encoder
+    # a Llama or Mistral text model (the config's sliding window where it has one), and its image encoder
+    "LlavaNextForConditionalGeneration": ("mistral", "lm"),
     "Phi3ForCausalLM": ("phi3", "lm"),
     "Starcoder2ForCausalLM": ("starcoder2", "lm"),
     "LlamaForSequenceClassification": ("llama", "score"),
@@ -78,6 +80,10 @@ def _image_encoder(arch: str, config) -> torch.nn.Module:
         from opentgi.models.vision.qwen2_5_vl import Qwen2_5_VLVision
 
         return Qwen2_5_VLVision(config)
+    if arch == "LlavaNextForConditionalGeneration":
+        from opentgi.models.vision.llava_next import LlavaNextVision
+
+        return LlavaNextVision(config)
     from opentgi.models.vision.idefics3 import Idefics3Vision
 
     return Idefics3Vision(config)

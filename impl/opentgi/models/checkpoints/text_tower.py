@@ -3,8 +3,8 @@
 image encoder where the folder has its image processor, else on the text tower alone (without an
 image a prompt never reaches the vision tower, so the text tower computes what the whole model
 does; the APIs refuse its image inputs), and Idefics3 / SmolVLM
-(`Idefics3ForConditionalGeneration`) and Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`), whose
-image encoders are loaded beside it (`VISION_TOWERS`, models/vision/).
+(`Idefics3ForConditionalGeneration`), Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`) and
+LLaVA-NeXT (`LlavaNextForConditionalGeneration`), whose image encoders are loaded beside it (`VISION_TOWERS`, models/vision/).
 
 - `text_config`: the checkpoint's text config in place of the wrapper's, still naming the
   wrapper's architecture (what /info reports and the registry maps to a family), with the
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 # served with their image encoder (Gemma 3: where the folder has its image processor)
 VISION_TOWERS = ("Idefics3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                 "Gemma3ForConditionalGeneration")
+                 "Gemma3ForConditionalGeneration", "LlavaNextForConditionalGeneration")
 TEXT_TOWERS = VISION_TOWERS
 _GEMMA3_RENAMED = (("vision_tower.", "vision."), ("model.vision_tower.", "vision."),
                    ("multi_modal_projector.", "vision.projector."),
@@ -32,6 +32,11 @@ _IDEFICS3_RENAMED = (("model.text_model.", "model."), ("model.vision_model.", "v
                      ("model.connector.", "vision.connector."))
 # both layouts: transformers 4.x's save_pretrained writes the first names (the hub's), loads either
 _QWEN2_5_VL_RENAMED = (("visual.", "vision."), ("model.visual.", "vision."), ("model.language_model.", "model."))
+# both layouts: transformers 4.x's save_pretrained writes the unprefixed names (the hub's)
+_LLAVA_NEXT_RENAMED = (("vision_tower.", "vision.tower."), ("model.vision_tower.", "vision.tower."),
+                       ("multi_modal_projector.", "vision.projector."),
+                       ("model.multi_modal_projector.", "vision.projector."),
+                       ("image_newline", "vision.image_newline"), ("model.image_newline", "vision.image_newline"))
 _RENAMED = (("language_model.model.", "model."), ("model.language_model.", "model."),
             ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -84,6 +89,13 @@ def qwen2_5_vl_name(name: str) -> str:
     return name
 
 
+def llava_next_name(name: str) -> str | None:
+    for old, new in _LLAVA_NEXT_RENAMED:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return text_tower_name(name)
+
+
 def gemma3_name(name: str) -> str | None:
     for old, new in _GEMMA3_RENAMED:
         if name.startswith(old):
@@ -100,6 +112,8 @@ def tensor_renamer(config) -> Callable[[str], str | None] | None:
         return qwen2_5_vl_name
     if arch == "Gemma3ForConditionalGeneration":
         return gemma3_name if getattr(config, "vision_source", None) is not None else text_tower_name
+    if arch == "LlavaNextForConditionalGeneration":
+        return llava_next_name
     if arch in VISION_TOWERS:
         return idefics3_name
     return text_tower_name if is_text_tower(config) else None

@@ -69,12 +69,16 @@ class VisionMLP(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         act = cfg.hidden_act
-        if act not in ("gelu_pytorch_tanh", "gelu"):
-            raise ValueError(f"vision hidden_act {act!r} (the paged Idefics3 tower has gelu and gelu_pytorch_tanh)")
+        if act not in ("gelu_pytorch_tanh", "gelu", "quick_gelu"):
+            raise ValueError(f"vision hidden_act {act!r} (the paged SigLIP and CLIP towers have gelu, "
+                             f"gelu_pytorch_tanh and quick_gelu)")
+        self.act = act
         self.approximate = "tanh" if act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+        h = self.fc1(x)
+        h = h * torch.sigmoid(1.702 * h) if self.act == "quick_gelu" else F.gelu(h, approximate=self.approximate)
+        return self.fc2(h)
 
 
 class VisionLayer(nn.Module):

@@ -25,10 +25,11 @@ class ImageInput:
     start: int  # the prompt index of its first image token
     end: int  # one past its last image token
     positions: list[int]  # the prompt indices whose embeddings the image encoder gives, in order
-    # Idefics3: tensor [tiles, channels, height, width]; Qwen2.5-VL: [patches, channels * 2 * 14 * 14]
+    # Idefics3, LLaVA-NeXT: tensor [tiles, channels, height, width]; Qwen2.5-VL: [patches, channels * 2 * 14 * 14]
     pixel_values: Any
     pixel_mask: Any = None  # Idefics3: bool tensor [tiles, height, width]: real pixels (not padding)
     grid: tuple[int, int, int] | None = None  # Qwen2.5-VL: its patch grid (frames, rows, columns)
+    size: tuple[int, int] | None = None  # LLaVA-NeXT: the image's (height, width) before preprocessing
     # Gemma 3: its tokens attend each other both ways (a prefill chunk never ends inside them)
     bidirectional: bool = False
     # the encoder's rows for `positions`, set by the model runner when first needed and kept for

@@ -1,5 +1,5 @@
 """A prompt with images -> its token ids and one preprocessed `ImageInput` per image
-(Qwen2.5-VL's: qwen2_5_vl_processing.py; Gemma 3's: `Gemma3Prompts`).
+(Qwen2.5-VL's: qwen2_5_vl_processing.py; Gemma 3's: `Gemma3Prompts`; LLaVA-NeXT's: `LlavaNextPrompts`).
 
 Idefics3 (SmolVLM): transformers' own Idefics3ImageProcessor, read from the model folder, preprocesses
 each image (resize, split into tiles, rescale, normalise: its pixels by construction), and its
@@ -120,6 +120,62 @@ class Gemma3Prompts:
         return ids, inputs
 
 
+class LlavaNextPrompts:
+    """LLaVA-NeXT: transformers' LlavaNextImageProcessor (slow) gives each image's tiles (the base
+    image, then its any-resolution grid); each `<image>` of the prompt becomes as many `<image>`
+    tokens as the encoder gives it rows (`llava_next.image_tokens`), as LlavaNextProcessor
+    expands it, and the expanded text is tokenized whole."""
+
+    image_token = "<image>"
+
+    def __init__(self, folder: Path, tokenizer, config):
+        from transformers import AutoImageProcessor
+
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"the folder has no usable image processor ({exc})") from None
+        vision = config.vision_config
+        crop = getattr(self.image_processor, "crop_size", None) or {}
+        if crop.get("height", vision.image_size) != vision.image_size or crop.get("width", vision.image_size) != vision.image_size:
+            raise ValueError(f"the image processor's crop_size {crop} is not the vision tower's {vision.image_size}")
+        self.pinpoints = [list(p) for p in config.image_grid_pinpoints]
+        self.tile, self.patch = vision.image_size, vision.patch_size
+        self.tokenizer = tokenizer
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {self.image_token} token")
+        self.chat_template = processor_chat_template(folder)
+
+    def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
+        from opentgi.models.vision.llava_next import image_tokens
+
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the prompt holds {len(pieces) - 1} image markers ({self.image_token}) for "
+                             f"{len(images)} images")
+        expanded, tensors = [pieces[0]], []
+        for image, after in zip(images, pieces[1:]):
+            out = self.image_processor([image.image], return_tensors="pt", input_data_format="channels_last")
+            size = (image.image.height, image.image.width)
+            tokens = image_tokens(size, self.pinpoints, self.tile, self.patch)
+            expanded.append(self.image_token * tokens)
+            expanded.append(after)
+            tensors.append((out["pixel_values"][0], size, tokens))
+        ids = list(self.tokenizer("".join(expanded), add_special_tokens=add_special_tokens)["input_ids"])
+        positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
+        wanted = sum(tokens for *_, tokens in tensors)
+        if len(positions) != wanted:
+            raise ValueError(f"the prompt holds {len(positions)} image tokens where its images give {wanted}")
+        inputs, at = [], 0
+        for image, (pixels, size, tokens) in zip(images, tensors):
+            mine = positions[at:at + tokens]
+            at += tokens
+            inputs.append(ImageInput(content_hash=image.sha256, start=mine[0], end=mine[-1] + 1, positions=mine,
+                                     pixel_values=pixels, size=size))
+        return ids, inputs
+
+
 def processor_chat_template(folder: Path) -> str | None:
     """The chat template transformers saved with the processor (`chat_template.jinja`, or the older
     `chat_template.json`), else None."""
@@ -142,4 +198,6 @@ def image_prompts_for(folder: Path, config, tokenizer):
         from opentgi.models.vision.qwen2_5_vl_processing import Qwen2_5_VLPrompts
 
         return Qwen2_5_VLPrompts(folder, tokenizer, processor_chat_template(folder))
+    if archs and archs[0] == "LlavaNextForConditionalGeneration":
+        return LlavaNextPrompts(folder, tokenizer, config)
     return None

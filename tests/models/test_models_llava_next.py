@@ -1,0 +1,124 @@
+"""LLaVA-NeXT on the paged path against transformers' LlavaNextForConditionalGeneration, on the tiny
+random models of tests/helpers/tiny_vision.py: the prompt ids and pixels are transformers' own
+LlavaNextProcessor's (slow image processor: the base image and the any-resolution tiles, each
+`<image>` expanded to the unpadded features and a newline per row), greedy tokens equal
+transformers' in float32 with logprobs within 2e-3 for one image, two images and an image in the
+second turn, with a Llama text model (layer -2's features) and with a Mistral one (a sliding
+window shorter than the prompt; layers -3 and -1 concatenated); a request with images gets the
+same tokens alone, batched and after a prefix-cache hit."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+
+import pytest
+import torch
+
+from opentgi.config import Settings
+from opentgi.engine.request import ImageData
+from opentgi.models.loader import load_model
+from tests.helpers.determinism import greedy, outcome
+from tests.helpers.engine import generate, running
+from tests.helpers.tiny_vision import png_bytes, tiny_llava_next_path
+
+torch.set_num_threads(1)
+
+# 150 x 100 (w x h): a 2 x 2 grid of tiles, unpadded top and bottom; 40 x 90: a 2 x 1 grid; 30 x 30:
+# a 1 x 2 grid, unpadded at the sides
+WIDE, TALL, SQUARE = png_bytes(150, 100, seed=1), png_bytes(40, 90, seed=2), png_bytes(30, 30, seed=3)
+PROMPTS = {
+    "one image": ("[INST] <image>\nWhat is this? [/INST]", [WIDE]),
+    "two images": ("[INST] <image>\n<image>\nCompare. [/INST]", [TALL, SQUARE]),
+    "second turn": ("[INST] Hello. [/INST]Hi.<|im_end|>[INST] And this?<image>\n [/INST]", [WIDE]),
+}
+CASES = [("llama", case) for case in PROMPTS] + [("mistral", "two images")]
+
+
+def image_of(raw: bytes):
+    from PIL import Image
+
+    return Image.open(io.BytesIO(raw)).convert("RGB")
+
+
+def data(raw: bytes) -> ImageData:
+    return ImageData(image_of(raw), hashlib.sha256(raw).hexdigest())
+
+
+_MODELS: dict = {}
+
+
+def models(text: str):
+    if text not in _MODELS:
+        from transformers import LlavaNextForConditionalGeneration
+
+        path = tiny_llava_next_path(text)
+        reference = LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+        _MODELS[text] = load_model(Settings(model_id=str(path), dtype="float32")), reference, path
+    return _MODELS[text]
+
+
+def transformers_greedy(reference, path, text, images, new_tokens):
+    from transformers import LlavaNextProcessor
+
+    processor = LlavaNextProcessor.from_pretrained(path, use_fast=False)
+    inputs = processor(images=[image_of(raw) for raw in images], text=text, add_special_tokens=False,
+                       return_tensors="pt")
+    keep = ("input_ids", "attention_mask", "pixel_values", "image_sizes")
+    with torch.no_grad():
+        out = reference.generate(**{k: inputs[k] for k in keep}, max_new_tokens=new_tokens, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+    ids = inputs["input_ids"]
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    logprobs = [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)]
+    return ids[0].tolist(), inputs["pixel_values"], tokens, logprobs
+
+
+async def request_for(engine, text, images, new_tokens):
+    ids, inputs = await engine.encode_images(text, [data(raw) for raw in images], add_special_tokens=False)
+    request = greedy(ids, new_tokens)
+    request.images = inputs
+    return request
+
+
+async def served(loaded, text, images, new_tokens):
+    async with running(loaded) as engine:
+        request = await request_for(engine, text, images, new_tokens)
+        sequence = (await generate(engine, request)).sequences[0]
+    return request, sequence.token_ids, [t.logprob for t in sequence.tokens]
+
+
+@pytest.mark.parametrize("text, case", CASES)
+def test_greedy_tokens_and_logprobs_match_transformers(text, case):
+    loaded, reference, path = models(text)
+    prompt, images = PROMPTS[case]
+    want_ids, pixels, want_tokens, want_logprobs = transformers_greedy(reference, path, prompt, images, 6)
+    request, tokens, logprobs = asyncio.run(served(loaded, prompt, images, 6))
+    assert request.prompt_token_ids == want_ids
+    for image, want in zip(request.images, pixels):  # the processor pads a batch to its most tiles
+        assert torch.equal(image.pixel_values, want[:image.pixel_values.shape[0]])
+    assert list(tokens) == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 2e-3
+
+
+def test_a_request_with_images_is_the_same_alone_batched_and_cached():
+    loaded = models("llama")[0]
+    prompt, images = PROMPTS["two images"]
+
+    async def run(others: int, warm: bool):
+        async with running(loaded) as engine:
+            if warm:
+                await generate(engine, await request_for(engine, prompt, images, 1))
+            requests = [await request_for(engine, f"[INST] {'x ' * i}<image>\nHi [/INST]", [SQUARE if i % 2 else WIDE],
+                                          3 + i) for i in range(others)]
+            requests += [greedy(list(range(500 + 10 * i, 510 + 10 * i)), 4) for i in range(others)]
+            target = await request_for(engine, prompt, images, 5)
+            handles = [await engine.submit(r) for r in [*requests[:others], target, *requests[others:]]]
+            results = await asyncio.gather(*(h.result() for h in handles))
+            return outcome(results[others].sequences[0]), engine.stats().prefix_hit_tokens
+
+    alone, _ = asyncio.run(run(0, False))
+    assert asyncio.run(run(3, False))[0] == alone
+    cached, hits = asyncio.run(run(0, True))
+    assert cached == alone and hits > 64
