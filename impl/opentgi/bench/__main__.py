@@ -1,6 +1,7 @@
 """`python -m opentgi.bench [flags]` runs the benchmark (runner.py); `python -m opentgi.bench
 write-gguf OUT.gguf` writes the random Llama-1B-shaped GGUF of the llama.cpp comparison
 (gguf_fixture.py); `python -m opentgi.bench kernels` times the linear kernels (kernels.py);
+`python -m opentgi.bench images` is image-request throughput against transformers (baselines.py);
 `python -m opentgi.bench --late-tenant` is the tenants comparison (http_load.py)."""
 
 import sys
@@ -9,6 +10,10 @@ if sys.argv[1:2] == ["write-gguf"]:
     from opentgi.bench.gguf_fixture import main
 
     main(sys.argv[2:])
+elif sys.argv[1:2] == ["images"]:
+    from opentgi.bench.baselines import images_main
+
+    images_main(sys.argv[2:])
 elif sys.argv[1:2] == ["kernels"]:
     from opentgi.bench.kernels import main
 
