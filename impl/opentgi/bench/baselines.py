@@ -11,7 +11,8 @@ model saved alone as a LlamaForCausalLM beside it. N chat requests, each with it
 320 x 240 image, go to an engine in this process all at once (preprocessing, encoding, prefill
 and M greedy tokens each, EOS ignored; default flags: each image encoded alone); transformers
 runs the same prompts and pixels through `generate` one request after the other, then as one
-left-padded batch. Each side is warmed with one unmeasured request first. A last line compares
+left-padded batch. `--num-threads K` pins both sides to K torch threads (by default the engine
+takes fewer while other work holds the cores, and transformers keeps all of them). Each side is warmed with one unmeasured request first. A last line compares
 the decode step of text-only requests on the VLM and on its text model alone (`bench/steps.py`,
 medians over alternating rounds).
 """
@@ -223,29 +224,36 @@ def images_main(argv: list[str]) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--text-concurrency", type=int, default=4, help="text-only requests per decode comparison")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the text-only comparison")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads on both sides, the engine's fixed (default: torch's; the engine "
+                        "then takes fewer while other work holds cores, transformers does not)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--output", help="also append the lines to this file")
     args = p.parse_args(argv)
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     folder, text_folder = smolvlm_shaped_model(args.cache_dir)
     images = _random_images(args.requests + 1)
-    settings = Settings(model_id=str(folder), dtype="float32")
+    settings = Settings(model_id=str(folder), dtype="float32", num_threads=args.num_threads,
+                        fixed_threads=bool(args.num_threads))
     loaded = load_model(settings)
     tokens = args.requests * args.new_tokens
     ours = asyncio.run(_opentgi_images(loaded, settings, images, args.new_tokens))
     serial, batched = _transformers_images(folder, images, args.new_tokens)
     ids, inputs = loaded.image_prompts(_prompt(0), [_image_data(images[1])], False)
-    text = load_model(Settings(model_id=str(text_folder), dtype="float32"))
+    text = load_model(Settings(model_id=str(text_folder), dtype="float32", num_threads=args.num_threads))
     prompts = [loaded.tokenizer(f"<|im_start|>User:Tell me story {i}.<end_of_utterance>\nAssistant:",
                                 add_special_tokens=False)["input_ids"] for i in range(args.text_concurrency)]
     steps: dict[str, list[float]] = {"vlm": [], "text": []}
     for _ in range(args.rounds):
         for name, model in (("vlm", loaded), ("text", text)):
-            steps[name].append(measure(model, Settings(dtype="float32"), prompts, args.text_concurrency,
-                                       args.new_tokens).step_ms)
+            steps[name].append(measure(model, settings, prompts, args.text_concurrency, args.new_tokens).step_ms)
     vlm_ms, text_ms = statistics.median(steps["vlm"]), statistics.median(steps["text"])
     load = os.getloadavg()
     lines = [
-        f"Machine: {machine_line(None)}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.",
+        f"Machine: {machine_line(args.num_threads)}; load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.",
         f"SmolVLM-shaped random model (float32), {args.requests} requests x {args.new_tokens} new tokens, one "
         f"320 x 240 image each ({len(inputs[0].positions)} image tokens, {len(ids)} prompt tokens):",
         "",
