@@ -5,7 +5,8 @@ LlavaNextProcessor's (slow image processor: the base image and the any-resolutio
 transformers' in float32 with logprobs within 2e-3 for one image, two images and an image in the
 second turn, with a Llama text model (layer -2's features) and with a Mistral one (a sliding
 window shorter than the prompt; layers -3 and -1 concatenated); a request with images gets the
-same tokens alone, batched and after a prefix-cache hit."""
+same tokens alone, batched and after a prefix-cache hit; transformers' newer tensor names load the
+same weights."""
 
 from __future__ import annotations
 
@@ -122,3 +123,34 @@ def test_a_request_with_images_is_the_same_alone_batched_and_cached():
     assert asyncio.run(run(3, False))[0] == alone
     cached, hits = asyncio.run(run(0, True))
     assert cached == alone and hits > 64
+
+
+def test_the_newer_checkpoint_layout_loads_the_same_weights(tmp_path):
+    """transformers' newer names (`model.vision_tower.*`, `model.multi_modal_projector.*`,
+    `model.image_newline`, `model.language_model.*`, `lm_head.*`) load as the hub's do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_llava_next_path()
+    for item in path.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    renames = (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+               ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."),
+               ("image_newline", "model.image_newline"))
+
+    def newer(name: str) -> str:
+        old, new = next((o, n) for o, n in renames if name.startswith(o))
+        return new + name[len(old):]
+
+    save_file({newer(k): v for k, v in load_file(str(path / "model.safetensors")).items()},
+              str(tmp_path / "model.safetensors"))
+    loaded, older = load_model(Settings(model_id=str(tmp_path), dtype="float32")).model, models("llama")[0].model
+    for name in ("vision.tower.vision_model.encoder.layers.0.self_attn.q_proj.weight",
+                 "vision.projector.linear_2.weight", "vision.image_newline", "model.embed_tokens.weight",
+                 "model.norm.weight"):
+        assert torch.equal(loaded.get_parameter(name), older.get_parameter(name)), name
+    hidden = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # the head (packed at load, so compared by what it computes)
+        assert torch.equal(loaded.compute_logits(hidden), older.compute_logits(hidden))
