@@ -10,18 +10,16 @@ inside an image)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
 
 import pytest
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine.request import ImageData
 from opentgi.models.loader import load_model
 from tests.helpers.determinism import greedy, outcome
 from tests.helpers.engine import generate, running
 from tests.helpers.tiny_vision import png_bytes, tiny_gemma3_vl_path
+from tests.helpers.vision_serving import data, greedy_answer, image_of, request_for, served
 
 torch.set_num_threads(1)
 
@@ -33,16 +31,6 @@ PROMPTS = {
     "second turn": ("<start_of_turn>user\nHello.<end_of_turn>\n<start_of_turn>model\nHi.<end_of_turn>\n"
                     "<start_of_turn>user\nAnd this?<start_of_image><end_of_turn>\n<start_of_turn>model\n", [SQUARE]),
 }
-
-
-def image_of(raw: bytes):
-    from PIL import Image
-
-    return Image.open(io.BytesIO(raw)).convert("RGB")
-
-
-def data(raw: bytes) -> ImageData:
-    return ImageData(image_of(raw), hashlib.sha256(raw).hexdigest())
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +55,8 @@ def transformers_greedy(loaded, reference, text, images, new_tokens, token_types
         out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
                                  max_new_tokens=new_tokens, do_sample=False, output_scores=True,
                                  return_dict_in_generate=True, **extra)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    logprobs = [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)]
+    tokens, logprobs = greedy_answer(out, ids.shape[1])
     return ids[0].tolist(), pixels, tokens, logprobs
-
-
-async def request_for(engine, text, images, new_tokens):
-    ids, inputs = await engine.encode_images(text, [data(raw) for raw in images], add_special_tokens=False)
-    request = greedy(ids, new_tokens)
-    request.images = inputs
-    return request
-
-
-async def served(loaded, text, images, new_tokens):
-    async with running(loaded) as engine:
-        request = await request_for(engine, text, images, new_tokens)
-        sequence = (await generate(engine, request)).sequences[0]
-    return request, sequence.token_ids, [t.logprob for t in sequence.tokens]
 
 
 @pytest.mark.parametrize("case", PROMPTS)

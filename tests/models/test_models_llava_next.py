@@ -11,18 +11,16 @@ same weights."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
 
 import pytest
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine.request import ImageData
 from opentgi.models.loader import load_model
 from tests.helpers.determinism import greedy, outcome
 from tests.helpers.engine import generate, running
 from tests.helpers.tiny_vision import png_bytes, tiny_llava_next_path
+from tests.helpers.vision_serving import greedy_answer, image_of, request_for, served
 
 torch.set_num_threads(1)
 
@@ -35,16 +33,6 @@ PROMPTS = {
     "second turn": ("[INST] Hello. [/INST]Hi.<|im_end|>[INST] And this?<image>\n [/INST]", [WIDE]),
 }
 CASES = [("llama", case) for case in PROMPTS] + [("mistral", "two images")]
-
-
-def image_of(raw: bytes):
-    from PIL import Image
-
-    return Image.open(io.BytesIO(raw)).convert("RGB")
-
-
-def data(raw: bytes) -> ImageData:
-    return ImageData(image_of(raw), hashlib.sha256(raw).hexdigest())
 
 
 _MODELS: dict = {}
@@ -71,23 +59,8 @@ def transformers_greedy(reference, path, text, images, new_tokens):
         out = reference.generate(**{k: inputs[k] for k in keep}, max_new_tokens=new_tokens, do_sample=False, output_scores=True,
                                  return_dict_in_generate=True)
     ids = inputs["input_ids"]
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    logprobs = [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)]
+    tokens, logprobs = greedy_answer(out, ids.shape[1])
     return ids[0].tolist(), inputs["pixel_values"], tokens, logprobs
-
-
-async def request_for(engine, text, images, new_tokens):
-    ids, inputs = await engine.encode_images(text, [data(raw) for raw in images], add_special_tokens=False)
-    request = greedy(ids, new_tokens)
-    request.images = inputs
-    return request
-
-
-async def served(loaded, text, images, new_tokens):
-    async with running(loaded) as engine:
-        request = await request_for(engine, text, images, new_tokens)
-        sequence = (await generate(engine, request)).sequences[0]
-    return request, sequence.token_ids, [t.logprob for t in sequence.tokens]
 
 
 @pytest.mark.parametrize("text, case", CASES)

@@ -9,19 +9,17 @@ images gets the same tokens alone, batched, after a prefix-cache hit and in pref
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import io
 
 import numpy as np
 import pytest
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine.request import ImageData
 from opentgi.models.loader import load_model
 from tests.helpers.determinism import greedy, outcome
 from tests.helpers.engine import generate, running
 from tests.helpers.tiny_vision import png_bytes, tiny_qwen2_5_vl_path
+from tests.helpers.vision_serving import data, greedy_answer, image_of, request_for, served
 
 torch.set_num_threads(1)
 
@@ -35,12 +33,6 @@ PROMPTS = {
     "second turn": (f"{SYSTEM}<|im_start|>user\nHello.<|im_end|>\n<|im_start|>assistant\nHi.<|im_end|>\n"
                     f"<|im_start|>user\nAnd this?{IMAGE}<|im_end|>\n<|im_start|>assistant\n", [SQUARE]),
 }
-
-
-def image_of(raw: bytes):
-    from PIL import Image
-
-    return Image.open(io.BytesIO(raw)).convert("RGB")
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +63,8 @@ def transformers_greedy(loaded, reference, text, images, new_tokens):
         out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
                                  image_grid_thw=grids, max_new_tokens=new_tokens, do_sample=False,
                                  output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    logprobs = [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)]
+    tokens, logprobs = greedy_answer(out, ids.shape[1])
     return ids[0].tolist(), pixels, tokens, logprobs
-
-
-def data(raw: bytes) -> ImageData:
-    return ImageData(image_of(raw), hashlib.sha256(raw).hexdigest())
-
-
-async def request_for(engine, text, images, new_tokens):
-    ids, inputs = await engine.encode_images(text, [data(raw) for raw in images], add_special_tokens=False)
-    request = greedy(ids, new_tokens)
-    request.images = inputs
-    return request
-
-
-async def served(loaded, text, images, new_tokens):
-    async with running(loaded) as engine:
-        request = await request_for(engine, text, images, new_tokens)
-        sequence = (await generate(engine, request)).sequences[0]
-    return request, sequence.token_ids, [t.logprob for t in sequence.tokens]
 
 
 @pytest.mark.parametrize("case", PROMPTS)

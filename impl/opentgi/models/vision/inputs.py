@@ -35,3 +35,19 @@ class ImageInput:
     # the encoder's rows for `positions`, set by the model runner when first needed and kept for
     # the request's life (a preempted sequence recomputes its prompt without encoding again)
     embeds: Any = None
+
+
+def token_id(tokenizer, token: str) -> int:
+    """The id of a model's image token; ValueError where the tokenizer lacks it."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if found is None or found == tokenizer.unk_token_id:
+        raise ValueError(f"the tokenizer has no {token} token")
+    return found
+
+
+def split_at_markers(text: str, marker: str, num_images: int) -> list[str]:
+    """The prompt's text around its image markers, one marker per image (else ValueError)."""
+    pieces = text.split(marker)
+    if len(pieces) - 1 != num_images:
+        raise ValueError(f"the prompt holds {len(pieces) - 1} image markers ({marker}) for {num_images} images")
+    return pieces

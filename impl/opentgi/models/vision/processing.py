@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from opentgi.models.vision.inputs import ImageData, ImageInput
+from opentgi.models.vision.inputs import ImageData, ImageInput, split_at_markers, token_id
 
 
 class Idefics3Prompts:
@@ -33,18 +33,13 @@ class Idefics3Prompts:
         # Idefics3Processor's default when its config does not say
         self.image_seq_len = int(json.loads(config.read_text()).get("image_seq_len", 169)) if config.is_file() else 169
         self.tokenizer = tokenizer
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"the tokenizer has no {self.image_token} token")
+        self.image_token_id = token_id(tokenizer, self.image_token)
         self.chat_template = processor_chat_template(folder)
 
     def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
         from transformers.models.idefics3.processing_idefics3 import get_image_prompt_string
 
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the prompt holds {len(pieces) - 1} image markers ({self.image_token}) for "
-                             f"{len(images)} images")
+        pieces = split_at_markers(text, self.image_token, len(images))
         expanded, tensors = [pieces[0]], []
         for image, after in zip(images, pieces[1:]):
             # a PIL image is height x width x channels: said, not guessed (transformers guesses
@@ -91,17 +86,13 @@ class Gemma3Prompts:
         saved = json.loads(processor.read_text()) if processor.is_file() else {}
         self.image_seq_len = int(saved.get("image_seq_length", config.mm_tokens_per_image))
         self.tokenizer = tokenizer
-        self.soft_token_id = tokenizer.convert_tokens_to_ids(self.soft_token)
-        for token in (self.image_token, self.soft_token, self.end_token):
-            if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
-                raise ValueError(f"the tokenizer has no {token} token")
+        for token in (self.image_token, self.end_token):
+            token_id(tokenizer, token)  # ValueError where the tokenizer lacks one
+        self.soft_token_id = token_id(tokenizer, self.soft_token)
         self.chat_template = processor_chat_template(folder)
 
     def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the prompt holds {len(pieces) - 1} image markers ({self.image_token}) for "
-                             f"{len(images)} images")
+        pieces = split_at_markers(text, self.image_token, len(images))
         sequence = f"\n\n{self.image_token}{self.soft_token * self.image_seq_len}{self.end_token}\n\n"
         ids = list(self.tokenizer(sequence.join(pieces), add_special_tokens=add_special_tokens)["input_ids"])
         positions = [i for i, token in enumerate(ids) if token == self.soft_token_id]
@@ -142,18 +133,13 @@ class LlavaNextPrompts:
         self.pinpoints = [list(p) for p in config.image_grid_pinpoints]
         self.tile, self.patch = vision.image_size, vision.patch_size
         self.tokenizer = tokenizer
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"the tokenizer has no {self.image_token} token")
+        self.image_token_id = token_id(tokenizer, self.image_token)
         self.chat_template = processor_chat_template(folder)
 
     def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
         from opentgi.models.vision.llava_next import image_tokens
 
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the prompt holds {len(pieces) - 1} image markers ({self.image_token}) for "
-                             f"{len(images)} images")
+        pieces = split_at_markers(text, self.image_token, len(images))
         expanded, tensors = [pieces[0]], []
         for image, after in zip(images, pieces[1:]):
             out = self.image_processor([image.image], return_tensors="pt", input_data_format="channels_last")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from opentgi.models.vision.inputs import ImageData, ImageInput
+from opentgi.models.vision.inputs import ImageData, ImageInput, split_at_markers, token_id
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / STD, the processor's defaults
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -92,15 +92,11 @@ class Qwen2_5_VLPrompts:
             raise ValueError("the folder has no preprocessor_config.json")
         self.images = Qwen2VLImages(json.loads(config.read_text()))
         self.tokenizer = tokenizer
-        self.pad_token_id = tokenizer.convert_tokens_to_ids(self.pad_token)
-        if self.pad_token_id is None or self.pad_token_id == tokenizer.unk_token_id:
-            raise ValueError(f"the tokenizer has no {self.pad_token} token")
+        self.pad_token_id = token_id(tokenizer, self.pad_token)
         self.chat_template = chat_template  # the processor's (processing.py: processor_chat_template)
 
     def __call__(self, text: str, images: list[ImageData], add_special_tokens: bool) -> tuple[list[int], list[ImageInput]]:
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the prompt holds {len(pieces) - 1} images ({self.image_token}) for {len(images)} images")
+        pieces = split_at_markers(text, self.image_token, len(images))
         expanded, tensors = [pieces[0]], []
         for index, (image, after) in enumerate(zip(images, pieces[1:])):
             try:
