@@ -215,3 +215,18 @@ def test_lora_comparison_on_a_sharded_server(monkeypatch, tiny_llama):
     text = lora.lora_comparison(args, loaded, ["a prompt"])
     assert len(started) == 1 and started[0][-2:] == ["--num-shard", "2"] and "--lora-adapters" in started[0]
     assert "LoRA adapters mixed, tiny, --num-shard 2" in text
+
+
+def test_moe_comparison_times_the_per_expert_loop_beside_grouped_experts():
+    import torch
+
+    from opentgi.bench import kernels as bench_kernels
+    from opentgi.kernels import native
+
+    native.load("native")
+    torch.set_num_threads(1)
+    results = bench_kernels.measure_moe(repeats=1, experts=8, dtype=torch.float32)  # top 8 of 8: all used
+    assert [(rows, used) for rows, used, _ in results] == [(rows, 8) for rows in bench_kernels.MOE_ROWS]
+    assert all(set(us) == {"per-expert loop", "grouped"} for _, _, us in results)
+    table = bench_kernels.moe_table(results)
+    assert table.count("\n") == len(results) + 1 and "x |" in table

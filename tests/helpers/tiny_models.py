@@ -186,6 +186,26 @@ def tiny_gguf_path(seed: int = 0, layer_types: dict | None = None) -> Path:
     return _cached_folder("tiny-gguf", params, build) / "model.gguf"
 
 
+# the tiny Mixtral GGUF's experts: gate/up in Q4_K, down in Q6_K (as a Q4_K_M file holds them)
+TINY_MOE_GGUF_TYPES = {**TINY_GGUF_TYPES, "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+def tiny_moe_gguf_path(seed: int = 0, arch: str = "llama") -> Path:
+    """A random Mixtral ("llama") or Qwen3-MoE ("qwen3moe") written as a GGUF file (llama.cpp's
+    layout: a float32 router and each projection's 4 experts stacked in one tensor, 2 used a token):
+    tiny_gguf_path's shape with experts of intermediate 256, TINY_MOE_GGUF_TYPES."""
+    params = {"seed": seed, "types": TINY_MOE_GGUF_TYPES, "experts": 4, "arch": arch}
+
+    def build(out: Path) -> None:
+        from opentgi.bench.gguf_fixture import LlamaShape, write_random_llama_gguf
+
+        shape = LlamaShape(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=256, context=4096,
+                           rope_theta=10000.0, experts=4, experts_used=2, arch=arch)
+        write_random_llama_gguf(out / "model.gguf", shape, layer_types=TINY_MOE_GGUF_TYPES, seed=seed)
+
+    return _cached_folder("tiny-moe-gguf", params, build) / "model.gguf"
+
+
 def tiny_qwen2_path(seed: int = 0, **overrides) -> Path:
     """Random Qwen2ForCausalLM (q/k/v projections with bias, untied lm_head)."""
     cfg = {**_LLAMA_SHAPE, "tie_word_embeddings": False, "use_sliding_window": False, **overrides}

@@ -71,9 +71,10 @@ async def served_perplexity(loaded) -> float:
 async def test_quantized_and_native_perplexity_stay_close_to_the_dense_weights(default_model):
     """In the dtype this host serves, the native kernels (the file's Q4_1 blocks, and `--quantize
     int8` as Q8_0) against torch's path and the same weights dense. The native kernels round each
-    activation row to 8-bit blocks (as llama.cpp's): on an AVX2 EPYC in float32 that moved this
-    text's perplexity by +0.9% (Q4_1, against torch's path) and +1.0% (int8, against dense);
-    the bound guards that cost from growing (docs/benchmarks.md)."""
+    activation row to 8-bit blocks, q/k/v and down projections' in two passes (~16 bits:
+    models/quantization/gguf_blocks.py): on an AVX2 EPYC in float32 this text's perplexity moved
+    by +0.3% (Q4_1, against torch's path; +0.9% with one pass everywhere) and +0.6% (int8, against
+    dense); the bounds guard that cost from growing (docs/benchmarks.md)."""
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     dense = await served_perplexity(default_model(dtype=dtype, dequantize=True))
     torch_path = await served_perplexity(default_model(dtype=dtype))  # tests pin GGUFs to torch's path
@@ -82,6 +83,6 @@ async def test_quantized_and_native_perplexity_stay_close_to_the_dense_weights(d
     print(f"perplexity ({dtype}): dense {dense:.3f}, torch path {torch_path:.3f}, native {native:.3f}, "
           f"int8 {int8:.3f}")
     assert abs(torch_path / dense - 1) < 0.01  # Q4_1's values, rows unrounded
-    assert abs(native / torch_path - 1) < 0.015
-    assert abs(int8 / dense - 1) < 0.015
+    assert abs(native / torch_path - 1) < 0.005
+    assert abs(int8 / dense - 1) < 0.01
     assert 1 < dense < 30  # an instruct model on plain English prose

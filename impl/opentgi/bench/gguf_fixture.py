@@ -29,6 +29,9 @@ class LlamaShape:
     intermediate: int = 8192
     context: int = 8192
     rope_theta: float = 500000.0
+    experts: int = 0  # > 0: routed experts (ffn_*_exps): a Mixtral, or a Qwen3-MoE with arch "qwen3moe"
+    experts_used: int = 2
+    arch: str = "llama"  # or "qwen3moe" (q/k norms, experts of `intermediate` features)
 
 
 LLAMA_1B = LlamaShape()
@@ -85,7 +88,7 @@ def write_random_llama_gguf(out: str | Path, shape: LlamaShape = LLAMA_1B, layer
     types.update(layer_types or {})
     rng = np.random.default_rng(seed)
     tmp = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), shape.arch)
     vocab = _copy_tokenizer(writer, tokenizer_gguf or default_gguf_path())
     head_dim = shape.hidden // shape.heads
     writer.add_name("random-llama")
@@ -98,6 +101,11 @@ def write_random_llama_gguf(out: str | Path, shape: LlamaShape = LLAMA_1B, layer
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        if shape.arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(shape.intermediate)
 
     def tensor(name: str, dims: tuple[int, ...], type_name: str | None) -> None:
         if type_name is None:  # a norm weight: float32 ones
@@ -105,7 +113,7 @@ def write_random_llama_gguf(out: str | Path, shape: LlamaShape = LLAMA_1B, layer
             return
         qtype = Q[type_name]
         if type_name in _RANDOM_BLOCK_F16:
-            data = _random_blocks(rng, qtype, *dims)
+            data = _random_blocks(rng, qtype, int(np.prod(dims[:-1])), dims[-1]).reshape(*dims[:-1], -1)
         else:
             data = gguf.quants.quantize(rng.standard_normal(dims, dtype=np.float32) * 0.02, qtype)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
@@ -117,13 +125,23 @@ def write_random_llama_gguf(out: str | Path, shape: LlamaShape = LLAMA_1B, layer
         p = f"blk.{i}."
         tensor(p + "attn_norm.weight", (h,), None)
         tensor(p + "ffn_norm.weight", (h,), None)
+        if shape.arch == "qwen3moe":  # q/k norms over each head
+            tensor(p + "attn_q_norm.weight", (head_dim,), None)
+            tensor(p + "attn_k_norm.weight", (head_dim,), None)
         tensor(p + "attn_q.weight", (h, h), types["attn_q"])
         tensor(p + "attn_k.weight", (kv, h), types["attn_k"])
         tensor(p + "attn_v.weight", (kv, h), types["attn_v"])
         tensor(p + "attn_output.weight", (h, h), types["attn_output"])
-        tensor(p + "ffn_gate.weight", (shape.intermediate, h), types["ffn_gate"])
-        tensor(p + "ffn_up.weight", (shape.intermediate, h), types["ffn_up"])
-        tensor(p + "ffn_down.weight", (h, shape.intermediate), types["ffn_down"])
+        if shape.experts:  # the router in float32, each projection's experts stacked in one tensor
+            writer.add_tensor(p + "ffn_gate_inp.weight",
+                              rng.standard_normal((shape.experts, h), dtype=np.float32) * 0.5)
+            tensor(p + "ffn_gate_exps.weight", (shape.experts, shape.intermediate, h), types["ffn_gate"])
+            tensor(p + "ffn_up_exps.weight", (shape.experts, shape.intermediate, h), types["ffn_up"])
+            tensor(p + "ffn_down_exps.weight", (shape.experts, h, shape.intermediate), types["ffn_down"])
+        else:
+            tensor(p + "ffn_gate.weight", (shape.intermediate, h), types["ffn_gate"])
+            tensor(p + "ffn_up.weight", (shape.intermediate, h), types["ffn_up"])
+            tensor(p + "ffn_down.weight", (h, shape.intermediate), types["ffn_down"])
         if progress is not None:
             progress(i + 1, shape.layers)
     writer.write_header_to_file()

@@ -2,7 +2,7 @@
 with native bfloat16, float32 elsewhere: models/loader.py), so that the next cliff shows: dense
 (oneDNN's packed weights), int8 per channel, int4 groups of 32 (torch's kernel, in
 `int4.kernel_dtype`), and the native kernels on GGUF blocks of each type (opentgi.kernels) where
-they build, at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
+they build (Q4_1 and Q4_K also with two-pass activations), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
 and MLP shapes).
 
 `python -m opentgi.bench kernels [--threads N] [--repeats R] [--dtype float32|bfloat16]` prints
@@ -16,6 +16,13 @@ shape (9 query heads, 3 kv heads, head_dim 64, blocks of 16): a decode step of 1
 of contexts L/2..L, block tables scattered over the pool, both batch-invariant as served; median
 CPU microseconds of this process (the machines are shared) per layer call (the step's plan built
 once and reused, as a step's layers reuse it) and per plan (once a step), backends in turn.
+
+`python -m opentgi.bench kernels --moe [--experts E]`: one mixture-of-experts block at
+Qwen3-30B-A3B's layer shape (hidden 2048, experts' intermediate 768, top 8 of 128 experts; gate/up
+in Q4_K, down in Q6_K, as a Q4_K_M file holds them; down's activations in two passes, as served),
+the router included: the per-expert loop (two native calls per expert a step uses) beside the
+grouped experts (one call per projection), at 1, 4 and 16 rows, median microseconds per block
+call, in turn.
 """
 
 from __future__ import annotations
@@ -73,6 +80,9 @@ def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: 
             blocks = torch.from_numpy(_gguf_blocks(qtype, out_features, in_features))
             found[f"native {qtype.name}"] = (
                 lambda x, b=blocks, q=int(qtype): native.gguf_mm(x, b, q, out_features), blocks.nbytes)
+            if qtype in (Q.Q4_1, Q.Q4_K):  # activations in two passes, as q/k/v and down projections take them
+                found[f"native {qtype.name} 2-pass"] = (
+                    lambda x, b=blocks, q=int(qtype): native.gguf_mm(x, b, q, out_features, passes=2), blocks.nbytes)
     return found
 
 
@@ -181,6 +191,67 @@ def attention_table(results) -> str:
     return "\n".join(lines)
 
 
+MOE_HIDDEN, MOE_INTERMEDIATE, MOE_TOP_K = 2048, 768, 8
+MOE_ROWS = (1, 4, 16)
+
+
+def moe_block(experts: int, dtype: torch.dtype):
+    """A SparseMoE whose experts are random GGML blocks (models/layers/moe.py), fused and grouped."""
+    from gguf import GGMLQuantizationType as Q
+    from torch import nn
+
+    from opentgi.models.layers.moe import SparseMoE
+    from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, activation_passes
+    from opentgi.models.quantization.linear import QuantizedLinear
+
+    with torch.device("meta"):  # no dense expert weights are ever allocated
+        block = SparseMoE(MOE_HIDDEN, MOE_INTERMEDIATE, experts, MOE_TOP_K, True, "silu",
+                          ("gate_up_proj", None, "down_proj"))
+    block.gate = nn.Linear(MOE_HIDDEN, experts, bias=False)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(experts, MOE_HIDDEN, generator=torch.Generator().manual_seed(1)))
+    stacks = {}
+    for name, qtype, out_features, in_features in (("gate_up_proj", Q.Q4_K, 2 * MOE_INTERMEDIATE, MOE_HIDDEN),
+                                                   ("down_proj", Q.Q6_K, MOE_HIDDEN, MOE_INTERMEDIATE)):
+        raw = torch.from_numpy(_gguf_blocks(qtype, experts * out_features, in_features))
+        stacks[name] = (raw.view(experts, out_features, -1), qtype, in_features)
+    for e, expert in enumerate(block.experts):
+        for name, (raw, qtype, in_features) in stacks.items():
+            linear = QuantizedLinear(in_features, raw.shape[1])
+            linear.weight_format = GGUFBlockWeight(raw[e], int(qtype), in_features,
+                                                   activation_passes(f"mlp.experts.{e}.{name}.weight"))
+            setattr(expert, name, linear)
+    block.fuse_projections()
+    return block.to(dtype)
+
+
+def measure_moe(repeats: int, experts: int, dtype: torch.dtype):
+    block = moe_block(experts, dtype)
+    grouped = block.grouped
+    results = []
+    with torch.inference_mode():
+        for rows in MOE_ROWS:
+            x = torch.randn(rows, MOE_HIDDEN, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            times: dict[str, list[float]] = {"per-expert loop": [], "grouped": []}
+            for _ in range(repeats + 1):
+                for name, form in (("per-expert loop", None), ("grouped", grouped)):
+                    block.grouped = form
+                    start = time.perf_counter()
+                    block(x)
+                    times[name].append(time.perf_counter() - start)
+            used = len(set(block.route(x)[1].flatten().tolist()))
+            results.append((rows, used, {n: statistics.median(t[1:]) * 1e6 for n, t in times.items()}))
+    return results
+
+
+def moe_table(results) -> str:
+    lines = ["| rows | experts used | per-expert loop (us) | grouped (us) | loop/grouped |", "|---:|---:|---:|---:|---:|"]
+    for rows, used, us in results:
+        lines.append(f"| {rows} | {used} | {us['per-expert loop']:,.0f} | {us['grouped']:,.0f} | "
+                     f"{us['per-expert loop'] / us['grouped']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     from opentgi.kernels import native
     from opentgi.models.loader import cpu_has_bf16
@@ -192,6 +263,8 @@ def main(argv=None) -> None:
                         help="default: what this host serves (bfloat16 with native bfloat16, else float32)")
     parser.add_argument("--attention", action="store_true", help="decode attention per layer instead")
     parser.add_argument("--context", type=int, default=512, help="--attention: the longest context")
+    parser.add_argument("--moe", action="store_true", help="a mixture-of-experts block instead")
+    parser.add_argument("--experts", type=int, default=128, help="--moe: how many experts")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -199,9 +272,13 @@ def main(argv=None) -> None:
     path = native.load("auto")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}, kernels {path.describe()}, "
           f"median of {args.repeats}")
-    if args.attention and path.name != "native":
-        raise SystemExit(f"--attention needs the native kernels: {path.describe()}")
-    if args.attention:
+    if (args.attention or args.moe) and path.name != "native":
+        raise SystemExit(f"--attention and --moe need the native kernels: {path.describe()}")
+    if args.moe:
+        print(f"MoE block: hidden {MOE_HIDDEN}, intermediate {MOE_INTERMEDIATE}, top {MOE_TOP_K} of {args.experts} "
+              "experts, Q4_K gate/up, Q6_K down")
+        print(moe_table(measure_moe(args.repeats, args.experts, dtype)))
+    elif args.attention:
         print(f"decode attention, contexts {args.context // 2}-{args.context}, CPU us")
         print(attention_table(measure_attention(args.repeats, args.context, dtype)))
     else:

@@ -4,7 +4,9 @@
 logging one line: what was built or loaded and how long it took, or why the torch path serves.
 `gguf_mm(x, blocks, qtype, out_features)` multiplies float32 or bfloat16 rows by a weight held as
 the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_mm`, with a fake
-(meta) implementation registered so torch.compile and FX see it as one op.
+(meta) implementation registered so torch.compile and FX see it as one op. `moe_up` and `moe_down`
+(`opentgi::gguf_moe_up`, `opentgi::gguf_moe_down`) run a mixture of experts' projections for every
+token and every expert it was routed to in one call each.
 `paged_attention(...)` attends decode rows over the paged KV cache in place (csrc/attention.h), the
 torch op `opentgi::paged_attention`; `rms_norm`, `add_rms_norm` and `silu_mul` are fused per-row
 layer ops (csrc/layer_ops.h); `opentgi::decode_stack` runs a decode step's Llama-shaped layers in
@@ -90,8 +92,16 @@ def load(mode: str = "auto", directory: Path | None = None) -> KernelPath:
 
 def _register_fake() -> None:
     @torch.library.register_fake("opentgi::gguf_mm")
-    def _(x, w, qtype, out_features, isa):
+    def _(x, w, qtype, out_features, isa, passes=1):
         return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("opentgi::gguf_moe_up")
+    def _(x, w, qtype, ids, out_features, isa, passes=1):
+        return x.new_empty(x.shape[0], ids.shape[1], out_features)
+
+    @torch.library.register_fake("opentgi::gguf_moe_down")
+    def _(h, w, qtype, ids, weights, out_features, isa, passes=1):
+        return h.new_empty(ids.shape[0], out_features)
 
     @torch.library.register_fake("opentgi::paged_attention")
     def _(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa):
@@ -110,19 +120,35 @@ def _register_fake() -> None:
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @torch.library.register_fake("opentgi::decode_stack")
-    def _(h, cos, sin, weights, qtypes, biases, parts, norms, k_caches, v_caches, slots, tails, block_tables, seq, ctx,
+    def _(h, cos, sin, weights, qtypes, passes, biases, parts, norms, k_caches, v_caches, slots, tails, block_tables,
+          seq, ctx,
           num_heads, num_kv_heads, scale, windows, eps, isa):
         return torch.empty_like(h)
 
 
-def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, isa: str | None = None) -> torch.Tensor:
-    """`x @ W.T`, W the GGUF blocks of `qtype` (rows of x [..., K] quantized to 8-bit blocks)."""
-    path = loaded()
-    if path is None:
-        raise KernelsUnavailable("the native kernels are not loaded (kernels.native.load)")
+def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, isa: str | None = None,
+            passes: int = 1) -> torch.Tensor:
+    """`x @ W.T`, W the GGUF blocks of `qtype` (rows of x [..., K] quantized to 8-bit blocks; with
+    `passes=2` what that rounding left is quantized too and its product added: ~16-bit activations)."""
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.ops.opentgi.gguf_mm(rows, blocks, qtype, out_features, ISAS[isa or path.isa])
+    out = torch.ops.opentgi.gguf_mm(rows, blocks, qtype, out_features, _isa(isa), passes)
     return out.view(*x.shape[:-1], out_features)
+
+
+def moe_up(x: torch.Tensor, blocks: list[torch.Tensor], qtype: int, experts: torch.Tensor, out_features: int,
+           passes: int = 1, isa: str | None = None) -> torch.Tensor:
+    """Grouped experts: x [T, K] by expert experts[t, j]'s weight (`blocks[e]`, GGUF blocks of
+    `qtype`, [N, row bytes]) for every (token t, slot j) in one call -> [T, k, N] in x's dtype; each
+    token's row quantized once for its k experts. A pair's bits are gguf_mm's for that row."""
+    return torch.ops.opentgi.gguf_moe_up(x, blocks, qtype, experts, out_features, _isa(isa), passes)
+
+
+def moe_down(h: torch.Tensor, blocks: list[torch.Tensor], qtype: int, experts: torch.Tensor, weights: torch.Tensor,
+             out_features: int, passes: int = 1, isa: str | None = None) -> torch.Tensor:
+    """Grouped experts: row t * k + j of h [T * k, K] by expert experts[t, j]'s weight, each token's k
+    products times weights[t, j] (h's dtype) added in increasing expert order -> [T, N] in h's
+    dtype: each product rounded to h's dtype, the sum in float32 from zero, rounded once."""
+    return torch.ops.opentgi.gguf_moe_down(h, blocks, qtype, experts, weights, out_features, _isa(isa), passes)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

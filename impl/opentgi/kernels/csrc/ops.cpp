@@ -1,14 +1,16 @@
-// The torch ops: opentgi::gguf_mm(x, w, qtype, out_features, isa) -> x @ W.T, W the GGUF blocks of
-// `qtype` (uint8 [N, row bytes], e.g. a view of the memory-mapped file), x float32 or bfloat16
-// [M, K]. Activation rows are quantized by rows, then outputs are split among torch's intra-op
-// threads by columns; each output is computed whole by one thread (common.h's invariant), so a
-// row's bits depend neither on the other rows nor on the thread count.
+// The torch ops: opentgi::gguf_mm(x, w, qtype, out_features, isa, passes) -> x @ W.T, W the GGUF
+// blocks of `qtype` (uint8 [N, row bytes], e.g. a view of the memory-mapped file), x float32 or
+// bfloat16 [M, K]. Activation rows are quantized by rows (in one or two passes: matmul.h), then
+// outputs are split among torch's intra-op threads by columns; each output is computed whole by
+// one thread (common.h's invariant), so a row's bits depend neither on the other rows nor on the
+// thread count. The grouped-experts ops are moe_ops.cpp's.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -16,122 +18,16 @@
 #include "attention.h"
 #include "common.h"
 #include "layer_ops.h"
+#include "matmul.h"
 
 namespace opentgi {
-
-#define OPENTGI_DECLARE(isa)                                                                         \
-  void quantize_q8_##isa(const float*, int, ActQ8*);                                                 \
-  void quantize_q8k_##isa(const float*, int, ActQ8K*);                                               \
-  void matmul_q4_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q4_1_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q8_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q4_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q6_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q5_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q5_1_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q5_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q2_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_q3_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_iq4_nl_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_iq4_xs_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
-
-OPENTGI_DECLARE(scalar)
-#ifdef OPENTGI_WITH_AVX2
-OPENTGI_DECLARE(avx2)
-#endif
-
 namespace {
 
-enum Isa { SCALAR = 0, AVX2 = 1 };
-
-struct Kernel {
-  MatmulFn matmul;
-  bool superblocks;  // K-quant: ActQ8K activations
-  int block_values, block_bytes;
-};
-
-bool kernel_for(int64_t qtype, int64_t isa, Kernel* k) {
-#define OPENTGI_PICK(fn) (isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
-#ifdef OPENTGI_WITH_AVX2
-#define AVX2_OR_NULL(fn) fn##_avx2
-#else
-#define AVX2_OR_NULL(fn) nullptr
-#endif
-  switch (qtype) {
-    case Q4_0: *k = {OPENTGI_PICK(matmul_q4_0), false, QK, 18}; break;
-    case Q4_1: *k = {OPENTGI_PICK(matmul_q4_1), false, QK, 20}; break;
-    case Q8_0: *k = {OPENTGI_PICK(matmul_q8_0), false, QK, 34}; break;
-    case Q4_K: *k = {OPENTGI_PICK(matmul_q4_k), true, QK_K, 144}; break;
-    case Q6_K: *k = {OPENTGI_PICK(matmul_q6_k), true, QK_K, 210}; break;
-    case Q5_0: *k = {OPENTGI_PICK(matmul_q5_0), false, QK, 22}; break;
-    case Q5_1: *k = {OPENTGI_PICK(matmul_q5_1), false, QK, 24}; break;
-    case Q5_K: *k = {OPENTGI_PICK(matmul_q5_k), true, QK_K, 176}; break;
-    case Q2_K: *k = {OPENTGI_PICK(matmul_q2_k), true, QK_K, 84}; break;
-    case Q3_K: *k = {OPENTGI_PICK(matmul_q3_k), true, QK_K, 110}; break;
-    case IQ4_NL: *k = {OPENTGI_PICK(matmul_iq4_nl), false, QK, 18}; break;
-    case IQ4_XS: *k = {OPENTGI_PICK(matmul_iq4_xs), true, QK_K, 136}; break;
-    default: return false;
-  }
-  return k->matmul != nullptr;
-}
-
-void quantize_rows(const float* x, int64_t M, int K, bool superblocks, int64_t isa, uint8_t* act, size_t arb) {
-  const auto one = [&](int64_t m) {
-    const float* row = x + m * K;
-    uint8_t* dst = act + m * arb;
-#ifdef OPENTGI_WITH_AVX2
-    if (isa == AVX2) {
-      if (superblocks) quantize_q8k_avx2(row, K, (ActQ8K*)dst); else quantize_q8_avx2(row, K, (ActQ8*)dst);
-      return;
-    }
-#endif
-    if (superblocks) quantize_q8k_scalar(row, K, (ActQ8K*)dst); else quantize_q8_scalar(row, K, (ActQ8*)dst);
-  };
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) one(m);
-  });
-}
-
-// One weight of GGUF blocks, checked against its input width.
-struct Matmul {
-  Kernel k;
-  const uint8_t* w;
-  int64_t N, K, row_bytes;
-  size_t act_row_bytes;
-};
-
-Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int64_t isa, const char* op) {
-  Matmul mm;
-  TORCH_CHECK(kernel_for(qtype, isa, &mm.k), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
-  TORCH_CHECK(K % mm.k.block_values == 0, op, ": K=", K, " is not a multiple of ", mm.k.block_values);
-  mm.N = N;
-  mm.K = K;
-  mm.row_bytes = K / mm.k.block_values * mm.k.block_bytes;
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * mm.row_bytes, op,
-              ": w must be contiguous uint8 holding ", N, " rows of ", mm.row_bytes, " bytes");
-  mm.w = w.data_ptr<uint8_t>();
-  mm.act_row_bytes = mm.k.superblocks ? K / QK_K * sizeof(ActQ8K) : K / QK * sizeof(ActQ8);
-  return mm;
-}
-
-// out [M, N] float32 (rows ldo apart, N by default) = x [M, K] float32 @ W.T: rows quantized,
-// outputs split among the threads
-void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float* out, std::vector<uint8_t>& act,
-                int64_t ldo = 0) {
-  if (M == 0 || mm.N == 0) return;
-  if (ldo == 0) ldo = mm.N;
-  act.resize(M * mm.act_row_bytes);
-  quantize_rows(x, M, (int)mm.K, mm.k.superblocks, isa, act.data(), mm.act_row_bytes);
-  const uint8_t* ap = act.data();
-  at::parallel_for(0, mm.N, 8, [&](int64_t n0, int64_t n1) {
-    mm.k.matmul(mm.w, mm.row_bytes, ap, mm.act_row_bytes, (int)M, (int)n0, (int)n1, (int)mm.K, out, (int)ldo);
-  });
-}
-
-at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t out_features, int64_t isa) {
+at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t out_features, int64_t isa,
+                   int64_t passes) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "gguf_mm: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gguf_mm: x float32 or bfloat16");
-  const Matmul mm = make_matmul(w, qtype, out_features, x.size(1), isa, "gguf_mm");
+  const Matmul mm = make_matmul(w, qtype, out_features, x.size(1), isa, "gguf_mm", passes);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
   std::vector<uint8_t> act;
@@ -208,6 +104,7 @@ void run_attention(const PagedAttention& a, int64_t rows, int64_t isa) {
     paged_attention_scalar(a, i0, i1, buf.data());
   });
 }
+
 
 // opentgi::paged_attention (attention.h): q [rows, heads, D] float32 or bfloat16, the caches
 // [blocks, block_size, kv_heads, D] float32, bfloat16 or float16, block_tables int32 [seqs, width],
@@ -391,7 +288,8 @@ void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64
 }
 
 at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                        at::IntArrayRef qtypes, const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
+                        at::IntArrayRef qtypes, at::IntArrayRef passes,
+                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
                         at::TensorList norms, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
                         const std::optional<at::Tensor>& tails, const at::Tensor& block_tables, const at::Tensor& seq,
                         const at::Tensor& ctx, int64_t num_heads, int64_t num_kv_heads, double scale,
@@ -401,9 +299,10 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
   const int dtype = row_dtype(h_in, op);
   const int64_t L = (int64_t)k_caches.size();
   TORCH_CHECK(h_in.dim() == 2 && L >= 1, op, ": h [rows, hidden] and at least one layer");
-  TORCH_CHECK((int64_t)parts.size() == 4 * L && qtypes.size() == weights.size() && biases.size() == weights.size()
+  TORCH_CHECK((int64_t)parts.size() == 4 * L && qtypes.size() == weights.size() && passes.size() == weights.size()
+                  && biases.size() == weights.size()
                   && (int64_t)norms.size() == 2 * L && (int64_t)v_caches.size() == L && (int64_t)windows.size() == L,
-              op, ": 4 projections a layer (their parts' weights, qtypes and biases), 2 norms, a k and a v cache and "
+              op, ": 4 projections a layer (their parts' weights, qtypes, passes and biases), 2 norms, a k and a v cache and "
               "a window per layer");
   const int64_t T = h_in.size(0), hidden = h_in.size(1), H = num_heads, KV = num_kv_heads;
   const int64_t D = cos.size(-1), es = h_in.element_size();
@@ -427,7 +326,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at:
       for (int64_t part = 0; part < parts[4 * l + j]; ++part, ++next) {
         const int64_t n = weights[next].size(0);
         const int64_t k = j == 1 ? H * D : j == 3 ? projections[4 * l + 2].N / 2 : hidden;
-        p.parts.push_back(make_matmul(weights[next], qtypes[next], n, k, isa, op));
+        p.parts.push_back(make_matmul(weights[next], qtypes[next], n, k, isa, op, passes[next]));
         p.N += n;
         p.K = k;
         const std::optional<at::Tensor> b = biases.get(next);
@@ -561,16 +460,17 @@ at::Tensor isas_op() {
 }  // namespace
 
 TORCH_LIBRARY(opentgi, m) {
-  m.def("gguf_mm(Tensor x, Tensor w, int qtype, int out_features, int isa) -> Tensor");
+  m.def("gguf_mm(Tensor x, Tensor w, int qtype, int out_features, int isa, int passes=1) -> Tensor");
   m.def("isas() -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, Tensor ctx, "
         "float scale, int window, float softcap, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
-  m.def("decode_stack(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int[] qtypes, Tensor?[] biases, "
-        "int[] parts, Tensor[] norms, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, "
-        "Tensor seq, Tensor ctx, int num_heads, int num_kv_heads, float scale, int[] windows, float eps, int isa) "
+  m.def("decode_stack(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int[] qtypes, int[] passes, "
+        "Tensor?[] biases, int[] parts, Tensor[] norms, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, "
+        "Tensor? tails, Tensor block_tables, Tensor seq, Tensor ctx, int num_heads, int num_kv_heads, float scale, "
+        "int[] windows, float eps, int isa) "
         "-> Tensor");
 }
 

@@ -11,7 +11,9 @@ Otherwise layer projections in Q4_0, Q4_1 or Q4_K come as `Int4Groups` (served b
 kernel, models/quantization/ggml.py); every other tensor comes as a `DenseTensor`, dequantized
 once (models/quantization/ggml.py), into its weight a chunk of rows at a time. llama.cpp stores a
 Llama's q and k rows permuted for its rotary layout; they are put back in Hugging Face's order (a
-permutation of output rows, which moves whole quantization blocks).
+permutation of output rows, which moves whole quantization blocks). A mixture of experts (a
+Mixtral: "llama" with `expert_count`; a Qwen3-MoE: "qwen3moe") stores each projection's experts
+stacked in one tensor; each expert comes as its own weight, a view of its rows (`ExpertSlice`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", True),
     "mistral": ("MistralConfig", "MistralForCausalLM", True),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,9 +56,20 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# routed experts (a Mixtral: llama.cpp's "llama" with `expert_count`; a Qwen3-MoE: "qwen3moe"):
+# the router (ffn_gate_inp) and each projection's experts stacked in one tensor [experts, rows,
+# columns], served as one Hugging Face weight per expert (a view of its rows)
+_MOE_NAMES = {
+    "llama": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
+    "qwen3moe": ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}),
+}
+_EXPERT_TENSORS = frozenset(_MOE_NAMES["llama"][1])
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(?:(?:self_attn|mlp)\.\w+_proj"
+                         r"|(?:block_sparse_moe|mlp)\.experts\.\d+\.(?:w[123]|\w+_proj))\.weight$")
 
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -75,13 +89,41 @@ class GGUFError(ValueError):
     """The file is not a model the paged path can serve; the message says why."""
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER.match(gguf_name)
+    if match and match.group(2) == "ffn_gate_inp" and arch in _MOE_NAMES:
+        return f"model.layers.{match.group(1)}.{_MOE_NAMES[arch][0]}.gate.{match.group(3)}"
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
     return None
+
+
+@dataclass
+class ExpertSlice:
+    """One expert's rows of a stacked experts tensor, read like the file's own tensors."""
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+    shape: tuple[int, ...]  # GGUF's order (columns first)
+
+
+def _expanded(tensors: dict, arch: str) -> Iterator[tuple[str, str | None, object]]:
+    """(GGUF name, Hugging Face name or None, tensor) of every tensor, a stacked experts tensor
+    as one entry per expert."""
+    for name, tensor in tensors.items():
+        match = _LAYER.match(name)
+        if match and match.group(2) in _EXPERT_TENSORS and match.group(3) == "weight" and arch in _MOE_NAMES:
+            block, names = _MOE_NAMES[arch]
+            experts, rows = int(tensor.shape[2]), int(tensor.shape[1])  # GGUF's order: columns, rows, experts
+            data = np.asarray(tensor.data).reshape(experts, rows, -1)  # the file's [rows, bytes] per expert
+            prefix = f"model.layers.{match.group(1)}.{block}.experts"
+            for e in range(experts):
+                hf = f"{prefix}.{e}.{names[match.group(2)]}.weight"
+                yield name, hf, ExpertSlice(f"{name}[{e}]", tensor.tensor_type, data[e], tuple(tensor.shape[:2]))
+        else:
+            yield name, hf_name(name, arch), tensor
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -157,7 +199,7 @@ class GGUFCheckpoint:
         kwargs = dict(
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(self._arch("feed_forward_length")),
+            intermediate_size=int(self._arch("feed_forward_length") or self._arch("expert_feed_forward_length")),
             num_hidden_layers=int(self._arch("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(self._arch("attention.head_count_kv", heads)),
@@ -170,6 +212,15 @@ class GGUFCheckpoint:
             eos_token_id=self._field("tokenizer.ggml.eos_token_id"),
             pad_token_id=self._field("tokenizer.ggml.padding_token_id"),
         )
+        experts = int(self._arch("expert_count", 0) or 0)
+        used = int(self._arch("expert_used_count", 2))
+        if experts and self.arch == "llama":  # a Mixtral
+            config_class, architecture = "MixtralConfig", "MixtralForCausalLM"
+            kwargs.update(architectures=[architecture], num_local_experts=experts, sliding_window=None,
+                          num_experts_per_tok=used)
+        elif self.arch == "qwen3moe":  # llama.cpp renormalises the top k's weights
+            kwargs.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], moe_intermediate_size=int(self._arch("expert_feed_forward_length")))
         head_dim = self._arch("attention.key_length")
         if head_dim is not None and int(head_dim) != hidden // heads:
             kwargs["head_dim"] = int(head_dim)
@@ -181,8 +232,7 @@ class GGUFCheckpoint:
         found: set[str] = set()
         if not self.keep_int4:
             return found
-        for name, tensor in self.tensors.items():
-            hf = hf_name(name)
+        for _, hf, tensor in _expanded(self.tensors, self.arch):
             if hf and (_PROJECTION.match(hf) or hf == "lm_head.weight") and self._quantized(tensor.tensor_type):
                 found.add(hf)
         return found
@@ -216,8 +266,7 @@ class GGUFCheckpoint:
         every tensor the model has (llama.cpp's q/k permutation: the rows that undo it)."""
         config = self.config()
         permuted = _ARCHITECTURES[self.arch][2]
-        for name, tensor in self.tensors.items():
-            hf = hf_name(name)
+        for name, hf, tensor in _expanded(self.tensors, self.arch):
             if hf is None:
                 if name.startswith("rope_freqs"):
                     continue
@@ -231,8 +280,9 @@ class GGUFCheckpoint:
 
     def quantized_projections(self) -> list[tuple[str, str]]:
         """(GGUF name, block type) of the layer projections stored in a block type, not a float."""
-        return [(name, tensor.tensor_type.name) for name, tensor in self.tensors.items()
-                if tensor.tensor_type not in _FLOAT_TYPES and _PROJECTION.match(hf_name(name) or "")]
+        found = {name: tensor.tensor_type.name for name, hf, tensor in _expanded(self.tensors, self.arch)
+                 if tensor.tensor_type not in _FLOAT_TYPES and _PROJECTION.match(hf or "")}
+        return list(found.items())
 
     def check_types(self) -> dict[str, list[str]]:
         """Refuse, naming the tensor and its type, a tensor no path serves: neither the native

@@ -19,11 +19,14 @@ from opentgi.models.checkpoints.text_tower import tensor_renamer
 from opentgi.models.checkpoints.weights import checkpoint_files, iter_checkpoint
 from opentgi.models.quantization import awq_gptq, native_layouts, rtn
 from opentgi.models.quantization.fp8 import FP8
-from opentgi.models.quantization.gguf_blocks import GGUFEmbedding
+from opentgi.models.quantization.gguf_blocks import GGUFEmbedding, activation_passes
 from opentgi.models.quantization.linear import QuantizedLinear
 from opentgi.models.quantization.methods import Quantize
 
-_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+# a layer's projections, a routed-experts block's experts' too (Qwen3-MoE's gate/up/down_proj,
+# Mixtral's w1/w2/w3), not its router
+_PROJECTION = re.compile(r"model\.layers\.\d+\.(?:(?:self_attn|mlp)\.\w+_proj"
+                         r"|(?:mlp|block_sparse_moe)\.experts\.\d+\.(?:\w+_proj|w[123]))\.weight$")
 
 
 class FolderWeights:
@@ -151,6 +154,8 @@ def load_quantized(model: nn.Module, weights, quantize: Quantize | None, dtype: 
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape "
                                      f"{(linear.out_features, linear.in_features)}")
                 linear.weight_format = value.to_format(dtype, device)
+                if hasattr(linear.weight_format, "passes"):  # GGML blocks on the native kernels
+                    linear.weight_format.passes = activation_passes(name)
                 loaded.add(name)
             elif name.endswith(".bias") and name[:-5] + ".weight" in quantized:
                 quantized[name[:-5] + ".weight"].bias = value.to(device=device, dtype=dtype)

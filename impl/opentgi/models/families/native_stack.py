@@ -55,6 +55,7 @@ class NativeDecodeStack:
         self.eps = float(layers[0].input_layernorm.eps)
         self.weights: list[torch.Tensor] = []
         self.qtypes: list[int] = []
+        self.passes: list[int] = []  # each weight's activation passes (models/quantization/gguf_blocks.py)
         self.biases: list[torch.Tensor | None] = []
         self.parts: list[int] = []  # per projection: how many of the weights above are its parts
         self.norms: list[torch.Tensor] = []
@@ -65,6 +66,7 @@ class NativeDecodeStack:
                 for part in parts:
                     self.weights.append(part.weight_format.blocks)
                     self.qtypes.append(part.weight_format.qtype)
+                    self.passes.append(part.weight_format.passes)
                     self.biases.append(part.bias)
             self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
 
@@ -120,7 +122,8 @@ class NativeDecodeStack:
             return None
         path = native.loaded()
         return torch.ops.opentgi.decode_stack(
-            h, cos.contiguous(), sin.contiguous(), self.weights, self.qtypes, self.biases, self.parts, self.norms,
+            h, cos.contiguous(), sin.contiguous(), self.weights, self.qtypes, self.passes, self.biases, self.parts,
+            self.norms,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, plan.tails,
             rows.block_tables, rows.seq, rows.ctx, self.num_heads, self.num_kv_heads, self.scale, self.windows,
             self.eps, native.ISAS[self.backend.isa or path.isa])

@@ -17,6 +17,13 @@ A token's result does not depend on the step's other tokens (docs/determinism.md
 expert's linears are row invariant (models/layers/linear.py): routing is per token, the activation
 elementwise, and `index_add_` sums a token's k contributions alone, in expert order.
 
+Where every expert's projections are GGML blocks on the native kernels (a GGUF's, or `--quantize`'s
+native layouts) the experts run grouped instead (`GroupedExperts`): one native call for every
+token's gate/up projections by its k experts, the activation once, one call for the down
+projections and the weighted sum (opentgi.kernels.native's moe_up, moe_down): no Python loop over
+experts, each token's row quantized once for its k experts, and the same bits the per-expert path
+gives (float32: the products, their rounding and the sum in expert order are the same arithmetic).
+
 LoRA adapters (`lora`, models/layers/expert_lora.py) add their deltas to the router's logits and
 each expert's outputs; a step without adapter rows runs exactly the code above. With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
@@ -28,8 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentgi.kernels import native
 from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.layers.mlp import GatedMLP
+from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
+from opentgi.models.quantization.linear import QuantizedLinear
 
 ROUTER_TEMP_BYTES = 16 << 20  # the router's float32 products [rows, experts, hidden] held at once
 
@@ -56,6 +66,47 @@ class RouterLogits(ForwardWithoutHooks, nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def _blocks_of(linears: list[nn.Module]) -> list[GGUFBlockWeight] | None:
+    """The linears' GGML-block weights, where each is a plain QuantizedLinear on the native
+    kernels (no bias, no dense copy) and all share one block type, shape and activation passes."""
+    formats = []
+    for linear in linears:
+        if (type(linear) is not QuantizedLinear or linear.bias is not None or linear.prompt_linear is not None
+                or linear.dense_above_rows is not None or type(linear.weight_format) is not GGUFBlockWeight):
+            return None
+        formats.append(linear.weight_format)
+    first = formats[0]
+    same = all((f.qtype, f.out_features, f.in_features, f.passes) == (first.qtype, first.out_features,
+                                                                       first.in_features, first.passes)
+               for f in formats)
+    return formats if same and native.loaded() is not None else None
+
+
+class GroupedExperts:
+    """Every expert's gate/up and down projections as GGML blocks, run for all tokens and experts in
+    one native call per projection (module docstring)."""
+
+    def __init__(self, gate_up: list[GGUFBlockWeight], down: list[GGUFBlockWeight], act, intermediate: int):
+        self.gate_up = [f.blocks for f in gate_up]
+        self.down = [f.blocks for f in down]
+        self.gate_up_format, self.down_format = gate_up[0], down[0]
+        self.act, self.intermediate = act, intermediate
+
+    @classmethod
+    def of(cls, experts: nn.ModuleList, act, intermediate: int) -> GroupedExperts | None:
+        gate_up = _blocks_of([e.gate_up_proj for e in experts])
+        down = _blocks_of([e.down_proj for e in experts])
+        return None if gate_up is None or down is None else cls(gate_up, down, act, intermediate)
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        up, down = self.gate_up_format, self.down_format
+        gate_up = native.moe_up(x, self.gate_up, up.qtype, experts, up.out_features, up.passes)
+        gate, value = gate_up.split(self.intermediate, dim=-1)
+        hidden = self.act(gate).mul_(value)  # [T, k, intermediate], as the per-expert path's one pass
+        return native.moe_down(hidden.view(-1, self.intermediate), self.down, down.qtype, experts, weights,
+                               down.out_features, down.passes)
+
+
 class SparseMoE(ForwardWithoutHooks, nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
                  act: str, names: tuple[str, str, str]):
@@ -70,12 +121,14 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
         self.act = self.experts[0].act
         self.tp = None  # models.parallel.TPGroup when sharded: the output is all-reduced
         self.lora = None  # layers.expert_lora.ExpertLora when LoRA adapters adapt this block
+        self.grouped: GroupedExperts | None = None  # set by fuse_projections where the experts allow
 
     def fuse_projections(self) -> None:
         for expert in self.experts:
             expert.fuse_projections()
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
+        self.grouped = GroupedExperts.of(self.experts, self.act, self.intermediate)
 
     def route(self, x: torch.Tensor, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64); `lora`: the step
@@ -118,6 +171,9 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
             return torch.zeros_like(x)
         lora = self.lora is not None and self.lora.active()
         weights, experts = self.route(x, lora)
+        if self.grouped is not None and not lora:
+            out = self.grouped(x, weights, experts)
+            return out if self.tp is None else self.tp.all_reduce(out)
         if x.shape[0] == 1:
             return self._one_token(x, weights[0], experts[0], lora)
         flat = experts.flatten()

@@ -12,6 +12,7 @@ or on the thread count.
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -25,6 +26,17 @@ from opentgi.models.quantization import ggml
 from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
 NATIVE_TYPES = frozenset(native.BLOCK_TYPES)  # GGML type ids the kernel multiplies
+# Projections whose activations are quantized in two passes (kernels.native.gguf_mm: the 8-bit
+# rounding's residual quantized and multiplied too, ~16-bit activations): the attention's q/k/v,
+# whose inputs' 8-bit rounding the attention logits amplify, and the MLP's down projection, whose
+# gated input is heavy-tailed. On the default model these two carry most of the 8-bit rounding's
+# perplexity cost at about a third of its layers' weights (docs/benchmarks.md); the rest keep one.
+TWO_PASS = re.compile(r"\.(q_proj|k_proj|v_proj|qkv_proj|down_proj|w2)\.weight$")
+
+
+def activation_passes(name: str) -> int:
+    """How many passes the native kernel quantizes the activations of weight `name` in (1 or 2)."""
+    return 2 if TWO_PASS.search(name) else 1
 
 
 def _as_tensor(raw: np.ndarray) -> torch.Tensor:
@@ -58,10 +70,11 @@ class GGUFBlockWeight:
 
     kind = "gguf"
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int):
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, passes: int = 1):
         self.blocks, self.qtype = blocks, int(qtype)
         self.out_features, self.in_features = blocks.shape[0], in_features
         self.device = torch.device("cpu")
+        self.passes = passes  # activation quantization passes (kernels.native.gguf_mm)
 
     @property
     def description(self) -> str:
@@ -69,17 +82,19 @@ class GGUFBlockWeight:
         return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {path.isa if path else '?'})"
 
     def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
-        return all(o.qtype == self.qtype and o.in_features == self.in_features for o in others)
+        return all(o.qtype == self.qtype and o.in_features == self.in_features and o.passes == self.passes
+                   for o in others)
 
     @staticmethod
     def cat(parts: list[GGUFBlockWeight]) -> GGUFBlockWeight:
-        return GGUFBlockWeight(cat_on_one_thread([p.blocks for p in parts]), parts[0].qtype, parts[0].in_features)
+        return GGUFBlockWeight(cat_on_one_thread([p.blocks for p in parts]), parts[0].qtype, parts[0].in_features,
+                               parts[0].passes)
 
     def nbytes(self) -> int:
         return self.blocks.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return native.gguf_mm(x, self.blocks, self.qtype, self.out_features)
+        return native.gguf_mm(x, self.blocks, self.qtype, self.out_features, passes=self.passes)
 
 
 class GGUFEmbedding(nn.Module):

@@ -1,0 +1,183 @@
+// The matmul plumbing the torch-op sources share (ops.cpp, moe_ops.cpp): each block family's
+// kernels per instruction set, picking one for a GGML type, quantizing activation rows (in one or
+// two passes) and running a weight of GGUF blocks over them, outputs split among torch's intra-op
+// threads, each output computed whole by one thread (common.h's invariant).
+#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace opentgi {
+
+#define OPENTGI_DECLARE(isa)                                                                         \
+  void quantize_q8_##isa(const float*, int, ActQ8*);                                                 \
+  void quantize_q8k_##isa(const float*, int, ActQ8K*);                                               \
+  void matmul_q4_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_1_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q8_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q6_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_1_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q2_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q3_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_iq4_nl_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_iq4_xs_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+
+OPENTGI_DECLARE(scalar)
+#ifdef OPENTGI_WITH_AVX2
+OPENTGI_DECLARE(avx2)
+#endif
+
+namespace {
+
+enum Isa { SCALAR = 0, AVX2 = 1 };
+
+struct Kernel {
+  MatmulFn matmul;
+  bool superblocks;  // K-quant: ActQ8K activations
+  int block_values, block_bytes;
+};
+
+bool kernel_for(int64_t qtype, int64_t isa, Kernel* k) {
+#define OPENTGI_PICK(fn) (isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
+#ifdef OPENTGI_WITH_AVX2
+#define AVX2_OR_NULL(fn) fn##_avx2
+#else
+#define AVX2_OR_NULL(fn) nullptr
+#endif
+  switch (qtype) {
+    case Q4_0: *k = {OPENTGI_PICK(matmul_q4_0), false, QK, 18}; break;
+    case Q4_1: *k = {OPENTGI_PICK(matmul_q4_1), false, QK, 20}; break;
+    case Q8_0: *k = {OPENTGI_PICK(matmul_q8_0), false, QK, 34}; break;
+    case Q4_K: *k = {OPENTGI_PICK(matmul_q4_k), true, QK_K, 144}; break;
+    case Q6_K: *k = {OPENTGI_PICK(matmul_q6_k), true, QK_K, 210}; break;
+    case Q5_0: *k = {OPENTGI_PICK(matmul_q5_0), false, QK, 22}; break;
+    case Q5_1: *k = {OPENTGI_PICK(matmul_q5_1), false, QK, 24}; break;
+    case Q5_K: *k = {OPENTGI_PICK(matmul_q5_k), true, QK_K, 176}; break;
+    case Q2_K: *k = {OPENTGI_PICK(matmul_q2_k), true, QK_K, 84}; break;
+    case Q3_K: *k = {OPENTGI_PICK(matmul_q3_k), true, QK_K, 110}; break;
+    case IQ4_NL: *k = {OPENTGI_PICK(matmul_iq4_nl), false, QK, 18}; break;
+    case IQ4_XS: *k = {OPENTGI_PICK(matmul_iq4_xs), true, QK_K, 136}; break;
+    default: return false;
+  }
+  return k->matmul != nullptr;
+}
+
+// Activation row m (row src[m] of x where src is given) into act rows m * passes .. + passes - 1:
+// the row quantized, then (passes == 2) what that rounding left, x - d * q in float32, quantized
+// by the same code. A weight's products with the two rows, added, are the row's product to about
+// 16 bits of each block's range; every block kernel is linear in the activation's values, so no
+// kernel changes, and a row's bits stay its own.
+void quantize_one(const float* row, int K, bool superblocks, int64_t isa, uint8_t* dst) {
+#ifdef OPENTGI_WITH_AVX2
+  if (isa == AVX2) {
+    if (superblocks) quantize_q8k_avx2(row, K, (ActQ8K*)dst); else quantize_q8_avx2(row, K, (ActQ8*)dst);
+    return;
+  }
+#endif
+  if (superblocks) quantize_q8k_scalar(row, K, (ActQ8K*)dst); else quantize_q8_scalar(row, K, (ActQ8*)dst);
+}
+
+void residual(const float* row, int K, bool superblocks, const uint8_t* act, float* out) {
+  const int n = superblocks ? QK_K : QK;
+  for (int b = 0; b < K / n; ++b) {
+    float d;
+    const int8_t* qs;
+    if (superblocks) {
+      d = ((const ActQ8K*)act)[b].d;
+      qs = ((const ActQ8K*)act)[b].qs;
+    } else {
+      d = ((const ActQ8*)act)[b].d;
+      qs = ((const ActQ8*)act)[b].qs;
+    }
+    for (int i = 0; i < n; ++i) out[b * n + i] = row[b * n + i] - d * (float)qs[i];
+  }
+}
+
+void quantize_rows(const float* x, int64_t M, int K, bool superblocks, int64_t isa, uint8_t* act, size_t arb,
+                   int passes = 1, const int64_t* src = nullptr) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rest(passes > 1 ? K : 0);
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + (src ? src[m] : m) * K;
+      uint8_t* dst = act + m * passes * arb;
+      quantize_one(row, K, superblocks, isa, dst);
+      if (passes > 1) {
+        residual(row, K, superblocks, dst, rest.data());
+        quantize_one(rest.data(), K, superblocks, isa, dst + arb);
+      }
+    }
+  });
+}
+
+// One weight of GGUF blocks, checked against its input width; its activations quantized in
+// `passes` passes (quantize_rows).
+struct Matmul {
+  Kernel k;
+  const uint8_t* w;
+  int64_t N, K, row_bytes;
+  size_t act_row_bytes;
+  int passes;
+};
+
+Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int64_t isa, const char* op,
+                   int64_t passes = 1) {
+  Matmul mm;
+  TORCH_CHECK(kernel_for(qtype, isa, &mm.k), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
+  TORCH_CHECK(passes == 1 || passes == 2, op, ": passes must be 1 or 2");
+  TORCH_CHECK(K % mm.k.block_values == 0, op, ": K=", K, " is not a multiple of ", mm.k.block_values);
+  mm.N = N;
+  mm.K = K;
+  mm.passes = (int)passes;
+  mm.row_bytes = K / mm.k.block_values * mm.k.block_bytes;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * mm.row_bytes, op,
+              ": w must be contiguous uint8 holding ", N, " rows of ", mm.row_bytes, " bytes");
+  mm.w = w.data_ptr<uint8_t>();
+  mm.act_row_bytes = mm.k.superblocks ? K / QK_K * sizeof(ActQ8K) : K / QK * sizeof(ActQ8);
+  return mm;
+}
+
+// out[m * ldo + n] = y[m * passes][n] + ... (the passes' products of row m, added in pass order)
+void add_passes(const float* y, int64_t M, int64_t N, int passes, float* out, int64_t ldo) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* a = y + m * passes * N;
+      for (int64_t n = 0; n < N; ++n) {
+        float v = a[n];
+        for (int p = 1; p < passes; ++p) v += a[p * N + n];
+        out[m * ldo + n] = v;
+      }
+    }
+  });
+}
+
+// out [M, N] float32 (rows ldo apart, N by default) = x [M, K] float32 @ W.T: rows quantized,
+// outputs split among the threads
+void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float* out, std::vector<uint8_t>& act,
+                int64_t ldo = 0) {
+  if (M == 0 || mm.N == 0) return;
+  if (ldo == 0) ldo = mm.N;
+  const int passes = mm.passes;
+  act.resize(M * passes * mm.act_row_bytes);
+  quantize_rows(x, M, (int)mm.K, mm.k.superblocks, isa, act.data(), mm.act_row_bytes, passes);
+  const uint8_t* ap = act.data();
+  std::vector<float> y(passes > 1 ? M * passes * mm.N : 0);
+  float* dst = passes > 1 ? y.data() : out;
+  const int64_t stride = passes > 1 ? mm.N : ldo;
+  at::parallel_for(0, mm.N, 8, [&](int64_t n0, int64_t n1) {
+    mm.k.matmul(mm.w, mm.row_bytes, ap, mm.act_row_bytes, (int)(M * passes), (int)n0, (int)n1, (int)mm.K, dst,
+                (int)stride);
+  });
+  if (passes > 1) add_passes(y.data(), M, mm.N, passes, out, ldo);
+}
+
+}  // namespace
+
+}  // namespace opentgi

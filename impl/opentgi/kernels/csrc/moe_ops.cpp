@@ -1,0 +1,221 @@
+// The grouped-experts torch ops (opentgi::gguf_moe_up, opentgi::gguf_moe_down), registered into
+// the opentgi library ops.cpp defines.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "matmul.h"
+
+namespace opentgi {
+namespace {
+
+// Grouped experts (MoE): opentgi::gguf_moe_up(x [T, K], w, qtype, ids [T, k], N, isa) -> [T, k, N]
+// is x's row t by expert ids[t, j]'s weight (w[e]: uint8 [N, row bytes] of `qtype` blocks) for
+// every (token, slot) pair in one call; opentgi::gguf_moe_down(h [T * k, K], w, qtype, ids,
+// weights [T, k], N, isa) -> [T, N] multiplies pair p's row of h by its expert's weight and sums
+// each token's k products weighted, in increasing expert order. Each activation row is quantized
+// once (a token's row serves its k experts); the pairs are grouped by expert (a stable counting
+// sort), and work items (an expert's rows, a chunk of its outputs) are split among torch's
+// intra-op threads, each output computed whole by one thread through the same per-row kernels as
+// gguf_mm: a pair's product has gguf_mm's bits for that row, whatever the other rows, the experts
+// they chose or the thread count. The weighted sum runs as the per-expert path writes it: each
+// product y * w rounded to the output dtype, added in float32 from zero in expert order, rounded
+// once.
+
+struct Grouped {
+  std::vector<int64_t> order;  // sorted position -> pair (t * k + j)
+  std::vector<int64_t> pos;    // pair -> sorted position
+  std::vector<int64_t> expert, start, count;  // the experts used, and their rows' range in sorted order
+};
+
+Grouped group_pairs(const at::Tensor& ids, int64_t experts, const char* op) {
+  TORCH_CHECK(ids.dim() == 2 && ids.scalar_type() == at::kLong, op, ": ids must be int64 [tokens, k]");
+  const at::Tensor ic = ids.contiguous();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  const int64_t pairs = ic.numel();
+  std::vector<int64_t> counts(experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < experts, op, ": expert id ", ip[p], " is not one of ", experts);
+    ++counts[ip[p] + 1];
+  }
+  Grouped g;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (counts[e + 1]) {
+      g.expert.push_back(e);
+      g.start.push_back(counts[e]);
+      g.count.push_back(counts[e + 1]);
+    }
+    counts[e + 1] += counts[e];
+  }
+  g.order.resize(pairs);
+  g.pos.resize(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t r = counts[ip[p]]++;
+    g.order[r] = p;
+    g.pos[p] = r;
+  }
+  return g;
+}
+
+std::vector<const uint8_t*> expert_weights(at::TensorList w, int64_t N, int64_t row_bytes, const char* op) {
+  std::vector<const uint8_t*> found;
+  found.reserve(w.size());
+  for (const at::Tensor& t : w) {
+    TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.device().is_cpu() && t.numel() == N * row_bytes,
+                op, ": each expert's w must be contiguous uint8 holding ", N, " rows of ", row_bytes, " bytes");
+    found.push_back(t.data_ptr<uint8_t>());
+  }
+  return found;
+}
+
+// y [pairs, N] float32, in sorted order: each used expert's rows (act in sorted order) by its weight
+// (with `passes` activation rows a pair: the pair's rows and y's rows `passes` apart, added by add_passes)
+void run_grouped(const Kernel& k, const std::vector<const uint8_t*>& wp, int64_t row_bytes, const uint8_t* act,
+                 size_t arb, const Grouped& g, int64_t N, int64_t K, int passes, float* y) {
+  constexpr int64_t CHUNK = 64;
+  const int64_t chunks = (N + CHUNK - 1) / CHUNK;
+  const int64_t items = (int64_t)g.expert.size() * chunks;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t u = i / chunks, n0 = i % chunks * CHUNK, n1 = std::min(N, n0 + CHUNK);
+      k.matmul(wp[g.expert[u]], row_bytes, act + g.start[u] * passes * arb, arb, (int)(g.count[u] * passes), (int)n0,
+               (int)n1, (int)K, y + g.start[u] * passes * N, (int)N);
+    }
+  });
+}
+
+static inline float round_bf16(float f) { return bf16_to_fp32(bf16_store(f)); }  // as torch rounds
+
+struct MoeCall {
+  Kernel k;
+  int64_t K, N, row_bytes;
+  size_t arb;
+  std::vector<const uint8_t*> wp;
+};
+
+MoeCall moe_call(const at::Tensor& x, at::TensorList w, int64_t qtype, int64_t N, int64_t isa, int64_t passes,
+                 const char* op) {
+  MoeCall c;
+  TORCH_CHECK(passes == 1 || passes == 2, op, ": passes must be 1 or 2");
+  TORCH_CHECK(kernel_for(qtype, isa, &c.k), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x float32 or bfloat16");
+  TORCH_CHECK(!w.empty(), op, ": no experts");
+  c.K = x.size(1);
+  c.N = N;
+  TORCH_CHECK(c.K % c.k.block_values == 0, op, ": K=", c.K, " is not a multiple of ", c.k.block_values);
+  c.row_bytes = c.K / c.k.block_values * c.k.block_bytes;
+  c.arb = c.k.superblocks ? c.K / QK_K * sizeof(ActQ8K) : c.K / QK * sizeof(ActQ8);
+  c.wp = expert_weights(w, N, c.row_bytes, op);
+  return c;
+}
+
+at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,
+                       int64_t out_features, int64_t isa, int64_t passes) {
+  const MoeCall c = moe_call(x, w, qtype, out_features, isa, passes, "gguf_moe_up");
+  const size_t rb = passes * c.arb;  // a row's activation rows
+  const int64_t T = x.size(0), top = ids.dim() == 2 ? ids.size(1) : 0, N = c.N;
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "gguf_moe_up: ids must be [tokens, k], a row per row of x");
+  const Grouped g = group_pairs(ids, (int64_t)w.size(), "gguf_moe_up");
+  const int64_t pairs = T * top;
+  at::Tensor out = at::empty({T, top, N}, x.options());
+  if (pairs == 0 || N == 0) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<uint8_t> act(T * rb), grouped(pairs * rb);
+  quantize_rows(xf.data_ptr<float>(), T, (int)c.K, c.k.superblocks, isa, act.data(), c.arb, (int)passes);  // once a token
+  for (int64_t r = 0; r < pairs; ++r) std::memcpy(grouped.data() + r * rb, act.data() + g.order[r] / top * rb, rb);
+  std::vector<float> y(pairs * passes * N);
+  run_grouped(c.k, c.wp, c.row_bytes, grouped.data(), c.arb, g, N, c.K, (int)passes, y.data());
+  std::vector<float> added(passes > 1 ? pairs * N : 0);
+  if (passes > 1) add_passes(y.data(), pairs, N, (int)passes, added.data(), N);
+  const float* ys = passes > 1 ? added.data() : y.data();  // [pairs, N] in sorted order
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  char* op = (char*)out.data_ptr();
+  at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* src = ys + g.pos[p] * N;
+      if (!bf16) {
+        std::memcpy((float*)op + p * N, src, N * sizeof(float));
+      } else {
+        uint16_t* dst = (uint16_t*)op + p * N;
+        for (int64_t n = 0; n < N; ++n) dst[n] = bf16_store(src[n]);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, const at::Tensor& ids,
+                         const at::Tensor& weights, int64_t out_features, int64_t isa, int64_t passes) {
+  const MoeCall c = moe_call(h, w, qtype, out_features, isa, passes, "gguf_moe_down");
+  TORCH_CHECK(ids.dim() == 2, "gguf_moe_down: ids must be [tokens, k]");
+  const int64_t T = ids.size(0), top = ids.size(1), pairs = T * top, N = c.N;
+  TORCH_CHECK(h.size(0) == pairs, "gguf_moe_down: h must hold a row per (token, slot) pair: ", pairs);
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == h.scalar_type(),
+              "gguf_moe_down: weights must be [tokens, k] in h's dtype");
+  const Grouped g = group_pairs(ids, (int64_t)w.size(), "gguf_moe_down");
+  at::Tensor out = at::empty({T, N}, h.options());
+  if (T == 0 || N == 0) return out;
+  const at::Tensor hf = h.to(at::kFloat).contiguous(), wf = weights.to(at::kFloat).contiguous();
+  const at::Tensor ic = ids.contiguous();
+  std::vector<uint8_t> act(pairs * passes * c.arb);
+  quantize_rows(hf.data_ptr<float>(), pairs, (int)c.K, c.k.superblocks, isa, act.data(), c.arb, (int)passes,
+                g.order.data());
+  std::vector<float> y(pairs * passes * N);
+  run_grouped(c.k, c.wp, c.row_bytes, act.data(), c.arb, g, N, c.K, (int)passes, y.data());
+  std::vector<float> added(passes > 1 ? pairs * N : 0);
+  if (passes > 1) add_passes(y.data(), pairs, N, (int)passes, added.data(), N);
+  const float* ys = passes > 1 ? added.data() : y.data();  // [pairs, N] in sorted order
+  const bool bf16 = h.scalar_type() == at::kBFloat16;
+  const float* wt = wf.data_ptr<float>();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  char* op = (char*)out.data_ptr();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> slots(top);
+    std::vector<float> acc(N);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < top; ++j) slots[j] = j;  // the token's slots in increasing expert order
+      std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return ip[t * top + a] < ip[t * top + b]; });
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j : slots) {
+        const int64_t p = t * top + j;
+        const float* src = ys + g.pos[p] * N;
+        const float wj = wt[p];
+        if (!bf16) {
+          for (int64_t n = 0; n < N; ++n) acc[n] += src[n] * wj;
+        } else {
+          for (int64_t n = 0; n < N; ++n) acc[n] += round_bf16(round_bf16(src[n]) * wj);
+        }
+      }
+      if (!bf16) {
+        std::memcpy((float*)op + t * N, acc.data(), N * sizeof(float));
+      } else {
+        uint16_t* dst = (uint16_t*)op + t * N;
+        for (int64_t n = 0; n < N; ++n) dst[n] = bf16_store(acc[n]);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(opentgi, m) {
+  m.def("gguf_moe_up(Tensor x, Tensor[] w, int qtype, Tensor ids, int out_features, int isa, int passes=1) "
+        "-> Tensor");
+  m.def("gguf_moe_down(Tensor h, Tensor[] w, int qtype, Tensor ids, Tensor weights, int out_features, int isa, "
+        "int passes=1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
+  m.impl("gguf_moe_up", gguf_moe_up);
+  m.impl("gguf_moe_down", gguf_moe_down);
+}
+
+}  // namespace opentgi

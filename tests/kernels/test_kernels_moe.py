@@ -1,0 +1,190 @@
+"""Grouped experts on the native kernels (models/layers/moe.py's GroupedExperts, kernels'
+gguf_moe_up/gguf_moe_down): one call per projection for every token and expert gives the bits of
+the per-expert loop in float32, a token's bits alone or among others, on 1 or 2 threads, and bad
+expert ids are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from opentgi.config import Settings
+from opentgi.kernels import native
+from opentgi.models.attention.selector import select_backend
+from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint
+from opentgi.models.layers.moe import GroupedExperts, SparseMoE
+from opentgi.models.loader import load_model
+from opentgi.models.quantization.gguf_blocks import NATIVE_TYPES, GGUFBlockWeight
+from opentgi.models.quantization.linear import QuantizedLinear
+from opentgi.models.registry import build_paged_model
+from tests.helpers import tiny_models
+from tests.helpers.gguf_blocks import random_blocks
+from tests.helpers.paged import PagedRunner
+
+HIDDEN, INTERMEDIATE, EXPERTS = 256, 256, 8
+NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _blocks_linear(qtype: Q, out_features: int, in_features: int, seed: int, passes: int) -> QuantizedLinear:
+    linear = QuantizedLinear(in_features, out_features)
+    blocks = torch.from_numpy(random_blocks(qtype, out_features, in_features, seed=seed))
+    linear.weight_format = GGUFBlockWeight(blocks, int(qtype), in_features, passes)
+    return linear
+
+
+def _block(kernels, dtype: torch.dtype, qtype: Q = Q.Q4_K, down_type: Q = Q.Q6_K, top_k: int = 3,
+           passes: int = 1) -> SparseMoE:
+    torch.manual_seed(0)
+    block = SparseMoE(HIDDEN, INTERMEDIATE, EXPERTS, top_k, True, "silu", NAMES).to(dtype).eval()
+    with torch.no_grad():
+        block.gate.weight.mul_(20)
+    for e, expert in enumerate(block.experts):
+        expert.gate_proj = _blocks_linear(qtype, INTERMEDIATE, HIDDEN, 3 * e, passes)
+        expert.up_proj = _blocks_linear(qtype, INTERMEDIATE, HIDDEN, 3 * e + 1, passes)
+        expert.down_proj = _blocks_linear(down_type, HIDDEN, INTERMEDIATE, 3 * e + 2, passes)
+    block.fuse_projections()
+    assert isinstance(block.grouped, GroupedExperts)
+    return block
+
+
+def _rows(n: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _per_expert(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    grouped, block.grouped = block.grouped, None
+    try:
+        return block(x)
+    finally:
+        block.grouped = grouped
+
+
+@pytest.mark.parametrize(("qtype", "down_type", "passes"), [(Q.Q4_K, Q.Q6_K, 1), (Q.Q4_1, Q.Q8_0, 1),
+                                                            (Q.Q4_K, Q.Q5_0, 2)])
+def test_grouped_experts_give_the_per_expert_loops_bits_in_float32(kernels, qtype, down_type, passes):
+    torch.set_num_threads(1)
+    block = _block(kernels, torch.float32, qtype, down_type, passes=passes)
+    x = _rows(13, torch.float32)
+    with torch.inference_mode():
+        for rows in (x, x[:1], x[:2]):  # the batched loop, and a lone token's own path
+            assert torch.equal(block(rows), _per_expert(block, rows))
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_grouped_experts_in_bfloat16_stay_within_a_rounding_of_the_per_expert_loop(kernels, top_k):
+    """bfloat16: each product rounded to bfloat16 and the k added in float32, rounded once (the
+    lone token's loop path, bitwise); the batched loop's bfloat16 `index_add_` may round between
+    its adds, so within two bfloat16 roundings of the result there."""
+    torch.set_num_threads(1)
+    block = _block(kernels, torch.bfloat16, top_k=top_k)
+    x = _rows(11, torch.bfloat16)
+    with torch.inference_mode():
+        got, want = block(x), _per_expert(block, x)
+        for t in range(x.shape[0]):
+            assert torch.equal(got[t:t + 1], _per_expert(block, x[t:t + 1]))
+    scale = want.float().abs().amax(dim=-1, keepdim=True)
+    assert ((got.float() - want.float()).abs() <= 2 ** -7 * scale).all()
+
+
+def test_a_tokens_bits_do_not_depend_on_the_other_tokens_or_the_thread_count(kernels):
+    """Each token alone, among others (routed to other experts), and on 1 or 2 threads."""
+    block = _block(kernels, torch.float32, passes=2)
+    x = _rows(24, torch.float32, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            torch.set_num_threads(1)
+            full = block(x)
+            for start, count in ((0, 1), (5, 1), (3, 2), (7, 9), (20, 4)):
+                assert torch.equal(block(x[start:start + count]), full[start:start + count])
+            torch.set_num_threads(2)
+            assert torch.equal(block(x), full)
+            assert torch.equal(block(x[5:6]), full[5:6])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_grouped_ops_refuse_bad_expert_ids_and_shapes(kernels):
+    torch.set_num_threads(1)
+    block = _block(kernels, torch.float32)
+    grouped = block.grouped
+    x = _rows(2, torch.float32)
+    up = grouped.gate_up_format
+    with pytest.raises(RuntimeError, match="expert id 8 is not one of 8"):
+        native.moe_up(x, grouped.gate_up, up.qtype, torch.tensor([[0, 8], [1, 2]]), up.out_features)
+    with pytest.raises(RuntimeError, match="ids must be"):
+        native.moe_up(x, grouped.gate_up, up.qtype, torch.tensor([[0, 1]]), up.out_features)
+    h = torch.zeros(3, INTERMEDIATE)
+    with pytest.raises(RuntimeError, match="a row per"):
+        native.moe_down(h, grouped.down, grouped.down_format.qtype, torch.tensor([[0, 1], [1, 2]]),
+                        torch.ones(2, 2), HIDDEN)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_model_on_native_blocks_runs_grouped_and_computes_the_per_expert_paths_logits(
+        kernels, family, tmp_path):
+    """A tiny Qwen3-MoE / Mixtral with `--quantize int8` (Q8_0 blocks on the native kernels): its
+    experts run grouped, and a prompt step and decode steps give the per-expert path's bits."""
+    torch.set_num_threads(1)
+    loaded = load_model(Settings(model_id=str(tiny_models.tiny_family_path(family)), dtype="float32",
+                                 quantize="int8", kernels="native", cache_dir=str(tmp_path)))
+    model = loaded.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(isinstance(b.grouped, GroupedExperts) for b in blocks)
+    prompts = {0: [5, 9, 200, 31, 7, 64], 1: [3, 3, 17]}
+
+    def run() -> list[torch.Tensor]:
+        runner = PagedRunner(model)
+        with torch.inference_mode():
+            steps = [model.compute_logits(runner.step(prompts))]
+            for token in (11, 42):
+                steps.append(model.compute_logits(runner.step({0: [token], 1: [token + 1]})))
+        return steps
+
+    grouped = run()
+    saved = [b.grouped for b in blocks]
+    for b in blocks:
+        b.grouped = None
+    try:
+        loop = run()
+    finally:
+        for b, g in zip(blocks, saved, strict=True):
+            b.grouped = g
+    for got, want in zip(grouped, loop, strict=True):
+        assert torch.equal(got, want)
+
+
+def _gguf_model(path, kernels: str):
+    """The paged model of a GGUF as the loader builds it (no tokenizer: the test feeds token ids)."""
+    checkpoint = GGUFCheckpoint(path)
+    native_types = NATIVE_TYPES if kernels == "native" else frozenset()
+    checkpoint.native_types = native_types
+    backend = select_backend(torch.device("cpu"), torch.float32, kernels)
+    return build_paged_model(checkpoint, checkpoint.config(), backend, torch.float32, torch.device("cpu"),
+                             native_types=native_types)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_a_moe_gguf_runs_its_experts_grouped_on_the_files_blocks(kernels, arch):
+    """llama.cpp's Mixtral and Qwen3-MoE layouts (stacked ffn_*_exps tensors): each expert a view of
+    the file's blocks, run grouped; the per-expert path's bits, and the torch path's logits up to
+    the activations' rounding."""
+    torch.set_num_threads(1)
+    path = tiny_models.tiny_moe_gguf_path(arch=arch)
+    native_model, torch_model = _gguf_model(path, "native"), _gguf_model(path, "torch")
+    assert type(native_model.config).__name__ == ("MixtralConfig" if arch == "llama" else "Qwen3MoeConfig")
+    blocks = [m for m in native_model.modules() if isinstance(m, SparseMoE)]
+    assert len(blocks) == 2 and all(isinstance(b.grouped, GroupedExperts) for b in blocks)
+    down = blocks[0].experts[1].down_proj.weight_format
+    assert down.description.startswith("Q6_K") and down.passes == 2
+    assert blocks[0].grouped.gate_up_format.description.startswith("Q4_K")
+    prompt = {0: [5, 9, 200, 31, 7, 64, 1000, 3]}
+    with torch.inference_mode():
+        grouped = native_model.compute_logits(PagedRunner(native_model).step(prompt))
+        for b in blocks:
+            b.grouped = None
+        loop = native_model.compute_logits(PagedRunner(native_model).step(prompt))
+        reference = torch_model.compute_logits(PagedRunner(torch_model).step(prompt))
+    assert torch.equal(grouped, loop)
+    assert torch.nn.functional.cosine_similarity(grouped[0], reference[0], dim=0) > 0.99
