@@ -5,10 +5,11 @@
   optionally 2_Normalize, sentence_bert_config.json.
 - `tiny_encoder_embedding_path(family)`: the same over XLM-RoBERTa or ModernBERT.
 - `tiny_qwen3_embedding_path()`: the same layout over a Qwen3 decoder (SmolLM2's tokenizer),
-  last-token pooling and Normalize, as Qwen3-Embedding.
+  last-token pooling and Normalize, as Qwen3-Embedding; `family` "qwen2" (gte-Qwen2's body) or
+  "llama" and another `pooling` too.
 - `tiny_bert_classifier_path(num_labels)`: BertForSequenceClassification; one label is a
   cross-encoder reranker, several a classifier with `id2label`.
-- `tiny_qwen3_reranker_path()`: Qwen3ForSequenceClassification with one label.
+- `tiny_qwen3_reranker_path(num_labels)`: Qwen3ForSequenceClassification, one label or several.
 """
 
 from __future__ import annotations
@@ -98,18 +99,29 @@ def tiny_encoder_embedding_path(family: str, seed: int = 0) -> Path:
     return _cached_folder(f"tiny-{family}-embedding", {"seed": seed, "config": config}, build)
 
 
-def tiny_qwen3_embedding_path(seed: int = 0) -> Path:
+DECODERS = {  # family -> (config class, model class): bare bodies, saved as sentence-transformers' Transformer
+    "qwen3": ("Qwen3Config", "Qwen3Model"),
+    "qwen2": ("Qwen2Config", "Qwen2Model"),  # gte-Qwen2's body (q/k/v biases)
+    "llama": ("LlamaConfig", "LlamaModel"),
+}
+
+
+def tiny_qwen3_embedding_path(seed: int = 0, family: str = "qwen3", pooling: str = "lasttoken") -> Path:
+    """A decoder body (Qwen3 by default) with SmolLM2's tokenizer, `pooling` and Normalize."""
+    config_class, model_class = DECODERS[family]
+
     def build(out: Path) -> None:
         import torch
-        from transformers import Qwen3Config, Qwen3Model
+        import transformers
 
         vocab_size = _save_tokenizer(out)
         torch.manual_seed(seed)
-        config = Qwen3Config(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, **_QWEN3)
-        Qwen3Model(config).eval().save_pretrained(out)
-        _sentence_transformers_files(out, "lasttoken", True, _QWEN3["hidden_size"], 256)
+        shape = {k: v for k, v in _QWEN3.items() if family != "llama" or k != "attention_bias"}
+        config = getattr(transformers, config_class)(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, **shape)
+        getattr(transformers, model_class)(config).eval().save_pretrained(out)
+        _sentence_transformers_files(out, pooling, True, _QWEN3["hidden_size"], 256)
 
-    return _cached_folder("tiny-qwen3-embedding", {"seed": seed, "shape": _QWEN3}, build)
+    return _cached_folder(f"tiny-{family}-embedding", {"seed": seed, "shape": _QWEN3, "pooling": pooling}, build)
 
 
 def tiny_bert_classifier_path(num_labels: int = 1, seed: int = 0) -> Path:
@@ -128,15 +140,19 @@ def tiny_bert_classifier_path(num_labels: int = 1, seed: int = 0) -> Path:
     return _cached_folder("tiny-bert-classifier", {"num_labels": num_labels, "seed": seed, "shape": _BERT}, build)
 
 
-def tiny_qwen3_reranker_path(seed: int = 0) -> Path:
+def tiny_qwen3_reranker_path(seed: int = 0, num_labels: int = 1) -> Path:
+    """Qwen3ForSequenceClassification: one label a cross-encoder, several a classifier (`id2label`)."""
     def build(out: Path) -> None:
         import torch
         from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
         vocab_size = _save_tokenizer(out)
+        labels = {i: name for i, name in enumerate(["negative", "neutral", "positive", "other"][:num_labels])}
         config = Qwen3Config(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                             num_labels=1, **_QWEN3)
+                             num_labels=num_labels, **_QWEN3,
+                             **({} if num_labels == 1 else {"id2label": labels,
+                                                           "label2id": {v: k for k, v in labels.items()}}))
         torch.manual_seed(seed)
         Qwen3ForSequenceClassification(config).eval().save_pretrained(out)
 
-    return _cached_folder("tiny-qwen3-reranker", {"seed": seed, "shape": _QWEN3}, build)
+    return _cached_folder("tiny-qwen3-reranker", {"seed": seed, "shape": _QWEN3, "labels": num_labels}, build)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from opentgi.engine.pooling.inputs import PoolingTokenizer
+from opentgi.models.families.decoder import PagedDecoder
 from opentgi.models.pooling.folder import PoolingFolderError, detect
-from opentgi.models.pooling.model import load_pooling_model
+from opentgi.models.pooling.model import PoolingModel, load_pooling_model
+from opentgi.models.pooling.paged import PagedPoolingModel
 from tests.helpers import tiny_models, tiny_pooling
 from tests.helpers.pooling_reference import assert_close, reference_embeddings, reference_logits
 
@@ -49,6 +51,32 @@ def test_folder_kinds():
     assert detect(tiny_models.tiny_reward_path()) is None
 
 
+@pytest.mark.parametrize("builder, paged", [
+    (tiny_pooling.tiny_qwen3_embedding_path, True),
+    (lambda: tiny_pooling.tiny_qwen3_embedding_path(family="qwen2", pooling="mean"), True),
+    (tiny_pooling.tiny_qwen3_reranker_path, True),
+    (lambda: tiny_pooling.tiny_qwen3_reranker_path(num_labels=3), True),
+    (tiny_pooling.tiny_bert_embedding_path, False),
+], ids=["qwen3-embedding", "qwen2-embedding", "qwen3-reranker", "qwen3-classifier", "bert"])
+def test_decoders_run_on_the_paged_decoder_code(builder, paged):
+    model, _ = _load(builder())
+    if paged:
+        assert isinstance(model, PagedPoolingModel) and isinstance(model.model, PagedDecoder)
+        assert model.model.batch_invariant  # its linears in their row-invariant forms
+    else:
+        assert isinstance(model, PoolingModel)
+
+
+def test_decoder_vectors_match_sentence_transformers_float32():
+    """sentence-transformers' own `encode` of the Qwen3 folder, in float32, against the served vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    path = tiny_pooling.tiny_qwen3_embedding_path()
+    model, inputs = _load(path)
+    got = [(v / v.norm()).tolist() for v in model.run([inputs.text(t, truncate=False) for t in TEXTS])]
+    assert_close(got, SentenceTransformer(str(path), device="cpu").encode(TEXTS).tolist())
+
+
 def test_unserved_sentence_transformers_modules_are_refused(tmp_path):
     folder = tmp_path / "dense"
     shutil.copytree(tiny_pooling.tiny_bert_embedding_path(), folder)
@@ -70,7 +98,9 @@ def test_unserved_sentence_transformers_modules_are_refused(tmp_path):
     lambda: tiny_pooling.tiny_encoder_embedding_path("xlm-roberta"),
     lambda: tiny_pooling.tiny_encoder_embedding_path("modernbert"),
     tiny_pooling.tiny_qwen3_embedding_path,
-], ids=["bert-mean", "bert-cls", "xlm-roberta", "modernbert", "qwen3-lasttoken"])
+    lambda: tiny_pooling.tiny_qwen3_embedding_path(family="qwen2", pooling="mean"),
+    lambda: tiny_pooling.tiny_qwen3_embedding_path(family="llama"),
+], ids=["bert-mean", "bert-cls", "xlm-roberta", "modernbert", "qwen3-lasttoken", "qwen2-mean", "llama-lasttoken"])
 def test_embeddings_match_the_reference_and_are_batch_invariant(builder):
     path = builder()
     model, inputs = _load(path)
@@ -106,7 +136,8 @@ def test_padded_buckets_keep_every_input_invariant(builder):
     (lambda: tiny_pooling.tiny_bert_classifier_path(1), [("what is deep learning?", t) for t in TEXTS]),
     (lambda: tiny_pooling.tiny_bert_classifier_path(3), [(t,) for t in TEXTS]),
     (tiny_pooling.tiny_qwen3_reranker_path, [("what is deep learning?", t) for t in TEXTS]),
-], ids=["bert-cross-encoder", "bert-classifier", "qwen3-reranker"])
+    (lambda: tiny_pooling.tiny_qwen3_reranker_path(num_labels=3), [(t,) for t in TEXTS]),
+], ids=["bert-cross-encoder", "bert-classifier", "qwen3-reranker", "qwen3-classifier"])
 def test_logits_match_the_reference_and_are_batch_invariant(builder, pairs):
     path = builder()
     model, inputs = _load(path)

@@ -49,12 +49,17 @@ def architecture_of(config) -> str:
     return archs[0] if archs else type(config).__name__.replace("Config", "ForCausalLM")
 
 
-def paged_unsupported_reason(config) -> str | None:
-    """None when the paged path serves this config; else why not (the generic path serves it)."""
+def paged_unsupported_reason(config, pooling_head: str | None = None) -> str | None:
+    """None when the paged path serves this config; else why not (the generic path serves it).
+    `pooling_head` ("none" or "score": a pooling model's body, models/pooling/paged.py): the family
+    is the config's `model_type`, whatever its architecture names."""
     arch = architecture_of(config)
-    if arch not in PAGED_ARCHITECTURES:
+    if pooling_head is not None:
+        if getattr(config, "model_type", None) not in FAMILIES:
+            return f"model type {getattr(config, 'model_type', None)!r} has no paged implementation"
+    elif arch not in PAGED_ARCHITECTURES:
         return f"architecture {arch} has no paged implementation"
-    if PAGED_ARCHITECTURES[arch][1] == "score" and getattr(config, "num_labels", 1) != 1:
+    elif PAGED_ARCHITECTURES[arch][1] == "score" and getattr(config, "num_labels", 1) != 1:
         return f"{arch} with num_labels={config.num_labels} is not a reward model"
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if act not in ACTIVATIONS:
@@ -91,19 +96,21 @@ def _image_encoder(arch: str, config) -> torch.nn.Module:
 
 def build_paged_model(folder, config, backend: AttentionBackend, dtype: torch.dtype,
                       device: torch.device, tp=None, quantize: Quantize | None = None,
-                      batch_invariant: bool = True, native_types: frozenset[int] = frozenset()) -> PagedDecoder:
+                      batch_invariant: bool = True, native_types: frozenset[int] = frozenset(),
+                      pooling_head: str | None = None) -> PagedDecoder:
     """The model on `device`, from a checkpoint folder or an open GGUFCheckpoint, its linears in
     the formats the checkpoint and `quantize` ask for (models/checkpoints/loading.py); with `tp` (a
     models.parallel.TPGroup of more than one rank) this rank's shard of it, loaded from its slices
     of the checkpoint. `batch_invariant` (the default; False with --nondeterministic): a row's
     numbers do not depend on the rest of the step (docs/determinism.md). `native_types`: the GGML
     block types the native kernels serve, where quantized values take their layouts
-    (models/quantization/native_layouts.py). `model.resident` says in one line what it holds."""
-    reason = paged_unsupported_reason(config)
+    (models/quantization/native_layouts.py). `pooling_head`: as paged_unsupported_reason's.
+    `model.resident` says in one line what it holds."""
+    reason = paged_unsupported_reason(config, pooling_head)
     if reason is not None:
         raise ValueError(f"cannot serve {folder} on the paged path: {reason}")
     arch = architecture_of(config)
-    family, head = PAGED_ARCHITECTURES[arch]
+    family, head = (config.model_type, pooling_head) if pooling_head else PAGED_ARCHITECTURES[arch]
     num_heads = config.num_attention_heads
     spec = ModelSpec(
         architecture=arch,

@@ -100,7 +100,9 @@ TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 
 
 class PagedDecoder(nn.Module):
-    """A `PagedCausalLM` (models/base.py). `head` is "lm" (causal LM) or "score" (reward model)."""
+    """A `PagedCausalLM` (models/base.py). `head` is "lm" (causal LM), "score" (reward model; a
+    pooling model's classification head: models/pooling/paged.py) or "none" (an embedding body:
+    `forward`'s hidden states are its output)."""
 
     def __init__(self, config, spec: ModelSpec, backend: AttentionBackend, layout: DecoderLayout, head: str):
         super().__init__()
@@ -108,11 +110,12 @@ class PagedDecoder(nn.Module):
         self.spec = spec
         self.layout = layout
         self.is_reward_model = head == "score"
+        self.has_lm_head = head == "lm"
         self.model = DecoderModel(config, layout, backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and head == "lm"
         if head == "score":
             self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
-        elif not self.tie_word_embeddings:
+        elif head == "lm" and not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = config.hidden_size ** 0.5 if layout.structure.embed_scale else None
         self.rotary: list[RotaryEmbedding] = []  # set by `materialize` (needs the real device)
@@ -143,7 +146,7 @@ class PagedDecoder(nn.Module):
         self._set_batch_invariant(batch_invariant)
         device = torch.device(self.spec.device)
         head_weight = None
-        if not self.is_reward_model:
+        if self.has_lm_head:
             tied = self.tie_word_embeddings
             embedding = getattr(self.model.embed_tokens, "weight", None)  # None: GGUF blocks (native)
             # a large tied head multiplies by the embedding itself rather than keep a packed copy
@@ -215,8 +218,8 @@ class PagedDecoder(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.is_reward_model:
-            raise TypeError("a reward model has no language-model head: use compute_score")
+        if not self.has_lm_head:
+            raise TypeError("a reward or embedding model has no language-model head")
         if self.logits_proj is not None:
             logits = self.logits_proj(hidden)
         elif not self.tie_word_embeddings:

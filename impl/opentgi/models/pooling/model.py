@@ -18,11 +18,15 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from opentgi.models.layers.linear import onednn_linear_usable, pack_linears, tile_linears
 from opentgi.models.pooling.folder import PoolingFolder, PoolingFolderError
+
+if TYPE_CHECKING:
+    from opentgi.models.pooling.paged import PagedPoolingModel
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +138,15 @@ def _max_length(model_config, tokenizer, folder: PoolingFolder, limit: int | Non
 
 def load_pooling_model(folder: PoolingFolder, tokenizer, dtype: torch.dtype, device: torch.device, *,
                        max_input_tokens: int | None = None, batch_invariant: bool = True,
-                       trust_remote_code: bool = False) -> PoolingModel:
+                       trust_remote_code: bool = False) -> PoolingModel | PagedPoolingModel:
     from transformers import AutoModel, AutoModelForSequenceClassification
 
+    from opentgi.models.pooling.paged import load_paged_pooling_model, paged_body_config
+
+    config = paged_body_config(folder, trust_remote_code)
+    if config is not None:  # a decoder the paged path has: its model code (models/pooling/paged.py)
+        return load_paged_pooling_model(folder, config, dtype, device, batch_invariant=batch_invariant,
+                                        max_length=_max_length(config, tokenizer, folder, max_input_tokens))
     loader = AutoModel if folder.kind == "embedding" else AutoModelForSequenceClassification
     try:
         model = loader.from_pretrained(folder.body, dtype=dtype, trust_remote_code=trust_remote_code)
