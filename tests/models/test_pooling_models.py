@@ -13,7 +13,8 @@ import torch
 from opentgi.engine.pooling.inputs import PoolingTokenizer
 from opentgi.models.families.decoder import PagedDecoder
 from opentgi.models.pooling.folder import PoolingFolderError, detect
-from opentgi.models.pooling.model import PoolingModel, load_pooling_model
+from opentgi.models.pooling.loading import build_pooling_model
+from opentgi.models.pooling.model import PoolingModel
 from opentgi.models.pooling.paged import PagedPoolingModel
 from tests.helpers import tiny_models, tiny_pooling
 from tests.helpers.pooling_reference import assert_close, reference_embeddings, reference_logits
@@ -32,7 +33,7 @@ def _load(path):
 
     folder = detect(path)
     tokenizer = AutoTokenizer.from_pretrained(folder.body)
-    model = load_pooling_model(folder, tokenizer, torch.float32, torch.device("cpu"))
+    model = build_pooling_model(folder, tokenizer, torch.float32, torch.device("cpu"))
     return model, PoolingTokenizer(tokenizer, model.max_length, model.model.config.vocab_size)
 
 

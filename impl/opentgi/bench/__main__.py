@@ -3,7 +3,7 @@ write-gguf OUT.gguf` writes the random Llama-1B-shaped GGUF of the llama.cpp com
 (gguf_fixture.py); `python -m opentgi.bench kernels` times the linear kernels (kernels.py);
 `python -m opentgi.bench images` is image-request throughput against transformers (baselines.py);
 `python -m opentgi.bench --late-tenant` is the tenants comparison (http_load.py);
-`python -m opentgi.bench embeddings` is `/v1/embeddings` against sentence-transformers (embeddings.py)."""
+`python -m opentgi.bench embeddings` is `/v1/embeddings` against sentence-transformers (pooling/embeddings.py)."""
 
 import sys
 
@@ -20,7 +20,7 @@ elif sys.argv[1:2] == ["kernels"]:
 
     main(sys.argv[2:])
 elif sys.argv[1:2] == ["embeddings"]:
-    from opentgi.bench.embeddings import main
+    from opentgi.bench.pooling.embeddings import main
 
     main(sys.argv[2:])
 else:

@@ -1,5 +1,6 @@
 """A pooling model on transformers' modelling classes: a whole batch of inputs in one forward pass,
-no KV cache, then pooling (embedding) or the classification head (rerank, classification).
+no KV cache, then pooling (embedding) or the classification head (rerank, classification). The
+encoders run here; decoders of the paged path's families run on its model code (paged.py).
 
 **Batches**: inputs are padded (right, masked) to a length bucket, a multiple of `BUCKET` tokens,
 and each bucket runs as one batch, so inputs of different lengths share a forward pass.
@@ -18,15 +19,11 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from opentgi.models.layers.linear import onednn_linear_usable, pack_linears, tile_linears
 from opentgi.models.pooling.folder import PoolingFolder, PoolingFolderError
-
-if TYPE_CHECKING:
-    from opentgi.models.pooling.paged import PagedPoolingModel
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +119,7 @@ def pool(hidden: torch.Tensor, mode: str) -> torch.Tensor:
     return hidden.sum(dim=0) / hidden.shape[0]
 
 
-def _max_length(model_config, tokenizer, folder: PoolingFolder, limit: int | None) -> int:
+def max_length_of(model_config, tokenizer, folder: PoolingFolder, limit: int | None) -> int:
     """The most tokens an input may have: the least of the model's positions (less RoBERTa's
     padding offset), the tokenizer's and sentence-transformers' limits and --max-input-tokens."""
     positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
@@ -138,15 +135,9 @@ def _max_length(model_config, tokenizer, folder: PoolingFolder, limit: int | Non
 
 def load_pooling_model(folder: PoolingFolder, tokenizer, dtype: torch.dtype, device: torch.device, *,
                        max_input_tokens: int | None = None, batch_invariant: bool = True,
-                       trust_remote_code: bool = False) -> PoolingModel | PagedPoolingModel:
+                       trust_remote_code: bool = False) -> PoolingModel:
     from transformers import AutoModel, AutoModelForSequenceClassification
 
-    from opentgi.models.pooling.paged import load_paged_pooling_model, paged_body_config
-
-    config = paged_body_config(folder, trust_remote_code)
-    if config is not None:  # a decoder the paged path has: its model code (models/pooling/paged.py)
-        return load_paged_pooling_model(folder, config, dtype, device, batch_invariant=batch_invariant,
-                                        max_length=_max_length(config, tokenizer, folder, max_input_tokens))
     loader = AutoModel if folder.kind == "embedding" else AutoModelForSequenceClassification
     try:
         model = loader.from_pretrained(folder.body, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -158,7 +149,7 @@ def load_pooling_model(folder: PoolingFolder, tokenizer, dtype: torch.dtype, dev
             pack_linears(model, row_invariant=batch_invariant)
         elif batch_invariant:
             tile_linears(model)
-    max_length = _max_length(model.config, tokenizer, folder, max_input_tokens)
+    max_length = max_length_of(model.config, tokenizer, folder, max_input_tokens)
     log.info("%s: %s model (%s), at most %d tokens an input", folder.architecture, folder.kind,
              folder.pooling or f"{len(folder.id2label)} labels", max_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else getattr(model.config, "pad_token_id", None)

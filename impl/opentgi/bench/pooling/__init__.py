@@ -1,0 +1,2 @@
+"""Benchmarks of pooling models (docs/embeddings.md): `embeddings`, the server against
+sentence-transformers."""
