@@ -1,6 +1,6 @@
 """The pooling routes in process, over the pooling engine and tiny random models: OpenAI's
-/v1/embeddings through the `openai` SDK, the Jina/Cohere /v1/rerank, TEI's /embed, /rerank and
-/predict; their vectors and scores against the float64 reference; each bad input's status and
+/v1/embeddings through the `openai` SDK, the Jina/Cohere /v1/rerank, TEI's /embed, /embed_all,
+/similarity, /rerank and /predict; their vectors and scores against the float64 reference; each bad input's status and
 body in the route's own shape; generation routes on a pooling model and pooling routes on a
 generation model refused with a 4xx naming what the model serves."""
 
@@ -115,12 +115,31 @@ def test_tei_embed(embedder):
     assert many.status_code == 422 and many.json()["error"] == "batch size 9 > maximum allowed batch size 8"
 
 
+def test_tei_embed_all_and_similarity(embedder):
+    path = tiny_pooling.tiny_bert_embedding_path()
+    reference = reference_embeddings(path, TEXTS)
+    tokens = embedder.post("/embed_all", json={"inputs": TEXTS}).json()
+    assert [len(rows[0]) for rows in tokens] == [64] * len(TEXTS)
+    means = [torch.tensor(rows, dtype=torch.float64).mean(0) for rows in tokens]  # the folder's mean pooling
+    assert_close([(m / m.norm()).tolist() for m in means], reference)
+    assert len(embedder.post("/embed_all", json={"inputs": TEXTS[0]}).json()) == 1
+    body = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS}}
+    cosines = embedder.post("/similarity", json=body).json()
+    expected = [sum(a * b for a, b in zip(reference[0], other, strict=True)) for other in reference]
+    assert max(abs(a - b) for a, b in zip(cosines, expected, strict=True)) <= 1e-4 and abs(cosines[0] - 1) <= 1e-4
+    empty = embedder.post("/similarity", json={"inputs": {"source_sentence": "a", "sentences": []}})
+    assert empty.status_code == 400 and empty.json()["error_type"] == "Empty"
+    many = embedder.post("/similarity", json={"inputs": {"source_sentence": "a", "sentences": ["b"] * 8}})
+    assert many.status_code == 422 and many.json()["error"] == "batch size 9 > maximum allowed batch size 8"
+    assert embedder.post("/embed_all", json={"inputs": []}).status_code == 400
+
+
 def test_pooling_model_refuses_other_routes(embedder):
     for path in ("/rerank", "/predict"):
         body = {"query": "q", "texts": ["t"]} if path == "/rerank" else {"inputs": "t"}
         response = embedder.post(path, json=body)
         assert response.status_code == 424 and response.json()["error_type"] == "Backend"
-        assert "it serves /v1/embeddings and /embed" in response.json()["error"]
+        assert "it serves /v1/embeddings, /embed, /embed_all and /similarity" in response.json()["error"]
     for body in ({"inputs": "hello", "parameters": {"max_new_tokens": 2}}, {"inputs": "hello"}):
         response = embedder.post("/generate", json=body)
         assert response.status_code == 422 and "is an embedding model: it serves" in response.json()["error"]
@@ -144,6 +163,9 @@ def test_generation_model_refuses_pooling_routes(generator):
     assert response.json()["error"].startswith("Model is not an embedding model: ")
     assert generator.post("/v1/rerank", json={"query": "q", "documents": ["d"]}).status_code == 400
     assert generator.post("/rerank", json={"query": "q", "texts": ["d"]}).status_code == 424
+    assert generator.post("/embed_all", json={"inputs": "hello"}).status_code == 424
+    similarity = generator.post("/similarity", json={"inputs": {"source_sentence": "a", "sentences": ["b"]}})
+    assert similarity.status_code == 424 and similarity.json()["error"].startswith("Model is not an embedding model")
 
 
 def test_rerank_routes(reranker):

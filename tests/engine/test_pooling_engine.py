@@ -37,12 +37,12 @@ def test_concurrent_requests_share_a_forward_pass(engine):
     inside, release = threading.Event(), threading.Event()
     real_run = engine.model.run
 
-    def run(inputs):
+    def run(inputs, all_tokens=False):
         calls.append(len(inputs))
         if len(calls) == 1:
             inside.set()
             release.wait(10)
-        return real_run(inputs)
+        return real_run(inputs, all_tokens)
 
     async def scenario():
         await engine.start()
@@ -70,7 +70,7 @@ def test_concurrent_requests_share_a_forward_pass(engine):
 
 
 def test_generation_is_refused_naming_what_the_model_serves(engine):
-    with pytest.raises(ModelKindError, match="is an embedding model: it serves /v1/embeddings and /embed"):
+    with pytest.raises(ModelKindError, match="is an embedding model: it serves /v1/embeddings, /embed, /embed_all and /similarity"):
         asyncio.run(engine.submit(None))
     with pytest.raises(ModelKindError, match="does not serve text generation"):
         engine.chat_template()

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tei.yaml (sha256 75835375176c2b49) by codegen with
+# GENERATED from openapi/tei.yaml (sha256 b430ecddbe2742da) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -11,6 +11,29 @@ from pydantic import BaseModel, Field, RootModel
 
 class EmbedResponse(RootModel[list[list[float]]]):
     root: list[list[float]]
+
+
+class EmbedAllResponse(RootModel[list[list[list[float]]]]):
+    root: list[list[list[float]]] = Field(
+        ...,
+        description="Each input's token vectors (its special tokens' too), not pooled nor normalized.",
+    )
+
+
+class SimilarityInput(BaseModel):
+    source_sentence: str = Field(
+        ..., description='The text the others are compared with.'
+    )
+    sentences: list[str] = Field(
+        ..., description='The texts compared with `source_sentence`.'
+    )
+
+
+class SimilarityResponse(RootModel[list[float]]):
+    root: list[float] = Field(
+        ...,
+        description='The cosine similarity of `source_sentence` with each of `sentences`, in their order.',
+    )
 
 
 class InputId(RootModel[int]):
@@ -67,6 +90,11 @@ class ErrorResponse(BaseModel):
     error_type: ErrorType
 
 
+class SimilarityParameters(BaseModel):
+    truncate: bool | None = None
+    truncation_direction: TruncationDirection | None = 'Right'
+
+
 class RerankRequest(BaseModel):
     query: str
     texts: list[str]
@@ -105,3 +133,19 @@ class EmbedRequest(BaseModel):
         description='Keep the first `dimensions` components (then normalize, with `normalize`).',
         ge=1,
     )
+
+
+class EmbedAllRequest(BaseModel):
+    inputs: str | list[InputId] | list[str | list[InputId]] = Field(
+        ..., description='One input (a text or token ids) or a batch of them.'
+    )
+    truncate: bool | None = Field(
+        None,
+        description="Cut an input past the model's maximum to it (refused without).",
+    )
+    truncation_direction: TruncationDirection | None = 'Right'
+
+
+class SimilarityRequest(BaseModel):
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None

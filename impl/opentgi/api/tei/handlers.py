@@ -1,6 +1,6 @@
-"""openapi/tei.yaml: TEI's `POST /embed`, `POST /rerank` and `POST /predict`, in TEI's order of
-checks (empty input, then the model's kind, then the batch size) and its defaults (`normalize`
-true, `truncate` false, scores through a sigmoid or softmax unless `raw_scores`)."""
+"""openapi/tei.yaml: TEI's `POST /embed`, `/embed_all`, `/similarity`, `/rerank` and `/predict`, in
+TEI's order of checks (empty input, then the model's kind, then the batch size) and its defaults
+(`normalize` true, `truncate` false, scores through a sigmoid or softmax unless `raw_scores`)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,37 @@ async def embed(body: dict) -> JSONResponse:
                                       left=_left(request.truncation_direction))
     vectors = await engine.embed(inputs, normalize=request.normalize, dimensions=request.dimensions)
     return JSONResponse(schema.EmbedResponse(vectors).model_dump(mode="json"))
+
+
+async def embed_all(body: dict) -> JSONResponse:
+    request = schema.EmbedAllRequest.model_validate(body)
+    data = request.model_dump(mode="json", include={"inputs"})["inputs"]
+    texts = [data] if isinstance(data, str) or (data and isinstance(data[0], int)) else list(data)
+    if not texts:
+        raise EmptyInputError("`inputs` cannot be empty")
+    engine = common.pooling_engine("embedding")
+    common.check_batch_size(len(texts))
+    inputs = await engine.text_inputs(texts, truncate=bool(request.truncate),
+                                      left=_left(request.truncation_direction))
+    tokens = await engine.embed_all(inputs)
+    return JSONResponse(schema.EmbedAllResponse(tokens).model_dump(mode="json"))
+
+
+async def similarity(body: dict) -> JSONResponse:
+    """TEI's: the source sentence and the others embedded in one batch, normalized; each other's
+    cosine with the source (their dot product)."""
+    request = schema.SimilarityRequest.model_validate(body)
+    if not request.inputs.sentences:
+        raise EmptyInputError("`inputs.sentences` cannot be empty")
+    engine = common.pooling_engine("embedding")
+    texts = [request.inputs.source_sentence, *request.inputs.sentences]
+    common.check_batch_size(len(texts))
+    parameters = request.parameters or schema.SimilarityParameters()
+    inputs = await engine.text_inputs(texts, truncate=bool(parameters.truncate),
+                                      left=_left(parameters.truncation_direction))
+    source, *others = await engine.embed(inputs, normalize=True)
+    cosines = [sum(a * b for a, b in zip(source, other, strict=True)) for other in others]
+    return JSONResponse(schema.SimilarityResponse(cosines).model_dump(mode="json"))
 
 
 async def rerank(body: dict) -> JSONResponse:

@@ -39,6 +39,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     normalize: bool = False
     dimensions: int | None = None
+    all_tokens: bool = False  # each input's token vectors, not pooled (TEI's /embed_all)
     queued_at: float = field(default_factory=time.monotonic)
 
 
@@ -114,6 +115,11 @@ class PoolingEngine:
         self.check_kind("embedding")
         return await self._queue(_Job(inputs, None, None, normalize=normalize, dimensions=dimensions))
 
+    async def embed_all(self, inputs: list[PoolingInput]) -> list[list[list[float]]]:
+        """Each input's token vectors (the model's last hidden states), not pooled nor normalized."""
+        self.check_kind("embedding")
+        return await self._queue(_Job(inputs, None, None, all_tokens=True))
+
     async def classify(self, inputs: list[PoolingInput]) -> list[list[float]]:
         """Each input's logits (one per label)."""
         self.check_kind("classification")
@@ -162,21 +168,25 @@ class PoolingEngine:
             while self._jobs:
                 jobs.append(self._jobs.popleft())
             jobs = [j for j in jobs if not j.future.cancelled()]
-            try:
-                rows = self.model.run([item for job in jobs for item in job.inputs])
-            except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving
-                log.exception("pooling forward pass failed")
-                for job in jobs:
-                    job.loop.call_soon_threadsafe(_fail, job.future, UnhealthyError(f"inference failed: {exc}"))
-                continue
-            self._steps += 1
-            self._last_step_at = time.monotonic()
-            start = 0
+            for all_tokens in sorted({job.all_tokens for job in jobs}):  # pooled rows, token rows
+                self._run_jobs([job for job in jobs if job.all_tokens == all_tokens], all_tokens)
+
+    def _run_jobs(self, jobs: list[_Job], all_tokens: bool) -> None:
+        try:
+            rows = self.model.run([item for job in jobs for item in job.inputs], all_tokens=all_tokens)
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving
+            log.exception("pooling forward pass failed")
             for job in jobs:
-                mine = rows[start:start + len(job.inputs)]
-                start += len(job.inputs)
-                result = [_finish(row, job) for row in mine]
-                job.loop.call_soon_threadsafe(_resolve, job.future, result)
+                job.loop.call_soon_threadsafe(_fail, job.future, UnhealthyError(f"inference failed: {exc}"))
+            return
+        self._steps += 1
+        self._last_step_at = time.monotonic()
+        start = 0
+        for job in jobs:
+            mine = rows[start:start + len(job.inputs)]
+            start += len(job.inputs)
+            result = [row.tolist() if all_tokens else _finish(row, job) for row in mine]
+            job.loop.call_soon_threadsafe(_resolve, job.future, result)
 
     # --- EngineClient ------------------------------------------------------------------------------
     async def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:

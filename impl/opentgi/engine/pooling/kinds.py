@@ -6,7 +6,7 @@ from opentgi.engine.errors import ModelKindError
 
 SERVES = {
     "generation": "a text-generation model: it serves /generate, /v1/chat/completions and /v1/completions",
-    "embedding": "an embedding model: it serves /v1/embeddings and /embed",
+    "embedding": "an embedding model: it serves /v1/embeddings, /embed, /embed_all and /similarity",
     "rerank": "a reranker (cross-encoder): it serves /v1/rerank, /rerank and /predict",
     "classification": "a sequence classifier: it serves /predict",
 }

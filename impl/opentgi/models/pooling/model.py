@@ -63,7 +63,8 @@ class PoolingModel:
         return self.folder.kind
 
     @torch.inference_mode()
-    def run(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
+    def run(self, inputs: list[PoolingInput], all_tokens: bool = False) -> list[torch.Tensor]:
+        """`all_tokens` (an embedding model): each input's token vectors [n, hidden], not pooled."""
         out: list[torch.Tensor | None] = [None] * len(inputs)
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, item in enumerate(inputs):
@@ -72,7 +73,7 @@ class PoolingModel:
             step = max(1, self.max_batch_tokens // max(length, 1))
             for start in range(0, len(members), step):
                 chunk = members[start:start + step]
-                for i, row in zip(chunk, self._forward([inputs[i] for i in chunk], length), strict=True):
+                for i, row in zip(chunk, self._forward([inputs[i] for i in chunk], length, all_tokens), strict=True):
                     out[i] = row
         return out
 
@@ -82,7 +83,7 @@ class PoolingModel:
         length = (n // BUCKET + 1) * BUCKET
         return (length, True) if length <= self.max_length else (n, False)
 
-    def _forward(self, inputs: list[PoolingInput], length: int) -> list[torch.Tensor]:
+    def _forward(self, inputs: list[PoolingInput], length: int, all_tokens: bool = False) -> list[torch.Tensor]:
         """Inputs of at most `length` tokens, padded to it on the right, as one batch."""
         batch = len(inputs)
         ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
@@ -99,7 +100,8 @@ class PoolingModel:
             kwargs["token_type_ids"] = types.to(self.device)
         if self.folder.kind == "embedding":
             hidden = self.model(**kwargs).last_hidden_state
-            return [pool(hidden[row, :n], self.folder.pooling) for row, n in enumerate(lengths)]
+            mode = "none" if all_tokens else self.folder.pooling
+            return [pool(hidden[row, :n], mode) for row, n in enumerate(lengths)]
         if self.decoder_head is not None:
             hidden = self.model.base_model(**kwargs).last_hidden_state
             return [self.decoder_head(hidden[row, n - 1:n]).float()[0] for row, n in enumerate(lengths)]
@@ -108,8 +110,11 @@ class PoolingModel:
 
 
 def pool(hidden: torch.Tensor, mode: str) -> torch.Tensor:
-    """One input's token vectors [n, hidden] -> its vector, in float32."""
+    """One input's token vectors [n, hidden] -> its vector, in float32 (mode "none": the token
+    vectors themselves)."""
     hidden = hidden.float()
+    if mode == "none":
+        return hidden.clone()
     if mode == "cls":
         return hidden[0].clone()
     if mode == "lasttoken":

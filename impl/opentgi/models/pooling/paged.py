@@ -110,7 +110,8 @@ class PagedPoolingModel:
         return self.folder.kind
 
     @torch.inference_mode()
-    def run(self, inputs) -> list[torch.Tensor]:
+    def run(self, inputs, all_tokens: bool = False) -> list[torch.Tensor]:
+        """`all_tokens` (an embedding model): each input's token vectors [n, hidden], not pooled."""
         out: list[torch.Tensor] = []
         start = 0
         while start < len(inputs):
@@ -118,11 +119,11 @@ class PagedPoolingModel:
             while end < len(inputs) and (end == start or tokens + len(inputs[end].ids) <= self.max_batch_tokens):
                 tokens += len(inputs[end].ids)
                 end += 1
-            out += self._forward([item.ids for item in inputs[start:end]])
+            out += self._forward([item.ids for item in inputs[start:end]], "none" if all_tokens else self.folder.pooling)
             start = end
         return out
 
-    def _forward(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+    def _forward(self, sequences: list[list[int]], mode: str | None) -> list[torch.Tensor]:
         device = self.device
         lengths = [len(ids) for ids in sequences]
         cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
@@ -137,7 +138,7 @@ class PagedPoolingModel:
         ends = cu[1:].tolist()
         if self.folder.kind != "embedding":  # the head on each input's last token, one row at a time
             return [self.model.score(hidden[end - 1:end]).float()[0] for end in ends]
-        return [pool(hidden[end - n:end], self.folder.pooling) for end, n in zip(ends, lengths, strict=True)]
+        return [pool(hidden[end - n:end], mode) for end, n in zip(ends, lengths, strict=True)]
 
 
 def load_paged_pooling_model(folder: PoolingFolder, config, dtype: torch.dtype, device: torch.device, *,
