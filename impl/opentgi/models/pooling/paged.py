@@ -29,8 +29,9 @@ from opentgi.models.pooling.model import pool
 
 log = logging.getLogger(__name__)
 
-# what the paged path serves as a pooling body: the families whose decoder it has (registry.py
-# FAMILIES, by model_type); anything else runs on transformers' classes (models/pooling/model.py)
+# each kind's head on the paged decoder: none (the hidden states are pooled) or the classification
+# `score`. Bodies of the families the paged path has (registry.py FAMILIES, by model_type) run
+# here; any other runs on transformers' classes (models/pooling/model.py)
 HEADS = {"embedding": "none", "rerank": "score", "classification": "score"}
 
 
