@@ -7,11 +7,11 @@ last token), built by `build_paged_model` with a pooling head ("none" or "score"
 generation engine packs fresh prompts. Nothing is decoded after a pass, so there is no KV cache:
 attention (`WholeSequenceAttention`, the model's backend) attends each input's queries to its own
 keys and values as the layer computed them, one causal `scaled_dot_product_attention` call an
-input, on one thread. Inputs go into a pass in order until `max_batch_tokens`; a longer one runs alone.
+input. Inputs go into a pass in order until `max_batch_tokens`; a longer one runs alone.
 
 **Invariance** (docs/determinism.md): the linears are in the paged path's row-invariant forms,
-norms and RoPE work per row, and attention (on one thread), pooling and the head per input, each
-in a call whose shape is the input's own; so an input's numbers do not depend on the other inputs of its pass nor
+norms and RoPE work per row, and attention, pooling and the head per input, each in a call whose
+shape is the input's own; so an input's numbers do not depend on the other inputs of its pass nor
 on where it lies in it.
 """
 
@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.softcap import softcapped_attention
-from opentgi.models.attention.torch_backend import one_thread
 from opentgi.models.pooling.folder import PoolingFolder
 from opentgi.models.pooling.model import pool
 
@@ -64,11 +63,7 @@ def _body_name(name: str) -> str | None:
 class WholeSequenceAttention:
     """The attention backend of a pooling pass (module docstring): every sequence of the pass is
     a whole input, attended causally over its own keys; the caches are not used. Named "torch":
-    the CPU torch forms, with which the model takes its row-invariant linears (decoder.py).
-
-    The calls run on one thread (as the torch backend's float32 forms: torch_backend.one_thread):
-    an OpenMP team's call per input and layer would meet a barrier each, where a thread that
-    shares its core with other work loses its time slice (engine/execution/thread_governor.py)."""
+    the CPU torch forms, with which the model takes its row-invariant linears (decoder.py)."""
 
     name = "torch"
     batch_invariant = False  # set by the model; this backend's form is invariant either way
@@ -76,34 +71,27 @@ class WholeSequenceAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
         cu = meta.scratch.get("cu")
         if cu is None:
             cu = meta.scratch["cu"] = meta.cu_seqlens_q.tolist()
-        with one_thread(True):
-            for start, end in zip(cu[:-1], cu[1:], strict=True):
-                out[start:end] = _attend_one(q[start:end], k[start:end], v[start:end], scale, sliding_window, softcap)
+        for start, end in zip(cu[:-1], cu[1:], strict=True):
+            q_s, k_s, v_s = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
+            mask = None
+            if sliding_window is not None and sliding_window < end - start:
+                pos = torch.arange(end - start, device=q.device)
+                mask = (pos.unsqueeze(0) <= pos.unsqueeze(1)) & (pos.unsqueeze(0) > pos.unsqueeze(1) - sliding_window)
+            if softcap is not None:
+                if group > 1:
+                    k_s, v_s = k_s.repeat_interleave(group, dim=1), v_s.repeat_interleave(group, dim=1)
+                if mask is None:
+                    mask = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).tril_()
+                o = softcapped_attention(q_s, k_s, v_s, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, is_causal=mask is None,
+                                                   scale=scale, enable_gqa=group > 1)
+            out[start:end] = o.squeeze(0).transpose(0, 1)
         return out
-
-
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None,
-                softcap: float | None) -> torch.Tensor:
-    """One input's causal attention: q [n, H, D], k and v [n, kv heads, D] -> [n, H, D]."""
-    n, group = q.shape[0], q.shape[1] // k.shape[1]
-    q_s, k_s, v_s = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, D]
-    mask = None
-    if sliding_window is not None and sliding_window < n:
-        pos = torch.arange(n, device=q.device)
-        mask = (pos.unsqueeze(0) <= pos.unsqueeze(1)) & (pos.unsqueeze(0) > pos.unsqueeze(1) - sliding_window)
-    if softcap is not None:
-        if group > 1:
-            k_s, v_s = k_s.repeat_interleave(group, dim=1), v_s.repeat_interleave(group, dim=1)
-        if mask is None:
-            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril_()
-        o = softcapped_attention(q_s, k_s, v_s, mask, scale, softcap)
-    else:
-        o = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                           enable_gqa=group > 1)
-    return o.squeeze(0).transpose(0, 1)
 
 
 class PagedPoolingModel:
