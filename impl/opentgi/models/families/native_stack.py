@@ -46,7 +46,12 @@ class NativeDecodeStack:
     def __init__(self, model, modules: list[nn.Module]):
         layers = model.model.layers
         attn = layers[0].self_attn
-        self.modules = modules  # the modules whose weights were taken: a replaced one (adapters) ends the stack
+        # where each module whose weights were taken sits (its parent's module dict, its name): one
+        # replaced there (an adapter's wrapper) ends the stack; dict lookups, not nn.Module attributes,
+        # as this is checked every step
+        taken = iter(modules)
+        self.places = [(getattr(layer, owner)._modules, name, next(taken))
+                       for layer in layers for owner, name in PROJECTIONS]
         self.layers = layers
         self.backend = attn.backend
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, float(attn.scale)
@@ -100,8 +105,7 @@ class NativeDecodeStack:
         return cls(model, modules)
 
     def _unchanged(self) -> bool:
-        it = iter(self.modules)
-        return all(getattr(getattr(layer, owner), name) is next(it) for layer in self.layers for owner, name in PROJECTIONS)
+        return all(place.get(name) is module for place, name, module in self.places)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
