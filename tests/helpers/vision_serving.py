@@ -3,13 +3,14 @@ answer, as the VLM families' tests (tests/models/test_models_*_vl.py, llava_next
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 
 import torch
 
 from opentgi.engine.request import ImageData
-from tests.helpers.determinism import greedy
+from tests.helpers.determinism import greedy, outcome
 from tests.helpers.engine import generate, running
 
 
@@ -43,3 +44,18 @@ def greedy_answer(out, prompt_len: int) -> tuple[list[int], list[float]]:
     return_dict_in_generate=True)`."""
     tokens = out.sequences[0, prompt_len:].tolist()
     return tokens, [torch.log_softmax(score[0].float(), -1)[t].item() for score, t in zip(out.scores, tokens)]
+
+
+async def among_others(loaded, text, images, other_text, other_images, others: int, warm: bool, **settings):
+    """The greedy outcome of the request (text, images) served among `others` image requests
+    (`other_text(i)` with `other_images[i % 2]`) and as many text-only ones, after one run of it
+    first where `warm`; and the engine's prefix-cache hit tokens."""
+    async with running(loaded, **settings) as engine:
+        if warm:
+            await generate(engine, await request_for(engine, text, images, 1))
+        requests = [await request_for(engine, other_text(i), [other_images[i % 2]], 3 + i) for i in range(others)]
+        requests += [greedy(list(range(500 + 10 * i, 510 + 10 * i)), 4) for i in range(others)]
+        target = await request_for(engine, text, images, 5)
+        handles = [await engine.submit(r) for r in [*requests[:others], target, *requests[others:]]]
+        results = await asyncio.gather(*(h.result() for h in handles))
+        return outcome(results[others].sequences[0]), engine.stats().prefix_hit_tokens

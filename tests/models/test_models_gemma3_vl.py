@@ -16,10 +16,9 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.models.loader import load_model
-from tests.helpers.determinism import greedy, outcome
-from tests.helpers.engine import generate, running
+from tests.helpers.determinism import greedy
 from tests.helpers.tiny_vision import png_bytes, tiny_gemma3_vl_path
-from tests.helpers.vision_serving import data, greedy_answer, image_of, request_for, served
+from tests.helpers.vision_serving import among_others, data, greedy_answer, image_of, served
 
 torch.set_num_threads(1)
 
@@ -84,23 +83,15 @@ def test_a_request_with_images_is_the_same_alone_batched_cached_and_chunked(vlm)
     loaded = vlm[0]
     text, images = PROMPTS["two images"]
 
-    async def run(others: int, warm: bool, **settings):
-        async with running(loaded, **settings) as engine:
-            if warm:
-                await generate(engine, await request_for(engine, text, images, 1))
-            requests = [await request_for(engine, f"{'x ' * i}<start_of_image>Hi", [SQUARE if i % 2 else WIDE], 3 + i)
-                        for i in range(others)]
-            requests += [greedy(list(range(500 + 10 * i, 510 + 10 * i)), 4) for i in range(others)]
-            target = await request_for(engine, text, images, 5)
-            handles = [await engine.submit(r) for r in [*requests[:others], target, *requests[others:]]]
-            results = await asyncio.gather(*(h.result() for h in handles))
-            return outcome(results[others].sequences[0]), engine.stats().prefix_hit_tokens
+    def run(others: int, warm: bool, **settings):
+        return asyncio.run(among_others(loaded, text, images, lambda i: f"{'x ' * i}<start_of_image>Hi",
+                                        (WIDE, SQUARE), others, warm, **settings))
 
-    alone, _ = asyncio.run(run(0, False))
-    assert asyncio.run(run(3, False))[0] == alone
-    cached, hits = asyncio.run(run(0, True))
+    alone, _ = run(0, False)
+    assert run(3, False)[0] == alone
+    cached, hits = run(0, True)
     assert cached == alone and hits > 16
-    assert asyncio.run(run(2, False, chunked_prefill_tokens=7))[0] == alone
+    assert run(2, False, chunked_prefill_tokens=7)[0] == alone
 
 
 def test_chunks_never_end_inside_an_image(vlm):

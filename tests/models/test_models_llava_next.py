@@ -17,10 +17,8 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.models.loader import load_model
-from tests.helpers.determinism import greedy, outcome
-from tests.helpers.engine import generate, running
 from tests.helpers.tiny_vision import png_bytes, tiny_llava_next_path
-from tests.helpers.vision_serving import greedy_answer, image_of, request_for, served
+from tests.helpers.vision_serving import among_others, greedy_answer, image_of, served
 
 torch.set_num_threads(1)
 
@@ -80,21 +78,13 @@ def test_a_request_with_images_is_the_same_alone_batched_and_cached():
     loaded = models("llama")[0]
     prompt, images = PROMPTS["two images"]
 
-    async def run(others: int, warm: bool):
-        async with running(loaded) as engine:
-            if warm:
-                await generate(engine, await request_for(engine, prompt, images, 1))
-            requests = [await request_for(engine, f"[INST] {'x ' * i}<image>\nHi [/INST]", [SQUARE if i % 2 else WIDE],
-                                          3 + i) for i in range(others)]
-            requests += [greedy(list(range(500 + 10 * i, 510 + 10 * i)), 4) for i in range(others)]
-            target = await request_for(engine, prompt, images, 5)
-            handles = [await engine.submit(r) for r in [*requests[:others], target, *requests[others:]]]
-            results = await asyncio.gather(*(h.result() for h in handles))
-            return outcome(results[others].sequences[0]), engine.stats().prefix_hit_tokens
+    def run(others: int, warm: bool, **settings):
+        return asyncio.run(among_others(loaded, prompt, images, lambda i: f"[INST] {'x ' * i}<image>\nHi [/INST]",
+                                        (WIDE, SQUARE), others, warm, **settings))
 
-    alone, _ = asyncio.run(run(0, False))
-    assert asyncio.run(run(3, False))[0] == alone
-    cached, hits = asyncio.run(run(0, True))
+    alone, _ = run(0, False)
+    assert run(3, False)[0] == alone
+    cached, hits = run(0, True)
     assert cached == alone and hits > 64
 
 
