@@ -15,15 +15,21 @@ def _left(direction) -> bool:
     return direction is not None and str(getattr(direction, "value", direction)).lower() == "left"
 
 
-async def embed(body: dict) -> JSONResponse:
-    request = schema.EmbedRequest.model_validate(body)
+def _texts(request) -> list:
+    """`inputs` as a list: a text, one token list, or a batch of texts and token lists; refused
+    where empty or past the client batch size."""
     data = request.model_dump(mode="json", include={"inputs"})["inputs"]
-    # a text, one token list, or a batch of texts and token lists
     texts = [data] if isinstance(data, str) or (data and isinstance(data[0], int)) else list(data)
     if not texts:
         raise EmptyInputError("`inputs` cannot be empty")
-    engine = common.pooling_engine("embedding")
     common.check_batch_size(len(texts))
+    return texts
+
+
+async def embed(body: dict) -> JSONResponse:
+    request = schema.EmbedRequest.model_validate(body)
+    texts = _texts(request)
+    engine = common.pooling_engine("embedding")
     common.check_dimensions(request.dimensions, engine)
     inputs = await engine.text_inputs(texts, truncate=bool(request.truncate),
                                       left=_left(request.truncation_direction))
@@ -33,12 +39,8 @@ async def embed(body: dict) -> JSONResponse:
 
 async def embed_all(body: dict) -> JSONResponse:
     request = schema.EmbedAllRequest.model_validate(body)
-    data = request.model_dump(mode="json", include={"inputs"})["inputs"]
-    texts = [data] if isinstance(data, str) or (data and isinstance(data[0], int)) else list(data)
-    if not texts:
-        raise EmptyInputError("`inputs` cannot be empty")
+    texts = _texts(request)
     engine = common.pooling_engine("embedding")
-    common.check_batch_size(len(texts))
     inputs = await engine.text_inputs(texts, truncate=bool(request.truncate),
                                       left=_left(request.truncation_direction))
     tokens = await engine.embed_all(inputs)

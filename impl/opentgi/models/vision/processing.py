@@ -17,18 +17,23 @@ from pathlib import Path
 from opentgi.models.vision.inputs import ImageData, ImageInput, split_at_markers, token_id
 
 
+def slow_image_processor(folder: Path):
+    """The folder's image processor, transformers' slow one (the fast one needs torchvision, which the
+    pinned torch has not); ValueError where the folder has none that loads."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(folder, use_fast=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the folder has no usable image processor ({exc})") from None
+
+
 class Idefics3Prompts:
     # Idefics3Processor's own tokens (it takes none from its config)
     image_token, fake_token, global_token = "<image>", "<fake_token_around_image>", "<global-img>"
 
     def __init__(self, folder: Path, tokenizer):
-        from transformers import AutoImageProcessor
-
-        try:
-            # the slow processor: the fast one needs torchvision, which the pinned torch has not
-            self.image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"the folder has no usable image processor ({exc})") from None
+        self.image_processor = slow_image_processor(folder)
         config = folder / "processor_config.json"
         # Idefics3Processor's default when its config does not say
         self.image_seq_len = int(json.loads(config.read_text()).get("image_seq_len", 169)) if config.is_file() else 169
@@ -74,12 +79,7 @@ class Gemma3Prompts:
     image_token, soft_token, end_token = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 
     def __init__(self, folder: Path, tokenizer, config):
-        from transformers import AutoImageProcessor
-
-        try:
-            self.image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"the folder has no usable image processor ({exc})") from None
+        self.image_processor = slow_image_processor(folder)
         if getattr(self.image_processor, "do_pan_and_scan", False):
             raise ValueError("the image processor's do_pan_and_scan is not supported")
         processor = folder / "processor_config.json"
@@ -120,12 +120,7 @@ class LlavaNextPrompts:
     image_token = "<image>"
 
     def __init__(self, folder: Path, tokenizer, config):
-        from transformers import AutoImageProcessor
-
-        try:
-            self.image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"the folder has no usable image processor ({exc})") from None
+        self.image_processor = slow_image_processor(folder)
         vision = config.vision_config
         crop = getattr(self.image_processor, "crop_size", None) or {}
         if crop.get("height", vision.image_size) != vision.image_size or crop.get("width", vision.image_size) != vision.image_size:
