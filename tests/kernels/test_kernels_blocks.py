@@ -59,17 +59,18 @@ def test_bfloat16_rows_give_the_float32_result_rounded(kernels, qtype):
 
 
 def test_the_paths_agree(kernels):
-    """K-quants add one exact integer sum a superblock in order on every path: the same bits;
-    the 32-value blocks are summed in 8 lanes on AVX2, one float on the scalar path."""
+    """K-quants, Q4_0 and Q4_1 add one exact integer sum a (super)block in order on every path, eight
+    outputs at once or one (44 outputs: both): the same bits; the other 32-value blocks are summed
+    in 8 lanes on AVX2, one float on the scalar path."""
     isas = native.supported_isas()
     for qtype in TYPES:
-        raw = random_blocks(qtype, 40, 1024, seed=5)
+        raw = random_blocks(qtype, 44, 1024, seed=5)
         x = rows(5, 1024, seed=6)
         results = [mm(x, raw, qtype, isa) for isa in isas]
-        w = torch.from_numpy(dequantize(raw, qtype)).reshape(40, -1).double()
+        w = torch.from_numpy(dequantize(raw, qtype)).reshape(44, -1).double()
         magnitude = x.double().abs() @ w.abs().T  # float32 sums in another order differ by far less
         for other in results[1:]:
-            if qtype in K_QUANTS:
+            if qtype in K_QUANTS or qtype in (Q.Q4_0, Q.Q4_1):
                 assert torch.equal(other, results[0]), qtype.name
             else:
                 assert ((other - results[0]).double().abs() <= 1e-5 * magnitude).all(), qtype.name

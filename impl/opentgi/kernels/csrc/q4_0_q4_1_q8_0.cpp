@@ -1,8 +1,12 @@
 // Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q8_0 (w = d * q): blocks of 32 against ActQ8.
-// Per output: AVX2 keeps 8 float lanes, each adding its block's 4-product integer sums times
-// d_w * d_x by FMA in block order, summed across lanes once at the end (Q4_1's m * d_x * sum(q_x)
-// added in a separate float, block by block); the scalar path adds (d_w * d_x) * (exact block sum)
-// in block order. Each path gives a row the same bits alone or among others.
+// Q4_0 and Q4_1, both paths: each block's integer sum is exact (Q4_0's as sum(q * x) - 8 * sum(x)),
+// and an output adds (d_w * d_x) * sum block by block, in block order (Q4_1's m * (d_x * sum(x))
+// added in a second float the same way, the two added at the end): AVX2 and scalar agree bit for
+// bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that arithmetic.
+// Q8_0 on AVX2 keeps 8 float lanes, each adding its block's 4-product integer sums times
+// d_w * d_x by FMA in block order, summed across lanes once at the end; its scalar path adds
+// (d_w * d_x) * (exact block sum) in block order. Each path gives a row the same bits alone or
+// among others.
 #include "tiles.h"
 
 namespace opentgi {
@@ -19,92 +23,116 @@ struct Tile32 {
     float mins[R];
     for (int r = 0; r < R; ++r) mins[r] = 0.0f;
 #ifdef OPENTGI_AVX2
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-      const float dw = fp16_to_fp32(w[b].d);
-      __m256i q;
-      if constexpr (Kind == 2) q = _mm256_loadu_si256((const __m256i*)w[b].qs);
-      else q = nibbles32(w[b].qs);
-      if constexpr (Kind == 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-      for (int r = 0; r < R; ++r) {
-        const ActQ8& y = a[r][b];
-        const __m256i qy = _mm256_loadu_si256((const __m256i*)y.qs);
-        const __m256i s = Kind == 1 ? dot_u8(q, qy) : dot_i8(q, qy);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d), _mm256_cvtepi32_ps(s), acc[r]);
-        if constexpr (Kind == 1) mins[r] += fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * (y.d * (float)y.sum);
+    if constexpr (Kind == 2) {
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int b = 0; b < nb; ++b) {
+        const float dw = fp16_to_fp32(w[b].d);
+        const __m256i q = _mm256_loadu_si256((const __m256i*)w[b].qs);
+        for (int r = 0; r < R; ++r) {
+          const ActQ8& y = a[r][b];
+          const __m256i s = dot_i8(q, _mm256_loadu_si256((const __m256i*)y.qs));
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d), _mm256_cvtepi32_ps(s), acc[r]);
+        }
       }
+      for (int r = 0; r < R; ++r) out[r * ldo] = hsum_ps(acc[r]);
+      return;
     }
-    for (int r = 0; r < R; ++r) out[r * ldo] = hsum_ps(acc[r]) + mins[r];
-#else
+#endif
     float acc[R];
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     for (int b = 0; b < nb; ++b) {
       const float dw = fp16_to_fp32(w[b].d);
+#ifdef OPENTGI_AVX2
+      const __m256i q = nibbles32((const uint8_t*)w[b].qs);  // (not reached for Q8_0)
+#else
       int8_t q[QK];
       for (int i = 0; i < QK; ++i) {
         if constexpr (Kind == 2) {
           q[i] = ((const BlockQ8_0*)w)[b].qs[i];
         } else {
           const uint8_t byte = ((const uint8_t*)w[b].qs)[i % 16];
-          q[i] = (int8_t)((i < 16 ? byte & 0x0F : byte >> 4) - (Kind == 0 ? 8 : 0));
+          q[i] = (int8_t)(i < 16 ? byte & 0x0F : byte >> 4);
         }
       }
+#endif
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
+#ifdef OPENTGI_AVX2
+        int32_t s = hsum_i32(dot_u8(q, _mm256_loadu_si256((const __m256i*)y.qs)));
+#else
         int32_t s = 0;
         for (int i = 0; i < QK; ++i) s += (int32_t)q[i] * y.qs[i];
+#endif
+        if constexpr (Kind == 0) s -= 8 * y.sum;
         acc[r] += (dw * y.d) * (float)s;
         if constexpr (Kind == 1) mins[r] += fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * (y.d * (float)y.sum);
       }
     }
-    for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] + mins[r];
-#endif
+    for (int r = 0; r < R; ++r) out[r * ldo] = Kind == 1 ? acc[r] + mins[r] : acc[r];
   }
 
 #ifdef OPENTGI_AVX2
-  // C weight rows (row_bytes apart) at once against R < 4 activation rows: each output by exactly
-  // run<R>'s instructions in run<R>'s order (the same bits), C independent chains in flight where
-  // run<1> has one (out[r * ldo + c]). Q8_0 keeps one weight row at a time: its column form read a
-  // large weight from memory slower (a model's head), whatever the prefetch distance.
-  static constexpr bool has_cols = Kind != 2;
-  template <int R, int C>
-  static inline void run_cols(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
-                              float* out, int ldo) {
+  // Q4_0 / Q4_1: eight weight rows (row_bytes apart) at once against R activation rows, output c
+  // in float lane c by run<R>'s arithmetic (out[r * ldo + c]). Rows c and c + 4 share a vector
+  // (one in each half); a block's integer sums come out in column order after two rounds of hadd.
+  static constexpr bool has_run8 = Kind != 2;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    constexpr int qs_at = Kind == 1 ? 4 : 2;
     const int nb = K / QK;
     const ActQ8* a[R];
     for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
-    const Block* w[C];
-    for (int c = 0; c < C; ++c) w[c] = (const Block*)(wr + c * row_bytes);
-    __m256 acc[R][C];
-    float mins[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) {
-        acc[r][c] = _mm256_setzero_ps();
-        mins[r][c] = 0.0f;
-      }
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    // the next eight rows follow these eight: a few of their cache lines a block, so they are in
+    // L1 when their turn comes
+    const uint8_t* next = wr + 8 * row_bytes;
+    const int lines = (int)((8 * row_bytes + 63) / 64), per_block = (lines + nb - 1) / nb;
     for (int b = 0; b < nb; ++b) {
-      __m256i qy[R];
-      for (int r = 0; r < R; ++r) qy[r] = _mm256_loadu_si256((const __m256i*)a[r][b].qs);
-      for (int c = 0; c < C; ++c) {
-        // the next C rows' same bytes: streams of C interleaved rows defeat the hardware
-        // prefetcher where the weight comes from memory (a large head)
-        _mm_prefetch((const char*)(w[c] + b) + 2 * C * row_bytes, _MM_HINT_T0);
-        const float dw = fp16_to_fp32(w[c][b].d);
-        __m256i q;
-        if constexpr (Kind == 2) q = _mm256_loadu_si256((const __m256i*)w[c][b].qs);
-        else q = nibbles32(w[c][b].qs);
-        if constexpr (Kind == 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-        for (int r = 0; r < R; ++r) {
-          const ActQ8& y = a[r][b];
-          const __m256i s = Kind == 1 ? dot_u8(q, qy[r]) : dot_i8(q, qy[r]);
-          acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d), _mm256_cvtepi32_ps(s), acc[r][c]);
-          if constexpr (Kind == 1) mins[r][c] += fp16_to_fp32(((const BlockQ4_1*)w[c])[b].m) * (y.d * (float)y.sum);
-        }
+      const uint8_t* base = wr + (size_t)b * sizeof(Block);
+      for (int i = 0; i < per_block; ++i) _mm_prefetch((const char*)next + 64 * (b * per_block + i), _MM_HINT_T0);
+      __m256 dv, mv;
+      if constexpr (Kind == 1) {  // d and m side by side: one 32-bit word a row
+        int32_t dm[8];
+        for (int c = 0; c < 8; ++c) std::memcpy(&dm[c], base + c * row_bytes, 4);
+        __m256i v = _mm256_loadu_si256((const __m256i*)dm);
+        v = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                     0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+        v = _mm256_permute4x64_epi64(v, 0xD8);  // d0..d7, m0..m7
+        dv = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+        mv = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+      } else {
+        uint16_t d[8];
+        for (int c = 0; c < 8; ++c) std::memcpy(&d[c], base + c * row_bytes, 2);
+        dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
+        mv = dv;
+      }
+      __m256i lo[4], hi[4];
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes + qs_at),
+                                              (const __m128i*)(base + p * row_bytes + qs_at));
+        lo[p] = _mm256_and_si256(v, mask);
+        hi[p] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ8& y = a[r][b];
+        const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y.qs));
+        const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y.qs + 16)));
+        __m256i s[4];
+        for (int p = 0; p < 4; ++p)
+          s[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], ylo), _mm256_maddubs_epi16(hi[p], yhi)),
+                                   ones);
+        __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        if constexpr (Kind == 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * y.sum));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum)));
+        if constexpr (Kind == 1)
+          mins[r] = _mm256_add_ps(mins[r], _mm256_mul_ps(mv, _mm256_set1_ps(y.d * (float)y.sum)));
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum_ps(acc[r][c]) + mins[r][c];
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, Kind == 1 ? _mm256_add_ps(acc[r], mins[r]) : acc[r]);
   }
 #endif
 };

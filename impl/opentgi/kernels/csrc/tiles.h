@@ -1,50 +1,68 @@
-// The row loop every block family shares: for each weight row, activation rows in tiles of up to
-// four (the weight's blocks loaded once per tile); Tile::run<R> computes R rows, each by the same
-// instructions as alone; the last M % 4 rows take four weight rows at a time where the tile has a
-// column form. Also the small helpers several families share.
+// The row loop every block family shares: for each weight row (or eight, where the tile has an
+// eight-output form), activation rows in tiles of up to four (the weight's blocks loaded once per
+// tile); Tile::run<R> computes R rows, each by the same instructions as alone. Also the small
+// helpers several families share.
 #pragma once
 #include "common.h"
 
 namespace opentgi {
 
 template <class Tile, class = void>
-struct HasCols { static constexpr bool value = false; };
+struct HasRun8 { static constexpr bool value = false; };
 template <class Tile>
-struct HasCols<Tile, decltype((void)Tile::has_cols)> { static constexpr bool value = Tile::has_cols; };
+struct HasRun8<Tile, decltype((void)Tile::has_run8)> { static constexpr bool value = Tile::has_run8; };
 
-// rows m0 .. m0 + R - 1 (R < 4) against outputs n0 .. n1 - 1: four weight rows at a time where the
-// tile has a column form (Tile::run_cols<R, 4>: the same bits as run<R>, four chains in flight)
+// rows m0 .. m0 + R - 1 against the one output n (Tile::run<R>)
 template <class Tile, int R>
-static inline void drive_rest(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
-                              int m0, int n0, int n1, int K, float* out, int ldo) {
-  int n = n0;
-  if constexpr (HasCols<Tile>::value) {
-    for (; n + 4 <= n1; n += 4)
-      Tile::template run_cols<R, 4>(w + (size_t)n * row_bytes, row_bytes, act + m0 * act_row_bytes, act_row_bytes, K,
-                                    out + (size_t)m0 * ldo + n, ldo);
-  }
-  for (; n < n1; ++n)
-    Tile::template run<R>(w + (size_t)n * row_bytes, act + m0 * act_row_bytes, act_row_bytes, K,
-                          out + (size_t)m0 * ldo + n, ldo);
+static inline void run_one(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int m0,
+                           int n, int K, float* out, int ldo) {
+  Tile::template run<R>(w + (size_t)n * row_bytes, act + m0 * act_row_bytes, act_row_bytes, K,
+                        out + (size_t)m0 * ldo + n, ldo);
 }
 
+// rows m0 .. m0 + R - 1 against outputs n .. n + 7 (Tile::run8<R>: eight weight rows at once, one
+// output a float lane, each lane by exactly run<R>'s arithmetic, so the same bits)
+template <class Tile, int R>
+static inline void run_eight(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int m0,
+                             int n, int K, float* out, int ldo) {
+  Tile::template run8<R>(w + (size_t)n * row_bytes, row_bytes, act + m0 * act_row_bytes, act_row_bytes, K,
+                         out + (size_t)m0 * ldo + n, ldo);
+}
+
+// every row tile of up to four rows against one output, or (Eight) against outputs n .. n + 7
+template <class Tile, bool Eight>
+static inline void rows_against(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int M,
+                                int n, int K, float* out, int ldo) {
+  int m = 0;
+  for (; m + 4 <= M; m += 4) {
+    if constexpr (Eight) run_eight<Tile, 4>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+    else run_one<Tile, 4>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+  }
+  switch (M - m) {
+#define OPENTGI_REST(R)                                                               \
+  case R:                                                                              \
+    if constexpr (Eight) run_eight<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo); \
+    else run_one<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);        \
+    break;
+    OPENTGI_REST(3)
+    OPENTGI_REST(2)
+    OPENTGI_REST(1)
+#undef OPENTGI_REST
+    default: break;
+  }
+}
+
+// Outputs n0 .. n1 - 1 of every row: eight outputs at a time where the tile has an eight-output
+// form (Tile::run8), the rest one at a time; a weight row (or eight) is loaded once per tile of
+// four activation rows and stays in L1 across the tiles.
 template <class Tile>
 static inline void drive(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
                          int M, int n0, int n1, int K, float* out, int ldo) {
-  const int full = M / 4 * 4;
-  if (full) {
-    for (int n = n0; n < n1; ++n) {
-      const uint8_t* wr = w + (size_t)n * row_bytes;
-      for (int m = 0; m < full; m += 4)
-        Tile::template run<4>(wr, act + m * act_row_bytes, act_row_bytes, K, out + (size_t)m * ldo + n, ldo);
-    }
+  int n = n0;
+  if constexpr (HasRun8<Tile>::value) {
+    for (; n + 8 <= n1; n += 8) rows_against<Tile, true>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
   }
-  switch (M - full) {
-    case 3: drive_rest<Tile, 3>(w, row_bytes, act, act_row_bytes, full, n0, n1, K, out, ldo); break;
-    case 2: drive_rest<Tile, 2>(w, row_bytes, act, act_row_bytes, full, n0, n1, K, out, ldo); break;
-    case 1: drive_rest<Tile, 1>(w, row_bytes, act, act_row_bytes, full, n0, n1, K, out, ldo); break;
-    default: break;
-  }
+  for (; n < n1; ++n) rows_against<Tile, false>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
 }
 
 // a K-quant's 6-bit scales and mins of its 8 sub-blocks (ggml's get_scale_min_k4)
