@@ -189,3 +189,28 @@ def test_float16_queries_take_the_torch_forms(kernels):
     ours = NativeAttentionBackend().forward(q, empty, empty, k_cache, v_cache, decode_meta(lens, tables), 0.25)
     theirs = TorchAttentionBackend().forward(q, empty, empty, k_cache, v_cache, decode_meta(lens, tables), 0.25)
     assert torch.equal(ours, theirs)
+
+
+def test_long_rows_in_splits_match_float64_and_keep_their_bits(kernels):
+    """Rows past 512 keys are attended in splits of 512 keys, combined in split order: still within
+    float32 rounding of the exact attention, and a row's bits its own alone, among others and on any
+    thread count (windows narrow the splits; a window's first block can start mid-split)."""
+    lens = [1300, 700, 30, 513]
+    k_cache, v_cache, tables = cache_and_tables(lens, 2, 64, seed=7)
+    q = torch.randn(len(lens), 6, 64, generator=torch.Generator().manual_seed(8))
+    threads = torch.get_num_threads()
+    try:
+        for isa in native.supported_isas():
+            for window, softcap in ((None, None), (600, None), (1100, 30.0)):
+                expected = reference(q, k_cache, v_cache, tables, lens, 0.125, window, softcap)
+                whole = run(q, k_cache, v_cache, tables, lens, 0.125, window, softcap, isa)
+                torch.testing.assert_close(whole.double(), expected, atol=2e-6, rtol=1e-5)
+                for r in range(len(lens)):
+                    alone = run(q[r:r + 1], k_cache, v_cache, tables[r:r + 1], lens[r:r + 1], 0.125, window, softcap,
+                                isa)
+                    assert torch.equal(alone, whole[r:r + 1]), (isa, r, window)
+                torch.set_num_threads(3)
+                assert torch.equal(run(q, k_cache, v_cache, tables, lens, 0.125, window, softcap, isa), whole)
+                torch.set_num_threads(1)
+    finally:
+        torch.set_num_threads(threads)

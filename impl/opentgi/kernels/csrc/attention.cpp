@@ -140,23 +140,26 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
   const float* kp[1024];                      // block_size <= 1024 (checked by the op)
   const float* vp[1024];
   for (int64_t item = item0; item < item1; ++item) {
-    const int64_t r = item / chunks;
+    const int64_t unit = item / chunks;
+    const int64_t r = a.unit_row[unit];
     const int h0 = (int)(item % chunks) * per, h1 = h0 + per;
     const float* q = a.q + (r * H + (int64_t)h0 * G) * D;  // the item's query heads, in order
-    float* out = a.out + (r * H + (int64_t)h0 * G) * D;
     const int ctx = a.ctx[r];
     const int lo = a.window > 0 && ctx > a.window ? ctx - a.window : 0;
     const int32_t* table = a.block_tables + (int64_t)a.seq[r] * a.table_stride;
+    // this unit's split of the row's visible blocks
+    const int first = lo / bs + a.unit_split[unit] * a.split_blocks, end = (ctx + bs - 1) / bs;
+    const int stop = first + a.split_blocks < end ? first + a.split_blocks : end;
     for (int i = 0; i < per * G; ++i) {
       m[i] = -std::numeric_limits<float>::infinity();
       l[i] = 0.0f;
     }
     std::memset(acc, 0, sizeof(float) * per * G * D);
-    for (int blk = lo / bs; blk * bs < ctx; ++blk) {
+    for (int blk = first; blk < stop; ++blk) {
       const int t0 = lo > blk * bs ? lo - blk * bs : 0;
       const int t1 = ctx < (blk + 1) * bs ? ctx - blk * bs : bs;
       const int n = t1 - t0;
-      const bool more = (blk + 1) * bs < ctx;
+      const bool more = blk + 1 < stop;
       for (int h = h0; h < h1; ++h) {  // each kv head on its own: its numbers never see the others
         const int64_t first = ((int64_t)table[blk] * bs + t0) * Hkv + h;  // cache row of (t0, h)
         const int64_t next = more ? ((int64_t)table[blk + 1] * bs) * Hkv + h : 0;
@@ -188,6 +191,16 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
         }
       }
     }
+    if (a.unit_parts[unit] > 1) {  // the split's own numbers, for combine_splits
+      float* part = a.partial + item * (int64_t)per * G * (D + 2);
+      for (int i = 0; i < per * G; ++i) {
+        std::memcpy(part + (int64_t)i * (D + 2), acc + (int64_t)i * D, sizeof(float) * D);
+        part[(int64_t)i * (D + 2) + D] = m[i];
+        part[(int64_t)i * (D + 2) + D + 1] = l[i];
+      }
+      continue;
+    }
+    float* out = a.out + (r * H + (int64_t)h0 * G) * D;
     for (int i = 0; i < per * G; ++i) {
       const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
       for (int d = 0; d < D; ++d) out[(int64_t)i * D + d] = acc[(int64_t)i * D + d] * inv;

@@ -5,7 +5,9 @@
 // query heads are computed against its visible keys (positions lo .. ctx - 1, lo = ctx - window with a window, else 0), met cache block by
 // cache block in position order, with a float32 online softmax (running max, running sum, output
 // rescaled when the max grows), the kv heads of an item one after the other within each block (so a
-// block's cache lines are read once for all of them). A head's bits depend only on the row's query, its keys and values, the
+// block's cache lines are read once for all of them); a row's visible blocks are cut in splits of
+// SPLIT_KEYS keys from its first visible block, each split attended on its own (so one long row
+// keeps every thread busy) and the splits' results combined in split order. A head's bits depend only on the row's query, its keys and values, the
 // block size, scale, window and soft-cap: never on the other rows, their padding, or which thread runs
 // it. Each ISA variant has its own bits (its own exp and dot products).
 #pragma once
@@ -30,13 +32,29 @@ struct PagedAttention {
   float softcap;  // > 0: logits become softcap * tanh(logit / softcap)
   float* out;     // float32 [rows][num_heads][head_dim]
   int kv_heads_per_item;  // divides num_kv_heads: 1, or all of them (which does not change a bit)
+  // Work units: a row's visible blocks in splits of split_blocks blocks (the row's first visible
+  // block onwards), unit u = split unit_split[u] of row unit_row[u], the row having unit_parts[u]
+  // splits. A row of one split writes `out`; a row of several writes each split's unnormalised
+  // accumulators, running max and sum to partial[item][head][head_dim + 2], and
+  // combine_splits adds them in split order.
+  int split_blocks;
+  const int32_t* unit_row;
+  const int32_t* unit_split;
+  const int32_t* unit_parts;
+  float* partial;
 };
 
-// Work items item0 .. item1 - 1 (item = row * (num_kv_heads / kv_heads_per_item) + chunk of kv
+// Work items item0 .. item1 - 1 (item = unit * (num_kv_heads / kv_heads_per_item) + chunk of kv
 // heads); scratch holds
 // paged_attention_scratch(args) floats for the calling thread.
 void paged_attention_scalar(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch);
 void paged_attention_avx2(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch);
+
+// The keys a row splits into: a split's bits depend on the row alone (its context and window), never
+// on the other rows or the threads.
+constexpr int SPLIT_KEYS = 512;
+
+inline int split_blocks_for(int block_size) { return block_size >= SPLIT_KEYS ? 1 : SPLIT_KEYS / block_size; }
 
 inline int64_t paged_attention_scratch(const PagedAttention& a) {
   const int64_t group = a.num_heads / a.num_kv_heads, heads = group * a.kv_heads_per_item;

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <optional>
 #include <tuple>
@@ -90,8 +92,34 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
   return a;
 }
 
-void run_attention(const PagedAttention& a, int64_t rows, int64_t isa) {
-  const int64_t items = rows * (a.num_kv_heads / a.kv_heads_per_item);
+// Each row's visible blocks in splits (attention.h), every (split, kv head chunk) a work item among
+// torch's intra-op threads; then each row of several splits gets its heads' splits combined in split
+// order: max of the running maxima, then the sums and accumulators rescaled and added, then divided.
+void run_attention(const PagedAttention& args, int64_t rows, int64_t isa) {
+  PagedAttention a = args;
+  const int bs = a.block_size, per = a.kv_heads_per_item, chunks = a.num_kv_heads / per;
+  const int G = a.num_heads / a.num_kv_heads, D = a.head_dim;
+  a.split_blocks = split_blocks_for(bs);
+  std::vector<int32_t> unit_row, unit_split, unit_parts;
+  std::vector<int64_t> first_unit(rows);
+  unit_row.reserve(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int ctx = a.ctx[r], lo = a.window > 0 && ctx > a.window ? ctx - a.window : 0;
+    const int blocks = (ctx + bs - 1) / bs - lo / bs;
+    const int parts = (blocks + a.split_blocks - 1) / a.split_blocks;
+    first_unit[r] = (int64_t)unit_row.size();
+    for (int s = 0; s < parts; ++s) {
+      unit_row.push_back((int32_t)r);
+      unit_split.push_back(s);
+      unit_parts.push_back(parts);
+    }
+  }
+  const int64_t units = (int64_t)unit_row.size(), items = units * chunks, width = (int64_t)per * G * (D + 2);
+  std::vector<float> partial(units > rows ? items * width : 0);
+  a.unit_row = unit_row.data();
+  a.unit_split = unit_split.data();
+  a.unit_parts = unit_parts.data();
+  a.partial = partial.data();
   const int64_t scratch = paged_attention_scratch(a);
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(scratch);
@@ -103,8 +131,34 @@ void run_attention(const PagedAttention& a, int64_t rows, int64_t isa) {
 #endif
     paged_attention_scalar(a, i0, i1, buf.data());
   });
+  if (units == rows) return;
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> acc(D);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t r = j / chunks, c = j % chunks, u0 = first_unit[r];
+      const int parts = unit_parts[u0];
+      if (parts == 1) continue;
+      float* out = a.out + (r * a.num_heads + c * per * G) * D;
+      for (int i = 0; i < per * G; ++i) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int s = 0; s < parts; ++s) {
+          const float ms = a.partial[((u0 + s) * chunks + c) * width + (int64_t)i * (D + 2) + D];
+          mx = ms > mx ? ms : mx;
+        }
+        float sum = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int s = 0; s < parts; ++s) {
+          const float* p = a.partial + ((u0 + s) * chunks + c) * width + (int64_t)i * (D + 2);
+          const float w = p[D] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(p[D] - mx);
+          sum += p[D + 1] * w;
+          for (int d = 0; d < D; ++d) acc[d] += p[d] * w;
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int d = 0; d < D; ++d) out[(int64_t)i * D + d] = acc[d] * inv;
+      }
+    }
+  });
 }
-
 
 // opentgi::paged_attention (attention.h): q [rows, heads, D] float32 or bfloat16, the caches
 // [blocks, block_size, kv_heads, D] float32, bfloat16 or float16, block_tables int32 [seqs, width],
