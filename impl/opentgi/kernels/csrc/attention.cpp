@@ -1,5 +1,5 @@
 // Paged decode attention (attention.h): per work item, the group of query heads sharing a kv head
-// reads each of the row's key and value rows once, in place in the cache, block by block.
+// reads each of the row's key and value rows once, in place in the cache, a tile of blocks at a time.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -34,33 +34,34 @@ static inline const float* cache_row(const void* cache, int64_t row, int D, floa
   return buf;
 }
 
-// The logits of one query head against n key rows: out[j] = q . k[j] * scale. In the AVX2 variant
-// keys go 4 at a time, each key's lanes summed by the same tree whatever its place among the 4 (a
-// short last group repeats its last key), so a logit's bits depend only on q, the key and D.
+// The logits of one query head against n key rows: out[j] = q . k[j] * scale (out has n rounded up
+// to 8 writable). In the AVX2 variant keys go 8 at a time (eight independent FMA chains), each
+// key's lanes summed by the same tree whatever its place among the 8 (a short last group repeats
+// its last key), so a logit's bits depend only on q, the key and D.
 static inline void logits_of(const float* q, const float* const* k, int n, int D, float scale, float* out) {
 #ifdef OPENTGI_AVX2
   const int body = D / 8 * 8;
-  for (int j = 0; j < n; j += 4) {
-    const float* k0 = k[j];
-    const float* k1 = k[j + 1 < n ? j + 1 : n - 1];
-    const float* k2 = k[j + 2 < n ? j + 2 : n - 1];
-    const float* k3 = k[j + 3 < n ? j + 3 : n - 1];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int j = 0; j < n; j += 8) {
+    const float* kr[8];
+    for (int u = 0; u < 8; ++u) kr[u] = k[j + u < n ? j + u : n - 1];
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
     for (int i = 0; i < body; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + i), a[u]);
     }
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    float sums[4];
-    _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-    for (int u = 0; u < 4 && j + u < n; ++u) {
-      float sum = sums[u];
-      for (int i = body; i < D; ++i) sum += q[i] * k[j + u][i];
-      out[j + u] = sum * scale;
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+    if (body < D) {
+      float tail[8];
+      _mm256_storeu_ps(tail, sums);
+      for (int u = 0; u < 8; ++u)
+        for (int i = body; i < D; ++i) tail[u] += q[i] * kr[u][i];
+      sums = _mm256_loadu_ps(tail);
     }
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(sums, sv));
   }
 #else
   for (int j = 0; j < n; ++j) {
@@ -100,6 +101,38 @@ static inline void probs_times_values(float* acc, const float* p, const float* c
     for (int j = 0; j < n; ++j) acc[d] += p[j] * v[j][d];
 }
 
+// the largest and the sum of s[0 .. n) (AVX2: 8 lanes, then across them)
+static inline float max_of(const float* s, int n) {
+  int j = 0;
+  float mb = -std::numeric_limits<float>::infinity();
+#ifdef OPENTGI_AVX2
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    mb = _mm_cvtss_f32(x);
+  }
+#endif
+  for (; j < n; ++j) mb = s[j] > mb ? s[j] : mb;
+  return mb;
+}
+
+static inline float sum_of(const float* s, int n) {
+  int j = 0;
+  float sum = 0.0f;
+#ifdef OPENTGI_AVX2
+  if (n >= 8) {
+    __m256 v = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= n; j += 8) v = _mm256_add_ps(v, _mm256_loadu_ps(s + j));
+    sum = hsum_ps(v);
+  }
+#endif
+  for (; j < n; ++j) sum += s[j];
+  return sum;
+}
+
 static inline void scale_by(float* acc, float s, int D) {
   for (int i = 0; i < D; ++i) acc[i] *= s;
 }
@@ -129,15 +162,16 @@ template <int KV>
 void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch) {
   const int D = a.head_dim, bs = a.block_size, Hkv = a.num_kv_heads, H = a.num_heads;
   const int G = H / Hkv, per = a.kv_heads_per_item, chunks = Hkv / per;
-  const int stride = (bs + 7) / 8 * 8;  // logits of one query head in one block
+  const int keys = tile_keys(bs), tile = keys / bs;
+  const int stride = (keys + 7) / 8 * 8;  // logits of one query head in one tile
   const size_t elem = KV == KV_F32 ? 4 : 2;
   float* logits = scratch;
   float* acc = logits + (int64_t)G * stride;  // [per * G][D]
   float* m = acc + (int64_t)per * G * D;      // [per * G]: running max
   float* l = m + per * G;                     // [per * G]: running sum
-  float* kbuf = l + per * G;                  // [block_size][D]: a block's keys as float32
-  float* vbuf = kbuf + (int64_t)bs * D;       // and its values
-  const float* kp[1024];                      // block_size <= 1024 (checked by the op)
+  float* kbuf = l + per * G;                  // [keys][D]: a tile's keys as float32
+  float* vbuf = kbuf + (int64_t)keys * D;     // and its values
+  const float* kp[1024];                      // tile_keys <= 1024 (block_size checked by the op)
   const float* vp[1024];
   for (int64_t item = item0; item < item1; ++item) {
     const int64_t unit = item / chunks;
@@ -155,28 +189,28 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
       l[i] = 0.0f;
     }
     std::memset(acc, 0, sizeof(float) * per * G * D);
-    for (int blk = first; blk < stop; ++blk) {
-      const int t0 = lo > blk * bs ? lo - blk * bs : 0;
-      const int t1 = ctx < (blk + 1) * bs ? ctx - blk * bs : bs;
-      const int n = t1 - t0;
-      const bool more = blk + 1 < stop;
+    for (int tb = first; tb < stop; tb += tile) {  // a tile: `tile` blocks, one softmax update
+      const int te = tb + tile < stop ? tb + tile : stop, ne = te + tile < stop ? te + tile : stop;
       for (int h = h0; h < h1; ++h) {  // each kv head on its own: its numbers never see the others
-        const int64_t first = ((int64_t)table[blk] * bs + t0) * Hkv + h;  // cache row of (t0, h)
-        const int64_t next = more ? ((int64_t)table[blk + 1] * bs) * Hkv + h : 0;
-        const int i0 = (h - h0) * G;  // the head's query heads within the item
-        for (int j = 0; j < n; ++j) {
-          kp[j] = cache_row<KV>(a.k_cache, first + (int64_t)j * Hkv, D, kbuf + (int64_t)j * D);
-          vp[j] = cache_row<KV>(a.v_cache, first + (int64_t)j * Hkv, D, vbuf + (int64_t)j * D);
+        int n = 0;
+        for (int blk = tb; blk < te; ++blk) {
+          const int t0 = lo > blk * bs ? lo - blk * bs : 0;
+          const int t1 = ctx < (blk + 1) * bs ? ctx - blk * bs : bs;
+          const int64_t row = ((int64_t)table[blk] * bs + t0) * Hkv + h;  // cache row of (t0, h)
+          for (int j = 0; j < t1 - t0; ++j, ++n) {
+            kp[n] = cache_row<KV>(a.k_cache, row + (int64_t)j * Hkv, D, kbuf + (int64_t)n * D);
+            vp[n] = cache_row<KV>(a.v_cache, row + (int64_t)j * Hkv, D, vbuf + (int64_t)n * D);
+          }
         }
-        if (more)  // the next block's rows of this head, while this one computes
-          for (int t = 0; t < bs; ++t) prefetch_row(a, next + (int64_t)t * Hkv, elem);
+        for (int blk = te; blk < ne; ++blk)  // the next tile's rows of this head, while this one computes
+          for (int t = 0; t < bs; ++t) prefetch_row(a, ((int64_t)table[blk] * bs + t) * Hkv + h, elem);
+        const int i0 = (h - h0) * G;  // the head's query heads within the item
         for (int g = 0; g < G; ++g) {
           float* s = logits + g * stride;
           logits_of(q + (int64_t)(i0 + g) * D, kp, n, D, a.scale, s);
           if (a.softcap > 0.0f)
             for (int j = 0; j < n; ++j) s[j] = a.softcap * std::tanh(s[j] / a.softcap);
-          float mb = s[0];
-          for (int j = 1; j < n; ++j) mb = s[j] > mb ? s[j] : mb;
+          const float mb = max_of(s, n);
           if (mb > m[i0 + g]) {
             const float alpha = std::exp(m[i0 + g] - mb);
             l[i0 + g] *= alpha;
@@ -184,9 +218,7 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
             m[i0 + g] = mb;
           }
           exp_shifted(s, n, m[i0 + g]);
-          float sum = 0.0f;
-          for (int j = 0; j < n; ++j) sum += s[j];
-          l[i0 + g] += sum;
+          l[i0 + g] += sum_of(s, n);
           probs_times_values(acc + (int64_t)(i0 + g) * D, s, vp, n, D);
         }
       }

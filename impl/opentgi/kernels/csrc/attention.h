@@ -2,10 +2,10 @@
 // from the paged KV cache through the row's block table.
 //
 // Invariant: a work item is one row's kv heads h0 .. h0 + kv_heads_per_item - 1; each kv head's
-// query heads are computed against its visible keys (positions lo .. ctx - 1, lo = ctx - window with a window, else 0), met cache block by
-// cache block in position order, with a float32 online softmax (running max, running sum, output
-// rescaled when the max grows), the kv heads of an item one after the other within each block (so a
-// block's cache lines are read once for all of them); a row's visible blocks are cut in splits of
+// query heads are computed against its visible keys (positions lo .. ctx - 1, lo = ctx - window with a window, else 0), met a tile of cache blocks
+// (tile_keys) at a time in position order, with a float32 online softmax (running max, running sum, output
+// rescaled when the max grows), the kv heads of an item one after the other within each tile (so a
+// tile's cache lines are read once for all of them); a row's visible blocks are cut in splits of
 // SPLIT_KEYS keys from its first visible block, each split attended on its own (so one long row
 // keeps every thread busy) and the splits' results combined in split order. A head's bits depend only on the row's query, its keys and values, the
 // block size, scale, window and soft-cap: never on the other rows, their padding, or which thread runs
@@ -56,12 +56,15 @@ constexpr int SPLIT_KEYS = 512;
 
 inline int split_blocks_for(int block_size) { return block_size >= SPLIT_KEYS ? 1 : SPLIT_KEYS / block_size; }
 
+// The keys of one softmax update: whole blocks, 64 keys where blocks are smaller, else one block.
+inline int tile_keys(int block_size) { return block_size >= 64 ? block_size : 64 / block_size * block_size; }
+
 inline int64_t paged_attention_scratch(const PagedAttention& a) {
   const int64_t group = a.num_heads / a.num_kv_heads, heads = group * a.kv_heads_per_item;
-  // logits [group][block rounded to 8], accumulators [heads][head_dim], max and sum [heads], a
-  // block's keys and values as float32
-  return group * (((int64_t)a.block_size + 7) / 8 * 8) + heads * a.head_dim + 2 * heads
-         + 2 * (int64_t)a.block_size * a.head_dim + 16;
+  const int64_t keys = tile_keys(a.block_size);
+  // logits [group][tile rounded to 8], accumulators [heads][head_dim], max and sum [heads], a
+  // tile's keys and values as float32
+  return group * ((keys + 7) / 8 * 8) + heads * a.head_dim + 2 * heads + 2 * keys * a.head_dim + 16;
 }
 
 }  // namespace opentgi
