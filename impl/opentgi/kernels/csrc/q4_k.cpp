@@ -1,7 +1,10 @@
 // Q4_K (w = d * sc * q - dmin * m, 8 sub-blocks of 32 with 6-bit sc and m) against ActQ8K.
 // Per superblock the integer sums are exact (sum_j sc_j * dot_j and sum_j m_j * sum_j(q_x)), so
 // both paths add the same two floats per superblock, in superblock order: AVX2 and scalar agree
-// bit for bit.
+// bit for bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that
+// arithmetic, the scale and min unpacking, float16 scales and mins sums shared by the eight.
+#include <cstddef>
+
 #include "tiles.h"
 
 namespace opentgi {
@@ -63,6 +66,64 @@ struct TileQ4K {
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] - accm[r];
   }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by run<R>'s arithmetic (out[r * ldo + c]): the superblock's exact total and mins of each row
+  // come out in column order (reduce8, mins_dot8), then the same two float products per superblock.
+  // int32 holds them: |total| <= 8 * 63 * 32 * 15 * 127 < 2^25, |mins| <= 8 * 63 * 4064 < 2^22.
+  static constexpr bool has_run8 = true;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ8K* a[R];
+    __m256 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = accm[r] = _mm256_setzero_ps();
+    }
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
+      prefetch_next8(wr, row_bytes, b, nb);
+      __m256 d, dmin;
+      alignas(32) int16_t sc16[64];
+      __m256i mins[4];
+      kquant_headers8(base, row_bytes, &d, &dmin, sc16, mins);
+      __m256i sums[R][8];
+      for (int c = 0; c < 8; ++c) {
+        const uint8_t* qs = base + c * row_bytes + offsetof(BlockQ4_K, qs);
+        const int16_t* sc = sc16 + 16 * (c % 4) + 8 * (c / 4);
+        __m256i lo[4], hi[4];
+        for (int j = 0; j < 4; ++j) {
+          const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+          lo[j] = _mm256_and_si256(bits, mask);
+          hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* yq = a[r][b].qs;
+          __m256i sum = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j)));
+            const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j + 32)));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+          }
+          sums[r][c] = sum;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ8K& y = a[r][b];
+        const __m256 yd = _mm256_set1_ps(y.d);
+        const __m256i total = reduce8(sums[r]), mn = mins_dot8(mins, y.bsums);
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(total)));
+        accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(mn)));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], accm[r]));
+  }
+#endif
 };
 
 }  // namespace

@@ -1,6 +1,9 @@
 // Q6_K (w = d * sc * (q - 32), 16 sub-blocks of 16 with int8 sc) against ActQ8K. As Q4_K: exact
 // integer sums per superblock (the -32 offset taken as 32 * sum_k sc_k * bsum_k), one float added
-// per superblock in order, so AVX2 and scalar agree bit for bit.
+// per superblock in order, so AVX2 and scalar agree bit for bit; AVX2 computes eight outputs at once
+// (one float lane each) by exactly that arithmetic.
+#include <cstddef>
+
 #include "tiles.h"
 
 namespace opentgi {
@@ -75,6 +78,74 @@ struct TileQ6K {
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
   }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by run<R>'s arithmetic (out[r * ldo + c]): each row's superblock total (its offset term folded
+  // in, exact) comes out in column order (reduce8), then the same float product per superblock.
+  // int32 holds it: |sum_k sc_k * dot_k| <= 16 * 128 * 16 * 63 * 127 < 2^28, |32 * offset| < 2^28.
+  static constexpr bool has_run8 = true;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ8K* a[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    // scale 2k in the low half, 2k + 1 in the high half, from int16 scales 0..7 (or 8..15) in both
+    const __m256i pick[4] = {
+        _mm256_set_m128i(_mm_set1_epi16(0x0302), _mm_set1_epi16(0x0100)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0706), _mm_set1_epi16(0x0504)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0B0A), _mm_set1_epi16(0x0908)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0F0E), _mm_set1_epi16(0x0D0C))};
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
+      prefetch_next8(wr, row_bytes, b, nb);
+      const __m256 d = fp16_8(base + offsetof(BlockQ6_K, d), row_bytes);
+      __m256i sums[R][8];
+      for (int c = 0; c < 8; ++c) {
+        const BlockQ6_K& x = *(const BlockQ6_K*)(base + c * row_bytes);
+        __m256i q[8];  // values 32k .. 32k + 31 of the superblock, 0..63
+        for (int h = 0; h < 2; ++h) {
+          const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
+          const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
+          const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
+          // the 2-bit pairs of qh moved to bits 4-5 (shifts within 16-bit lanes; the mask drops
+          // what crosses a byte)
+          q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+          q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+          q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
+          q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        }
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));  // 0..7 | 8..15
+        const __m256i lo = _mm256_permute4x64_epi64(s16, 0x44), hi = _mm256_permute4x64_epi64(s16, 0xEE);
+        __m256i sc[8];
+        for (int k = 0; k < 8; ++k) sc[k] = _mm256_shuffle_epi8(k < 4 ? lo : hi, pick[k % 4]);
+        for (int r = 0; r < R; ++r) {
+          const ActQ8K& y = a[r][b];
+          __m256i sum = _mm256_setzero_si256();
+          for (int k = 0; k < 8; ++k) {
+            const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[k]));
+          }
+          // - 32 * sum_k sc_k * bsum_k
+          const __m256i offset = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)y.bsums));
+          sums[r][c] = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, _mm256_cvtepi32_ps(reduce8(sums[r]))));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  }
+#endif
 };
 
 }  // namespace

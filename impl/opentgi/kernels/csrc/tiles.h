@@ -93,6 +93,74 @@ static inline __m256i reduce8(const __m256i* s) {
   const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
+
+// The next eight weight rows follow eight being computed: a few of their cache lines a block (of nb
+// in a row), so they are in L1 when their turn comes.
+static inline void prefetch_next8(const uint8_t* rows8, size_t row_bytes, int b, int nb) {
+  const uint8_t* next = rows8 + 8 * row_bytes;
+  const int lines = (int)((8 * row_bytes + 63) / 64), per_block = (lines + nb - 1) / nb;
+  for (int i = 0; i < per_block; ++i) _mm_prefetch((const char*)next + 64 * (b * per_block + i), _MM_HINT_T0);
+}
+
+// Eight rows' float16 scale (at p + c * row_bytes) as 8 floats, row c in lane c.
+static inline __m256 fp16_8(const uint8_t* p, size_t row_bytes) {
+  uint16_t d[8];
+  for (int c = 0; c < 8; ++c) std::memcpy(&d[c], p + c * row_bytes, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
+}
+
+// The headers of eight Q4_K / Q5_K superblocks (d, dmin, then the 12 bytes of 6-bit scales and
+// mins, at base + c * row_bytes), unpacked as scales_mins does, eight rows at once: d and dmin of
+// row c in float lane c; sc16[16 * (c % 4) + 8 * (c / 4) + j] = scale j of row c; mins[k] holds the
+// mins of rows k (low half) and k + 4 (high half) as 8 int16 each.
+static inline void kquant_headers8(const uint8_t* base, size_t row_bytes, __m256* d, __m256* dmin, int16_t* sc16,
+                                   __m256i* mins) {
+  __m256i h[4];  // rows p and p + 4: words d|dmin, scales 0-3, 4-7, 8-11
+  for (int p = 0; p < 4; ++p)
+    h[p] = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes), (const __m128i*)(base + p * row_bytes));
+  const __m256i a = _mm256_unpacklo_epi32(h[0], h[1]), b = _mm256_unpackhi_epi32(h[0], h[1]);
+  const __m256i c = _mm256_unpacklo_epi32(h[2], h[3]), e = _mm256_unpackhi_epi32(h[2], h[3]);
+  // word w of every row, row c in lane c
+  const __m256i w0 = _mm256_unpacklo_epi64(a, c), u0 = _mm256_unpackhi_epi64(a, c);
+  const __m256i u1 = _mm256_unpacklo_epi64(b, e), u2 = _mm256_unpackhi_epi64(b, e);
+  const __m256i v = _mm256_permute4x64_epi64(
+      _mm256_shuffle_epi8(w0, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                               0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+      0xD8);
+  *d = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+  *dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+  // get_scale_min_k4 on 32-bit words (ggml's kmask form): 4 scales or 4 mins a word
+  const __m256i k1 = _mm256_set1_epi32(0x3F3F3F3F), k2 = _mm256_set1_epi32(0x0F0F0F0F),
+                k3 = _mm256_set1_epi32(0x03030303);
+  const __m256i sc_lo = _mm256_and_si256(u0, k1);
+  const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(u2, k2),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
+  const __m256i mn_lo = _mm256_and_si256(u1, k1);
+  const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
+  // 8 bytes a row: rows 0, 1 | 4, 5 and 2, 3 | 6, 7; then widened to int16, rows k | k + 4
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i s01 = _mm256_unpacklo_epi32(sc_lo, sc_hi), s23 = _mm256_unpackhi_epi32(sc_lo, sc_hi);
+  const __m256i m01 = _mm256_unpacklo_epi32(mn_lo, mn_hi), m23 = _mm256_unpackhi_epi32(mn_lo, mn_hi);
+  _mm256_storeu_si256((__m256i*)sc16, _mm256_unpacklo_epi8(s01, zero));
+  _mm256_storeu_si256((__m256i*)(sc16 + 16), _mm256_unpackhi_epi8(s01, zero));
+  _mm256_storeu_si256((__m256i*)(sc16 + 32), _mm256_unpacklo_epi8(s23, zero));
+  _mm256_storeu_si256((__m256i*)(sc16 + 48), _mm256_unpackhi_epi8(s23, zero));
+  mins[0] = _mm256_unpacklo_epi8(m01, zero);
+  mins[1] = _mm256_unpackhi_epi8(m01, zero);
+  mins[2] = _mm256_unpacklo_epi8(m23, zero);
+  mins[3] = _mm256_unpackhi_epi8(m23, zero);
+}
+
+// Lane c: sum_j min_j(row c) * (bsums[2j] + bsums[2j + 1]) (exact: |pair| <= 2 * 16 * 127), the
+// mins as kquant_headers8 leaves them.
+static inline __m256i mins_dot8(const __m256i* mins, const int16_t* bsums) {
+  const __m256i pairs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)bsums), _mm256_set1_epi16(1));
+  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(pairs, pairs), 0x88);  // pairs 0..7 | 0..7
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_madd_epi16(mins[0], p16), _mm256_madd_epi16(mins[1], p16));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_madd_epi16(mins[2], p16), _mm256_madd_epi16(mins[3], p16));
+  return _mm256_hadd_epi32(u0, u1);  // rows 0..3 | 4..7
+}
 #endif
 
 }  // namespace opentgi
