@@ -2,7 +2,10 @@
 // 32 with 6-bit sc and m) against ActQ8K. As Q4_K: per superblock the integer sums are exact
 // (sum_j sc_j * dot_j, q unsigned 0..31 so maddubs pairs stay under 2 * 31 * 127, and
 // sum_j m_j * sum_j(q_x) from bsums), both paths add the same two floats per superblock in
-// superblock order: AVX2 and scalar agree bit for bit.
+// superblock order: AVX2 and scalar agree bit for bit; AVX2 computes eight outputs at once (one
+// float lane each) by exactly that arithmetic, as Q4_K does.
+#include <cstddef>
+
 #include "tiles.h"
 
 namespace opentgi {
@@ -73,6 +76,64 @@ struct TileQ5K {
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] - accm[r];
   }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by run<R>'s arithmetic (out[r * ldo + c]), as Q4_K's run8: exact totals and mins in column order
+  // (|total| <= 8 * 63 * 32 * 31 * 127 < 2^26).
+  static constexpr bool has_run8 = true;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ8K* a[R];
+    __m256 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = accm[r] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ5_K);
+      prefetch_next8(wr, row_bytes, b, nb);
+      __m256 d, dmin;
+      alignas(32) int16_t sc16[64];
+      __m256i mins[4];
+      kquant_headers8(base, row_bytes, &d, &dmin, sc16, mins);
+      __m256i sums[R][8];
+      for (int c = 0; c < 8; ++c) {
+        const BlockQ5_K& x = *(const BlockQ5_K*)(base + c * row_bytes);
+        const int16_t* sc = sc16 + 16 * (c % 4) + 8 * (c / 4);
+        __m256i q[8];  // values 32j .. 32j + 31 of the superblock, 0..31: qh bit j moved to bit 4
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)x.qh);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i bits = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * j));
+          const __m256i h0 = 2 * j <= 4 ? _mm256_slli_epi16(hb, 4 - 2 * j) : _mm256_srli_epi16(hb, 2 * j - 4);
+          const __m256i h1 = 2 * j + 1 <= 4 ? _mm256_slli_epi16(hb, 3 - 2 * j) : _mm256_srli_epi16(hb, 2 * j - 3);
+          q[2 * j] = _mm256_or_si256(_mm256_and_si256(bits, m4), _mm256_and_si256(h0, bit4));
+          q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), _mm256_and_si256(h1, bit4));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* yq = a[r][b].qs;
+          __m256i sum = _mm256_setzero_si256();
+          for (int j = 0; j < 8; ++j) {
+            const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i*)(yq + 32 * j)));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+          }
+          sums[r][c] = sum;
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ8K& y = a[r][b];
+        const __m256 yd = _mm256_set1_ps(y.d);
+        const __m256i total = reduce8(sums[r]), mn = mins_dot8(mins, y.bsums);
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(total)));
+        accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(mn)));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], accm[r]));
+  }
+#endif
 };
 
 }  // namespace
