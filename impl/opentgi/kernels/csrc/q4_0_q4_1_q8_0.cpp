@@ -1,12 +1,9 @@
 // Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q8_0 (w = d * q): blocks of 32 against ActQ8.
-// Q4_0 and Q4_1, both paths: each block's integer sum is exact (Q4_0's as sum(q * x) - 8 * sum(x)),
+// Every type, both paths: each block's integer sum is exact (Q4_0's as sum(q * x) - 8 * sum(x)),
 // and an output adds (d_w * d_x) * sum block by block, in block order (Q4_1's m * (d_x * sum(x))
 // added in a second float the same way, the two added at the end): AVX2 and scalar agree bit for
-// bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that arithmetic.
-// Q8_0 on AVX2 keeps 8 float lanes, each adding its block's 4-product integer sums times
-// d_w * d_x by FMA in block order, summed across lanes once at the end; its scalar path adds
-// (d_w * d_x) * (exact block sum) in block order. Each path gives a row the same bits alone or
-// among others.
+// bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that arithmetic,
+// so a row gets the same bits alone or among others.
 #include "tiles.h"
 
 namespace opentgi {
@@ -22,29 +19,13 @@ struct Tile32 {
     for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
     float mins[R];
     for (int r = 0; r < R; ++r) mins[r] = 0.0f;
-#ifdef OPENTGI_AVX2
-    if constexpr (Kind == 2) {
-      __m256 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-      for (int b = 0; b < nb; ++b) {
-        const float dw = fp16_to_fp32(w[b].d);
-        const __m256i q = _mm256_loadu_si256((const __m256i*)w[b].qs);
-        for (int r = 0; r < R; ++r) {
-          const ActQ8& y = a[r][b];
-          const __m256i s = dot_i8(q, _mm256_loadu_si256((const __m256i*)y.qs));
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d), _mm256_cvtepi32_ps(s), acc[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) out[r * ldo] = hsum_ps(acc[r]);
-      return;
-    }
-#endif
     float acc[R];
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     for (int b = 0; b < nb; ++b) {
       const float dw = fp16_to_fp32(w[b].d);
 #ifdef OPENTGI_AVX2
-      const __m256i q = nibbles32((const uint8_t*)w[b].qs);  // (not reached for Q8_0)
+      const __m256i q = Kind == 2 ? _mm256_loadu_si256((const __m256i*)((const BlockQ8_0*)w)[b].qs)
+                                  : nibbles32((const uint8_t*)w[b].qs);
 #else
       int8_t q[QK];
       for (int i = 0; i < QK; ++i) {
@@ -59,7 +40,8 @@ struct Tile32 {
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
 #ifdef OPENTGI_AVX2
-        int32_t s = hsum_i32(dot_u8(q, _mm256_loadu_si256((const __m256i*)y.qs)));
+        const __m256i yq = _mm256_loadu_si256((const __m256i*)y.qs);
+        int32_t s = hsum_i32(Kind == 2 ? dot_i8(q, yq) : dot_u8(q, yq));
 #else
         int32_t s = 0;
         for (int i = 0; i < QK; ++i) s += (int32_t)q[i] * y.qs[i];
@@ -73,13 +55,21 @@ struct Tile32 {
   }
 
 #ifdef OPENTGI_AVX2
-  // Q4_0 / Q4_1: eight weight rows (row_bytes apart) at once against R activation rows, output c
-  // in float lane c by run<R>'s arithmetic (out[r * ldo + c]). Rows c and c + 4 share a vector
-  // (one in each half); a block's integer sums come out in column order after two rounds of hadd.
-  static constexpr bool has_run8 = Kind != 2;
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by run<R>'s arithmetic (out[r * ldo + c]).
+  static constexpr bool has_run8 = true;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
+    if constexpr (Kind == 2) run8_q8_0<R>(wr, row_bytes, act, stride, K, out, ldo);
+    else run8_q4<R>(wr, row_bytes, act, stride, K, out, ldo);
+  }
+
+  // Q4_0 / Q4_1: rows c and c + 4 share a vector (one in each half); a block's integer sums come out
+  // in column order after two rounds of hadd.
+  template <int R>
+  static inline void run8_q4(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                             float* out, int ldo) {
     constexpr int qs_at = Kind == 1 ? 4 : 2;
     const int nb = K / QK;
     const ActQ8* a[R];
@@ -133,6 +123,40 @@ struct Tile32 {
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, Kind == 1 ? _mm256_add_ps(acc[r], mins[r]) : acc[r]);
+  }
+
+  // Q8_0: each row's exact block sum (signed bytes, dot_i8's sign trick: |q| <= 128 unsigned, pairs
+  // of products under 2^15) in column order (reduce8)
+  template <int R>
+  static inline void run8_q8_0(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                               float* out, int ldo) {
+    const int nb = K / QK;
+    const ActQ8* a[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8*)(act + r * stride);
+      acc[r] = _mm256_setzero_ps();
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ8_0);
+      prefetch_next8(wr, row_bytes, b, nb);
+      const __m256 dv = fp16_8(base, row_bytes);
+      __m256i q[8];
+      for (int c = 0; c < 8; ++c) q[c] = _mm256_loadu_si256((const __m256i*)(base + c * row_bytes + 2));
+      for (int r = 0; r < R; ++r) {
+        const ActQ8& y = a[r][b];
+        const __m256i yq = _mm256_loadu_si256((const __m256i*)y.qs);
+        __m256i s[8];
+        for (int c = 0; c < 8; ++c) {
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q[c], q[c]), _mm256_sign_epi8(yq, q[c]));
+          s[c] = _mm256_madd_epi16(p, ones);
+        }
+        const __m256 dy = _mm256_mul_ps(dv, _mm256_set1_ps(y.d));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, _mm256_cvtepi32_ps(reduce8(s))));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
   }
 #endif
 };
