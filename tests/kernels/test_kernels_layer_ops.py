@@ -1,4 +1,5 @@
-"""The fused layer ops (kernels/csrc/layer_ops.h) equal their unfused torch composition within float
+"""The fused layer ops (kernels/csrc/layer_ops.h: RMSNorm, Gemma's and per-head too; SiLU- and
+GELU(tanh)-and-multiply) equal their unfused torch composition within float
 rounding (the sum of squares and exp in the kernel's own order), bitwise where the arithmetic is the
 same (the residual sum; the norm of a sum), and give a row the same bits alone, among others and on
 1..N threads, on every ISA path this CPU has."""
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from opentgi.kernels import native
 from opentgi.models.layers.elementwise import ACTIVATIONS, act_and_mul
-from opentgi.models.layers.norm import RMSNorm, add_and_norm
+from opentgi.models.layers.norm import GemmaRMSNorm, HeadsNorm, RMSNorm, add_and_norm
 
 torch.set_num_threads(1)
 
@@ -89,3 +90,47 @@ def test_the_norm_module_serves_natively_only_when_told(kernels):
     assert torch.equal(summed, torch_sum) and torch.equal(out, native.rms_norm(summed, norm.weight, 1e-6))
     torch.testing.assert_close(out, torch_out, atol=1e-5, rtol=1e-5)
     assert torch.equal(norm(x), native.rms_norm(x, norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_gelu_times_up(kernels, dtype):
+    for size in SIZES:
+        gate_up = rows(7, 2 * size, 10, dtype)
+        gate, up = gate_up.split(size, dim=-1)
+        expected = F.gelu(gate, approximate="tanh") * up
+        tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+        for isa in native.supported_isas():
+            out = native.gelu_tanh_mul(gate_up, isa)
+            assert out.shape == (7, size) and out.dtype == dtype
+            torch.testing.assert_close(out, expected, **tol)
+            for r in (0, 6):  # a row alone: its own bits
+                assert torch.equal(native.gelu_tanh_mul(gate_up[r:r + 1], isa), out[r:r + 1])
+        assert torch.equal(act_and_mul(gate_up, size, "gelu_pytorch_tanh", use_native=True),
+                           native.gelu_tanh_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_and_per_head_norms_serve_natively_as_their_torch_forms(kernels, dtype):
+    """Gemma's (1 + w) weight applied in float32 (rounded once), and q's and k's per-head weights
+    ([heads, D]: row r takes weight r % heads), within float rounding of the torch forms."""
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    gemma = GemmaRMSNorm(64, 1e-6).to(dtype)
+    gemma.weight.data.copy_(rows(1, 64, 11)[0] * 0.3)
+    x = rows(5, 64, 12, dtype)
+    expected = gemma(x)
+    gemma.native = True
+    out = gemma(x)
+    assert torch.equal(out, native.rms_norm(x, gemma.weight.float() + 1, 1e-6))
+    torch.testing.assert_close(out, expected, **tol)
+    for kind in (RMSNorm, GemmaRMSNorm):
+        q_norm, k_norm = kind(16, 1e-6).to(dtype), kind(16, 1e-6).to(dtype)
+        q_norm.weight.data.copy_(rows(1, 16, 13)[0])
+        k_norm.weight.data.copy_(rows(1, 16, 14)[0])
+        heads = HeadsNorm(q_norm, k_norm, 4, 2)
+        qk = rows(3 * 6, 16, 15, dtype).view(3, 6, 16)
+        expected = heads(qk)
+        heads.native = True
+        out = heads(qk)
+        torch.testing.assert_close(out, expected, **tol)
+        assert torch.equal(out[:, :4], native.rms_norm(qk[:, :4], heads.weight[0], 1e-6))
+        assert torch.equal(out[:, 4:], native.rms_norm(qk[:, 4:], heads.weight[4], 1e-6))

@@ -1,8 +1,9 @@
 """A decode step's layers in one native call (models/families/native_stack.py): the hidden states
 and the KV cache it leaves are the module-by-module step's bit for bit, in float32 and bfloat16,
 for one row and for several rows of several tokens, with q/k/v biases, with projections of one
-block type and of several side by side; steps it does not take (prompt tokens, replaced
-projections) go through the modules."""
+block type and of several side by side, and for Qwen3's and Gemma 2/3's layers (`--quantize int8`:
+q/k norms, sandwich norms, GeGLU, soft-capping, windows, two RoPE tables); steps it does not take
+(prompt tokens, replaced projections) go through the modules."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def uniform_gguf():
     return tiny_models.tiny_gguf_path(layer_types=UNIFORM)
 
 
-def load(path, dtype: str, tmp_path_factory):
-    return load_model(Settings(model_id=str(path), dtype=dtype, kernels="native",
+def load(path, dtype: str, tmp_path_factory, quantize: str | None = None):
+    return load_model(Settings(model_id=str(path), dtype=dtype, kernels="native", quantize=quantize,
                                cache_dir=str(tmp_path_factory.mktemp("cache")))).model
 
 
@@ -73,11 +74,19 @@ def run_both(model, steps: list[dict[int, list[int]]]):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-@pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16")])
+@pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16"), ("qwen3", "bfloat16"),
+                                         ("gemma2", "float32"), ("gemma3", "bfloat16"), ("gemma3", "float32")])
 def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf, tmp_path_factory, file, dtype):
     if file == "mixed":  # q, k, v in three block types, gate and up in two: parts side by side
         model = load(tiny_models.tiny_gguf_path(), dtype, tmp_path_factory)
         assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "ConcatLinear"
+    elif file != "uniform":  # the family's tiny model, its projections Q8_0 blocks
+        model = load(tiny_models.tiny_family_path(file), dtype, tmp_path_factory, quantize="int8")
+        layout = model.layout
+        assert layout.structure.qk_norm == (file != "gemma2")
+        if file.startswith("gemma"):  # windows shorter than the prompts; Gemma 2 soft-caps, Gemma 3 has 2 tables
+            assert layout.structure.sandwich_norms and layout.act == "gelu_pytorch_tanh" and layout.windows[0] == 8
+            assert (layout.attn_softcap, len(model.rotary)) == ((2.0, 1) if file == "gemma2" else (None, 2))
     else:
         model = float32_model
     stack = model.native_stack
@@ -124,17 +133,17 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model)
             block_tables=torch.tensor([runner.tables[0]], dtype=torch.int32), decode_only=True,
             prompt_new_tokens=prompt)
 
-    assert stack(h, cos, sin, meta(None), runner.kv_caches) is not None
+    assert stack(h, [(cos, sin)], meta(None), runner.kv_caches) is not None
     form, stack.backend.prompt_form = stack.backend.prompt_form, True  # prompt tokens in their own form
     try:
-        assert stack(h, cos, sin, meta([1]), runner.kv_caches) is None
+        assert stack(h, [(cos, sin)], meta([1]), runner.kv_caches) is None
     finally:
         stack.backend.prompt_form = form
     layer = model.model.layers[1]
     original = layer.mlp.down_proj
     layer.mlp.down_proj = torch.nn.Identity()  # as an adapter's wrapper replaces it
     try:
-        assert stack(h, cos, sin, meta(None), runner.kv_caches) is None
+        assert stack(h, [(cos, sin)], meta(None), runner.kv_caches) is None
     finally:
         layer.mlp.down_proj = original
 

@@ -2,7 +2,7 @@
 
 The library is built with the machine's C++ compiler (`$CXX`, else `c++`): the kernel sources
 twice, a portable scalar variant and, on x86-64, an AVX2+FMA+F16C one (the op picks per call, the
-loader picks the best the CPU has), plus ops.cpp and moe_ops.cpp, the only sources that include
+loader picks the best the CPU has), plus ops.cpp, moe_ops.cpp and stack.cpp, the only sources that include
 torch's headers (`<torch/library.h>`, `<ATen/Parallel.h>`: the ops run in torch's intra-op pool),
 the sources compiled side by side on the machine's cores. It is cached under `cache_dir()` as
 `opentgi_kernels-<key>.so`, the key a hash of the sources, the compiler's version, the flags and
@@ -29,7 +29,7 @@ KERNEL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
                   "layer_ops.cpp")
 COMMON_FLAGS = ("-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c")}
-TORCH_SOURCES = ("ops.cpp", "moe_ops.cpp")  # the torch ops (torch's headers, compiled once)
+TORCH_SOURCES = ("ops.cpp", "moe_ops.cpp", "stack.cpp")  # the torch ops (torch's headers, compiled once)
 CACHE_ENV = "OPENTGI_KERNELS_CACHE"
 BUILD_TIMEOUT_S = 300
 

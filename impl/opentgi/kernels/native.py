@@ -8,9 +8,9 @@ the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_
 (`opentgi::gguf_moe_up`, `opentgi::gguf_moe_down`) run a mixture of experts' projections for every
 token and every expert it was routed to in one call each.
 `paged_attention(...)` attends decode rows over the paged KV cache in place (csrc/attention.h), the
-torch op `opentgi::paged_attention`; `rms_norm`, `add_rms_norm` and `silu_mul` are fused per-row
-layer ops (csrc/layer_ops.h); `opentgi::decode_stack` runs a decode step's Llama-shaped layers in
-one call (models/families/native_stack.py).
+torch op `opentgi::paged_attention`; `rms_norm`, `add_rms_norm`, `silu_mul` and `gelu_tanh_mul` are
+fused per-row layer ops (csrc/layer_ops.h); `opentgi::decode_stack` (csrc/stack.cpp) runs a decode
+step's decoder layers in one call (models/families/native_stack.py).
 """
 
 from __future__ import annotations
@@ -119,10 +119,13 @@ def _register_fake() -> None:
     def _(gate_up, isa):
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
+    @torch.library.register_fake("opentgi::gelu_tanh_mul")
+    def _(gate_up, isa):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
     @torch.library.register_fake("opentgi::decode_stack")
-    def _(h, cos, sin, weights, qtypes, passes, biases, parts, norms, k_caches, v_caches, slots, tails, block_tables,
-          seq, ctx,
-          num_heads, num_kv_heads, scale, windows, eps, isa):
+    def _(h, cos, sin, ropes, weights, qtypes, passes, biases, parts, norms, qk_norms, k_caches, v_caches, slots,
+          tails, block_tables, seq, ctx, num_heads, num_kv_heads, scale, windows, softcap, act, eps, isa):
         return torch.empty_like(h)
 
 
@@ -178,7 +181,9 @@ def _isa(isa: str | None) -> int:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str | None = None) -> torch.Tensor:
     """RMSNorm of x's rows (float32 or bfloat16) times `weight`, as models/layers/norm.py's RMSNorm
-    computes it, each row's sum of squares in one fixed order (csrc/layer_ops.h)."""
+    computes it, each row's sum of squares in one fixed order (csrc/layer_ops.h). `weight` [n], or
+    [R, n] with row r taking weight r % R (per-head q/k norms); in x's dtype (applied after rounding
+    to it), or float32 (applied in float32 and rounded once: Gemma's 1 + w)."""
     return torch.ops.opentgi.rms_norm(x, weight, float(eps), _isa(isa))
 
 
@@ -191,3 +196,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """silu(gate) * up, gate and up the two halves of gate_up's last dim (float32 or bfloat16)."""
     return torch.ops.opentgi.silu_mul(gate_up, _isa(isa))
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up, gate and up the two halves of gate_up's last dim (GeGLU)."""
+    return torch.ops.opentgi.gelu_tanh_mul(gate_up, _isa(isa))

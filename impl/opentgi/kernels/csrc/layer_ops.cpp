@@ -1,5 +1,5 @@
 // Fused per-row layer ops (layer_ops.h): RMSNorm with an optional residual add before it, and
-// SiLU-and-multiply. Each row is computed on its own, its sums in one fixed order and every value
+// SiLU- and GELU(tanh)-and-multiply. Each row is computed on its own, its sums in one fixed order and every value
 // through the same instructions wherever it sits in the row, so a row's bits depend only on the
 // row (and the ISA).
 #include <cmath>
@@ -66,10 +66,37 @@ static inline void silu_inplace(float* g, int n) {
 #endif
 }
 
+// gelu_tanh(g) in place over n floats (n rounded up to 8 writable), as g / (1 + exp(-2 c (g + k g^3)))
+static inline void gelu_tanh_inplace(float* g, int n) {
+  const float k = 0.044715f, c2 = -1.5957691216057308f;  // -2 sqrt(2 / pi)
+#ifdef OPENTGI_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), kk = _mm256_set1_ps(k), cc = _mm256_set1_ps(c2);
+  for (int i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 inner = _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(kk, x), x), x));
+    const __m256 e = exp256(_mm256_mul_ps(cc, inner));
+    _mm256_storeu_ps(g + i, _mm256_div_ps(x, _mm256_add_ps(one, e)));
+  }
+#else
+  for (int i = 0; i < n; ++i) {
+    const float x = g[i];
+    g[i] = x / (1.0f + std::exp(c2 * (x + k * x * x * x)));
+  }
+#endif
+}
+
+template <void (*ACT)(float*, int)>
+static inline void act_mul_row(const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
+  for (int i = 0; i < n; ++i) buf[i] = load(gate, i, dtype);
+  for (int i = n; i < (n + 7) / 8 * 8; ++i) buf[i] = 0.0f;
+  ACT(buf, n);
+  for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i], dtype) * load(up, i, dtype), dtype);
+}
+
 }  // namespace
 
-void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, const void* weight, int n, float eps,
-                              int dtype, void* out, float* buf) {
+void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, const void* weight, bool weight_f32,
+                              int n, float eps, int dtype, void* out, float* buf) {
   for (int i = 0; i < n; ++i) {
     float v = load(x, i, dtype);
     if (residual != nullptr) {
@@ -79,14 +106,20 @@ void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, co
     buf[i] = v;
   }
   const float rstd = 1.0f / std::sqrt(sum_squares(buf, n) / (float)n + eps);
-  for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i] * rstd, dtype) * load(weight, i, dtype), dtype);
+  if (weight_f32) {
+    const float* w = (const float*)weight;
+    for (int i = 0; i < n; ++i) store(out, i, buf[i] * rstd * w[i], dtype);
+  } else {
+    for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i] * rstd, dtype) * load(weight, i, dtype), dtype);
+  }
 }
 
 void OPENTGI_FN(silu_mul_row)(const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
-  for (int i = 0; i < n; ++i) buf[i] = load(gate, i, dtype);
-  for (int i = n; i < (n + 7) / 8 * 8; ++i) buf[i] = 0.0f;
-  silu_inplace(buf, n);
-  for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i], dtype) * load(up, i, dtype), dtype);
+  act_mul_row<silu_inplace>(gate, up, n, dtype, out, buf);
+}
+
+void OPENTGI_FN(gelu_tanh_mul_row)(const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
+  act_mul_row<gelu_tanh_inplace>(gate, up, n, dtype, out, buf);
 }
 
 }  // namespace opentgi

@@ -8,16 +8,24 @@ namespace opentgi {
 enum RowDtype { ROW_F32 = 0, ROW_BF16 = 1 };
 
 // out = RMSNorm(s) * weight, s = x (+ residual, then stored to `sum`, when residual is not null):
-// rstd = 1 / sqrt(mean(s^2) + eps) in float32, s * rstd rounded to the dtype, times the weight in
-// the dtype (models/layers/norm.py's RMSNorm). buf: n floats.
-void rms_norm_row_scalar(const void* x, const void* residual, void* sum, const void* weight, int n, float eps,
-                         int dtype, void* out, float* buf);
-void rms_norm_row_avx2(const void* x, const void* residual, void* sum, const void* weight, int n, float eps,
-                       int dtype, void* out, float* buf);
+// rstd = 1 / sqrt(mean(s^2) + eps) in float32; with a weight in the row dtype, s * rstd rounded to
+// the dtype, times the weight in the dtype (models/layers/norm.py's RMSNorm); with a float32 weight
+// (weight_f32, Gemma's 1 + w), s * rstd * weight in float32, rounded once (GemmaRMSNorm). out may be
+// x itself. buf: n floats.
+void rms_norm_row_scalar(const void* x, const void* residual, void* sum, const void* weight, bool weight_f32, int n,
+                         float eps, int dtype, void* out, float* buf);
+void rms_norm_row_avx2(const void* x, const void* residual, void* sum, const void* weight, bool weight_f32, int n,
+                       float eps, int dtype, void* out, float* buf);
 
 // out = silu(gate) * up: silu in float32 rounded to the dtype, the product in the dtype.
 // buf: n rounded up to 8 floats.
 void silu_mul_row_scalar(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 void silu_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
+
+// out = gelu_tanh(gate) * up (GeGLU: Gemma), gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
+// g^3))) computed as g / (1 + exp(-2 sqrt(2 / pi) (g + 0.044715 g^3))): in float32 rounded to the
+// dtype, the product in the dtype. buf: n rounded up to 8 floats.
+void gelu_tanh_mul_row_scalar(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
+void gelu_tanh_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 
 }  // namespace opentgi

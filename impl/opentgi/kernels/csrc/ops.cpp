@@ -3,7 +3,7 @@
 // bfloat16 [M, K]. Activation rows are quantized by rows (in one or two passes: matmul.h), then
 // outputs are split among torch's intra-op threads by columns; each output is computed whole by
 // one thread (common.h's invariant), so a row's bits depend neither on the other rows nor on the
-// thread count. The grouped-experts ops are moe_ops.cpp's.
+// thread count. The grouped-experts ops are moe_ops.cpp's, the decode stack stack.cpp's.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -17,10 +17,9 @@
 #include <tuple>
 #include <vector>
 
-#include "attention.h"
 #include "common.h"
-#include "layer_ops.h"
 #include "matmul.h"
+#include "op_helpers.h"
 
 namespace opentgi {
 namespace {
@@ -37,8 +36,8 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// The attention's arguments but q and out, after checking that every block a row reads (through
-// its table, from its window's first key to its last) is one of the cache's.
+}  // namespace
+
 PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
                               const at::Tensor& seq, const at::Tensor& ctx, int64_t rows, int64_t heads, int64_t D,
                               int64_t window, double scale, double softcap, const char* op) {
@@ -160,6 +159,8 @@ void run_attention(const PagedAttention& args, int64_t rows, int64_t isa) {
   });
 }
 
+namespace {
+
 // opentgi::paged_attention (attention.h): q [rows, heads, D] float32 or bfloat16, the caches
 // [blocks, block_size, kv_heads, D] float32, bfloat16 or float16, block_tables int32 [seqs, width],
 // seq and ctx int32 [rows] -> [rows, heads, D] in q's dtype. Work items (a row's kv heads, or one of
@@ -186,7 +187,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
-// Fused layer ops (layer_ops.h), rows split among torch's intra-op threads, each row by one thread.
+}  // namespace
 
 int row_dtype(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), op,
@@ -202,28 +203,42 @@ void check_isa(int64_t isa, const char* op) {
               , op, ": no kernel for ISA ", isa);
 }
 
-void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const void* weight, int n, float eps,
-              int dtype, void* out, float* buf) {
+void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const void* weight, bool weight_f32, int n,
+              float eps, int dtype, void* out, float* buf) {
 #ifdef OPENTGI_WITH_AVX2
-  if (isa == AVX2) return rms_norm_row_avx2(x, residual, sum, weight, n, eps, dtype, out, buf);
+  if (isa == AVX2) return rms_norm_row_avx2(x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
 #endif
-  rms_norm_row_scalar(x, residual, sum, weight, n, eps, dtype, out, buf);
+  rms_norm_row_scalar(x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
 }
 
-void silu_row(int64_t isa, const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
+void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
 #ifdef OPENTGI_WITH_AVX2
-  if (isa == AVX2) return silu_mul_row_avx2(gate, up, n, dtype, out, buf);
+  if (isa == AVX2) {
+    if (act == ACT_GELU_TANH) return gelu_tanh_mul_row_avx2(gate, up, n, dtype, out, buf);
+    return silu_mul_row_avx2(gate, up, n, dtype, out, buf);
+  }
 #endif
+  if (act == ACT_GELU_TANH) return gelu_tanh_mul_row_scalar(gate, up, n, dtype, out, buf);
   silu_mul_row_scalar(gate, up, n, dtype, out, buf);
 }
 
+namespace {
+
+// Fused layer ops (layer_ops.h), rows split among torch's intra-op threads, each row by one thread.
+// The norm's weight: [n] for every row, or [R, n] with row r taking weight r % R (q's and k's heads
+// normed per head, each with its own weight: models/layers/norm.py's HeadsNorm); in x's dtype, or
+// float32 (applied in float32, rounded once: GemmaRMSNorm's 1 + w).
 std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                              const at::Tensor& weight, double eps, int64_t isa) {
   check_isa(isa, "rms_norm");
   const int dtype = row_dtype(x, "rms_norm");
   const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight [", n, "] in x's dtype");
+  const int64_t rows = n ? x.numel() / n : 0;
+  const int64_t period = weight.dim() == 2 ? weight.size(0) : 1;
+  TORCH_CHECK((weight.dim() == 1 || (weight.dim() == 2 && period >= 1 && rows % period == 0)) && weight.size(-1) == n
+                  && (weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat),
+              "rms_norm: weight [", n, "] or [R, ", n, "] (R dividing the rows) in x's dtype or float32");
+  const bool weight_f32 = weight.scalar_type() == at::kFloat;
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor rc, sum;
   if (residual.has_value()) {
@@ -233,19 +248,18 @@ std::tuple<at::Tensor, at::Tensor> norm_rows(const at::Tensor& x, const std::opt
     sum = at::empty(xc.sizes(), xc.options());
   }
   at::Tensor out = at::empty(xc.sizes(), xc.options());
-  const int64_t rows = n ? xc.numel() / n : 0;
-  const size_t es = xc.element_size();
+  const size_t es = xc.element_size(), wes = wc.element_size();
   const char* xp = (const char*)xc.data_ptr();
   const char* rp = rc.defined() ? (const char*)rc.data_ptr() : nullptr;
   char* sp = sum.defined() ? (char*)sum.data_ptr() : nullptr;
   char* op = (char*)out.data_ptr();
-  const void* wp = wc.data_ptr();
+  const char* wp = (const char*)wc.data_ptr();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(n + 8);
     for (int64_t r = r0; r < r1; ++r) {
       const size_t off = (size_t)r * n * es;
-      norm_row(isa, xp + off, rp ? rp + off : nullptr, sp ? sp + off : nullptr, wp, (int)n, (float)eps, dtype,
-               op + off, buf.data());
+      norm_row(isa, xp + off, rp ? rp + off : nullptr, sp ? sp + off : nullptr, wp + (r % period) * n * wes,
+               weight_f32, (int)n, (float)eps, dtype, op + off, buf.data());
     }
   });
   return {out, sum};
@@ -260,10 +274,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return norm_rows(x, residual, weight, eps, isa);
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
-  check_isa(isa, "silu_mul");
-  const int dtype = row_dtype(gate_up, "silu_mul");
-  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_mul: the last dim holds gate then up, of one size");
+at::Tensor act_mul(const at::Tensor& gate_up, int act, int64_t isa, const char* name) {
+  check_isa(isa, name);
+  const int dtype = row_dtype(gate_up, name);
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, name,
+              ": the last dim holds gate then up, of one size");
   const int64_t n = gate_up.size(-1) / 2;
   const at::Tensor g = gate_up.contiguous();
   std::vector<int64_t> shape(g.sizes().begin(), g.sizes().end());
@@ -277,221 +292,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) {
     std::vector<float> buf(n + 8);
     for (int64_t r = r0; r < r1; ++r) {
       const char* row = gp + (size_t)r * 2 * n * es;
-      silu_row(isa, row, row + n * es, (int)n, dtype, op + (size_t)r * n * es, buf.data());
+      act_row(isa, act, row, row + n * es, (int)n, dtype, op + (size_t)r * n * es, buf.data());
     }
   });
   return out;
 }
 
-// opentgi::decode_stack: a step's decoder layers, every row a decode row, in one call. The layer is
-// Llama's (models/families/decoder.py): RMSNorm, one qkv matmul (+ bias), RoPE by halves on q and k,
-// k and v stored in the paged cache, paged attention, o (+ bias), residual add + RMSNorm, gate_up,
-// SiLU-and-multiply, down, residual add; every matmul on GGUF blocks (q, k and v, or gate and up, one
-// weight or parts of different block types side by side, as a Q4_K_M file holds them). Each op is the function the
-// layer's modules call one by one, in their order, rounding to the row dtype where they round, so
-// the hidden states equal the module-by-module step's bit for bit (and stay batch-invariant).
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa) { return act_mul(gate_up, ACT_SILU, isa, "silu_mul"); }
 
-static inline float to_dtype(float f, int dtype) { return dtype == ROW_BF16 ? bf16_to_fp32(bf16_store(f)) : f; }
-static inline float ld(const void* p, int64_t i, int dtype) {
-  return dtype == ROW_BF16 ? bf16_to_fp32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-static inline void st(void* p, int64_t i, float f, int dtype) {
-  if (dtype == ROW_BF16) ((uint16_t*)p)[i] = bf16_store(f); else ((float*)p)[i] = f;
-}
-
-// A projection: one weight, or parts side by side (q, k, v or gate, up of different block types,
-// as ConcatLinear concatenates them), each with its bias or none.
-struct Projection {
-  std::vector<Matmul> parts;
-  std::vector<const void*> biases;
-  int64_t N = 0, K = 0;
-};
-
-// out [M, N] (dtype) = x [M, K] (dtype) @ W.T, each part's outputs rounded to the dtype and then its
-// bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute
-void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, std::vector<float>& xf,
-                 std::vector<float>& of, std::vector<uint8_t>& act, void* out) {
-  const int64_t K = p.K, N = p.N;
-  const float* xin = (const float*)x;
-  if (dtype != ROW_F32) {
-    xf.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = ld(x, i, dtype);
-    xin = xf.data();
-  }
-  float* o = (float*)out;
-  if (dtype != ROW_F32) {
-    of.resize(M * N);
-    o = of.data();
-  }
-  bool any_bias = false;
-  for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j) {
-    run_matmul(p.parts[j], xin, M, isa, o + off, act, N);
-    any_bias = any_bias || p.biases[j] != nullptr;
-  }
-  if (dtype == ROW_F32 && !any_bias) return;
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j)
-        for (int64_t n = 0; n < p.parts[j].N; ++n) {
-          const int64_t i = m * N + off + n;
-          float v = to_dtype(o[i], dtype);
-          if (p.biases[j] != nullptr) v = to_dtype(v + ld(p.biases[j], n, dtype), dtype);
-          st(out, i, v, dtype);
-        }
-  });
-}
-
-at::Tensor decode_stack(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
-                        at::IntArrayRef qtypes, at::IntArrayRef passes,
-                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
-                        at::TensorList norms, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slots,
-                        const std::optional<at::Tensor>& tails, const at::Tensor& block_tables, const at::Tensor& seq,
-                        const at::Tensor& ctx, int64_t num_heads, int64_t num_kv_heads, double scale,
-                        at::IntArrayRef windows, double eps, int64_t isa) {
-  const char* op = "decode_stack";
-  check_isa(isa, op);
-  const int dtype = row_dtype(h_in, op);
-  const int64_t L = (int64_t)k_caches.size();
-  TORCH_CHECK(h_in.dim() == 2 && L >= 1, op, ": h [rows, hidden] and at least one layer");
-  TORCH_CHECK((int64_t)parts.size() == 4 * L && qtypes.size() == weights.size() && passes.size() == weights.size()
-                  && biases.size() == weights.size()
-                  && (int64_t)norms.size() == 2 * L && (int64_t)v_caches.size() == L && (int64_t)windows.size() == L,
-              op, ": 4 projections a layer (their parts' weights, qtypes, passes and biases), 2 norms, a k and a v cache and "
-              "a window per layer");
-  const int64_t T = h_in.size(0), hidden = h_in.size(1), H = num_heads, KV = num_kv_heads;
-  const int64_t D = cos.size(-1), es = h_in.element_size();
-  TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D && cos.scalar_type() == h_in.scalar_type()
-                  && sin.scalar_type() == h_in.scalar_type() && cos.is_contiguous() && sin.is_contiguous() && D % 2 == 0,
-              op, ": cos and signed sin [rows, 1, head_dim] in h's dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, op,
-              ": slots int64 [rows]");
-  at::Tensor h = h_in.contiguous().clone();
-  if (T == 0) return h;
-  const int64_t qkv_n = (H + 2 * KV) * D;
-  std::vector<Projection> projections;
-  std::vector<at::Tensor> kept;  // the biases' contiguous copies, alive for the call
-  kept.reserve(weights.size());
-  size_t next = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    for (int j = 0; j < 4; ++j) {
-      Projection p;
-      p.K = j == 0 || j == 2 ? hidden : 0;
-      TORCH_CHECK(parts[4 * l + j] >= 1 && next + parts[4 * l + j] <= weights.size(), op, ": a projection's parts");
-      for (int64_t part = 0; part < parts[4 * l + j]; ++part, ++next) {
-        const int64_t n = weights[next].size(0);
-        const int64_t k = j == 1 ? H * D : j == 3 ? projections[4 * l + 2].N / 2 : hidden;
-        p.parts.push_back(make_matmul(weights[next], qtypes[next], n, k, isa, op, passes[next]));
-        p.N += n;
-        p.K = k;
-        const std::optional<at::Tensor> b = biases.get(next);
-        if (b.has_value() && b->defined()) {
-          TORCH_CHECK(b->numel() == n && b->scalar_type() == h.scalar_type(), op, ": a bias [out] in h's dtype");
-          kept.push_back(b->contiguous());
-          p.biases.push_back(kept.back().data_ptr());
-        } else {
-          p.biases.push_back(nullptr);
-        }
-      }
-      const int64_t want = j == 0 ? qkv_n : j == 2 ? p.N : hidden;
-      TORCH_CHECK(p.N == want && (j != 2 || p.N % 2 == 0), op, ": layer ", l, " projection ", j, " has ", p.N,
-                  " outputs (q, k, v: ", qkv_n, "; gate then up of one size; o and down: ", hidden, ")");
-      projections.push_back(std::move(p));
-    }
-    for (int j = 0; j < 2; ++j)
-      TORCH_CHECK(norms[2 * l + j].numel() == hidden && norms[2 * l + j].scalar_type() == h.scalar_type()
-                      && norms[2 * l + j].is_contiguous(), op, ": norm weights [hidden] in h's dtype");
-    TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes()
-                    && k_caches[l].scalar_type() == h.scalar_type() && v_caches[l].scalar_type() == h.scalar_type()
-                    && k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
-                op, ": every layer's caches [blocks, block_size, kv_heads, head_dim] alike, in h's dtype");
-  }
-  TORCH_CHECK(next == weights.size(), op, ": ", weights.size() - next, " weights belong to no projection");
-  // every block any layer reads (windows only narrow what a row reads), checked once
-  PagedAttention att = attention_args(k_caches[0], v_caches[0], block_tables, seq, ctx, T, H, D, 0, scale, 0.0, op);
-  TORCH_CHECK(k_caches[0].size(2) == KV, op, ": the caches hold ", k_caches[0].size(2), " kv heads, not ", KV);
-  const int64_t cache_slots = k_caches[0].size(0) * k_caches[0].size(1), slot_bytes = KV * D * es;
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sl[t] >= -1 && sl[t] < cache_slots, op, ": row ", t, " writes slot ", sl[t], " of ", cache_slots);
-  at::Tensor tail;
-  if (tails.has_value() && tails->defined()) {
-    tail = tails->to(at::kLong).contiguous();
-    for (int64_t i = 0; i < tail.numel(); ++i)
-      TORCH_CHECK(tail.data_ptr<int64_t>()[i] >= 0 && tail.data_ptr<int64_t>()[i] < cache_slots, op, ": a tail slot out of the cache");
-  }
-  int64_t gu_max = 0;
-  for (int64_t l = 0; l < L; ++l) gu_max = std::max(gu_max, projections[4 * l + 2].N);
-  std::vector<char> x(T * hidden * es), qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
-      d(T * hidden * es), gu(T * gu_max * es), a(T * gu_max / 2 * es);
-  std::vector<float> qf(T * H * D), out(T * H * D), xf, of;
-  std::vector<uint8_t> act;
-  char* hp = (char*)h.data_ptr();
-  const char* cp = (const char*)cos.data_ptr();
-  const char* sp = (const char*)sin.data_ptr();
-  const auto norm_all = [&](const void* src, bool residual, const at::Tensor& w) {
-    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(hidden + 8);
-      for (int64_t r = r0; r < r1; ++r) {
-        const size_t off = (size_t)r * hidden * es;
-        norm_row(isa, (const char*)src + off, residual ? hp + off : nullptr, residual ? hp + off : nullptr,
-                 w.data_ptr(), (int)hidden, (float)eps, dtype, x.data() + off, buf.data());
-      }
-    });
-  };
-  for (int64_t l = 0; l < L; ++l) {
-    const Projection* mm = &projections[4 * l];
-    if (l == 0) norm_all(hp, false, norms[0]); else norm_all(d.data(), true, norms[2 * l]);
-    linear_rows(mm[0], x.data(), T, dtype, isa, xf, of, act, qkv.data());
-    char* kc = (char*)k_caches[l].data_ptr();
-    char* vc = (char*)v_caches[l].data_ptr();
-    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-      for (int64_t t = r0; t < r1; ++t) {
-        char* row = qkv.data() + t * qkv_n * es;
-        const char* c = cp + t * D * es;
-        const char* s = sp + t * D * es;
-        std::vector<float> head(D);
-        for (int64_t j = 0; j < H + KV; ++j) {  // x * cos + cat(x2, x1) * signed sin (layers/rotary.py)
-          char* hd = row + j * D * es;
-          for (int64_t i = 0; i < D; ++i) head[i] = ld(hd, i, dtype);
-          for (int64_t i = 0; i < D; ++i) {
-            const float rot = head[i < D / 2 ? i + D / 2 : i - D / 2];
-            const float p = to_dtype(head[i] * ld(c, i, dtype), dtype);
-            const float q = to_dtype(rot * ld(s, i, dtype), dtype);
-            st(hd, i, p + q, dtype);
-          }
-        }
-        for (int64_t i = 0; i < H * D; ++i) qf[t * H * D + i] = ld(row, i, dtype);
-        if (sl[t] >= 0) {
-          std::memcpy(kc + sl[t] * slot_bytes, row + H * D * es, slot_bytes);
-          std::memcpy(vc + sl[t] * slot_bytes, row + (H + KV) * D * es, slot_bytes);
-        }
-      }
-    });
-    for (int64_t i = 0; i < tail.numel(); ++i) {  // zeros past the context (the torch forms read whole blocks)
-      std::memset(kc + tail.data_ptr<int64_t>()[i] * slot_bytes, 0, slot_bytes);
-      std::memset(vc + tail.data_ptr<int64_t>()[i] * slot_bytes, 0, slot_bytes);
-    }
-    att.k_cache = kc;
-    att.v_cache = vc;
-    att.window = windows[l] > 0 ? (int)windows[l] : 0;
-    att.q = qf.data();
-    att.out = out.data();
-    run_attention(att, T, isa);
-    for (int64_t i = 0; i < T * H * D; ++i) st(att_d.data(), i, out[i], dtype);
-    linear_rows(mm[1], att_d.data(), T, dtype, isa, xf, of, act, o.data());
-    norm_all(o.data(), true, norms[2 * l + 1]);
-    linear_rows(mm[2], x.data(), T, dtype, isa, xf, of, act, gu.data());
-    const int64_t I = mm[2].N / 2;
-    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(I + 8);
-      for (int64_t r = r0; r < r1; ++r)
-        silu_row(isa, gu.data() + r * 2 * I * es, gu.data() + (r * 2 + 1) * I * es, (int)I, dtype,
-                 a.data() + r * I * es, buf.data());
-    });
-    linear_rows(mm[3], a.data(), T, dtype, isa, xf, of, act, d.data());
-  }
-  for (int64_t i = 0; i < T * hidden; ++i) st(hp, i, to_dtype(ld(d.data(), i, dtype) + ld(hp, i, dtype), dtype), dtype);
-  return h;
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) {
+  return act_mul(gate_up, ACT_GELU_TANH, isa, "gelu_tanh_mul");
 }
 
 std::vector<int64_t> isas() {
@@ -521,11 +331,7 @@ TORCH_LIBRARY(opentgi, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
-  m.def("decode_stack(Tensor h, Tensor cos, Tensor sin, Tensor[] weights, int[] qtypes, int[] passes, "
-        "Tensor?[] biases, int[] parts, Tensor[] norms, Tensor[] k_caches, Tensor[] v_caches, Tensor slots, "
-        "Tensor? tails, Tensor block_tables, Tensor seq, Tensor ctx, int num_heads, int num_kv_heads, float scale, "
-        "int[] windows, float eps, int isa) "
-        "-> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate_up, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
@@ -534,7 +340,7 @@ TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
-  m.impl("decode_stack", decode_stack);
+  m.impl("gelu_tanh_mul", gelu_tanh_mul);
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CompositeExplicitAutograd, m) {

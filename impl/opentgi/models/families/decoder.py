@@ -209,7 +209,7 @@ class PagedDecoder(nn.Module):
             h = h.index_copy(0, index, rows.to(h.dtype))
         tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]
         if self.native_stack is not None and getattr(self, "lora", None) is None:
-            last = self.native_stack(h, *tables[0], attn, kv_caches)
+            last = self.native_stack(h, tables, attn, kv_caches)
             if last is not None:
                 return self.model.norm(last)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

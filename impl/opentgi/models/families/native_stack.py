@@ -1,16 +1,19 @@
-"""A decode step's decoder layers in one native call (`opentgi::decode_stack`, kernels/csrc/ops.cpp).
+"""A decode step's decoder layers in one native call (`opentgi::decode_stack`, kernels/csrc/stack.cpp).
 
-Where the native kernels serve a Llama-shaped decoder whose projections are all GGUF blocks (a GGUF
-file, q/k/v or gate/up of one block type or of several, as in Q4_K_M; or `--quantize`/AWQ/GPTQ in the
-native layouts), a step whose every token
-the native attention attends as a decode row (decode rows; with batch invariance also speculative
-verify tokens) runs all its layers in one call instead of some forty torch ops and their Python a
-layer. The call runs the same functions the layer's modules call one by one, in their order and
-with their roundings, so the hidden states are the module-by-module step's bit for bit
-(tests/models/test_native_stack.py); batch invariance carries over unchanged.
+Where the native kernels serve a decoder whose projections are all GGUF blocks (a GGUF file, q/k/v
+or gate/up of one block type or of several, as in Q4_K_M; or `--quantize`/AWQ/GPTQ in the native
+layouts), a step whose every token the native attention attends as a decode row (decode rows; with
+batch invariance also speculative verify tokens) runs all its layers in one call instead of some
+forty torch ops and their Python a layer. The layers it computes: Llama's (Llama, Mistral, Qwen2,
+Phi-3), with q and k normed per head (Qwen3), and Gemma's: (1 + w) RMSNorms, sandwich norms, GELU
+(tanh)-gated MLPs, soft-capped attention logits, the query pre-attention scalar, sliding windows
+per layer and the local layers' own RoPE table (Gemma 2, Gemma 3). The call runs the same functions
+the layer's modules call one by one, in their order and with their roundings, so the hidden states
+are the module-by-module step's bit for bit (tests/kernels/test_kernels_stack.py); batch invariance
+carries over unchanged.
 
-Layers of another shape (sandwich norms, q/k norms, soft-capping, experts, two RoPE tables, LoRA
-adapters, dense or other-format projections) and every other step (prompt tokens) take the modules.
+Layers of another shape (experts, LayerNorm, plain MLPs, M-RoPE, LoRA adapters, dense or
+other-format projections) and every other step (prompt tokens, images) take the modules.
 """
 
 from __future__ import annotations
@@ -21,12 +24,22 @@ from torch import nn
 from opentgi.kernels import native
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.torch_plan import make_plan
+from opentgi.models.layers.elementwise import NATIVE_ACTIVATIONS
 from opentgi.models.layers.mlp import GatedMLP
-from opentgi.models.layers.norm import RMSNorm
+from opentgi.models.layers.norm import GemmaRMSNorm, HeadsNorm, RMSNorm
+from opentgi.models.layers.rotary import RotaryEmbedding
 from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
 from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+NORMS = ("input_layernorm", "post_attention_layernorm")
+SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The weight the native op takes: RMSNorm's own, GemmaRMSNorm's 1 + w in float32."""
+    return norm.scale() if type(norm) is GemmaRMSNorm else norm.weight.detach()
 
 
 def _parts(linear: nn.Module | None) -> list[QuantizedLinear] | None:
@@ -53,17 +66,22 @@ class NativeDecodeStack:
         self.places = [(getattr(layer, owner)._modules, name, next(taken))
                        for layer in layers for owner, name in PROJECTIONS]
         self.layers = layers
+        self.dtype = model.spec.dtype
         self.backend = attn.backend
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, float(attn.scale)
         self.windows = [int(layer.self_attn.sliding_window or 0) for layer in layers]
         self.window0 = attn.sliding_window
+        self.softcap = float(attn.extra.get("softcap") or 0.0)
+        self.act = NATIVE_ACTIVATIONS[layers[0].mlp.act_name]
+        self.ropes = [layer.rope for layer in layers]  # each layer's RoPE table
         self.eps = float(layers[0].input_layernorm.eps)
         self.weights: list[torch.Tensor] = []
         self.qtypes: list[int] = []
         self.passes: list[int] = []  # each weight's activation passes (models/quantization/gguf_blocks.py)
         self.biases: list[torch.Tensor | None] = []
         self.parts: list[int] = []  # per projection: how many of the weights above are its parts
-        self.norms: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor] = []  # 2 a layer, 4 with sandwich norms
+        self.qk_norms = [layer.self_attn.heads_norm.weight for layer in layers] if attn.qk_norm else []
         for layer in layers:
             for owner, name in PROJECTIONS:
                 parts = _parts(getattr(getattr(layer, owner), name))
@@ -73,7 +91,7 @@ class NativeDecodeStack:
                     self.qtypes.append(part.weight_format.qtype)
                     self.passes.append(part.weight_format.passes)
                     self.biases.append(part.bias)
-            self.norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            self.norms += [_norm_weight(getattr(layer, name)) for name in (SANDWICH_NORMS if layer.sandwich else NORMS)]
 
     @classmethod
     def build(cls, model) -> NativeDecodeStack | None:
@@ -81,37 +99,51 @@ class NativeDecodeStack:
         another shape than the one the native call computes."""
         layout = model.layout
         structure = layout.structure
-        if (structure.sandwich_norms or structure.qk_norm or structure.embed_scale or structure.norm != "rms"
-                or layout.attn_softcap or any(layout.moe) or any(layout.local_rope) or len(model.rotary) != 1
-                or model.spec.dtype not in (torch.float32, torch.bfloat16) or not model.model.layers
+        dtype = model.spec.dtype
+        if (structure.norm not in ("rms", "gemma_rms") or any(layout.moe) or not 1 <= len(model.rotary) <= 2
+                or any(type(rotary) is not RotaryEmbedding for rotary in model.rotary)
+                or dtype not in (torch.float32, torch.bfloat16) or not model.model.layers
                 or getattr(model, "lora", None) is not None):
             return None
+        norm_type = RMSNorm if structure.norm == "rms" else GemmaRMSNorm
         modules: list[nn.Module] = []
         for layer in model.model.layers:
-            if layer.mlp_attr != "mlp" or not isinstance(layer.mlp, GatedMLP) or layer.mlp.act_name != "silu":
+            if (layer.mlp_attr != "mlp" or not isinstance(layer.mlp, GatedMLP)
+                    or layer.mlp.act_name not in NATIVE_ACTIVATIONS or not layer.mlp.native):
                 return None
             attn = layer.self_attn
-            if attn.extra or getattr(attn.backend, "name", None) != "native":
+            if set(attn.extra) - {"softcap"} or getattr(attn.backend, "name", None) != "native":
                 return None
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if type(norm) is not RMSNorm or not norm.native or norm.weight.dtype != model.spec.dtype:
+            if attn.qk_norm and (type(attn.heads_norm) is not HeadsNorm or not attn.heads_norm.native
+                                 or attn.heads_norm.eps != layer.input_layernorm.eps):
+                return None
+            for name in SANDWICH_NORMS if layer.sandwich else NORMS:
+                norm = getattr(layer, name)
+                if (type(norm) is not norm_type or not norm.native or norm.weight.dtype != dtype
+                        or norm.eps != layer.input_layernorm.eps):
                     return None
             for owner, name in PROJECTIONS:
                 linear = getattr(getattr(layer, owner), name, None)
                 parts = _parts(linear) if linear is not None else None
-                if parts is None or any(p.bias is not None and p.bias.dtype != model.spec.dtype for p in parts):
+                if parts is None or any(p.bias is not None and p.bias.dtype != dtype for p in parts):
                     return None
                 modules.append(linear)
+        layers = model.model.layers
+        if (len({layer.mlp.act_name in ("silu", "swish") for layer in layers}) > 1
+                or len({layer.self_attn.extra.get("softcap") for layer in layers}) > 1
+                or any(layer.rope >= len(model.rotary) for layer in layers)):
+            return None
         return cls(model, modules)
 
     def _unchanged(self) -> bool:
         return all(place.get(name) is module for place, name, module in self.places)
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+    def __call__(self, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """The last layer's output for this step (before the final norm), or None where the step
-        has tokens the native attention does not attend as decode rows (the modules take it)."""
-        if h.dtype != self.norms[0].dtype or meta.image_spans or not self._unchanged():
+        has tokens the native attention does not attend as decode rows (the modules take it).
+        tables: (cos, signed sin) of each of the model's RoPE tables, for the step's positions."""
+        if h.dtype != self.dtype or meta.image_spans or not self._unchanged():
             return None
         window = self.window0 if self.window0 is not None and self.window0 < meta.max_seqlen_k else None
         group = self.num_heads // self.num_kv_heads
@@ -126,8 +158,8 @@ class NativeDecodeStack:
             return None
         path = native.loaded()
         return torch.ops.opentgi.decode_stack(
-            h, cos.contiguous(), sin.contiguous(), self.weights, self.qtypes, self.passes, self.biases, self.parts,
-            self.norms,
+            h, [cos.contiguous() for cos, _ in tables], [sin.contiguous() for _, sin in tables], self.ropes,
+            self.weights, self.qtypes, self.passes, self.biases, self.parts, self.norms, self.qk_norms,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, plan.tails,
             rows.block_tables, rows.seq, rows.ctx, self.num_heads, self.num_kv_heads, self.scale, self.windows,
-            self.eps, native.ISAS[self.backend.isa or path.isa])
+            self.softcap, self.act, self.eps, native.ISAS[self.backend.isa or path.isa])

@@ -85,14 +85,17 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
                                      partial(torch.ops.aten.gelu_, approximate="tanh")),
 }
 
+# the activations the native act-and-multiply ops compute: name -> the op's act id (csrc/op_helpers.h)
+NATIVE_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
+
 
 def act_and_mul(gate_up: torch.Tensor, intermediate: int, act: str, use_native: bool = False) -> torch.Tensor:
     """act(gate) * up, gate and up the halves of gate_up's last dim (a gated MLP's one matmul). With
-    `use_native` and silu on CPU in float32/bfloat16: one native op (`opentgi::silu_mul`: every value
-    through the same vector code, so no padding is needed for a row's bits to be its own); else
-    `ACTIVATIONS[act](gate).mul_(up)`."""
-    if (use_native and act in ("silu", "swish") and gate_up.device.type == "cpu"
+    `use_native` and silu or gelu_pytorch_tanh on CPU in float32/bfloat16: one native op
+    (`opentgi::silu_mul`, `opentgi::gelu_tanh_mul`: every value through the same vector code, so no
+    padding is needed for a row's bits to be its own); else `ACTIVATIONS[act](gate).mul_(up)`."""
+    if (use_native and act in NATIVE_ACTIVATIONS and gate_up.device.type == "cpu"
             and gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.shape[-1] == 2 * intermediate):
-        return native.silu_mul(gate_up)
+        return native.gelu_tanh_mul(gate_up) if NATIVE_ACTIVATIONS[act] else native.silu_mul(gate_up)
     gate, up = gate_up.split(intermediate, dim=-1)
     return ACTIVATIONS[act](gate).mul_(up)

@@ -12,10 +12,11 @@
 - `LayerNorm` (StarCoder2): torch's, with its bias.
 
 Where the native kernels serve the model (`use_native`: the native attention backend, set by the
-model), `RMSNorm` runs as one native op (`opentgi::rms_norm`), and `add_and_norm` adds the
-residual and norms the sum in one pass (`opentgi::add_rms_norm`): the same formula, the sum of
-squares in the kernel's own fixed order (other bits than torch's, within float rounding; the
-same bits for a row whatever the rows beside it). The torch composition is the fallback.
+model), `RMSNorm`, `GemmaRMSNorm` (its float32 1 + w) and `HeadsNorm` (a weight per head) run as
+one native op (`opentgi::rms_norm`), and `add_and_norm` adds the residual and norms the sum in one
+pass (`opentgi::add_rms_norm`): the same formula, the sum of squares in the kernel's own fixed
+order (other bits than torch's, within float rounding; the same bits for a row whatever the rows
+beside it). The torch composition is the fallback.
 """
 
 from __future__ import annotations
@@ -56,20 +57,29 @@ class GemmaRMSNorm(ForwardWithoutHooks, torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
-        self._scale: tuple[int, torch.Tensor] | None = None  # (weight version, 1 + weight in float32)
+        # (weight version, 1 + weight in float32, that twice over)
+        self._scale: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self.native = False  # the native op serves (`use_native`)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def scale(self) -> torch.Tensor:
+        """1 + weight in float32, the native op's weight (models/families/native_stack.py takes it)."""
         if self._scale is None or self._scale[0] != self.weight._version:
             scale = self.weight.detach().float() + 1.0
-            self._scale = (self.weight._version, torch.cat([scale, scale]))
+            self._scale = (self.weight._version, scale, torch.cat([scale, scale]))
+        return self._scale[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale()
+        if self.native and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            return native.rms_norm(x, scale, self.eps)
         size = self.weight.shape[-1]
-        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), self._scale[1], None, self.eps)[..., :size].contiguous()
+        return F.layer_norm(torch.cat([x, -x], dim=-1), (2 * size,), self._scale[2], None, self.eps)[..., :size].contiguous()
 
 
 class HeadsNorm(ForwardWithoutHooks, torch.nn.Module):
     """q's and k's per-head norms (Qwen3, Gemma 3) as one op on their adjacent columns: x [T, H + KV, D]
     normed over D, query heads with q_norm's weight and key heads with k_norm's: the numbers of the
-    two norms applied one after the other, in half the ops."""
+    two norms applied one after the other, in half the ops; natively one op (`native`)."""
 
     def __init__(self, q_norm: torch.nn.Module, k_norm: torch.nn.Module, num_heads: int, num_kv_heads: int):
         super().__init__()
@@ -80,8 +90,12 @@ class HeadsNorm(ForwardWithoutHooks, torch.nn.Module):
 
         self.weight = torch.cat([weight(q_norm).expand(num_heads, -1), weight(k_norm).expand(num_kv_heads, -1)])
         self.eps = q_norm.eps
+        self.native = False  # the native op serves (`use_native`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.native and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and self.weight.dtype in (x.dtype, torch.float32)):
+            return native.rms_norm(x, self.weight, self.eps)
         if self.gemma:
             return F.rms_norm(x.float(), x.shape[-1:], None, self.eps).mul_(self.weight).to(x.dtype)
         x32 = x.float()
@@ -100,8 +114,9 @@ def add_and_norm(norm: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor)
 
 
 def use_native(module: torch.nn.Module) -> None:
-    """The native fused ops serve `module`'s RMSNorms and SiLU-gated MLPs (the native kernels are
-    loaded: the model's attention backend is the native one)."""
+    """The native fused ops serve `module`'s RMSNorms (Gemma's and the per-head ones too) and its
+    SiLU- and GELU(tanh)-gated MLPs (the native kernels are loaded: the model's attention backend is
+    the native one)."""
     for sub in module.modules():
         if hasattr(sub, "native") and isinstance(getattr(sub, "native"), bool):
             sub.native = True

@@ -1,0 +1,34 @@
+// What the torch-op sources (ops.cpp, stack.cpp) share beyond matmul.h: the row dtype and ISA
+// checks, the per-row layer ops (layer_ops.h) dispatched by ISA, and paged attention's checked
+// arguments and its run (attention.h). Defined in ops.cpp, so each op has one definition.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "attention.h"
+#include "layer_ops.h"
+
+namespace opentgi {
+
+enum RowAct { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+// ROW_F32 or ROW_BF16 for a float32 or bfloat16 CPU tensor; a clear error for anything else
+int row_dtype(const at::Tensor& t, const char* op);
+// an error unless this library has kernels for `isa`
+void check_isa(int64_t isa, const char* op);
+// rms_norm_row (layer_ops.h) on the ISA's variant
+void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const void* weight, bool weight_f32, int n,
+              float eps, int dtype, void* out, float* buf);
+// act(gate) * up (RowAct) on the ISA's variant; buf: n rounded up to 8 floats
+void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int dtype, void* out, float* buf);
+
+// The attention's arguments but q and out, after checking that every block a row reads (through
+// its table, from its window's first key to its last) is one of the cache's.
+PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq, const at::Tensor& ctx, int64_t rows, int64_t heads, int64_t D,
+                              int64_t window, double scale, double softcap, const char* op);
+// every row of `a` on torch's intra-op threads, each work item whole on one thread
+void run_attention(const PagedAttention& a, int64_t rows, int64_t isa);
+
+}  // namespace opentgi

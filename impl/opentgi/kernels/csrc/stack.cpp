@@ -1,0 +1,294 @@
+// opentgi::decode_stack: a step's decoder layers, every row a decode row, in one call, registered
+// into the opentgi library ops.cpp defines. The layer is models/families/decoder.py's:
+//   norm, one qkv matmul (+ bias), q and k normed per head (Qwen3, Gemma 3), RoPE by halves on q
+//   and k (the layer's table: Gemma 3's local layers have their own), k and v stored in the paged
+//   cache, paged attention (the layer's window; soft-capped logits: Gemma 2), o (+ bias), then
+//   Llama's residual add + norm, or with sandwich norms (Gemma 2/3) the norm of o added to the
+//   residual and the pre-feed-forward norm of that; gate_up, SiLU- or GELU(tanh)-and-multiply,
+//   down, and the residual add (with sandwich norms: of down's output normed).
+// Every norm is layer_ops.h's RMSNorm, its weight in h's dtype (RMSNorm) or float32 (Gemma's 1 + w).
+// Every matmul is on GGUF blocks (q, k and v, or gate and up, one weight or parts of different
+// block types side by side, as a Q4_K_M file holds them). Each op is the function the layer's
+// modules call one by one, in their order, rounding to the row dtype where they round, so the
+// hidden states equal the module-by-module step's bit for bit (and stay batch-invariant).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "common.h"
+#include "matmul.h"
+#include "op_helpers.h"
+
+namespace opentgi {
+namespace {
+
+static inline float to_dtype(float f, int dtype) { return dtype == ROW_BF16 ? bf16_to_fp32(bf16_store(f)) : f; }
+static inline float ld(const void* p, int64_t i, int dtype) {
+  return dtype == ROW_BF16 ? bf16_to_fp32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void st(void* p, int64_t i, float f, int dtype) {
+  if (dtype == ROW_BF16) ((uint16_t*)p)[i] = bf16_store(f); else ((float*)p)[i] = f;
+}
+
+// A projection: one weight, or parts side by side (q, k, v or gate, up of different block types,
+// as ConcatLinear concatenates them), each with its bias or none.
+struct Projection {
+  std::vector<Matmul> parts;
+  std::vector<const void*> biases;
+  int64_t N = 0, K = 0;
+};
+
+// out [M, N] (dtype) = x [M, K] (dtype) @ W.T, each part's outputs rounded to the dtype and then its
+// bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute
+void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, std::vector<float>& xf,
+                 std::vector<float>& of, std::vector<uint8_t>& act, void* out) {
+  const int64_t K = p.K, N = p.N;
+  const float* xin = (const float*)x;
+  if (dtype != ROW_F32) {
+    xf.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = ld(x, i, dtype);
+    xin = xf.data();
+  }
+  float* o = (float*)out;
+  if (dtype != ROW_F32) {
+    of.resize(M * N);
+    o = of.data();
+  }
+  bool any_bias = false;
+  for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j) {
+    run_matmul(p.parts[j], xin, M, isa, o + off, act, N);
+    any_bias = any_bias || p.biases[j] != nullptr;
+  }
+  if (dtype == ROW_F32 && !any_bias) return;
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j)
+        for (int64_t n = 0; n < p.parts[j].N; ++n) {
+          const int64_t i = m * N + off + n;
+          float v = to_dtype(o[i], dtype);
+          if (p.biases[j] != nullptr) v = to_dtype(v + ld(p.biases[j], n, dtype), dtype);
+          st(out, i, v, dtype);
+        }
+  });
+}
+
+// The four projections of each layer (qkv, o, gate_up, down), checked against the layer's shape.
+std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
+                                       const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
+                                       int64_t L, int64_t hidden, int64_t H, int64_t KV, int64_t D, at::ScalarType dt,
+                                       int64_t isa, std::vector<at::Tensor>& kept, const char* op) {
+  const int64_t qkv_n = (H + 2 * KV) * D;
+  std::vector<Projection> projections;
+  kept.reserve(weights.size());
+  size_t next = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int j = 0; j < 4; ++j) {
+      Projection p;
+      TORCH_CHECK(parts[4 * l + j] >= 1 && next + parts[4 * l + j] <= weights.size(), op, ": a projection's parts");
+      for (int64_t part = 0; part < parts[4 * l + j]; ++part, ++next) {
+        const int64_t n = weights[next].size(0);
+        const int64_t k = j == 1 ? H * D : j == 3 ? projections[4 * l + 2].N / 2 : hidden;
+        p.parts.push_back(make_matmul(weights[next], qtypes[next], n, k, isa, op, passes[next]));
+        p.N += n;
+        p.K = k;
+        const std::optional<at::Tensor> b = biases.get(next);
+        if (b.has_value() && b->defined()) {
+          TORCH_CHECK(b->numel() == n && b->scalar_type() == dt, op, ": a bias [out] in h's dtype");
+          kept.push_back(b->contiguous());
+          p.biases.push_back(kept.back().data_ptr());
+        } else {
+          p.biases.push_back(nullptr);
+        }
+      }
+      const int64_t want = j == 0 ? qkv_n : j == 2 ? p.N : hidden;
+      TORCH_CHECK(p.N == want && (j != 2 || p.N % 2 == 0), op, ": layer ", l, " projection ", j, " has ", p.N,
+                  " outputs (q, k, v: ", qkv_n, "; gate then up of one size; o and down: ", hidden, ")");
+      projections.push_back(std::move(p));
+    }
+  }
+  TORCH_CHECK(next == weights.size(), op, ": ", weights.size() - next, " weights belong to no projection");
+  return projections;
+}
+
+// a norm's weight: `numel` values in h's dtype or float32, contiguous
+void check_norm(const at::Tensor& w, int64_t numel, at::ScalarType dt, const char* what, const char* op) {
+  TORCH_CHECK(w.numel() == numel && (w.scalar_type() == dt || w.scalar_type() == at::kFloat) && w.is_contiguous(),
+              op, ": ", what, " weights [", numel, "] in h's dtype or float32");
+}
+
+at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
+                        at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
+                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
+                        at::TensorList norms, at::TensorList qk_norms, at::TensorList k_caches,
+                        at::TensorList v_caches, const at::Tensor& slots, const std::optional<at::Tensor>& tails,
+                        const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
+                        int64_t num_heads, int64_t num_kv_heads, double scale, at::IntArrayRef windows,
+                        double softcap, int64_t act_kind, double eps, int64_t isa) {
+  const char* op = "decode_stack";
+  check_isa(isa, op);
+  const int dtype = row_dtype(h_in, op);
+  const int64_t L = (int64_t)k_caches.size();
+  TORCH_CHECK(h_in.dim() == 2 && L >= 1 && !cos.empty(), op, ": h [rows, hidden], at least one layer and RoPE table");
+  const bool sandwich = (int64_t)norms.size() == 4 * L;
+  TORCH_CHECK((int64_t)parts.size() == 4 * L && qtypes.size() == weights.size() && passes.size() == weights.size()
+                  && biases.size() == weights.size() && ((int64_t)norms.size() == 2 * L || sandwich)
+                  && (qk_norms.empty() || (int64_t)qk_norms.size() == L) && (int64_t)v_caches.size() == L
+                  && (int64_t)windows.size() == L && (int64_t)ropes.size() == L && sin.size() == cos.size(),
+              op, ": 4 projections a layer (their parts' weights, qtypes, passes and biases), 2 norms (4 with "
+              "sandwich norms), a q/k norm (or none), a k and a v cache, a window and a RoPE table per layer");
+  TORCH_CHECK(act_kind == ACT_SILU || act_kind == ACT_GELU_TANH, op, ": act 0 (SiLU) or 1 (GELU tanh)");
+  const int64_t T = h_in.size(0), hidden = h_in.size(1), H = num_heads, KV = num_kv_heads;
+  const int64_t D = cos[0].size(-1), es = h_in.element_size();
+  const auto dt = h_in.scalar_type();
+  for (size_t i = 0; i < cos.size(); ++i)
+    TORCH_CHECK(cos[i].numel() == T * D && sin[i].numel() == T * D && cos[i].scalar_type() == dt
+                    && sin[i].scalar_type() == dt && cos[i].is_contiguous() && sin[i].is_contiguous() && D % 2 == 0,
+                op, ": cos and signed sin [rows, 1, head_dim] in h's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == T, op,
+              ": slots int64 [rows]");
+  at::Tensor h = h_in.contiguous().clone();
+  if (T == 0) return h;
+  const int64_t qkv_n = (H + 2 * KV) * D;
+  std::vector<at::Tensor> kept;  // the biases' contiguous copies, alive for the call
+  const std::vector<Projection> projections =
+      projections_of(weights, qtypes, passes, biases, parts, L, hidden, H, KV, D, dt, isa, kept, op);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t j = 0; j < (sandwich ? 4 : 2); ++j) check_norm(norms[(sandwich ? 4 : 2) * l + j], hidden, dt, "norm", op);
+    if (!qk_norms.empty()) check_norm(qk_norms[l], (H + KV) * D, dt, "q/k norm", op);
+    TORCH_CHECK(ropes[l] >= 0 && ropes[l] < (int64_t)cos.size(), op, ": layer ", l, " names RoPE table ", ropes[l]);
+    TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes()
+                    && k_caches[l].scalar_type() == dt && v_caches[l].scalar_type() == dt
+                    && k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
+                op, ": every layer's caches [blocks, block_size, kv_heads, head_dim] alike, in h's dtype");
+  }
+  // every block any layer reads (windows only narrow what a row reads), checked once
+  PagedAttention att = attention_args(k_caches[0], v_caches[0], block_tables, seq, ctx, T, H, D, 0, scale, softcap, op);
+  TORCH_CHECK(k_caches[0].size(2) == KV, op, ": the caches hold ", k_caches[0].size(2), " kv heads, not ", KV);
+  const int64_t cache_slots = k_caches[0].size(0) * k_caches[0].size(1), slot_bytes = KV * D * es;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= -1 && sl[t] < cache_slots, op, ": row ", t, " writes slot ", sl[t], " of ", cache_slots);
+  at::Tensor tail;
+  if (tails.has_value() && tails->defined()) {
+    tail = tails->to(at::kLong).contiguous();
+    for (int64_t i = 0; i < tail.numel(); ++i)
+      TORCH_CHECK(tail.data_ptr<int64_t>()[i] >= 0 && tail.data_ptr<int64_t>()[i] < cache_slots, op,
+                  ": a tail slot out of the cache");
+  }
+  int64_t gu_max = 0;
+  for (int64_t l = 0; l < L; ++l) gu_max = std::max(gu_max, projections[4 * l + 2].N);
+  std::vector<char> x(T * hidden * es), qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
+      d(T * hidden * es), gu(T * gu_max * es), a(T * gu_max / 2 * es);
+  std::vector<float> qf(T * H * D), out(T * H * D), xf, of;
+  std::vector<uint8_t> act;
+  char* hp = (char*)h.data_ptr();
+  // x = norm(src) (with `residual`: of src + h, the sum stored to h), row by row
+  const auto norm_all = [&](const void* src, bool residual, const at::Tensor& w) {
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(hidden + 8);
+      for (int64_t r = r0; r < r1; ++r) {
+        const size_t off = (size_t)r * hidden * es;
+        norm_row(isa, (const char*)src + off, residual ? hp + off : nullptr, residual ? hp + off : nullptr,
+                 w.data_ptr(), w.scalar_type() == at::kFloat, (int)hidden, (float)eps, dtype, x.data() + off,
+                 buf.data());
+      }
+    });
+  };
+  // h = norm(src) + h (sandwich norms: the norm's output added to the residual stream), via x
+  const auto norm_add = [&](const void* src, const at::Tensor& w) {
+    norm_all(src, false, w);
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * hidden; i < r1 * hidden; ++i) st(hp, i, ld(x.data(), i, dtype) + ld(hp, i, dtype), dtype);
+    });
+  };
+  const int64_t per = sandwich ? 4 : 2;
+  for (int64_t l = 0; l < L; ++l) {
+    const Projection* mm = &projections[4 * l];
+    if (sandwich || l == 0) norm_all(hp, false, norms[per * l]); else norm_all(d.data(), true, norms[per * l]);
+    linear_rows(mm[0], x.data(), T, dtype, isa, xf, of, act, qkv.data());
+    char* kc = (char*)k_caches[l].data_ptr();
+    char* vc = (char*)v_caches[l].data_ptr();
+    const char* cp = (const char*)cos[ropes[l]].data_ptr();
+    const char* sp = (const char*)sin[ropes[l]].data_ptr();
+    const char* qkw = qk_norms.empty() ? nullptr : (const char*)qk_norms[l].data_ptr();
+    const bool qkw_f32 = qkw != nullptr && qk_norms[l].scalar_type() == at::kFloat;
+    const int64_t qkw_row = qkw == nullptr ? 0 : D * qk_norms[l].element_size();
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+      std::vector<float> head(D), buf(D + 8);
+      for (int64_t t = r0; t < r1; ++t) {
+        char* row = qkv.data() + t * qkv_n * es;
+        const char* c = cp + t * D * es;
+        const char* s = sp + t * D * es;
+        for (int64_t j = 0; j < H + KV; ++j) {
+          char* hd = row + j * D * es;
+          if (qkw != nullptr)  // per head, q's heads with q_norm's weight, k's with k_norm's (HeadsNorm)
+            norm_row(isa, hd, nullptr, nullptr, qkw + j * qkw_row, qkw_f32, (int)D, (float)eps, dtype, hd, buf.data());
+          // x * cos + cat(x2, x1) * signed sin (layers/rotary.py)
+          for (int64_t i = 0; i < D; ++i) head[i] = ld(hd, i, dtype);
+          for (int64_t i = 0; i < D; ++i) {
+            const float rot = head[i < D / 2 ? i + D / 2 : i - D / 2];
+            const float p = to_dtype(head[i] * ld(c, i, dtype), dtype);
+            const float q = to_dtype(rot * ld(s, i, dtype), dtype);
+            st(hd, i, p + q, dtype);
+          }
+        }
+        for (int64_t i = 0; i < H * D; ++i) qf[t * H * D + i] = ld(row, i, dtype);
+        if (sl[t] >= 0) {
+          std::memcpy(kc + sl[t] * slot_bytes, row + H * D * es, slot_bytes);
+          std::memcpy(vc + sl[t] * slot_bytes, row + (H + KV) * D * es, slot_bytes);
+        }
+      }
+    });
+    for (int64_t i = 0; i < tail.numel(); ++i) {  // zeros past the context (the torch forms read whole blocks)
+      std::memset(kc + tail.data_ptr<int64_t>()[i] * slot_bytes, 0, slot_bytes);
+      std::memset(vc + tail.data_ptr<int64_t>()[i] * slot_bytes, 0, slot_bytes);
+    }
+    att.k_cache = kc;
+    att.v_cache = vc;
+    att.window = windows[l] > 0 ? (int)windows[l] : 0;
+    att.q = qf.data();
+    att.out = out.data();
+    run_attention(att, T, isa);
+    for (int64_t i = 0; i < T * H * D; ++i) st(att_d.data(), i, out[i], dtype);
+    linear_rows(mm[1], att_d.data(), T, dtype, isa, xf, of, act, o.data());
+    if (sandwich) {
+      norm_add(o.data(), norms[per * l + 1]);
+      norm_all(hp, false, norms[per * l + 2]);
+    } else {
+      norm_all(o.data(), true, norms[per * l + 1]);
+    }
+    linear_rows(mm[2], x.data(), T, dtype, isa, xf, of, act, gu.data());
+    const int64_t I = mm[2].N / 2;
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(I + 8);
+      for (int64_t r = r0; r < r1; ++r)
+        act_row(isa, (int)act_kind, gu.data() + r * 2 * I * es, gu.data() + (r * 2 + 1) * I * es, (int)I, dtype,
+                a.data() + r * I * es, buf.data());
+    });
+    linear_rows(mm[3], a.data(), T, dtype, isa, xf, of, act, d.data());
+    if (sandwich) norm_add(d.data(), norms[per * l + 3]);
+  }
+  if (!sandwich)
+    for (int64_t i = 0; i < T * hidden; ++i) st(hp, i, ld(d.data(), i, dtype) + ld(hp, i, dtype), dtype);
+  return h;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(opentgi, m) {
+  m.def("decode_stack(Tensor h, Tensor[] cos, Tensor[] sin, int[] ropes, Tensor[] weights, int[] qtypes, "
+        "int[] passes, Tensor?[] biases, int[] parts, Tensor[] norms, Tensor[] qk_norms, Tensor[] k_caches, "
+        "Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, Tensor ctx, int num_heads, "
+        "int num_kv_heads, float scale, int[] windows, float softcap, int act, float eps, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
+  m.impl("decode_stack", decode_stack);
+}
+
+}  // namespace opentgi
