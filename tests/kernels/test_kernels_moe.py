@@ -188,3 +188,23 @@ def test_a_moe_gguf_runs_its_experts_grouped_on_the_files_blocks(kernels, arch):
         reference = torch_model.compute_logits(PagedRunner(torch_model).step(prompt))
     assert torch.equal(grouped, loop)
     assert torch.nn.functional.cosine_similarity(grouped[0], reference[0], dim=0) > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_native_routing_picks_the_torch_routes_experts_within_float_rounding(kernels, dtype, renormalize):
+    """opentgi::moe_route (a block on the native kernels, `native`): the same top k experts as the
+    torch route (logits far apart), their weights within float rounding; a token's bits alone."""
+    block = _block(kernels, dtype)
+    block.renormalize = renormalize
+    x = _rows(9, dtype, seed=5)
+    weights, experts = block.route(x)
+    block.native = True
+    native_weights, native_experts = block.route(x)
+    assert native_experts.dtype == torch.long and native_weights.dtype == dtype
+    assert torch.equal(native_experts, experts)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02}
+    torch.testing.assert_close(native_weights, weights, **tol)
+    for t in (0, 8):
+        alone = block.route(x[t:t + 1])
+        assert torch.equal(alone[0], native_weights[t:t + 1]) and torch.equal(alone[1], native_experts[t:t + 1])

@@ -1,9 +1,10 @@
 """A decode step's layers in one native call (models/families/native_stack.py): the hidden states
 and the KV cache it leaves are the module-by-module step's bit for bit, in float32 and bfloat16,
 for one row and for several rows of several tokens, with q/k/v biases, with projections of one
-block type and of several side by side, and for Qwen3's and Gemma 2/3's layers (`--quantize int8`:
-q/k norms, sandwich norms, GeGLU, soft-capping, windows, two RoPE tables); steps it does not take
-(prompt tokens, replaced projections) go through the modules."""
+block type and of several side by side, and for Qwen3's, Gemma 2/3's and Qwen3-MoE's and Mixtral's
+layers (`--quantize int8`: q/k norms, sandwich norms, GeGLU, soft-capping, windows, two RoPE tables,
+routed experts beside dense layers); steps it does not take (prompt tokens, replaced projections)
+go through the modules."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def run_both(model, steps: list[dict[int, list[int]]]):
 
 
 @pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16"), ("qwen3", "bfloat16"),
-                                         ("gemma2", "float32"), ("gemma3", "bfloat16"), ("gemma3", "float32")])
+                                         ("gemma2", "float32"), ("gemma3", "bfloat16"), ("gemma3", "float32"),
+                                         ("qwen3_moe", "bfloat16"), ("mixtral", "float32")])
 def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf, tmp_path_factory, file, dtype):
     if file == "mixed":  # q, k, v in three block types, gate and up in two: parts side by side
         model = load(tiny_models.tiny_gguf_path(), dtype, tmp_path_factory)
@@ -83,7 +85,8 @@ def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf,
     elif file != "uniform":  # the family's tiny model, its projections Q8_0 blocks
         model = load(tiny_models.tiny_family_path(file), dtype, tmp_path_factory, quantize="int8")
         layout = model.layout
-        assert layout.structure.qk_norm == (file != "gemma2")
+        assert layout.structure.qk_norm == (file not in ("gemma2", "mixtral"))
+        assert layout.moe == {"qwen3_moe": (True, False), "mixtral": (True, True)}.get(file, (False, False))
         if file.startswith("gemma"):  # windows shorter than the prompts; Gemma 2 soft-caps, Gemma 3 has 2 tables
             assert layout.structure.sandwich_norms and layout.act == "gelu_pytorch_tanh" and layout.windows[0] == 8
             assert (layout.attn_softcap, len(model.rotary)) == ((2.0, 1) if file == "gemma2" else (None, 2))

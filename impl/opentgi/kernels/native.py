@@ -6,7 +6,7 @@ logging one line: what was built or loaded and how long it took, or why the torc
 the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_mm`, with a fake
 (meta) implementation registered so torch.compile and FX see it as one op. `moe_up` and `moe_down`
 (`opentgi::gguf_moe_up`, `opentgi::gguf_moe_down`) run a mixture of experts' projections for every
-token and every expert it was routed to in one call each.
+token and every expert it was routed to in one call each; `moe_route` routes the tokens.
 `paged_attention(...)` attends decode rows over the paged KV cache in place (csrc/attention.h), the
 torch op `opentgi::paged_attention`; `rms_norm`, `add_rms_norm`, `silu_mul` and `gelu_tanh_mul` are
 fused per-row layer ops (csrc/layer_ops.h); `opentgi::decode_stack` (csrc/stack.cpp) runs a decode
@@ -125,8 +125,13 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("opentgi::decode_stack")
     def _(h, cos, sin, ropes, weights, qtypes, passes, biases, parts, norms, qk_norms, k_caches, v_caches, slots,
-          tails, block_tables, seq, ctx, num_heads, num_kv_heads, scale, windows, softcap, act, eps, isa):
+          tails, block_tables, seq, ctx, num_heads, num_kv_heads, scale, windows, softcap, act, eps, routers,
+          expert_weights, expert_types, top_k, renormalize, isa):
         return torch.empty_like(h)
+
+    @torch.library.register_fake("opentgi::moe_route")
+    def _(x, w, k, renormalize):
+        return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
 
 
 def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, isa: str | None = None,
@@ -152,6 +157,15 @@ def moe_down(h: torch.Tensor, blocks: list[torch.Tensor], qtype: int, experts: t
     products times weights[t, j] (h's dtype) added in increasing expert order -> [T, N] in h's
     dtype: each product rounded to h's dtype, the sum in float32 from zero, rounded once."""
     return torch.ops.opentgi.gguf_moe_down(h, blocks, qtype, experts, weights, out_features, _isa(isa), passes)
+
+
+def moe_route(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's top k: x [T, hidden] (float32 or bfloat16) by weight (float32 [experts, hidden]) ->
+    (weights [T, k] in x's dtype, experts int64 [T, k]), as models/layers/moe.py's SparseMoE.route:
+    the logits rounded to x's dtype (each a sum in one fixed order), the k largest, their weights the
+    float32 softmax of those k (`renormalize`) or of every logit. A token's bits are its own."""
+    _isa(None)  # the library is loaded
+    return torch.ops.opentgi.moe_route(x, weight, int(k), bool(renormalize))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -1,5 +1,6 @@
-// The grouped-experts torch ops (opentgi::gguf_moe_up, opentgi::gguf_moe_down), registered into
-// the opentgi library ops.cpp defines.
+// The grouped-experts torch ops (opentgi::gguf_moe_up, opentgi::gguf_moe_down) and the router's
+// (opentgi::moe_route), registered into the opentgi library ops.cpp defines; the decode stack
+// (stack.cpp) calls the same functions (op_helpers.h).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -9,8 +10,12 @@
 #include <cstring>
 #include <vector>
 
+#include <cmath>
+#include <tuple>
+
 #include "common.h"
 #include "matmul.h"
+#include "op_helpers.h"
 
 namespace opentgi {
 namespace {
@@ -116,6 +121,8 @@ MoeCall moe_call(const at::Tensor& x, at::TensorList w, int64_t qtype, int64_t N
   return c;
 }
 
+}  // namespace
+
 at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,
                        int64_t out_features, int64_t isa, int64_t passes) {
   const MoeCall c = moe_call(x, w, qtype, out_features, isa, passes, "gguf_moe_up");
@@ -204,6 +211,76 @@ at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, c
   return out;
 }
 
+// A token's routing (moe_route): the router's logits x . w_e, each summed in one fixed order (16
+// running sums, then those in order, then the tail) and rounded to the dtype, as a linear layer in
+// the dtype rounds; the top k logits (the first of equal ones); their weights the softmax of the
+// top k (renormalize) or of every logit, in float32, rounded to the dtype.
+void route_row(const void* x, int dtype, int64_t hidden, const float* w, int64_t E, int64_t top, bool renormalize,
+               float* buf, int64_t* ids, void* weights) {
+  float* xf = buf;
+  float* logits = buf + hidden;
+  for (int64_t i = 0; i < hidden; ++i)
+    xf[i] = dtype == ROW_BF16 ? bf16_to_fp32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+  for (int64_t e = 0; e < E; ++e) {
+    const float* we = w + e * hidden;
+    float p[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= hidden; i += 16)
+      for (int j = 0; j < 16; ++j) p[j] += xf[i + j] * we[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < 16; ++j) s += p[j];
+    for (; i < hidden; ++i) s += xf[i] * we[i];
+    logits[e] = dtype == ROW_BF16 ? bf16_to_fp32(bf16_store(s)) : s;
+  }
+  for (int64_t j = 0; j < top; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int64_t q = 0; q < j; ++q) taken = taken || ids[q] == e;
+      if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
+    }
+    ids[j] = best;
+  }
+  const float m = logits[ids[0]];
+  float total = 0.0f;
+  if (renormalize) {
+    for (int64_t j = 0; j < top; ++j) total += std::exp(logits[ids[j]] - m);
+  } else {
+    for (int64_t e = 0; e < E; ++e) total += std::exp(logits[e] - m);
+  }
+  for (int64_t j = 0; j < top; ++j) {
+    const float v = std::exp(logits[ids[j]] - m) / total;
+    if (dtype == ROW_BF16) ((uint16_t*)weights)[j] = bf16_store(v); else ((float*)weights)[j] = v;
+  }
+}
+
+namespace {
+
+// opentgi::moe_route(x [T, hidden] float32 or bfloat16, w float32 [E, hidden], k, renormalize) ->
+// (weights [T, k] in x's dtype, experts int64 [T, k]): route_row for each token, tokens split among
+// torch's intra-op threads (a token's bits are its own).
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& w, int64_t top, bool renormalize) {
+  const int dtype = row_dtype(x, "moe_route");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1) && w.scalar_type() == at::kFloat
+                  && w.device().is_cpu(), "moe_route: x [tokens, hidden], w float32 [experts, hidden]");
+  const int64_t T = x.size(0), hidden = x.size(1), E = w.size(0);
+  TORCH_CHECK(top >= 1 && top <= E, "moe_route: k=", top, " of ", E, " experts");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor weights = at::empty({T, top}, x.options());
+  at::Tensor ids = at::empty({T, top}, x.options().dtype(at::kLong));
+  const char* xp = (const char*)xc.data_ptr();
+  char* wp = (char*)weights.data_ptr();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const size_t es = xc.element_size();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(hidden + E);
+    for (int64_t t = t0; t < t1; ++t)
+      route_row(xp + t * hidden * es, dtype, hidden, wc.data_ptr<float>(), E, top, renormalize, buf.data(),
+                ip + t * top, wp + t * top * es);
+  });
+  return {weights, ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(opentgi, m) {
@@ -211,11 +288,13 @@ TORCH_LIBRARY_FRAGMENT(opentgi, m) {
         "-> Tensor");
   m.def("gguf_moe_down(Tensor h, Tensor[] w, int qtype, Tensor ids, Tensor weights, int out_features, int isa, "
         "int passes=1) -> Tensor");
+  m.def("moe_route(Tensor x, Tensor w, int k, bool renormalize) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("gguf_moe_up", gguf_moe_up);
   m.impl("gguf_moe_down", gguf_moe_down);
+  m.impl("moe_route", moe_route);
 }
 
 }  // namespace opentgi

@@ -1,6 +1,7 @@
-// What the torch-op sources (ops.cpp, stack.cpp) share beyond matmul.h: the row dtype and ISA
-// checks, the per-row layer ops (layer_ops.h) dispatched by ISA, and paged attention's checked
-// arguments and its run (attention.h). Defined in ops.cpp, so each op has one definition.
+// What the torch-op sources (ops.cpp, moe_ops.cpp, stack.cpp) share beyond matmul.h: the row dtype
+// and ISA checks, the per-row layer ops (layer_ops.h) dispatched by ISA, paged attention's checked
+// arguments and its run (attention.h), defined in ops.cpp; the grouped experts and the router,
+// defined in moe_ops.cpp. Each has one definition.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -30,5 +31,15 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
                               int64_t window, double scale, double softcap, const char* op);
 // every row of `a` on torch's intra-op threads, each work item whole on one thread
 void run_attention(const PagedAttention& a, int64_t rows, int64_t isa);
+
+// opentgi::gguf_moe_up, opentgi::gguf_moe_down (moe_ops.cpp: grouped experts)
+at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,
+                       int64_t out_features, int64_t isa, int64_t passes);
+at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, const at::Tensor& ids,
+                         const at::Tensor& weights, int64_t out_features, int64_t isa, int64_t passes);
+// one token's routing (opentgi::moe_route): x [hidden] of the row dtype, w float32 [E, hidden] ->
+// ids [top] and weights [top] in the row dtype; buf: hidden + E floats
+void route_row(const void* x, int dtype, int64_t hidden, const float* w, int64_t E, int64_t top, bool renormalize,
+               float* buf, int64_t* ids, void* weights);
 
 }  // namespace opentgi

@@ -5,7 +5,9 @@
 //   cache, paged attention (the layer's window; soft-capped logits: Gemma 2), o (+ bias), then
 //   Llama's residual add + norm, or with sandwich norms (Gemma 2/3) the norm of o added to the
 //   residual and the pre-feed-forward norm of that; gate_up, SiLU- or GELU(tanh)-and-multiply,
-//   down, and the residual add (with sandwich norms: of down's output normed).
+//   down, and the residual add (with sandwich norms: of down's output normed). A routed-experts
+//   layer (Qwen3-MoE, Mixtral) instead routes each row (the router's float32 weight) and runs its
+//   k experts grouped: moe_ops.cpp's gate/up call, the activation, its down call and weighted sum.
 // Every norm is layer_ops.h's RMSNorm, its weight in h's dtype (RMSNorm) or float32 (Gemma's 1 + w).
 // Every matmul is on GGUF blocks (q, k and v, or gate and up, one weight or parts of different
 // block types side by side, as a Q4_K_M file holds them). Each op is the function the layer's
@@ -13,6 +15,7 @@
 // hidden states equal the module-by-module step's bit for bit (and stay batch-invariant).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -77,11 +80,21 @@ void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64
   });
 }
 
-// The four projections of each layer (qkv, o, gate_up, down), checked against the layer's shape.
+// A routed-experts layer: the router's float32 weight [E, hidden] and each expert's gate_up and
+// down GGUF blocks, their types, activation passes and outputs.
+struct Experts {
+  at::Tensor router;
+  std::vector<at::Tensor> up, down;
+  int64_t up_qtype = 0, up_passes = 1, up_n = 0, down_qtype = 0, down_passes = 1;
+};
+
+// The four projections of each layer (qkv, o, gate_up, down; a routed-experts layer's last two
+// empty), checked against the layer's shape.
 std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
                                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
-                                       int64_t L, int64_t hidden, int64_t H, int64_t KV, int64_t D, at::ScalarType dt,
-                                       int64_t isa, std::vector<at::Tensor>& kept, const char* op) {
+                                       const std::vector<bool>& moe, int64_t L, int64_t hidden, int64_t H, int64_t KV,
+                                       int64_t D, at::ScalarType dt, int64_t isa, std::vector<at::Tensor>& kept,
+                                       const char* op) {
   const int64_t qkv_n = (H + 2 * KV) * D;
   std::vector<Projection> projections;
   kept.reserve(weights.size());
@@ -89,6 +102,11 @@ std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef q
   for (int64_t l = 0; l < L; ++l) {
     for (int j = 0; j < 4; ++j) {
       Projection p;
+      if (j >= 2 && moe[l]) {
+        TORCH_CHECK(parts[4 * l + j] == 0, op, ": layer ", l, " routes to experts: no gate_up or down of its own");
+        projections.push_back(std::move(p));
+        continue;
+      }
       TORCH_CHECK(parts[4 * l + j] >= 1 && next + parts[4 * l + j] <= weights.size(), op, ": a projection's parts");
       for (int64_t part = 0; part < parts[4 * l + j]; ++part, ++next) {
         const int64_t n = weights[next].size(0);
@@ -121,6 +139,39 @@ void check_norm(const at::Tensor& w, int64_t numel, at::ScalarType dt, const cha
               op, ": ", what, " weights [", numel, "] in h's dtype or float32");
 }
 
+// out [T, hidden] = the routed experts' weighted sum for x's rows, as SparseMoE's grouped path
+// computes it: route_row, the experts' gate_up call, act(gate) * up a (token, expert) row at a time,
+// the down call with the weighted sum
+void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_t top, bool renormalize, int64_t isa,
+                    void* out) {
+  const int64_t T = x.size(0), hidden = x.size(1), E = ex.router.size(0), I = ex.up_n / 2;
+  const int dtype = row_dtype(x, "decode_stack");
+  const size_t es = x.element_size();
+  at::Tensor ids = at::empty({T, top}, x.options().dtype(at::kLong));
+  at::Tensor weights = at::empty({T, top}, x.options());
+  const char* xp = (const char*)x.data_ptr();
+  char* wp = (char*)weights.data_ptr();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(hidden + E);
+    for (int64_t t = t0; t < t1; ++t)
+      route_row(xp + t * hidden * es, dtype, hidden, ex.router.data_ptr<float>(), E, top, renormalize, buf.data(),
+                ip + t * top, wp + t * top * es);
+  });
+  const at::Tensor up = gguf_moe_up(x, ex.up, ex.up_qtype, ids, ex.up_n, isa, ex.up_passes);  // [T, k, 2I]
+  at::Tensor hid = at::empty({T * top, I}, x.options());
+  const char* up_p = (const char*)up.data_ptr();
+  char* hp = (char*)hid.data_ptr();
+  at::parallel_for(0, T * top, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(I + 8);
+    for (int64_t r = r0; r < r1; ++r)
+      act_row(isa, act_kind, up_p + r * 2 * I * es, up_p + (r * 2 + 1) * I * es, (int)I, dtype, hp + r * I * es,
+              buf.data());
+  });
+  const at::Tensor down = gguf_moe_down(hid, ex.down, ex.down_qtype, ids, weights, hidden, isa, ex.down_passes);
+  std::memcpy(out, down.data_ptr(), T * hidden * es);
+}
+
 at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
                         const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
@@ -128,7 +179,9 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
                         at::TensorList v_caches, const at::Tensor& slots, const std::optional<at::Tensor>& tails,
                         const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
                         int64_t num_heads, int64_t num_kv_heads, double scale, at::IntArrayRef windows,
-                        double softcap, int64_t act_kind, double eps, int64_t isa) {
+                        double softcap, int64_t act_kind, double eps,
+                        const c10::List<std::optional<at::Tensor>>& routers, at::TensorList expert_weights,
+                        at::IntArrayRef expert_types, int64_t top_k, bool renormalize, int64_t isa) {
   const char* op = "decode_stack";
   check_isa(isa, op);
   const int dtype = row_dtype(h_in, op);
@@ -154,9 +207,38 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
   at::Tensor h = h_in.contiguous().clone();
   if (T == 0) return h;
   const int64_t qkv_n = (H + 2 * KV) * D;
+  TORCH_CHECK((int64_t)routers.size() == L, op, ": a router (or none) per layer");
+  std::vector<bool> moe(L);
+  std::vector<Experts> experts(L);
+  size_t next_expert = 0, next_type = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const std::optional<at::Tensor> r = routers.get(l);
+    moe[l] = r.has_value() && r->defined();
+    if (!moe[l]) continue;
+    Experts& ex = experts[l];
+    ex.router = r->contiguous();
+    const int64_t E = ex.router.size(0);
+    TORCH_CHECK(ex.router.dim() == 2 && ex.router.size(1) == hidden && ex.router.scalar_type() == at::kFloat
+                    && top_k >= 1 && top_k <= E && next_expert + 2 * E <= expert_weights.size()
+                    && next_type + 5 <= expert_types.size(),
+                op, ": layer ", l, ": a float32 router [experts, hidden], k of its experts, each expert's gate_up and "
+                "down, and 5 types (gate_up's qtype, passes and outputs; down's qtype and passes)");
+    ex.up.assign(expert_weights.begin() + next_expert, expert_weights.begin() + next_expert + E);
+    ex.down.assign(expert_weights.begin() + next_expert + E, expert_weights.begin() + next_expert + 2 * E);
+    next_expert += 2 * E;
+    ex.up_qtype = expert_types[next_type];
+    ex.up_passes = expert_types[next_type + 1];
+    ex.up_n = expert_types[next_type + 2];
+    ex.down_qtype = expert_types[next_type + 3];
+    ex.down_passes = expert_types[next_type + 4];
+    next_type += 5;
+    TORCH_CHECK(ex.up_n >= 2 && ex.up_n % 2 == 0, op, ": an expert's gate then up, of one size");
+  }
+  TORCH_CHECK(next_expert == expert_weights.size() && next_type == expert_types.size(), op,
+              ": expert weights or types that belong to no layer");
   std::vector<at::Tensor> kept;  // the biases' contiguous copies, alive for the call
   const std::vector<Projection> projections =
-      projections_of(weights, qtypes, passes, biases, parts, L, hidden, H, KV, D, dt, isa, kept, op);
+      projections_of(weights, qtypes, passes, biases, parts, moe, L, hidden, H, KV, D, dt, isa, kept, op);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t j = 0; j < (sandwich ? 4 : 2); ++j) check_norm(norms[(sandwich ? 4 : 2) * l + j], hidden, dt, "norm", op);
     if (!qk_norms.empty()) check_norm(qk_norms[l], (H + KV) * D, dt, "q/k norm", op);
@@ -182,7 +264,9 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
   }
   int64_t gu_max = 0;
   for (int64_t l = 0; l < L; ++l) gu_max = std::max(gu_max, projections[4 * l + 2].N);
-  std::vector<char> x(T * hidden * es), qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
+  at::Tensor x_rows = at::empty({T, hidden}, h.options());  // the normed rows (an expert call's input)
+  char* x = (char*)x_rows.data_ptr();
+  std::vector<char> qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
       d(T * hidden * es), gu(T * gu_max * es), a(T * gu_max / 2 * es);
   std::vector<float> qf(T * H * D), out(T * H * D), xf, of;
   std::vector<uint8_t> act;
@@ -194,7 +278,7 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
       for (int64_t r = r0; r < r1; ++r) {
         const size_t off = (size_t)r * hidden * es;
         norm_row(isa, (const char*)src + off, residual ? hp + off : nullptr, residual ? hp + off : nullptr,
-                 w.data_ptr(), w.scalar_type() == at::kFloat, (int)hidden, (float)eps, dtype, x.data() + off,
+                 w.data_ptr(), w.scalar_type() == at::kFloat, (int)hidden, (float)eps, dtype, x + off,
                  buf.data());
       }
     });
@@ -203,14 +287,14 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
   const auto norm_add = [&](const void* src, const at::Tensor& w) {
     norm_all(src, false, w);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0 * hidden; i < r1 * hidden; ++i) st(hp, i, ld(x.data(), i, dtype) + ld(hp, i, dtype), dtype);
+      for (int64_t i = r0 * hidden; i < r1 * hidden; ++i) st(hp, i, ld(x, i, dtype) + ld(hp, i, dtype), dtype);
     });
   };
   const int64_t per = sandwich ? 4 : 2;
   for (int64_t l = 0; l < L; ++l) {
     const Projection* mm = &projections[4 * l];
     if (sandwich || l == 0) norm_all(hp, false, norms[per * l]); else norm_all(d.data(), true, norms[per * l]);
-    linear_rows(mm[0], x.data(), T, dtype, isa, xf, of, act, qkv.data());
+    linear_rows(mm[0], x, T, dtype, isa, xf, of, act, qkv.data());
     char* kc = (char*)k_caches[l].data_ptr();
     char* vc = (char*)v_caches[l].data_ptr();
     const char* cp = (const char*)cos[ropes[l]].data_ptr();
@@ -262,15 +346,19 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
     } else {
       norm_all(o.data(), true, norms[per * l + 1]);
     }
-    linear_rows(mm[2], x.data(), T, dtype, isa, xf, of, act, gu.data());
-    const int64_t I = mm[2].N / 2;
-    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(I + 8);
-      for (int64_t r = r0; r < r1; ++r)
-        act_row(isa, (int)act_kind, gu.data() + r * 2 * I * es, gu.data() + (r * 2 + 1) * I * es, (int)I, dtype,
-                a.data() + r * I * es, buf.data());
-    });
-    linear_rows(mm[3], a.data(), T, dtype, isa, xf, of, act, d.data());
+    if (moe[l]) {
+      routed_experts(experts[l], x_rows, (int)act_kind, top_k, renormalize, isa, d.data());
+    } else {
+      linear_rows(mm[2], x, T, dtype, isa, xf, of, act, gu.data());
+      const int64_t I = mm[2].N / 2;
+      at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
+        std::vector<float> buf(I + 8);
+        for (int64_t r = r0; r < r1; ++r)
+          act_row(isa, (int)act_kind, gu.data() + r * 2 * I * es, gu.data() + (r * 2 + 1) * I * es, (int)I, dtype,
+                  a.data() + r * I * es, buf.data());
+      });
+      linear_rows(mm[3], a.data(), T, dtype, isa, xf, of, act, d.data());
+    }
     if (sandwich) norm_add(d.data(), norms[per * l + 3]);
   }
   if (!sandwich)
@@ -284,7 +372,8 @@ TORCH_LIBRARY_FRAGMENT(opentgi, m) {
   m.def("decode_stack(Tensor h, Tensor[] cos, Tensor[] sin, int[] ropes, Tensor[] weights, int[] qtypes, "
         "int[] passes, Tensor?[] biases, int[] parts, Tensor[] norms, Tensor[] qk_norms, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, Tensor ctx, int num_heads, "
-        "int num_kv_heads, float scale, int[] windows, float softcap, int act, float eps, int isa) -> Tensor");
+        "int num_kv_heads, float scale, int[] windows, float softcap, int act, float eps, Tensor?[] routers, "
+        "Tensor[] expert_weights, int[] expert_types, int top_k, bool renormalize, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {

@@ -5,15 +5,16 @@ or gate/up of one block type or of several, as in Q4_K_M; or `--quantize`/AWQ/GP
 layouts), a step whose every token the native attention attends as a decode row (decode rows; with
 batch invariance also speculative verify tokens) runs all its layers in one call instead of some
 forty torch ops and their Python a layer. The layers it computes: Llama's (Llama, Mistral, Qwen2,
-Phi-3), with q and k normed per head (Qwen3), and Gemma's: (1 + w) RMSNorms, sandwich norms, GELU
-(tanh)-gated MLPs, soft-capped attention logits, the query pre-attention scalar, sliding windows
-per layer and the local layers' own RoPE table (Gemma 2, Gemma 3). The call runs the same functions
+Phi-3), with q and k normed per head (Qwen3), routed experts (Qwen3-MoE, Mixtral: the router, the
+top k and the grouped expert calls of models/layers/moe.py), and Gemma's: (1 + w) RMSNorms, sandwich
+norms, GELU(tanh)-gated MLPs, soft-capped attention logits, the query pre-attention scalar, sliding
+windows per layer and the local layers' own RoPE table (Gemma 2, Gemma 3). The call runs the same functions
 the layer's modules call one by one, in their order and with their roundings, so the hidden states
 are the module-by-module step's bit for bit (tests/kernels/test_kernels_stack.py); batch invariance
 carries over unchanged.
 
-Layers of another shape (experts, LayerNorm, plain MLPs, M-RoPE, LoRA adapters, dense or
-other-format projections) and every other step (prompt tokens, images) take the modules.
+Layers of another shape (LayerNorm, plain MLPs, M-RoPE, a quantized router, LoRA adapters, dense
+or other-format projections) and every other step (prompt tokens, images) take the modules.
 """
 
 from __future__ import annotations
@@ -26,15 +27,36 @@ from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.torch_plan import make_plan
 from opentgi.models.layers.elementwise import NATIVE_ACTIVATIONS
 from opentgi.models.layers.mlp import GatedMLP
+from opentgi.models.layers.moe import RouterLogits, SparseMoE
 from opentgi.models.layers.norm import GemmaRMSNorm, HeadsNorm, RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding
 from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
 from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+ATTENTION = PROJECTIONS[:2]
 NORMS = ("input_layernorm", "post_attention_layernorm")
 SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm")
+
+
+def _taken(layer: nn.Module) -> list[tuple[str, str]]:
+    """(owner attribute, name) of each module of `layer` whose weights the stack takes: its four
+    projections, or with routed experts the attention's two and the experts' block."""
+    if isinstance(layer.feed_forward, SparseMoE):
+        return [*ATTENTION, ("", layer.mlp_attr)]
+    return list(PROJECTIONS)
+
+
+def _module(layer: nn.Module, owner: str, name: str) -> nn.Module | None:
+    return getattr(getattr(layer, owner) if owner else layer, name, None)
+
+
+def _experts_served(moe: SparseMoE, dtype: torch.dtype) -> bool:
+    """Whether the stack computes `moe` as its modules do: the float32 router, the grouped native
+    experts, the native ops, no adapters, no tensor parallelism."""
+    return (type(moe.gate) is RouterLogits and moe.grouped is not None and moe.native and moe.lora is None
+            and moe.tp is None and moe.experts[0].act_name in NATIVE_ACTIVATIONS)
 
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
@@ -63,8 +85,8 @@ class NativeDecodeStack:
         # replaced there (an adapter's wrapper) ends the stack; dict lookups, not nn.Module attributes,
         # as this is checked every step
         taken = iter(modules)
-        self.places = [(getattr(layer, owner)._modules, name, next(taken))
-                       for layer in layers for owner, name in PROJECTIONS]
+        self.places = [((getattr(layer, owner) if owner else layer)._modules, name, next(taken))
+                       for layer in layers for owner, name in _taken(layer)]
         self.layers = layers
         self.dtype = model.spec.dtype
         self.backend = attn.backend
@@ -72,7 +94,8 @@ class NativeDecodeStack:
         self.windows = [int(layer.self_attn.sliding_window or 0) for layer in layers]
         self.window0 = attn.sliding_window
         self.softcap = float(attn.extra.get("softcap") or 0.0)
-        self.act = NATIVE_ACTIVATIONS[layers[0].mlp.act_name]
+        first_ff = layers[0].feed_forward
+        self.act = NATIVE_ACTIVATIONS[(first_ff.experts[0] if isinstance(first_ff, SparseMoE) else first_ff).act_name]
         self.ropes = [layer.rope for layer in layers]  # each layer's RoPE table
         self.eps = float(layers[0].input_layernorm.eps)
         self.weights: list[torch.Tensor] = []
@@ -82,8 +105,24 @@ class NativeDecodeStack:
         self.parts: list[int] = []  # per projection: how many of the weights above are its parts
         self.norms: list[torch.Tensor] = []  # 2 a layer, 4 with sandwich norms
         self.qk_norms = [layer.self_attn.heads_norm.weight for layer in layers] if attn.qk_norm else []
+        self.routers: list[torch.Tensor | None] = []  # per layer: a routed-experts layer's float32 router
+        self.expert_weights: list[torch.Tensor] = []  # per routed layer: each expert's gate_up, then down
+        self.expert_types: list[int] = []  # per routed layer: gate_up's qtype, passes, outputs; down's qtype, passes
+        self.top_k, self.renormalize = 1, True
         for layer in layers:
+            ff = layer.feed_forward
+            moe = ff if isinstance(ff, SparseMoE) else None
+            self.routers.append(moe.gate.weight if moe is not None else None)
+            if moe is not None:
+                grouped = moe.grouped
+                self.expert_weights += [*grouped.gate_up, *grouped.down]
+                up, down = grouped.gate_up_format, grouped.down_format
+                self.expert_types += [up.qtype, up.passes, up.out_features, down.qtype, down.passes]
+                self.top_k, self.renormalize = moe.top_k, moe.renormalize
             for owner, name in PROJECTIONS:
+                if moe is not None and owner == "mlp":
+                    self.parts.append(0)
+                    continue
                 parts = _parts(getattr(getattr(layer, owner), name))
                 self.parts.append(len(parts))
                 for part in parts:
@@ -100,17 +139,26 @@ class NativeDecodeStack:
         layout = model.layout
         structure = layout.structure
         dtype = model.spec.dtype
-        if (structure.norm not in ("rms", "gemma_rms") or any(layout.moe) or not 1 <= len(model.rotary) <= 2
+        if (structure.norm not in ("rms", "gemma_rms") or not 1 <= len(model.rotary) <= 2
                 or any(type(rotary) is not RotaryEmbedding for rotary in model.rotary)
                 or dtype not in (torch.float32, torch.bfloat16) or not model.model.layers
                 or getattr(model, "lora", None) is not None):
             return None
         norm_type = RMSNorm if structure.norm == "rms" else GemmaRMSNorm
         modules: list[nn.Module] = []
+        acts, moes = set(), []
         for layer in model.model.layers:
-            if (layer.mlp_attr != "mlp" or not isinstance(layer.mlp, GatedMLP)
-                    or layer.mlp.act_name not in NATIVE_ACTIVATIONS or not layer.mlp.native):
+            ff = layer.feed_forward
+            if isinstance(ff, SparseMoE):
+                if not _experts_served(ff, dtype):
+                    return None
+                acts.add(ff.experts[0].act_name in ("silu", "swish"))
+                moes.append((ff.top_k, ff.renormalize))
+            elif layer.mlp_attr != "mlp" or not isinstance(ff, GatedMLP) or ff.act_name not in NATIVE_ACTIVATIONS \
+                    or not ff.native:
                 return None
+            else:
+                acts.add(ff.act_name in ("silu", "swish"))
             attn = layer.self_attn
             if set(attn.extra) - {"softcap"} or getattr(attn.backend, "name", None) != "native":
                 return None
@@ -122,15 +170,17 @@ class NativeDecodeStack:
                 if (type(norm) is not norm_type or not norm.native or norm.weight.dtype != dtype
                         or norm.eps != layer.input_layernorm.eps):
                     return None
-            for owner, name in PROJECTIONS:
-                linear = getattr(getattr(layer, owner), name, None)
-                parts = _parts(linear) if linear is not None else None
+            for owner, name in _taken(layer):
+                module = _module(layer, owner, name)
+                if owner == "":
+                    modules.append(module)
+                    continue
+                parts = _parts(module) if module is not None else None
                 if parts is None or any(p.bias is not None and p.bias.dtype != dtype for p in parts):
                     return None
-                modules.append(linear)
+                modules.append(module)
         layers = model.model.layers
-        if (len({layer.mlp.act_name in ("silu", "swish") for layer in layers}) > 1
-                or len({layer.self_attn.extra.get("softcap") for layer in layers}) > 1
+        if (len(acts) > 1 or len(set(moes)) > 1 or len({layer.self_attn.extra.get("softcap") for layer in layers}) > 1
                 or any(layer.rope >= len(model.rotary) for layer in layers)):
             return None
         return cls(model, modules)
@@ -162,4 +212,5 @@ class NativeDecodeStack:
             self.weights, self.qtypes, self.passes, self.biases, self.parts, self.norms, self.qk_norms,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, plan.tails,
             rows.block_tables, rows.seq, rows.ctx, self.num_heads, self.num_kv_heads, self.scale, self.windows,
-            self.softcap, self.act, self.eps, native.ISAS[self.backend.isa or path.isa])
+            self.softcap, self.act, self.eps, self.routers, self.expert_weights, self.expert_types, self.top_k,
+            self.renormalize, native.ISAS[self.backend.isa or path.isa])

@@ -24,6 +24,11 @@ projections and the weighted sum (opentgi.kernels.native's moe_up, moe_down): no
 experts, each token's row quantized once for its k experts, and the same bits the per-expert path
 gives (float32: the products, their rounding and the sum in expert order are the same arithmetic).
 
+Where the native kernels serve the model (`native`, set by layers/norm.py's `use_native`), routing
+is one native op (`opentgi::moe_route`: the logits' sums in the kernel's own fixed order, the
+softmax's exp its own: other bits than torch's, within float rounding) and the activation is the
+native act-and-multiply; the single-call decode step (models/families/native_stack.py) runs the same.
+
 LoRA adapters (`lora`, models/layers/expert_lora.py) add their deltas to the router's logits and
 each expert's outputs; a step without adapter rows runs exactly the code above. With tensor parallelism each rank holds a slice of every expert's intermediate features (the
 router is replicated, so every rank routes alike) and `tp` all-reduces the block's output once.
@@ -37,6 +42,7 @@ from torch import nn
 
 from opentgi.kernels import native
 from opentgi.models.base import ForwardWithoutHooks
+from opentgi.models.layers.elementwise import act_and_mul
 from opentgi.models.layers.mlp import GatedMLP
 from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
 from opentgi.models.quantization.linear import QuantizedLinear
@@ -86,23 +92,24 @@ class GroupedExperts:
     """Every expert's gate/up and down projections as GGML blocks, run for all tokens and experts in
     one native call per projection (module docstring)."""
 
-    def __init__(self, gate_up: list[GGUFBlockWeight], down: list[GGUFBlockWeight], act, intermediate: int):
+    def __init__(self, gate_up: list[GGUFBlockWeight], down: list[GGUFBlockWeight], act_name: str, intermediate: int):
         self.gate_up = [f.blocks for f in gate_up]
         self.down = [f.blocks for f in down]
         self.gate_up_format, self.down_format = gate_up[0], down[0]
-        self.act, self.intermediate = act, intermediate
+        self.act_name, self.intermediate = act_name, intermediate
 
     @classmethod
-    def of(cls, experts: nn.ModuleList, act, intermediate: int) -> GroupedExperts | None:
+    def of(cls, experts: nn.ModuleList, act_name: str, intermediate: int) -> GroupedExperts | None:
         gate_up = _blocks_of([e.gate_up_proj for e in experts])
         down = _blocks_of([e.down_proj for e in experts])
-        return None if gate_up is None or down is None else cls(gate_up, down, act, intermediate)
+        return None if gate_up is None or down is None else cls(gate_up, down, act_name, intermediate)
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 use_native: bool = False) -> torch.Tensor:
         up, down = self.gate_up_format, self.down_format
         gate_up = native.moe_up(x, self.gate_up, up.qtype, experts, up.out_features, up.passes)
-        gate, value = gate_up.split(self.intermediate, dim=-1)
-        hidden = self.act(gate).mul_(value)  # [T, k, intermediate], as the per-expert path's one pass
+        # [T, k, intermediate], as the per-expert path's one pass (`use_native`: the native op, as there)
+        hidden = act_and_mul(gate_up, self.intermediate, self.act_name, use_native)
         return native.moe_down(hidden.view(-1, self.intermediate), self.down, down.qtype, experts, weights,
                                down.out_features, down.passes)
 
@@ -122,17 +129,21 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
         self.tp = None  # models.parallel.TPGroup when sharded: the output is all-reduced
         self.lora = None  # layers.expert_lora.ExpertLora when LoRA adapters adapt this block
         self.grouped: GroupedExperts | None = None  # set by fuse_projections where the experts allow
+        self.native = False  # routing and the activation as native ops (layers/norm.py's `use_native`)
 
     def fuse_projections(self) -> None:
         for expert in self.experts:
             expert.fuse_projections()
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
-        self.grouped = GroupedExperts.of(self.experts, self.act, self.intermediate)
+        self.grouped = GroupedExperts.of(self.experts, self.experts[0].act_name, self.intermediate)
 
     def route(self, x: torch.Tensor, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, experts [T, k] int64); `lora`: the step
         has adapter rows, whose adapters' router deltas are added."""
+        if (self.native and not lora and type(self.gate) is RouterLogits and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.bfloat16)):
+            return native.moe_route(x, self.gate.weight, self.top_k, self.renormalize)
         logits = self.gate(x)
         if lora:
             logits = self.lora.add_router(x, logits)
@@ -148,8 +159,9 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
         next `count` rows; the activation runs once over all of them. `slots`: the LoRA adapters
         (slots) of the expert's rows, each adding its delta masked by `masks[slot]` ([R, 1]: its
         rows); empty (and `masks` None) in a step without adapter rows."""
-        gate, up = self._each_expert("gate_up_proj", rows, used, masks).split(self.intermediate, dim=-1)
-        hidden = self.act(gate).mul_(up)  # one elementwise pass over every expert's rows
+        gate_up = self._each_expert("gate_up_proj", rows, used, masks)
+        # one elementwise pass over every expert's rows (natively as the grouped path: `native`)
+        hidden = act_and_mul(gate_up, self.intermediate, self.experts[0].act_name, self.native)
         return self._each_expert("down_proj", hidden, used, masks)
 
     def _each_expert(self, projection: str, rows: torch.Tensor, used: list[tuple[int, int, tuple[int, ...]]],
@@ -172,7 +184,7 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
         lora = self.lora is not None and self.lora.active()
         weights, experts = self.route(x, lora)
         if self.grouped is not None and not lora:
-            out = self.grouped(x, weights, experts)
+            out = self.grouped(x, weights, experts, self.native)
             return out if self.tp is None else self.tp.all_reduce(out)
         if x.shape[0] == 1:
             return self._one_token(x, weights[0], experts[0], lora)
