@@ -9,9 +9,11 @@ and StarCoder2, Qwen3's q/k norms). Mixtral has 8 experts of 1536 features and Q
 2 per token. Each architecture is then served beside a Llama server (default flags plus
 --server-arg), warmed with one unmeasured round at every level, and the two are driven one right
 after the other at each --concurrency level.
-With `--engine-steps`, instead: each architecture's engine and Llama's run in this process
-(`bench/steps.py`), one right after the other per round and level, and the table compares their
-median decode steps (the model, the LM head and the engine around them; no HTTP, no client).
+The checkpoints are dense, so with default flags no side takes the single-call decode step
+(models/families/native_stack.py); `--server-arg=--quantize=int8` puts every projection, experts
+included, on the native kernels' blocks, where it does. With `--engine-steps`, instead: each
+architecture's engine and Llama's run in this process (`bench/steps.py`), one right after the other
+per round and level, and the table compares their median decode steps (the model, the LM head and the engine around them; no HTTP, no client).
 """
 
 from __future__ import annotations
