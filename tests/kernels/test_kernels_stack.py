@@ -108,7 +108,9 @@ def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf,
 def test_biases_are_added_as_the_modules_add_them(float32_model):
     model = float32_model
     gen = torch.Generator().manual_seed(0)
-    linears = [linear for layer in model.model.layers for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj)]
+    # a GGUF's q, k and v stay the file's blocks side by side (ConcatLinear): a bias on each part
+    linears = [part for layer in model.model.layers for linear in (layer.self_attn.qkv_proj, layer.mlp.down_proj)
+               for part in getattr(linear, "parts", [linear])]
     for linear in linears:
         linear.bias = torch.randn(linear.out_features, generator=gen)
     try:

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -176,6 +177,66 @@ void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float*
                 (int)stride);
   });
   if (passes > 1) add_passes(y.data(), M, mm.N, passes, out, ldo);
+}
+
+// Weights side by side over one input (q, k, v; gate, up), out [M, sum of N] float32 (rows ldo
+// apart): the input quantized once per activation layout the parts need, and one parallel region
+// over the parts' groups of 8 outputs, so each part's outputs come out as run_matmul's, bit for bit.
+void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, int64_t isa, float* out,
+                 std::vector<uint8_t>& act, int64_t ldo) {
+  if (M == 0 || parts.empty()) return;
+  if (parts.size() == 1) {
+    run_matmul(parts[0], x, M, isa, out, act, ldo);
+    return;
+  }
+  // one quantized copy of the rows per (superblocks, passes), the parts' offsets into `act`
+  std::vector<size_t> at(parts.size());
+  size_t total = 0;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    size_t k = 0;
+    for (; k < j; ++k)
+      if (parts[k].k.superblocks == parts[j].k.superblocks && parts[k].passes == parts[j].passes
+          && parts[k].K == parts[j].K) break;
+    if (k < j) {
+      at[j] = at[k];
+    } else {
+      at[j] = total;
+      total += (size_t)M * parts[j].passes * parts[j].act_row_bytes;
+    }
+  }
+  act.resize(total);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    bool first = true;
+    for (size_t k = 0; k < j; ++k) first = first && at[k] != at[j];
+    if (first)
+      quantize_rows(x, M, (int)parts[j].K, parts[j].k.superblocks, isa, act.data() + at[j], parts[j].act_row_bytes,
+                    parts[j].passes);
+  }
+  // two-pass parts' products per pass, added after
+  std::vector<size_t> ys(parts.size());
+  size_t ytotal = 0;
+  std::vector<int64_t> group0(parts.size() + 1, 0), off(parts.size(), 0);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    ys[j] = ytotal;
+    if (parts[j].passes > 1) ytotal += (size_t)M * parts[j].passes * parts[j].N;
+    group0[j + 1] = group0[j] + (parts[j].N + 7) / 8;
+    if (j > 0) off[j] = off[j - 1] + parts[j - 1].N;
+  }
+  std::vector<float> y(ytotal);
+  at::parallel_for(0, group0.back(), 1, [&](int64_t g0, int64_t g1) {
+    for (size_t j = 0; j < parts.size(); ++j) {
+      const int64_t a = std::max(g0, group0[j]), b = std::min(g1, group0[j + 1]);
+      if (a >= b) continue;
+      const Matmul& mm = parts[j];
+      const int64_t n0 = (a - group0[j]) * 8, n1 = std::min<int64_t>((b - group0[j]) * 8, mm.N);
+      float* dst = mm.passes > 1 ? y.data() + ys[j] : out + off[j];
+      const int64_t stride = mm.passes > 1 ? mm.N : ldo;
+      mm.k.matmul(mm.w, mm.row_bytes, act.data() + at[j], mm.act_row_bytes, (int)(M * mm.passes), (int)n0, (int)n1,
+                  (int)mm.K, dst, (int)stride);
+    }
+  });
+  for (size_t j = 0; j < parts.size(); ++j)
+    if (parts[j].passes > 1) add_passes(y.data() + ys[j], M, parts[j].N, parts[j].passes, out + off[j], ldo);
 }
 
 }  // namespace

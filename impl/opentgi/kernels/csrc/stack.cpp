@@ -62,11 +62,9 @@ void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64
     of.resize(M * N);
     o = of.data();
   }
+  run_matmuls(p.parts, xin, M, isa, o, act, N);
   bool any_bias = false;
-  for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j) {
-    run_matmul(p.parts[j], xin, M, isa, o + off, act, N);
-    any_bias = any_bias || p.biases[j] != nullptr;
-  }
+  for (const void* b : p.biases) any_bias = any_bias || b != nullptr;
   if (dtype == ROW_F32 && !any_bias) return;
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)

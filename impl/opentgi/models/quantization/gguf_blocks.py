@@ -61,8 +61,8 @@ class GGUFBlocks:
             raise ValueError("GGUF blocks are served by the native CPU kernel only")
         blocks = _as_tensor(np.asarray(self.raw).reshape(self.shape[0], -1))
         if self.order is not None:
-            blocks = blocks.index_select(0, self.order)
-        return GGUFBlockWeight(blocks, self.qtype, self.shape[1])
+            return GGUFBlockWeight(blocks.index_select(0, self.order), self.qtype, self.shape[1])
+        return GGUFBlockWeight(blocks, self.qtype, self.shape[1], mapped=True)
 
 
 class GGUFBlockWeight:
@@ -70,8 +70,11 @@ class GGUFBlockWeight:
 
     kind = "gguf"
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, passes: int = 1):
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, passes: int = 1, mapped: bool = False):
         self.blocks, self.qtype = blocks, int(qtype)
+        # the file's own pages (a view of the memory map): never copied, so the file's pages stay
+        # the weights (projections side by side stay parts: ConcatLinear, one native call for all)
+        self.mapped = mapped
         self.out_features, self.in_features = blocks.shape[0], in_features
         self.device = torch.device("cpu")
         self.passes = passes  # activation quantization passes (kernels.native.gguf_mm)
@@ -82,7 +85,7 @@ class GGUFBlockWeight:
         return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {path.isa if path else '?'})"
 
     def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
-        return all(o.qtype == self.qtype and o.in_features == self.in_features and o.passes == self.passes
+        return not self.mapped and all(not o.mapped and o.qtype == self.qtype and o.in_features == self.in_features and o.passes == self.passes
                    for o in others)
 
     @staticmethod
