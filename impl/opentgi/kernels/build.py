@@ -26,7 +26,7 @@ from pathlib import Path
 SOURCES = Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
                   "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp", "attention.cpp",
-                  "layer_ops.cpp")
+                  "prompt_attention.cpp", "layer_ops.cpp")
 COMMON_FLAGS = ("-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c")}
 TORCH_SOURCES = ("ops.cpp", "moe_ops.cpp", "stack.cpp")  # the torch ops (torch's headers, compiled once)

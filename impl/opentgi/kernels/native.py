@@ -8,7 +8,7 @@ the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_
 (`opentgi::gguf_moe_up`, `opentgi::gguf_moe_down`) run a mixture of experts' projections for every
 token and every expert it was routed to in one call each; `moe_route` routes the tokens.
 `paged_attention(...)` attends decode rows over the paged KV cache in place (csrc/attention.h), the
-torch op `opentgi::paged_attention`; `rms_norm`, `add_rms_norm`, `silu_mul` and `gelu_tanh_mul` are
+torch op `opentgi::paged_attention`, and `prompt_attention(...)` prompt rows in their own form; `rms_norm`, `add_rms_norm`, `silu_mul` and `gelu_tanh_mul` are
 fused per-row layer ops (csrc/layer_ops.h); `opentgi::decode_stack` (csrc/stack.cpp) runs a decode
 step's decoder layers in one call (models/families/native_stack.py).
 """
@@ -107,6 +107,10 @@ def _register_fake() -> None:
     def _(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("opentgi::prompt_attention")
+    def _(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa):
+        return torch.empty_like(q)
+
     @torch.library.register_fake("opentgi::rms_norm")
     def _(x, weight, eps, isa):
         return torch.empty_like(x)
@@ -184,6 +188,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise KernelsUnavailable("the native kernels are not loaded (kernels.native.load)")
     return torch.ops.opentgi.paged_attention(q, k_cache, v_cache, block_tables, seq, ctx, float(scale),
                                              int(window or 0), float(softcap or 0.0), ISAS[isa or path.isa])
+
+
+def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq: torch.Tensor, ctx: torch.Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None, isa: str | None = None) -> torch.Tensor:
+    """Prompt rows' attention over the paged KV cache: `paged_attention`'s arguments and result, in
+    the prompt tokens' own form (csrc/attention.h): runs of one sequence's rows at consecutive
+    contexts share each unit of keys. A row's bits depend on nothing but its own query, keys and
+    values (and the ISA), so a prompt token gets the same numbers however its prompt is split."""
+    return torch.ops.opentgi.prompt_attention(q, k_cache, v_cache, block_tables, seq, ctx, float(scale),
+                                              int(window or 0), float(softcap or 0.0), _isa(isa))
 
 
 def _isa(isa: str | None) -> int:

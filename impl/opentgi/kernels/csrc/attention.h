@@ -67,4 +67,30 @@ inline int64_t paged_attention_scratch(const PagedAttention& a) {
   return group * ((keys + 7) / 8 * 8) + heads * a.head_dim + 2 * heads + 2 * keys * a.head_dim + 16;
 }
 
+// Prompt attention (prompt_attention.cpp): the prompt tokens' own form. A tile is up to
+// PROMPT_TILE_ROWS consecutive rows of one sequence at consecutive contexts; a work item is a tile's
+// kv head. Keys are met in units of PROMPT_UNIT positions (unit u: positions u * PROMPT_UNIT ..),
+// in position order, with a float32 online softmax per unit; a logit is one chain of multiply-adds
+// over the head dimension in order, a value sum one chain over the unit's keys in order. A row's
+// bits depend only on its query, its keys and values, the scale, window and soft-cap: not on the
+// tile it shares a unit's keys with, the block size or table, or the thread; so a prompt token gets
+// the same numbers however the prompt was split into steps (chunks, a cached prefix). They are not
+// the decode form's bits (the kernels above).
+constexpr int PROMPT_UNIT = 64;
+constexpr int PROMPT_TILE_ROWS = 16;
+
+// Work items item0 .. item1 - 1 (item = tile * num_kv_heads + kv head; tile t is rows tiles[2t] ..
+// tiles[2t] + tiles[2t + 1] - 1); scratch holds prompt_attention_scratch(args) floats.
+void prompt_attention_scalar(const PagedAttention& a, const int32_t* tiles, int64_t item0, int64_t item1,
+                             float* scratch);
+void prompt_attention_avx2(const PagedAttention& a, const int32_t* tiles, int64_t item0, int64_t item1,
+                           float* scratch);
+
+inline int64_t prompt_attention_scratch(const PagedAttention& a) {
+  const int64_t queries = (int64_t)PROMPT_TILE_ROWS * (a.num_heads / a.num_kv_heads);
+  // a unit's keys twice (transposed; as float32), a zero row, logits [queries][unit + 8],
+  // accumulators [queries][head_dim], max and sum [queries]
+  return (2 * (int64_t)PROMPT_UNIT + 1) * a.head_dim + queries * (PROMPT_UNIT + 8 + a.head_dim + 2) + 16;
+}
+
 }  // namespace opentgi

@@ -187,6 +187,49 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
+// opentgi::prompt_attention (attention.h): paged_attention's arguments and result, prompt rows in
+// their own form; rows cut into tiles (runs of one sequence at consecutive contexts), work items
+// (a tile's kv head) split among torch's intra-op threads, each computed whole by one thread.
+at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
+                            double scale, int64_t window, double softcap, int64_t isa) {
+  TORCH_CHECK(isa == SCALAR
+#ifdef OPENTGI_WITH_AVX2
+                  || isa == AVX2
+#endif
+              , "prompt_attention: no kernel for ISA ", isa);
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), "prompt_attention: q must be a 3-D CPU tensor");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "prompt_attention: q float32 or bfloat16");
+  const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2);
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, heads, D}, q.options().dtype(at::kFloat));
+  PagedAttention a = attention_args(k_cache, v_cache, block_tables, seq, ctx, rows, heads, D, window, scale,
+                                    softcap, "prompt_attention");
+  if (rows == 0) return out.to(q.scalar_type());
+  a.q = qf.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  std::vector<int32_t> tiles;
+  for (int64_t r = 0; r < rows;) {
+    int64_t n = 1;
+    while (n < PROMPT_TILE_ROWS && r + n < rows && a.seq[r + n] == a.seq[r] && a.ctx[r + n] == a.ctx[r] + n) ++n;
+    tiles.push_back((int32_t)r);
+    tiles.push_back((int32_t)n);
+    r += n;
+  }
+  const int64_t items = (int64_t)tiles.size() / 2 * a.num_kv_heads, scratch = prompt_attention_scratch(a);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(scratch);
+#ifdef OPENTGI_WITH_AVX2
+    if (isa == AVX2) {
+      prompt_attention_avx2(a, tiles.data(), i0, i1, buf.data());
+      return;
+    }
+#endif
+    prompt_attention_scalar(a, tiles.data(), i0, i1, buf.data());
+  });
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}
+
 }  // namespace
 
 int row_dtype(const at::Tensor& t, const char* op) {
@@ -328,6 +371,8 @@ TORCH_LIBRARY(opentgi, m) {
   m.def("isas() -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, Tensor ctx, "
         "float scale, int window, float softcap, int isa) -> Tensor");
+  m.def("prompt_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, Tensor ctx, "
+        "float scale, int window, float softcap, int isa) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
@@ -337,6 +382,7 @@ TORCH_LIBRARY(opentgi, m) {
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("gguf_mm", gguf_mm);
   m.impl("paged_attention", paged_attention);
+  m.impl("prompt_attention", prompt_attention);
   m.impl("rms_norm", rms_norm);
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);

@@ -9,8 +9,14 @@ through the block table (no gathers), each kv head's keys read once for its quer
 online softmax over the row's cache blocks in position order, sliding windows and soft-capping in
 the kernel. A row's result depends on nothing but its own keys, so it is batch-invariant by
 construction: not on the other rows, their padding, or the thread count; the call runs on all of
-torch's intra-op threads. Prompt tokens keep the torch backend's forms, so a token's form still
-follows its kind (docs/determinism.md).
+torch's intra-op threads.
+
+Prompt tokens (where the backend is told them: batch invariance with the prompt form) go to
+`opentgi::prompt_attention` in one call per layer: a sequence's consecutive prompt tokens in tiles
+that share each unit of 64 keys, read in place and transposed once for all the tile's query heads;
+a token's bits depend only on its own query, keys and values, so they are the same however the
+prompt was split (chunks, a prefix-cache tail), and its form still follows its kind
+(docs/determinism.md). Other prompt tokens keep the torch backend's forms.
 """
 
 from __future__ import annotations
@@ -46,14 +52,15 @@ class NativeAttentionBackend(TorchAttentionBackend):
             k_cache.view(-1, *k_cache.shape[2:]).index_fill_(0, plan.tails, 0)
             v_cache.view(-1, *v_cache.shape[2:]).index_fill_(0, plan.tails, 0)
         out = None
-        rows = plan.native
-        if rows is not None:
+        for rows, attend in ((plan.native_prompt, native.prompt_attention), (plan.native, native.paged_attention)):
+            if rows is None:
+                continue
             q_rows = q if rows.in_order else q.index_select(0, rows.tokens)
-            o = native.paged_attention(q_rows, k_cache, v_cache, rows.block_tables, rows.seq, rows.ctx, scale,
-                                       sliding_window, softcap, self.isa)
+            o = attend(q_rows, k_cache, v_cache, rows.block_tables, rows.seq, rows.ctx, scale, sliding_window,
+                       softcap, self.isa)
             if rows.in_order:
                 return o
-            out = torch.empty_like(q)
+            out = torch.empty_like(q) if out is None else out
             out.index_copy_(0, rows.tokens, o)
         with one_thread(self.batch_invariant and q.dtype == torch.float32):
             return self._attend_plan(q, k, v, k_cache, v_cache, plan, scale, group, softcap, out)

@@ -125,6 +125,7 @@ class Plan:
     # step's first layer (`head_major_index`)
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
     native: NativeRows | None = None  # make_plan(native=True): the tokens in the decode row's form
+    native_prompt: NativeRows | None = None  # make_plan(native=True): prompt tokens in the native prompt form
 
 
 def head_major_index(blocks: torch.Tensor, rows: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
@@ -276,7 +277,8 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
                native: bool = False) -> Plan:
     """The step's plan. With `native`, every token the torch form attends as a decode row (decode
     rows, `Segment` tokens, speculative verify tokens) is listed in `Plan.native` instead, for the
-    native kernel: the same tokens, so a token's form still follows only its kind."""
+    native kernel, and the prompt form's tokens in `Plan.native_prompt`, for the native prompt
+    kernel: the same tokens, so a token's form still follows only its kind."""
     cu_q = meta.cu_seqlens_q.tolist()
     context_lens = meta.context_lens.tolist()
     device = meta.block_tables.device
@@ -288,9 +290,10 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
     prompt_segments: list[PromptSegment] = []
     prompt_new = meta.prompt_new_tokens if batch_invariant and prompt_form else None
     native_rows: list[tuple[int, int, int]] = []  # (token row, sequence, context) with `native`
+    prompt_rows: list[tuple[int, int, int]] = []  # the same for prompt tokens, with `native` and `prompt_form`
 
-    def as_rows(b: int, q_start: int, n: int, last_ctx: int) -> None:
-        native_rows.extend((q_start + j, b, last_ctx - n + 1 + j) for j in range(n))
+    def as_rows(b: int, q_start: int, n: int, last_ctx: int, into: list = native_rows) -> None:
+        into.extend((q_start + j, b, last_ctx - n + 1 + j) for j in range(n))
     for b, ctx in enumerate(context_lens):
         q_len = cu_q[b + 1] - cu_q[b]
         if q_len == 0:
@@ -302,6 +305,11 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
             first = int(meta.block_tables[b, ctx // block_size]) * block_size
             tails += range(first + ctx % block_size, first + block_size)
         num_prompt = prompt_new[b] if prompt_new is not None else 0
+        if num_prompt and native:  # the native prompt form, then any generated tokens as decode rows
+            as_rows(b, cu_q[b], num_prompt, ctx - q_len + num_prompt, prompt_rows)
+            if num_prompt < q_len:
+                as_rows(b, cu_q[b] + num_prompt, q_len - num_prompt, ctx)
+            continue
         if num_prompt:  # prompt tokens first (their own form), then any generated ones
             prompt_segments += cut_into_prompt_segments(meta, b, cu_q[b], num_prompt, ctx - q_len + num_prompt,
                                                 block_size, window, heads_per_kv)
@@ -362,10 +370,19 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
             prompts.append(_prompt_batch(spans, heads_per_kv, dtype, device))
     plan = Plan(has_skips, decode_tokens, decode_blocks, decode_in_order, tail_slots, decode, prefill,
                 prompts, segments, prompt_segments)
-    if native_rows:
-        rows, seqs, ctxs = zip(*native_rows, strict=True)
-        plan.native = NativeRows(torch.tensor(rows, dtype=torch.long, device=device),
-                                 torch.tensor(seqs, dtype=torch.int32, device=device),
-                                 torch.tensor(ctxs, dtype=torch.int32, device=device),
-                                 meta.block_tables.to(torch.int32).contiguous(), list(rows) == list(range(cu_q[-1])))
+    if native_rows or prompt_rows:
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        plan.native = _native_rows(native_rows, tables, cu_q[-1])
+        plan.native_prompt = _native_rows(prompt_rows, tables, cu_q[-1])
     return plan
+
+
+def _native_rows(listed: list[tuple[int, int, int]], tables: torch.Tensor, num_tokens: int) -> NativeRows | None:
+    if not listed:
+        return None
+    rows, seqs, ctxs = zip(*listed, strict=True)
+    device = tables.device
+    return NativeRows(torch.tensor(rows, dtype=torch.long, device=device),
+                      torch.tensor(seqs, dtype=torch.int32, device=device),
+                      torch.tensor(ctxs, dtype=torch.int32, device=device), tables,
+                      list(rows) == list(range(num_tokens)))
