@@ -209,8 +209,11 @@ class ModelRunner:
                 self.lora.end_step()
         out = StepOutput(sample_logits=None)
         if sample_rows:
-            last = torch.tensor(sample_positions(seqs, sample_rows, cu_q), device=self.device)
-            out.sample_logits = self.model.compute_logits(hidden.index_select(0, last))
+            rows = sample_positions(seqs, sample_rows, cu_q)
+            # every row sampled in order (a step of decode rows): the hidden states as they are
+            picked = hidden if rows == list(range(hidden.shape[0])) else \
+                hidden.index_select(0, torch.tensor(rows, device=self.device))
+            out.sample_logits = self.model.compute_logits(picked)
         for r in logit_rows:
             out.position_logits[r] = self.model.compute_logits(hidden[cu_q[r]:cu_q[r + 1]])
         for r in score_rows:

@@ -9,20 +9,40 @@ for the next token.
 
 from __future__ import annotations
 
+import functools
+
 INITIAL_CONTEXT_TOKENS = 5
 
 
+@functools.cache
+def _plain_fast(kind: type) -> bool:
+    """`kind` decodes as transformers' fast tokenizer does (its `decode` and `_decode` unchanged):
+    with clean-up off, its text is its Rust tokenizer's `decode` of the same ids."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    return (issubclass(kind, PreTrainedTokenizerFast) and kind.decode is PreTrainedTokenizerBase.decode
+            and kind._decode is PreTrainedTokenizerFast._decode)
+
+
 class IncrementalDetokenizer:
-    __slots__ = ("_prefix_text", "prefix_offset", "read_offset", "tokenizer")
+    __slots__ = ("_backend", "_prefix_text", "prefix_offset", "read_offset", "tokenizer")
 
     def __init__(self, tokenizer, prompt_token_ids: list[int]):
         self.tokenizer = tokenizer
+        # the Rust tokenizer itself where the Python layers around it change nothing (a step
+        # decodes twice; those layers cost more than the decoding)
+        self._backend = tokenizer.backend_tokenizer if _plain_fast(type(tokenizer)) else None
         n = len(prompt_token_ids)
         self.prefix_offset = max(n - INITIAL_CONTEXT_TOKENS, 0)
         self.read_offset = n
         self._prefix_text: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def step(self, all_ids: list[int]) -> str:

@@ -46,11 +46,12 @@ class Sampler:
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         batch = self.batch_for(seqs)
-        logits = logits[:, :self.vocab_size].float()
+        if logits.shape[-1] != self.vocab_size or logits.dtype != torch.float32:
+            logits = logits[:, :self.vocab_size].float()
         # log-probabilities over the whole vocabulary: only when some row reports logprobs
         log_probs = row_log_softmax(logits) if batch.any_logprobs else None
         if batch.plain_greedy:  # every row greedy, nothing to apply: one pass finds the token
-            next_tokens = logits.argmax(dim=-1)
+            next_tokens = greedy_tokens(logits)
         else:
             scores = self._process(batch, logits.clone())
             next_tokens = self._choose(batch, scores)
@@ -91,7 +92,7 @@ class Sampler:
 
     # --- choice --------------------------------------------------------------------------------
     def _choose(self, batch: SamplingBatch, scores: torch.Tensor) -> torch.Tensor:
-        next_tokens = scores.argmax(dim=-1)
+        next_tokens = greedy_tokens(scores)
         if not batch.any_sample:
             return next_tokens
         probs, ids = self.distribution(batch, scores)
@@ -221,6 +222,15 @@ class Sampler:
                 ranked = ranked[:n]
             out.append([(t, v) for t, (_, v) in ranked])
         return out
+
+
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (int64 [B]): the first of tied maxima, a NaN before any number, as
+    torch's argmax. On CPU by numpy's, which scans a row in SIMD registers (torch's CPU argmax
+    tracks an index per element: several times the cost of a decode step's sampling)."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2:
+        return torch.from_numpy(scores.numpy().argmax(axis=-1))
+    return scores.argmax(dim=-1)
 
 
 def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:

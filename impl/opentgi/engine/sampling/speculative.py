@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opentgi.engine.sampling.sampler import row_log_softmax
+from opentgi.engine.sampling.sampler import greedy_tokens, row_log_softmax
 from opentgi.engine.scheduling.sequence import Sequence
 
 MAX_NGRAM = 4
@@ -117,7 +117,7 @@ def verify(sampler, seqs: list[Sequence], drafts: list[list[int]], logits: torch
     logits = logits[:, :sampler.vocab_size].float()
     log_probs = row_log_softmax(logits)  # as the sampler's, row for row
     scores = logits if batch.plain_greedy else sampler._process(batch, logits.clone())
-    argmax = scores.argmax(dim=-1).tolist()
+    argmax = greedy_tokens(scores).tolist()
     probs = ids = None
     sample_pos: dict[int, int] = {}
     if batch.any_sample:

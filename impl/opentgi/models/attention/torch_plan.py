@@ -279,6 +279,9 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
     rows, `Segment` tokens, speculative verify tokens) is listed in `Plan.native` instead, for the
     native kernel, and the prompt form's tokens in `Plan.native_prompt`, for the native prompt
     kernel: the same tokens, so a token's form still follows only its kind."""
+    prompt_new = meta.prompt_new_tokens if batch_invariant and prompt_form else None
+    if native and meta.decode_only and not (prompt_new and any(prompt_new)):
+        return _native_decode_plan(meta, block_size)
     cu_q = meta.cu_seqlens_q.tolist()
     context_lens = meta.context_lens.tolist()
     device = meta.block_tables.device
@@ -288,7 +291,6 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
     tails: list[int] = []
     segments: list[Segment] = []
     prompt_segments: list[PromptSegment] = []
-    prompt_new = meta.prompt_new_tokens if batch_invariant and prompt_form else None
     native_rows: list[tuple[int, int, int]] = []  # (token row, sequence, context) with `native`
     prompt_rows: list[tuple[int, int, int]] = []  # the same for prompt tokens, with `native` and `prompt_form`
 
@@ -359,7 +361,7 @@ def make_plan(meta: AttentionMetadata, block_size: int, window: int | None, dtyp
         start = group.end
     decode_tokens = torch.tensor(tokens, dtype=torch.long, device=device) if tokens else None
     decode_blocks = torch.cat(blocks) if blocks else None
-    has_skips = bool((meta.slot_mapping < 0).any()) if meta.slot_mapping.numel() else False
+    has_skips = _any_skip(meta.slot_mapping)
     decode_in_order = tokens == list(range(cu_q[-1]))
     tail_slots = torch.tensor(tails, dtype=torch.long, device=device) if tails else None
     prompts = []
@@ -386,3 +388,47 @@ def _native_rows(listed: list[tuple[int, int, int]], tables: torch.Tensor, num_t
                       torch.tensor(seqs, dtype=torch.int32, device=device),
                       torch.tensor(ctxs, dtype=torch.int32, device=device), tables,
                       list(rows) == list(range(num_tokens)))
+
+
+def _native_decode_plan(meta: AttentionMetadata, block_size: int) -> Plan:
+    """`make_plan(native=True)` of a step of decode rows alone (one new token a sequence, none a
+    prompt token): the plan the general loop builds (each token a native row, in order), in the
+    few ops a decode step can afford."""
+    context_lens = meta.context_lens.tolist()
+    tails: list[int] = []
+    for b, ctx in enumerate(context_lens):
+        if ctx % block_size == 1:  # the token is its block's first: the loop's tail condition at one token
+            first = int(meta.block_tables[b, ctx // block_size]) * block_size
+            tails += range(first + ctx % block_size, first + block_size)
+    device = meta.block_tables.device
+    num = len(context_lens)
+    tokens, seqs = _RANGES.get((num, device)) or _ranges(num, device)
+    rows = NativeRows(tokens, seqs, _int32(meta.context_lens), _int32(meta.block_tables), True)
+    tail_slots = torch.tensor(tails, dtype=torch.long, device=device) if tails else None
+    return Plan(_any_skip(meta.slot_mapping), None, None, num == 0, tail_slots, [], [], [], [], [],
+                native=rows if num else None)
+
+
+# (0..n-1 as int64, as int32) per (n, device): the in-order decode plan's token and sequence rows,
+# read-only, kept rather than built every step
+_RANGES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _ranges(num: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.arange(num, dtype=torch.long, device=device)
+    _RANGES[(num, device)] = found = (tokens, tokens.to(torch.int32))
+    return found
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous int32 tensor (itself where it is one: no op dispatched)."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _any_skip(slot_mapping: torch.Tensor) -> bool:
+    """Some slot is -1 (a token whose k/v is not stored); on CPU by numpy (no torch op a step)."""
+    if not slot_mapping.numel():
+        return False
+    if slot_mapping.device.type == "cpu":
+        return bool((slot_mapping.numpy() < 0).any())
+    return bool((slot_mapping < 0).any())

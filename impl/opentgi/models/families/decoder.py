@@ -228,7 +228,7 @@ class PagedDecoder(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         cap = self.layout.final_softcap
         if cap is None:
-            return logits.float()
+            return logits if logits.dtype == torch.float32 else logits.float()
         # cap * tanh(x / cap) as 2 cap * sigmoid(2 x / cap) - cap: torch's CPU tanh is much slower
         # than sigmoid; the sigmoid on a padded copy (layers/elementwise.py), the float32 copy every
         # row needs anyway

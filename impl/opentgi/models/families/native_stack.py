@@ -19,6 +19,8 @@ or other-format projections) and every other step (prompt tokens, images) take t
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -87,6 +89,7 @@ class NativeDecodeStack:
         taken = iter(modules)
         self.places = [((getattr(layer, owner) if owner else layer)._modules, name, next(taken))
                        for layer in layers for owner, name in _taken(layer)]
+        self.columns = tuple(zip(*self.places))  # (dicts, names, modules): checked by maps, no Python loop
         self.layers = layers
         self.dtype = model.spec.dtype
         self.backend = attn.backend
@@ -186,7 +189,8 @@ class NativeDecodeStack:
         return cls(model, modules)
 
     def _unchanged(self) -> bool:
-        return all(place.get(name) is module for place, name, module in self.places)
+        places, names, modules = self.columns
+        return all(map(operator.is_, map(dict.get, places, names), modules))
 
     def __call__(self, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:

@@ -55,17 +55,18 @@ class RotaryEmbedding:
             else:
                 inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
         self.inv_freq = inv_freq.float().to(device)
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, signed sin [n, head_dim]
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, signed sin [n, 1, head_dim]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [T] (all below `max_position`) -> cos, signed sin [T, 1, head_dim]
         (broadcast over heads; the sine's first half negated, see `apply_rotary`), two row gathers
-        from a table kept per dtype and grown (doubling) when a step reaches past it."""
+        from a table kept per dtype, already [n, 1, head_dim], and grown (doubling) when a step
+        reaches past it."""
         table = self._tables.get(dtype)
         if table is None or table[0].shape[0] < max_position:
             size = max(max_position, 2 * table[0].shape[0] if table is not None else 4096)
             table = self._tables[dtype] = self._table(size, dtype)
-        return table[0].index_select(0, positions).unsqueeze(1), table[1].index_select(0, positions).unsqueeze(1)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def _table(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(size, device=self.inv_freq.device)
@@ -77,7 +78,7 @@ class RotaryEmbedding:
         sin = (emb.sin() * self.attention_scaling).to(dtype)
         half = sin.shape[-1] // 2
         sin[:, :half].neg_()
-        return cos, sin
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def mrope_section(config) -> list[int] | None:

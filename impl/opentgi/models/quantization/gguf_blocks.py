@@ -112,9 +112,20 @@ class GGUFEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype == GGMLQuantizationType.Q8_0:
+            return self._q8_0(ids)
         rows = self.gguf_blocks.index_select(0, ids.reshape(-1))
         values = ggml.dense(rows.numpy(), self.qtype, (rows.shape[0], self.embedding_dim))
         return values.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def _q8_0(self, ids: torch.Tensor) -> torch.Tensor:
+        """Q8_0 rows as `ggml.dense` computes them (float32 q times the float16 d as float32, one
+        rounding), in numpy alone: a decode step looks up a row or a few, where each torch op
+        costs more than the numbers."""
+        blocks = self.gguf_blocks.numpy().reshape(self.num_embeddings, -1, 34)[ids.numpy().reshape(-1)]
+        values = blocks[..., 2:].view(np.int8).astype(np.float32)
+        values *= blocks[..., :2].copy().view(np.float16).astype(np.float32)
+        return torch.from_numpy(values.reshape(-1, self.embedding_dim)).to(self.dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
