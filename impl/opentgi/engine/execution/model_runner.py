@@ -42,6 +42,14 @@ def score_value(score: torch.Tensor) -> float:
     return float(score.float().reshape(-1)[0].item())
 
 
+def in_mode(method):
+    """A model entry point without its own `torch.inference_mode()` wrapper (functools.wraps keeps
+    the function as `__wrapped__`), for callers already in inference mode: entering it again costs
+    a decode step's host time and changes nothing."""
+    fn, owner = getattr(method, "__wrapped__", None), getattr(method, "__self__", None)
+    return method if fn is None or owner is None else fn.__get__(owner)
+
+
 def sample_positions(seqs: list[Sequence], sample_rows: list[int], cu_q: list[int]) -> list[int]:
     """Where in the flat batch the sampled logits come from: each sample row's last 1 + (its
     drafts) new positions."""
@@ -203,7 +211,7 @@ class ModelRunner:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
         try:
             with step_row_kinds(self.row_kinds(attn.prompt_new_tokens, num_new_tokens)):
-                hidden = self.model.forward(input_ids, positions, attn, self.kv_caches, **extra)
+                hidden = in_mode(self.model.forward)(input_ids, positions, attn, self.kv_caches, **extra)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -213,7 +221,7 @@ class ModelRunner:
             # every row sampled in order (a step of decode rows): the hidden states as they are
             picked = hidden if rows == list(range(hidden.shape[0])) else \
                 hidden.index_select(0, torch.tensor(rows, device=self.device))
-            out.sample_logits = self.model.compute_logits(picked)
+            out.sample_logits = in_mode(self.model.compute_logits)(picked)
         for r in logit_rows:
             out.position_logits[r] = self.model.compute_logits(hidden[cu_q[r]:cu_q[r + 1]])
         for r in score_rows:

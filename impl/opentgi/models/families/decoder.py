@@ -208,7 +208,7 @@ class PagedDecoder(nn.Module):
             index, rows = image_embeds
             h = h.index_copy(0, index, rows.to(h.dtype))
         tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]
-        if self.native_stack is not None and getattr(self, "lora", None) is None:
+        if self.native_stack is not None and self.__dict__.get("lora") is None:  # `lora`: a plain attribute
             last = self.native_stack(h, tables, attn, kv_caches)
             if last is not None:
                 return self.model.norm(last)

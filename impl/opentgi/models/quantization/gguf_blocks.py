@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from opentgi.kernels import native
+from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.quantization import ggml
 from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
@@ -100,7 +101,7 @@ class GGUFBlockWeight:
         return native.gguf_mm(x, self.blocks, self.qtype, self.out_features, passes=self.passes)
 
 
-class GGUFEmbedding(nn.Module):
+class GGUFEmbedding(ForwardWithoutHooks, nn.Module):
     """A token embedding held as the file's blocks: the rows looked up are dequantized as
     `ggml.dense` dequantizes them (the values a dense copy would hold), each row on its own."""
 
