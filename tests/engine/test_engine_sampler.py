@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 
 from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
-from opentgi.engine.sampling.sampler import Sampler
+from opentgi.engine.sampling.sampler import Sampler, greedy_token_list, greedy_tokens
 from opentgi.engine.scheduling.sequence import Sequence
 
 torch.set_num_threads(1)
@@ -371,3 +371,24 @@ def test_min_p_sampling_never_draws_below_the_threshold():
     seqs = [make_seq(SamplingParams(do_sample=True, min_p=0.05), seed=s) for s in range(20)]
     drawn = {sampler.sample([seq], logits).token_ids[0] for seq in seqs}
     assert drawn == {3}
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_nans_and_infinities_too():
+    x = torch.randn(5, 300)
+    x[0, [3, 200]] = x[0].max() + 1  # a tie: the first
+    x[1, [7, 9]] = float("nan")  # a NaN before any number, the first NaN
+    x[2] = float("-inf")
+    x[3, 299] = float("inf")
+    for scores in (x, torch.cat([x, torch.randn(5, 10)], dim=1)[:, :300], x.to(torch.bfloat16)):
+        want = scores.argmax(dim=-1)
+        got = greedy_tokens(scores)
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+        assert greedy_token_list(scores) == want.tolist()
+
+
+def test_a_plain_greedy_batch_without_logprobs_gets_each_rows_argmax():
+    seqs = [make_seq(SamplingParams(), needs_logprobs=False) for _ in range(3)]
+    logits = torch.randn(3, 50)
+    out = Sampler(50, torch.device("cpu")).sample(seqs, logits)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 3 and out.top == [None] * 3

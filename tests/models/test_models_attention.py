@@ -11,6 +11,7 @@ import torch
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.attention.selector import select_backend, select_block_size
 from opentgi.models.attention.torch_backend import TorchAttentionBackend
+from opentgi.models.attention.torch_plan import make_plan
 from tests.helpers.cpu_kernels import torch_runs_avx512_kernels
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM = 128, 16, 4, 2, 8
@@ -285,3 +286,31 @@ def test_fresh_prompts_in_a_batch_get_the_numbers_they_get_alone(monkeypatch):
         assert torch.equal(batched, alone)
     else:
         torch.testing.assert_close(batched, alone, atol=0, rtol=2 ** -7)  # one bfloat16 ulp at most
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_step_of_decode_rows_gets_the_native_plan_the_general_loop_builds(skip):
+    # contexts whose new token is its block's first (a tail to clear), inside a block, a block's last
+    tables = torch.tensor([[3, 7, -1], [5, -1, -1], [9, 2, 4]], dtype=torch.int32)
+    ctx = [17, 5, 32]
+    slots = [-1 if skip else 7 * 16, 5 * 16 + 4, 2 * 16 + 15]
+
+    def plan(decode_only: bool):  # decode_only=False: the general loop (one new token a row all the same)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 17, 22, 54], dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=32,
+            context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=tables, decode_only=decode_only,
+            prompt_new_tokens=[0, 0, 0])
+        return make_plan(meta, 16, None, torch.float32, 2, batch_invariant=True, prompt_form=True, native=True)
+
+    fast, loop = plan(True), plan(False)
+    assert fast.native is not None and loop.native is not None
+    for name in ("tokens", "seq", "ctx", "block_tables"):
+        a, b = getattr(fast.native, name), getattr(loop.native, name)
+        assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b), name
+    assert fast.native.in_order and loop.native.in_order
+    assert torch.equal(fast.tails, loop.tails) and fast.tails.tolist() == list(range(7 * 16 + 1, 8 * 16))
+    assert (fast.has_skips, fast.decode_in_order) == (loop.has_skips, loop.decode_in_order) == (skip, False)
+    assert fast.decode_tokens is None and loop.decode_tokens is None and fast.decode_blocks is None
+    assert [fast.decode, fast.prefill, fast.prompts, fast.segments, fast.prompt_segments] == [[]] * 5
+    assert [loop.decode, loop.prefill, loop.prompts, loop.segments, loop.prompt_segments] == [[]] * 5

@@ -142,6 +142,8 @@ def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int
             passes: int = 1) -> torch.Tensor:
     """`x @ W.T`, W the GGUF blocks of `qtype` (rows of x [..., K] quantized to 8-bit blocks; with
     `passes=2` what that rounding left is quantized too and its product added: ~16-bit activations)."""
+    if x.dim() == 2:  # rows already (a step's activations): no reshape ops
+        return torch.ops.opentgi.gguf_mm(x, blocks, qtype, out_features, _isa(isa), passes)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.opentgi.gguf_mm(rows, blocks, qtype, out_features, _isa(isa), passes)
     return out.view(*x.shape[:-1], out_features)

@@ -209,9 +209,14 @@ class ModelRunner:
                 attn.image_spans = self.image_spans(seqs, num_new_tokens, cu_q) or None
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
+        forward = in_mode(self.model.forward)
+        prompt_new = attn.prompt_new_tokens
         try:
-            with step_row_kinds(self.row_kinds(attn.prompt_new_tokens, num_new_tokens)):
-                hidden = in_mode(self.model.forward)(input_ids, positions, attn, self.kv_caches, **extra)
+            if prompt_new is None or not any(prompt_new):  # every row generated: as a forward without kinds
+                hidden = forward(input_ids, positions, attn, self.kv_caches, **extra)
+            else:
+                with step_row_kinds(self.row_kinds(prompt_new, num_new_tokens)):
+                    hidden = forward(input_ids, positions, attn, self.kv_caches, **extra)
         finally:
             if self.lora is not None:
                 self.lora.end_step()

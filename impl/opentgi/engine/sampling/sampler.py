@@ -48,6 +48,8 @@ class Sampler:
         batch = self.batch_for(seqs)
         if logits.shape[-1] != self.vocab_size or logits.dtype != torch.float32:
             logits = logits[:, :self.vocab_size].float()
+        if batch.plain_greedy and not batch.any_logprobs:  # each row's argmax is the whole answer
+            return SamplerOutput(greedy_token_list(logits), [None] * batch.size, [None] * batch.size)
         # log-probabilities over the whole vocabulary: only when some row reports logprobs
         log_probs = row_log_softmax(logits) if batch.any_logprobs else None
         if batch.plain_greedy:  # every row greedy, nothing to apply: one pass finds the token
@@ -228,9 +230,20 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (int64 [B]): the first of tied maxima, a NaN before any number, as
     torch's argmax. On CPU by numpy's, which scans a row in SIMD registers (torch's CPU argmax
     tracks an index per element: several times the cost of a decode step's sampling)."""
-    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2:
+    if _numpy_argmax_serves(scores):
         return torch.from_numpy(scores.numpy().argmax(axis=-1))
     return scores.argmax(dim=-1)
+
+
+def greedy_token_list(scores: torch.Tensor) -> list[int]:
+    """`greedy_tokens(scores).tolist()`, without the tensor on CPU."""
+    if _numpy_argmax_serves(scores):
+        return scores.numpy().argmax(axis=-1).tolist()
+    return scores.argmax(dim=-1).tolist()
+
+
+def _numpy_argmax_serves(scores: torch.Tensor) -> bool:
+    return scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
 
 
 def row_log_softmax(logits: torch.Tensor) -> torch.Tensor:

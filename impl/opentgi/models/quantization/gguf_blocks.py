@@ -126,7 +126,10 @@ class GGUFEmbedding(ForwardWithoutHooks, nn.Module):
         blocks = self.gguf_blocks.numpy().reshape(self.num_embeddings, -1, 34)[ids.numpy().reshape(-1)]
         values = blocks[..., 2:].view(np.int8).astype(np.float32)
         values *= blocks[..., :2].copy().view(np.float16).astype(np.float32)
-        return torch.from_numpy(values.reshape(-1, self.embedding_dim)).to(self.dtype).view(*ids.shape, self.embedding_dim)
+        out = torch.from_numpy(values.reshape(-1, self.embedding_dim))
+        if self.dtype != torch.float32:
+            out = out.to(self.dtype)
+        return out if ids.dim() == 1 else out.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"

@@ -35,7 +35,7 @@ class QuantizedLinear(ForwardWithoutHooks, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kinds = current_row_kinds() if self.prompt_linear is not None else None
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.dense_above_rows is not None and rows.shape[0] > self.dense_above_rows:
             out = self.prompt_linear(rows).view(*x.shape[:-1], self.out_features)
         elif kinds is None or kinds.kind == GENERATED or kinds.num_rows != rows.shape[0]:
