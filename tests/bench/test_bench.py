@@ -68,8 +68,10 @@ def test_step_breakdown_splits_decode_steps(tiny_llama):
     assert result.median_ms["model"] > 0 and result.step_ms > 0
     # every part of the step is inside it (medians of a noisy machine need not add up exactly)
     assert all(v <= result.step_ms for k, v in result.median_ms.items() if k != "delivery")
+    assert 0 <= result.native_ms < result.step_ms and 0 < result.host_ms <= result.step_ms
     lines = bench_steps.table([result])
     assert lines[0].endswith("| c=3 |") and any(line.startswith("| model |") for line in lines)
+    assert any(line.startswith("| host: the step less them | ") and line.endswith("%) |") for line in lines)
 
 
 @pytest.mark.slow  # the ci tier: a long run

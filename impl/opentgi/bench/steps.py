@@ -16,7 +16,10 @@ each decode-only step (every scheduled row has one new token) is split into:
 - other: the rest of `EngineCore.step` (plan, bookkeeping, observer, finishing);
 - delivery: from the step's end to the asyncio side running its deliveries
   (`loop.call_soon_threadsafe`), outside the step.
-Medians over the decode steps, in milliseconds per step.
+Medians over the decode steps, in milliseconds per step. Apart from these parts: the native ops'
+calls (`torch.ops.opentgi.*`: the layers in `decode_stack`, the head's `gguf_mm`, ...) inside the
+model and the LM head, and the host work, the whole step less them (Python, torch's own ops, the
+native ops' argument conversion is counted as native here).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class StepBreakdown:
     steps: int  # decode-only steps measured
     median_ms: dict[str, float] = field(default_factory=dict)  # part -> median ms per step
     step_ms: float = 0.0  # median of the whole EngineCore.step
+    native_ms: float = 0.0  # median per step of the native ops' calls
+    host_ms: float = 0.0  # median per step of the step less its native ops' calls
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,6 +57,26 @@ def _timed(record: dict, part: str, fn):
         finally:
             record[part] = record.get(part, 0.0) + time.perf_counter() - t0
     return wrapper
+
+
+def _time_native_ops(record: dict):
+    """Timers on the loaded native ops (`torch.ops.opentgi`, where the kernels are loaded): their
+    calls add up under "native". Returns the function that takes the timers off."""
+    import torch
+
+    from opentgi.kernels import native
+
+    ops = torch.ops.opentgi
+    names = ("gguf_mm", "gguf_moe_up", "gguf_moe_down", "paged_attention", "rms_norm", "add_rms_norm", "silu_mul",
+             "decode_stack")
+    taken = [(name, getattr(ops, name)) for name in names if hasattr(ops, name)] if native.loaded() else []
+    for name, op in taken:
+        setattr(ops, name, _timed(record, "native", op))
+
+    def restore() -> None:
+        for name, op in taken:
+            setattr(ops, name, op)
+    return restore
 
 
 def measure(loaded, settings, prompts: list[list[int]], concurrency: int, new_tokens: int,
@@ -99,6 +124,7 @@ async def _measure(loaded, settings, prompts, concurrency, new_tokens, needs_log
         deliver(deliveries)
 
     core.step, engine._deliver = timed_step, timed_deliver
+    untime_native_ops = _time_native_ops(current)
     await engine.start()
     try:
         requests = [GenerationRequest(list(prompts[i % len(prompts)]), SamplingParams(),
@@ -109,6 +135,7 @@ async def _measure(loaded, settings, prompts, concurrency, new_tokens, needs_log
         await asyncio.gather(*(h.result() for h in handles))
     finally:
         await engine.stop()
+        untime_native_ops()
     decode = [s for s in steps if s.get("decode") and "model" in s]
     result = StepBreakdown(concurrency, len(decode))
     if not decode:
@@ -122,6 +149,8 @@ async def _measure(loaded, settings, prompts, concurrency, new_tokens, needs_log
                 per_part[p].append(s[p])
     result.median_ms = {p: statistics.median(v) * 1e3 for p, v in per_part.items()}
     result.step_ms = statistics.median(s["step"] for s in decode) * 1e3
+    result.native_ms = statistics.median(s.get("native", 0.0) for s in decode) * 1e3
+    result.host_ms = statistics.median(s["step"] - s.get("native", 0.0) for s in decode) * 1e3
     return result
 
 
@@ -132,5 +161,8 @@ def table(results: list[StepBreakdown]) -> list[str]:
     for p in PARTS:
         lines.append(f"| {p} | " + " | ".join(f"{r.median_ms.get(p, float('nan')):.2f}" for r in results) + " |")
     lines.append("| whole engine step | " + " | ".join(f"{r.step_ms:.2f}" for r in results) + " |")
+    lines.append("| native ops' calls | " + " | ".join(f"{r.native_ms:.2f}" for r in results) + " |")
+    lines.append("| host: the step less them | " + " | ".join(
+        f"{r.host_ms:.2f} ({100 * r.host_ms / r.step_ms:.0f}%)" if r.step_ms else "-" for r in results) + " |")
     lines.append("| tokens/s the step allows | " + " | ".join(f"{r.tokens_per_s:.1f}" for r in results) + " |")
     return lines
