@@ -88,6 +88,7 @@ def measure(loaded, settings, prompts: list[list[int]], concurrency: int, new_to
 
 async def _measure(loaded, settings, prompts, concurrency, new_tokens, needs_logprobs) -> StepBreakdown:
     from opentgi.engine.engine import Engine
+    from opentgi.engine.execution.model_runner import in_mode
     from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 
     engine = Engine(loaded, settings)
@@ -107,7 +108,9 @@ async def _measure(loaded, settings, prompts, concurrency, new_tokens, needs_log
                               (core.sampler, "sample", "sampling"),
                               (core.scheduler, "update_from_output", "update"),
                               (core.output, "process", "detokenize + stop")):
-        setattr(owner, name, _timed(current, part, getattr(owner, name)))
+        fn = getattr(owner, name)
+        # the model's entries as the runner calls them (in inference mode already: without their own wrapper)
+        setattr(owner, name, _timed(current, part, in_mode(fn) if owner is model else fn))
     step, deliver = core.step, engine._deliver
 
     def timed_step():
