@@ -138,16 +138,6 @@ static inline void scale_by(float* acc, float s, int D) {
 }
 
 
-// s[j] = exp(s[j] - m) for j < n (n rounded up to 8 is writable)
-static inline void exp_shifted(float* s, int n, float m) {
-  int j = 0;
-#ifdef OPENTGI_AVX2
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; j < n; j += 8) _mm256_storeu_ps(s + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
-#endif
-  for (; j < n; ++j) s[j] = std::exp(s[j] - m);
-}
-
 // One cache row (a position's kv head), keys and values, towards the cache: the blocks of a table
 // lie anywhere in the pool, and no hardware prefetcher guesses the jump to the next one.
 static inline void prefetch_row(const PagedAttention& a, int64_t row, size_t elem) {

@@ -5,6 +5,7 @@
 // n, its blocks summed in one fixed order (block 0, 1, ... of the row), by the same instructions
 // whatever the row count, the tile of rows it shares a weight load with, or the thread computing it.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -144,5 +145,15 @@ static inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+// s[j] = exp(s[j] - m) for j < n (n rounded up to 8 is writable)
+static inline void exp_shifted(float* s, int n, float m) {
+  int j = 0;
+#ifdef OPENTGI_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; j < n; j += 8) _mm256_storeu_ps(s + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+#endif
+  for (; j < n; ++j) s[j] = std::exp(s[j] - m);
+}
 
 }  // namespace opentgi

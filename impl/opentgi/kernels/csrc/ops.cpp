@@ -165,26 +165,42 @@ namespace {
 // [blocks, block_size, kv_heads, D] float32, bfloat16 or float16, block_tables int32 [seqs, width],
 // seq and ctx int32 [rows] -> [rows, heads, D] in q's dtype. Work items (a row's kv heads, or one of
 // them) are split among torch's intra-op threads, each computed whole by one thread.
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
-                           double scale, int64_t window, double softcap, int64_t isa) {
+// q as float32, the float32 output and the kernel's arguments, after the checks both attention
+// ops share
+struct AttentionCall {
+  at::Tensor qf, out;
+  PagedAttention a;
+};
+
+AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
+                             double scale, int64_t window, double softcap, int64_t isa, const char* op) {
   TORCH_CHECK(isa == SCALAR
 #ifdef OPENTGI_WITH_AVX2
                   || isa == AVX2
 #endif
-              , "paged_attention: no kernel for ISA ", isa);
-  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), "paged_attention: q must be a 3-D CPU tensor");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged_attention: q float32 or bfloat16");
+              , op, ": no kernel for ISA ", isa);
+  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), op, ": q must be a 3-D CPU tensor");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, op, ": q float32 or bfloat16");
   const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2);
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, heads, D}, q.options().dtype(at::kFloat));
-  PagedAttention a = attention_args(k_cache, v_cache, block_tables, seq, ctx, rows, heads, D, window, scale,
-                                    softcap, "paged_attention");
-  if (rows == 0) return out.to(q.scalar_type());
-  a.q = qf.data_ptr<float>();
-  a.out = out.data_ptr<float>();
-  run_attention(a, rows, isa);
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  AttentionCall c;
+  c.qf = q.to(at::kFloat).contiguous();
+  c.out = at::empty({rows, heads, D}, q.options().dtype(at::kFloat));
+  c.a = attention_args(k_cache, v_cache, block_tables, seq, ctx, rows, heads, D, window, scale, softcap, op);
+  c.a.q = c.qf.data_ptr<float>();
+  c.a.out = c.out.data_ptr<float>();
+  return c;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
+                           double scale, int64_t window, double softcap, int64_t isa) {
+  AttentionCall c = attention_call(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa,
+                                   "paged_attention");
+  const int64_t rows = q.size(0);
+  if (rows == 0) return c.out.to(q.scalar_type());
+  run_attention(c.a, rows, isa);
+  return q.scalar_type() == at::kFloat ? c.out : c.out.to(q.scalar_type());
 }
 
 // opentgi::prompt_attention (attention.h): paged_attention's arguments and result, prompt rows in
@@ -193,21 +209,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
                             double scale, int64_t window, double softcap, int64_t isa) {
-  TORCH_CHECK(isa == SCALAR
-#ifdef OPENTGI_WITH_AVX2
-                  || isa == AVX2
-#endif
-              , "prompt_attention: no kernel for ISA ", isa);
-  TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), "prompt_attention: q must be a 3-D CPU tensor");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "prompt_attention: q float32 or bfloat16");
-  const int64_t rows = q.size(0), heads = q.size(1), D = q.size(2);
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, heads, D}, q.options().dtype(at::kFloat));
-  PagedAttention a = attention_args(k_cache, v_cache, block_tables, seq, ctx, rows, heads, D, window, scale,
-                                    softcap, "prompt_attention");
+  AttentionCall c = attention_call(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa,
+                                   "prompt_attention");
+  const int64_t rows = q.size(0);
+  at::Tensor& out = c.out;
+  PagedAttention& a = c.a;
   if (rows == 0) return out.to(q.scalar_type());
-  a.q = qf.data_ptr<float>();
-  a.out = out.data_ptr<float>();
   std::vector<int32_t> tiles;
   for (int64_t r = 0; r < rows;) {
     int64_t n = 1;

@@ -143,16 +143,6 @@ static void values(float* const* acc, int nq, const float* p, int ps, const floa
       for (int j = 0; j < n; ++j) acc[qi][d] += p[(int64_t)qi * ps + j] * v[j][d];
 }
 
-// s[j] = exp(s[j] - m) for j < n (n rounded up to 8 is writable)
-static inline void exp_shifted(float* s, int n, float m) {
-  int j = 0;
-#ifdef OPENTGI_AVX2
-  const __m256 mv = _mm256_set1_ps(m);
-  for (; j < n; j += 8) _mm256_storeu_ps(s + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
-#endif
-  for (; j < n; ++j) s[j] = std::exp(s[j] - m);
-}
-
 // the largest of s[0 .. n8) (n8 a multiple of 8): exact whatever the order
 static inline float max_of(const float* s, int n8) {
 #ifdef OPENTGI_AVX2
