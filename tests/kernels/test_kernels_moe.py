@@ -29,7 +29,8 @@ NAMES = ("gate_proj", "up_proj", "down_proj")
 def _blocks_linear(qtype: Q, out_features: int, in_features: int, seed: int, passes: int) -> QuantizedLinear:
     linear = QuantizedLinear(in_features, out_features)
     blocks = torch.from_numpy(random_blocks(qtype, out_features, in_features, seed=seed))
-    linear.weight_format = GGUFBlockWeight(blocks, int(qtype), in_features, passes)
+    # as a GGUF's experts are: views of the file, which only the grouped kernel's fusing copies
+    linear.weight_format = GGUFBlockWeight(blocks, int(qtype), in_features, passes, mapped=True)
     return linear
 
 

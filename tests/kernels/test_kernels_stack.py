@@ -15,6 +15,7 @@ from opentgi.config import Settings
 from opentgi.models.attention.metadata import AttentionMetadata
 from opentgi.models.families.native_stack import NativeDecodeStack
 from opentgi.models.loader import load_model
+from opentgi.models.quantization.linear import ConcatLinear
 from tests.helpers import tiny_models
 from tests.helpers.paged import PagedRunner
 
@@ -162,3 +163,12 @@ def test_a_projection_of_another_format_gets_no_stack(float32_model):
     finally:
         layer.mlp.down_proj = original
     assert NativeDecodeStack.build(float32_model) is not None
+
+
+def test_projections_side_by_side_stay_the_files_pages(float32_model):
+    """q/k/v and gate/up of a GGUF are not copied into one weight: gate, up and v stay views of the
+    file (q and k are the file's rows reordered for RoPE by halves: their own copies)."""
+    for layer in float32_model.model.layers:
+        qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+        assert type(qkv) is ConcatLinear and type(gate_up) is ConcatLinear
+        assert qkv.parts[-1].weight_format.mapped and all(p.weight_format.mapped for p in gate_up.parts)

@@ -17,10 +17,10 @@ from opentgi.models.layers.elementwise import ACTIVATIONS, act_and_mul
 from opentgi.models.quantization.linear import fuse_linears
 
 
-def fused_linear(parts: list[nn.Module]) -> nn.Module:
+def fused_linear(parts: list[nn.Module], copy_file_blocks: bool = False) -> nn.Module:
     """One module whose output is the concatenation of `parts`' outputs: one nn.Linear for dense
     parts, one QuantizedLinear for parts of a format that stacks (models/quantization/linear.py)."""
-    return fuse_linears(parts)
+    return fuse_linears(parts, copy_file_blocks)
 
 
 class GatedMLP(ForwardWithoutHooks, nn.Module):
@@ -43,10 +43,10 @@ class GatedMLP(ForwardWithoutHooks, nn.Module):
             setattr(self, up, nn.Linear(hidden, intermediate, bias=bias))
         setattr(self, down, nn.Linear(intermediate, hidden, bias=bias))
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, copy_file_blocks: bool = False) -> None:
         gate, up, down = self.names
         if up is not None:
-            self.gate_up_proj = fused_linear([getattr(self, gate), getattr(self, up)])
+            self.gate_up_proj = fused_linear([getattr(self, gate), getattr(self, up)], copy_file_blocks)
             delattr(self, gate)
             delattr(self, up)
         elif gate != "gate_up_proj":

@@ -132,15 +132,8 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
         self.native = False  # routing and the activation as native ops (layers/norm.py's `use_native`)
 
     def fuse_projections(self) -> None:
-        for expert in self.experts:
-            # the grouped kernel takes each expert's gate and up as one weight: experts' file blocks
-            # are copied side by side (dense layers keep the file's pages as parts)
-            gate, up, _ = expert.names
-            for name in (gate, up) if up is not None else ():
-                fmt = getattr(getattr(expert, name), "weight_format", None)
-                if getattr(fmt, "mapped", False):
-                    fmt.mapped = False
-            expert.fuse_projections()
+        for expert in self.experts:  # the grouped kernel takes each expert's gate and up as one weight
+            expert.fuse_projections(copy_file_blocks=True)
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
         self.grouped = GroupedExperts.of(self.experts, self.experts[0].act_name, self.intermediate)

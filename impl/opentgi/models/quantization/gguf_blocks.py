@@ -73,9 +73,7 @@ class GGUFBlockWeight:
 
     def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, passes: int = 1, mapped: bool = False):
         self.blocks, self.qtype = blocks, int(qtype)
-        # the file's own pages (a view of the memory map): never copied, so the file's pages stay
-        # the weights (projections side by side stay parts: ConcatLinear, one native call for all)
-        self.mapped = mapped
+        self.mapped = mapped  # a view of the file's memory map (fuse_linears keeps such weights as parts)
         self.out_features, self.in_features = blocks.shape[0], in_features
         self.device = torch.device("cpu")
         self.passes = passes  # activation quantization passes (kernels.native.gguf_mm)
@@ -86,7 +84,7 @@ class GGUFBlockWeight:
         return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {path.isa if path else '?'})"
 
     def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
-        return not self.mapped and all(not o.mapped and o.qtype == self.qtype and o.in_features == self.in_features and o.passes == self.passes
+        return all(o.qtype == self.qtype and o.in_features == self.in_features and o.passes == self.passes
                    for o in others)
 
     @staticmethod

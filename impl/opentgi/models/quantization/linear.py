@@ -68,8 +68,11 @@ class ConcatLinear(ForwardWithoutHooks, nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def fuse_linears(parts: list[nn.Module]) -> nn.Module:
-    """One module computing the concatenated outputs of `parts` (nn.Linear or QuantizedLinear)."""
+def fuse_linears(parts: list[nn.Module], copy_file_blocks: bool = False) -> nn.Module:
+    """One module computing the concatenated outputs of `parts` (nn.Linear or QuantizedLinear).
+    Weights that are views of a memory-mapped file stay parts (ConcatLinear, one native call for all
+    in the decode stack), so the file's pages remain the weights and nothing is held twice, unless
+    `copy_file_blocks` (a caller whose kernel needs one weight: the grouped MoE experts)."""
     first = parts[0]
     has_bias = getattr(first, "bias", None) is not None
     if all(isinstance(p, nn.Linear) for p in parts):
@@ -81,8 +84,9 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
                 fused.bias.copy_(torch.cat([p.bias for p in parts]))
         return fused
     formats = [p.weight_format for p in parts if isinstance(p, QuantizedLinear)]
+    mapped = any(getattr(f, "mapped", False) for f in formats)
     if (len(formats) == len(parts) and len({type(f) for f in formats}) == 1
-            and formats[0].can_cat(formats[1:])):
+            and (copy_file_blocks or not mapped) and formats[0].can_cat(formats[1:])):
         bias = torch.cat([p.bias for p in parts]) if has_bias else None
         fused = QuantizedLinear(first.in_features, sum(p.out_features for p in parts), bias)
         fused.weight_format = type(formats[0]).cat(formats)
