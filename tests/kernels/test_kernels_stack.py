@@ -59,7 +59,7 @@ class Toggled:
 
 class CountingStack:
     def __init__(self, stack):
-        self.stack, self.taken = stack, []
+        self.stack, self.taken, self.embedding = stack, [], stack.embedding
 
     def __call__(self, *args):
         out = self.stack(*args)
@@ -130,7 +130,7 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model)
     runner = PagedRunner(model)
     runner.step({0: list(range(5, 20))})
     h = torch.zeros(1, model.config.hidden_size)
-    cos, sin = model.rotary[0].cos_sin(torch.tensor([15]), torch.float32, 16)
+    positions = torch.tensor([15])
     def meta(prompt: list[int] | None):
         return AttentionMetadata(
             slot_mapping=torch.tensor([runner.tables[0][0] * 16 + 15]), cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
@@ -139,17 +139,17 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model)
             block_tables=torch.tensor([runner.tables[0]], dtype=torch.int32), decode_only=True,
             prompt_new_tokens=prompt)
 
-    assert stack(h, [(cos, sin)], meta(None), runner.kv_caches) is not None
+    assert stack(h, positions, meta(None), runner.kv_caches) is not None
     form, stack.backend.prompt_form = stack.backend.prompt_form, True  # prompt tokens in their own form
     try:
-        assert stack(h, [(cos, sin)], meta([1]), runner.kv_caches) is None
+        assert stack(h, positions, meta([1]), runner.kv_caches) is None
     finally:
         stack.backend.prompt_form = form
     layer = model.model.layers[1]
     original = layer.mlp.down_proj
     layer.mlp.down_proj = torch.nn.Identity()  # as an adapter's wrapper replaces it
     try:
-        assert stack(h, [(cos, sin)], meta(None), runner.kv_caches) is None
+        assert stack(h, positions, meta(None), runner.kv_caches) is None
     finally:
         layer.mlp.down_proj = original
 

@@ -68,7 +68,7 @@ def _time_native_ops(record: dict):
 
     ops = torch.ops.opentgi
     names = ("gguf_mm", "gguf_moe_up", "gguf_moe_down", "paged_attention", "rms_norm", "add_rms_norm", "silu_mul",
-             "decode_stack")
+             "decode_stack", "decode_stack_run")
     taken = [(name, getattr(ops, name)) for name in names if hasattr(ops, name)] if native.loaded() else []
     for name, op in taken:
         setattr(ops, name, _timed(record, "native", op))

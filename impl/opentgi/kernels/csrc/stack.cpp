@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -364,18 +365,166 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
   return h;
 }
 
+// decode_stack's arguments that stay the same from step to step (the model's weights and shape,
+// its paged caches, the final norm), converted once: a step passes only its own tensors
+// (decode_stack_run) instead of some 250 list items and numbers.
+struct DecodeStackArgs : torch::CustomClassHolder {
+  std::vector<int64_t> ropes, qtypes, passes, parts, windows, expert_types;
+  std::vector<at::Tensor> weights, norms, qk_norms, k_caches, v_caches, expert_weights;
+  c10::List<std::optional<at::Tensor>> biases, routers;
+  int64_t num_heads = 0, num_kv_heads = 0, act = 0, top_k = 1, isa = 0;
+  double scale = 0, softcap = 0, eps = 0, final_eps = 0;
+  bool renormalize = true;
+  std::optional<at::Tensor> final_norm;  // the decoder's final RMSNorm weight, or none (the caller norms)
+  std::optional<at::Tensor> embedding;   // Q8_0 token embedding blocks [vocab, row bytes], or none
+  bool embed_bf16 = false;               // its rows rounded to bfloat16 (else float32)
+};
+
+c10::intrusive_ptr<DecodeStackArgs> make_stack_args(
+    std::vector<int64_t> ropes, std::vector<at::Tensor> weights, std::vector<int64_t> qtypes,
+    std::vector<int64_t> passes, c10::List<std::optional<at::Tensor>> biases, std::vector<int64_t> parts,
+    std::vector<at::Tensor> norms, std::vector<at::Tensor> qk_norms, std::vector<at::Tensor> k_caches,
+    std::vector<at::Tensor> v_caches, int64_t num_heads, int64_t num_kv_heads, double scale,
+    std::vector<int64_t> windows, double softcap, int64_t act, double eps, c10::List<std::optional<at::Tensor>> routers,
+    std::vector<at::Tensor> expert_weights, std::vector<int64_t> expert_types, int64_t top_k, bool renormalize,
+    int64_t isa, std::optional<at::Tensor> final_norm, double final_eps, std::optional<at::Tensor> embedding,
+    bool embed_bf16) {
+  auto a = c10::make_intrusive<DecodeStackArgs>();
+  a->ropes = std::move(ropes);
+  a->weights = std::move(weights);
+  a->qtypes = std::move(qtypes);
+  a->passes = std::move(passes);
+  a->biases = std::move(biases);
+  a->parts = std::move(parts);
+  a->norms = std::move(norms);
+  a->qk_norms = std::move(qk_norms);
+  a->k_caches = std::move(k_caches);
+  a->v_caches = std::move(v_caches);
+  a->num_heads = num_heads;
+  a->num_kv_heads = num_kv_heads;
+  a->scale = scale;
+  a->windows = std::move(windows);
+  a->softcap = softcap;
+  a->act = act;
+  a->eps = eps;
+  a->routers = std::move(routers);
+  a->expert_weights = std::move(expert_weights);
+  a->expert_types = std::move(expert_types);
+  a->top_k = top_k;
+  a->renormalize = renormalize;
+  a->isa = isa;
+  if (final_norm.has_value() && final_norm->defined()) a->final_norm = final_norm->contiguous();
+  a->final_eps = final_eps;
+  if (embedding.has_value() && embedding->defined()) {
+    TORCH_CHECK(embedding->dim() == 2 && embedding->scalar_type() == at::kByte && embedding->size(1) % 34 == 0,
+                "DecodeStackArgs: a Q8_0 embedding's blocks [vocab, 34 bytes a block] as uint8");
+    a->embedding = embedding->contiguous();
+  }
+  a->embed_bf16 = embed_bf16;
+  return a;
+}
+
+// the Q8_0 embedding rows of token ids, as models/quantization/gguf_blocks.py's GGUFEmbedding
+// computes them: float32 q times the float16 scale as float32 (one rounding), then the row dtype
+at::Tensor embed_q8_0(const at::Tensor& blocks, const at::Tensor& ids, bool bf16, const char* op) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(), op, ": token ids int64 [rows]");
+  const int64_t T = ids.numel(), V = blocks.size(0), nb = blocks.size(1) / 34, hidden = nb * 32;
+  at::Tensor out = at::empty({T, hidden}, blocks.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(id[t] >= 0 && id[t] < V, op, ": token id ", id[t], " out of the embedding's ", V);
+    const uint8_t* row = base + id[t] * nb * 34;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint16_t dh;
+      std::memcpy(&dh, row + b * 34, 2);
+      const float d = fp16_to_fp32(dh);
+      const int8_t* q = (const int8_t*)(row + b * 34 + 2);
+      for (int64_t i = 0; i < 32; ++i) {
+        const float v = (float)q[i] * d;
+        const int64_t at = t * hidden + b * 32 + i;
+        if (bf16) ((uint16_t*)out.data_ptr())[at] = bf16_store(v); else ((float*)out.data_ptr())[at] = v;
+      }
+    }
+  }
+  return out;
+}
+
+// rows `positions` of each [n, 1, head_dim] RoPE table (index_select's copy)
+std::vector<at::Tensor> table_rows(at::TensorList tables, const at::Tensor& positions, const char* op) {
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous(), op,
+              ": positions int64 [rows]");
+  const int64_t T = positions.numel();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  std::vector<at::Tensor> rows;
+  rows.reserve(tables.size());
+  for (const at::Tensor& table : tables) {
+    TORCH_CHECK(table.dim() == 3 && table.size(1) == 1 && table.is_contiguous(), op,
+                ": RoPE tables [positions, 1, head_dim], contiguous");
+    const int64_t n = table.size(0), row_bytes = table.size(2) * table.element_size();
+    at::Tensor out = at::empty({T, 1, table.size(2)}, table.options());
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(pos[t] >= 0 && pos[t] < n, op, ": position ", pos[t], " past the RoPE table's ", n);
+      std::memcpy((char*)out.data_ptr() + t * row_bytes, (const char*)table.data_ptr() + pos[t] * row_bytes, row_bytes);
+    }
+    rows.push_back(std::move(out));
+  }
+  return rows;
+}
+
+// decode_stack on `args` and a step's own tensors: its rows (h [rows, hidden], or token ids [rows]
+// looked up in args' embedding), their positions (their RoPE rows gathered
+// from each whole table here), slots, tails and native rows; then the final norm where args hold
+// one (models/layers/norm.py's RMSNorm: rms_norm's rows).
+at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const at::Tensor& h,
+                            const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
+                            const at::Tensor& slots, const std::optional<at::Tensor>& tails,
+                            const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx) {
+  const char* op = "decode_stack_run";
+  TORCH_CHECK((h.dim() == 2 || (h.dim() == 1 && a->embedding.has_value())) && positions.numel() == h.size(0), op,
+              ": h [rows, hidden] (or token ids [rows] with a Q8_0 embedding in args) and a position a row");
+  const at::Tensor rows = h.dim() == 1 ? embed_q8_0(*a->embedding, h, a->embed_bf16, op) : h;
+  const std::vector<at::Tensor> cos = table_rows(cos_tables, positions, op), sin = table_rows(sin_tables, positions, op);
+  at::Tensor out = decode_stack(rows, cos, sin, a->ropes, a->weights, a->qtypes, a->passes, a->biases, a->parts, a->norms,
+                                a->qk_norms, a->k_caches, a->v_caches, slots, tails, block_tables, seq, ctx,
+                                a->num_heads, a->num_kv_heads, a->scale, a->windows, a->softcap, a->act, a->eps,
+                                a->routers, a->expert_weights, a->expert_types, a->top_k, a->renormalize, a->isa);
+  if (!a->final_norm.has_value()) return out;
+  const at::Tensor& w = *a->final_norm;
+  const int64_t T = out.size(0), n = out.size(1);
+  TORCH_CHECK(w.numel() == n && (w.scalar_type() == out.scalar_type() || w.scalar_type() == at::kFloat), op,
+              ": the final norm's weight [hidden] in h's dtype or float32");
+  const int dtype = row_dtype(out, op);
+  at::Tensor normed = at::empty(out.sizes(), out.options());
+  const size_t es = out.element_size();
+  const char* xp = (const char*)out.data_ptr();
+  char* np = (char*)normed.data_ptr();
+  at::parallel_for(0, T, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(n + 8);
+    for (int64_t r = r0; r < r1; ++r)
+      norm_row(a->isa, xp + r * n * es, nullptr, nullptr, w.data_ptr(), w.scalar_type() == at::kFloat, (int)n,
+               (float)a->final_eps, dtype, np + r * n * es, buf.data());
+  });
+  return normed;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(opentgi, m) {
+  m.class_<DecodeStackArgs>("DecodeStackArgs").def(torch::init(&make_stack_args));
   m.def("decode_stack(Tensor h, Tensor[] cos, Tensor[] sin, int[] ropes, Tensor[] weights, int[] qtypes, "
         "int[] passes, Tensor?[] biases, int[] parts, Tensor[] norms, Tensor[] qk_norms, Tensor[] k_caches, "
         "Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, Tensor ctx, int num_heads, "
         "int num_kv_heads, float scale, int[] windows, float softcap, int act, float eps, Tensor?[] routers, "
         "Tensor[] expert_weights, int[] expert_types, int top_k, bool renormalize, int isa) -> Tensor");
+  m.def("decode_stack_run(__torch__.torch.classes.opentgi.DecodeStackArgs args, Tensor h, Tensor positions, "
+        "Tensor[] cos_tables, Tensor[] sin_tables, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, "
+        "Tensor ctx) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("decode_stack", decode_stack);
+  m.impl("decode_stack_run", decode_stack_run);
 }
 
 }  // namespace opentgi

@@ -201,17 +201,23 @@ class PagedDecoder(nn.Module):
         """`image_embeds` (a vision-language model's prompt rows with images): (flat indices,
         rows) that replace those tokens' embeddings (models/vision/). `positions` int64 [T], or
         [3, T] with M-RoPE (layers/rotary.py)."""
+        stack = self.native_stack if self.__dict__.get("lora") is None else None  # `lora`: a plain attribute
+        if stack is not None and stack.embedding is not None and image_embeds is None:
+            out = stack(input_ids, positions, attn, kv_caches)  # looks the ids up itself; the final norm's output
+            if out is not None:
+                return out
+            stack = None  # not a step it takes
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:  # in the model dtype, as Gemma's code rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         if image_embeds is not None:  # after the scale, as transformers places them (Gemma 3)
             index, rows = image_embeds
             h = h.index_copy(0, index, rows.to(h.dtype))
+        if stack is not None:
+            out = stack(h, positions, attn, kv_caches)  # the final norm's output
+            if out is not None:
+                return out
         tables = [rotary.cos_sin(positions, h.dtype, attn.max_seqlen_k) for rotary in self.rotary]
-        if self.native_stack is not None and self.__dict__.get("lora") is None:  # `lora`: a plain attribute
-            last = self.native_stack(h, tables, attn, kv_caches)
-            if last is not None:
-                return self.model.norm(last)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, *tables[layer.rope], attn, kv_cache)
         return self.model.norm(h)

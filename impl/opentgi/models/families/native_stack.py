@@ -13,6 +13,11 @@ the layer's modules call one by one, in their order and with their roundings, so
 are the module-by-module step's bit for bit (tests/kernels/test_kernels_stack.py); batch invariance
 carries over unchanged.
 
+The decoder's final norm runs in the same call where it is the layers' kind of RMSNorm, so does
+the token embedding's lookup where it is a GGUF file's Q8_0 blocks (and not scaled), and the
+arguments that stay the same from step to step (weights, shapes, the paged caches) are converted
+once into an `opentgi.DecodeStackArgs` (`decode_stack_run`): a step passes only its own tensors.
+
 Layers of another shape (LayerNorm, plain MLPs, M-RoPE, a quantized router, LoRA adapters, dense
 or other-format projections) and every other step (prompt tokens, images) take the modules.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from opentgi.kernels import native
@@ -32,7 +38,7 @@ from opentgi.models.layers.mlp import GatedMLP
 from opentgi.models.layers.moe import RouterLogits, SparseMoE
 from opentgi.models.layers.norm import GemmaRMSNorm, HeadsNorm, RMSNorm
 from opentgi.models.layers.rotary import RotaryEmbedding
-from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
+from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, GGUFEmbedding
 from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
 
 PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
@@ -40,6 +46,18 @@ ATTENTION = PROJECTIONS[:2]
 NORMS = ("input_layernorm", "post_attention_layernorm")
 SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm")
+
+# How many submodules were assigned anywhere (nn.Module.__setattr__, add_module): a stack checks
+# its modules' places again only when this moved (an adapter's wrapper is assigned in their place,
+# models/lora/attach.py), not on every step.
+_assignments = [0]
+
+
+def _count_assignment(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    _assignments[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_assignment)
 
 
 def _taken(layer: nn.Module) -> list[tuple[str, str]]:
@@ -89,11 +107,28 @@ class NativeDecodeStack:
         taken = iter(modules)
         self.places = [((getattr(layer, owner) if owner else layer)._modules, name, next(taken))
                        for layer in layers for owner, name in _taken(layer)]
+        embedding = model.model.embed_tokens
+        # a Q8_0 embedding the call looks token ids up in (GGUFEmbedding's rows), or None
+        self.embedding = (embedding.gguf_blocks if type(embedding) is GGUFEmbedding and model.embed_scale is None
+                          and embedding.qtype == GGMLQuantizationType.Q8_0 and embedding.dtype == model.spec.dtype
+                          and embedding.gguf_blocks.dtype == torch.uint8 else None)
+        if self.embedding is not None:
+            self.places.append((model.model._modules, "embed_tokens", embedding))
         self.columns = tuple(zip(*self.places))  # (dicts, names, modules): checked by maps, no Python loop
         self.layers = layers
         self.dtype = model.spec.dtype
         self.backend = attn.backend
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, float(attn.scale)
+        self.checked_at = -1  # `_assignments` when the places were last found unchanged
+        self.rotary = list(model.rotary)
+        self.final_norm = model.model.norm  # norms the last layer's output, in the native call where it can
+        final = self.final_norm
+        in_call = (type(final) is type(layers[0].input_layernorm) and final.native
+                   and final.weight.dtype == self.dtype)
+        self.final_weight = _norm_weight(final) if in_call else None
+        self.final_eps = float(final.eps) if in_call else 0.0
+        self.args = None  # the DecodeStackArgs of `bound`
+        self.bound: tuple[list, int] | None = None  # (the kv caches' list, the ISA id) `args` hold
         self.windows = [int(layer.self_attn.sliding_window or 0) for layer in layers]
         self.window0 = attn.sliding_window
         self.softcap = float(attn.extra.get("softcap") or 0.0)
@@ -189,15 +224,37 @@ class NativeDecodeStack:
         return cls(model, modules)
 
     def _unchanged(self) -> bool:
+        count = _assignments[0]
+        if count == self.checked_at:
+            return True
         places, names, modules = self.columns
-        return all(map(operator.is_, map(dict.get, places, names), modules))
+        if not all(map(operator.is_, map(dict.get, places, names), modules)):
+            return False
+        self.checked_at = count
+        return True
 
-    def __call__(self, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    def _args(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], isa: int):
+        """The DecodeStackArgs of these caches (the runner's list, which it never changes) and ISA,
+        made on the first step that passes them."""
+        bound = self.bound
+        if bound is None or bound[0] is not kv_caches or bound[1] != isa:
+            self.args = torch.classes.opentgi.DecodeStackArgs(
+                self.ropes, self.weights, self.qtypes, self.passes, self.biases, self.parts, self.norms,
+                self.qk_norms, [k for k, _ in kv_caches], [v for _, v in kv_caches], self.num_heads,
+                self.num_kv_heads, self.scale, self.windows, self.softcap, self.act, self.eps, self.routers,
+                self.expert_weights, self.expert_types, self.top_k, self.renormalize, isa, self.final_weight,
+                self.final_eps, self.embedding, self.dtype == torch.bfloat16)
+            self.bound = (kv_caches, isa)
+        return self.args
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """The last layer's output for this step (before the final norm), or None where the step
-        has tokens the native attention does not attend as decode rows (the modules take it).
-        tables: (cos, signed sin) of each of the model's RoPE tables, for the step's positions."""
-        if h.dtype != self.dtype or meta.image_spans or not self._unchanged():
+        """The decoder's output for this step (the last layer's, normed by the final norm), or None
+        where the step has tokens the native attention does not attend as decode rows (the
+        modules take it). h: the rows [rows, hidden], or with `embedding` the token ids int64
+        [rows]; positions: int64 [rows]."""
+        if (h.dtype != self.dtype and (h.dim() != 1 or self.embedding is None)) or meta.image_spans \
+                or not self._unchanged():
             return None
         window = self.window0 if self.window0 is not None and self.window0 < meta.max_seqlen_k else None
         group = self.num_heads // self.num_kv_heads
@@ -210,11 +267,11 @@ class NativeDecodeStack:
         rows = plan.native
         if rows is None or not rows.in_order:
             return None
-        path = native.loaded()
-        return torch.ops.opentgi.decode_stack(
-            h, [cos.contiguous() for cos, _ in tables], [sin.contiguous() for _, sin in tables], self.ropes,
-            self.weights, self.qtypes, self.passes, self.biases, self.parts, self.norms, self.qk_norms,
-            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.slot_mapping, plan.tails,
-            rows.block_tables, rows.seq, rows.ctx, self.num_heads, self.num_kv_heads, self.scale, self.windows,
-            self.softcap, self.act, self.eps, self.routers, self.expert_weights, self.expert_types, self.top_k,
-            self.renormalize, native.ISAS[self.backend.isa or path.isa])
+        args = self._args(kv_caches, native.ISAS[self.backend.isa or native.loaded().isa])
+        tables = [rotary.tables(self.dtype, meta.max_seqlen_k) for rotary in self.rotary]
+        op = torch.ops.opentgi.decode_stack_run
+        # the op's C++ entry (`_op`): the packet's own call first walks the arguments for fake
+        # script objects (torch.compile's), which a step never passes
+        out = getattr(op, "_op", op)(args, h, positions, [cos for cos, _ in tables], [sin for _, sin in tables],
+                                     meta.slot_mapping, plan.tails, rows.block_tables, rows.seq, rows.ctx)
+        return out if self.final_weight is not None else self.final_norm(out)

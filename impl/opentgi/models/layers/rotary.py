@@ -62,11 +62,17 @@ class RotaryEmbedding:
         (broadcast over heads; the sine's first half negated, see `apply_rotary`), two row gathers
         from a table kept per dtype, already [n, 1, head_dim], and grown (doubling) when a step
         reaches past it."""
+        table = self.tables(dtype, max_position)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+    def tables(self, dtype: torch.dtype, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and signed sin tables [n, 1, head_dim] in `dtype`, n >= `max_position`
+        (the rows `cos_sin` gathers)."""
         table = self._tables.get(dtype)
         if table is None or table[0].shape[0] < max_position:
             size = max(max_position, 2 * table[0].shape[0] if table is not None else 4096)
             table = self._tables[dtype] = self._table(size, dtype)
-        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+        return table
 
     def _table(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(size, device=self.inv_freq.device)
