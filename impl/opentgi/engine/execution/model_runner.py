@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from opentgi.engine.execution.kv_cache import allocate_kv_caches
@@ -54,6 +55,9 @@ def sample_positions(seqs: list[Sequence], sample_rows: list[int], cu_q: list[in
     """Where in the flat batch the sampled logits come from: each sample row's last 1 + (its
     drafts) new positions."""
     return [p for r in sample_rows for p in range(cu_q[r + 1] - 1 - len(seqs[r].draft_token_ids), cu_q[r + 1])]
+
+
+_NUMPY_INTS = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 class ModelRunner:
@@ -109,6 +113,8 @@ class ModelRunner:
         dev = self.device
 
         def t(values, dtype):
+            if dev.type == "cpu":  # a numpy array and a tensor on its memory: a third of torch.tensor's cost
+                return torch.from_numpy(np.array(values, dtype=_NUMPY_INTS[dtype]))
             return torch.tensor(values, dtype=dtype, device=dev)
 
         attn = AttentionMetadata(
