@@ -145,6 +145,9 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model)
         assert stack(h, positions, meta([1]), runner.kv_caches) is None
     finally:
         stack.backend.prompt_form = form
+    assert stack.embedding is not None  # the file's Q8_0 embedding: token ids are looked up in the call
+    with pytest.raises(RuntimeError, match="out of the embedding"):
+        stack(torch.tensor([model.config.vocab_size]), positions, meta(None), runner.kv_caches)
     layer = model.model.layers[1]
     original = layer.mlp.down_proj
     layer.mlp.down_proj = torch.nn.Identity()  # as an adapter's wrapper replaces it
