@@ -106,6 +106,29 @@ def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf,
     assert counting.taken == [True] * len(steps)
 
 
+class Logits:
+    """A PagedRunner's model: every row's logits, of the stack's one call or of forward and head."""
+
+    def __init__(self, model, fused: bool):
+        self.model, self.fused, self.spec = model, fused, model.spec
+
+    def __call__(self, *args):
+        if self.fused:
+            out = self.model.decode_logits(*args)
+            assert out is not None
+            return out
+        return self.model.compute_logits(Toggled(self.model, False)(*args))
+
+
+def test_logits_of_the_stacks_call_equal_the_heads_of_the_modules(float32_model):
+    assert float32_model.native_stack.head is not None  # the tied Q8_0 head
+    fused, modules = PagedRunner(Logits(float32_model, True)), PagedRunner(Logits(float32_model, False))
+    for new_tokens in [{0: list(range(5, 30)), 1: [3, 4]}, {0: [9], 1: [10]}, {1: [12]}]:
+        a, b = fused.step(new_tokens), modules.step(new_tokens)
+        assert a.dtype == torch.float32 and a.shape[-1] == float32_model.config.vocab_size
+        assert torch.equal(a, b)
+
+
 def test_biases_are_added_as_the_modules_add_them(float32_model):
     model = float32_model
     gen = torch.Generator().manual_seed(0)

@@ -8,7 +8,8 @@ each decode-only step (every scheduled row has one new token) is split into:
 
 - schedule: `scheduler.schedule` (batch composition, block allocation);
 - prepare: the model runner's step tensors (`ModelRunner.prepare`);
-- model: the forward through the decoder layers;
+- model: the forward through the decoder layers (with the LM head where one native call computes
+  both, `decode_logits`);
 - LM head: `compute_logits`;
 - sampling: `Sampler.sample`;
 - update: `scheduler.update_from_output` (tokens appended, blocks committed);
@@ -104,11 +105,14 @@ async def _measure(loaded, settings, prompts, concurrency, new_tokens, needs_log
 
     core.runner.prepare = prepare_noting_decode
     for owner, name, part in ((core.scheduler, "schedule", "schedule"), (core.runner, "prepare", "prepare"),
-                              (model, "forward", "model"), (model, "compute_logits", "LM head"),
+                              (model, "forward", "model"), (model, "decode_logits", "model"),
+                              (model, "compute_logits", "LM head"),
                               (core.sampler, "sample", "sampling"),
                               (core.scheduler, "update_from_output", "update"),
                               (core.output, "process", "detokenize + stop")):
-        fn = getattr(owner, name)
+        fn = getattr(owner, name, None)
+        if fn is None:
+            continue
         # the model's entries as the runner calls them (in inference mode already: without their own wrapper)
         setattr(owner, name, _timed(current, part, in_mode(fn) if owner is model else fn))
     step, deliver = core.step, engine._deliver

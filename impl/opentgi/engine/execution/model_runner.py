@@ -215,8 +215,16 @@ class ModelRunner:
                 attn.image_spans = self.image_spans(seqs, num_new_tokens, cu_q) or None
         if self.lora is not None:
             self.lora.begin_step([s.request.adapter_id for s in seqs], num_new_tokens)
-        forward = in_mode(self.model.forward)
         prompt_new = attn.prompt_new_tokens
+        decode_logits = getattr(self.model, "decode_logits", None)
+        if (decode_logits is not None and sample_rows and not logit_rows and not score_rows and not extra
+                and self.lora is None and (prompt_new is None or not any(prompt_new))
+                and sample_positions(seqs, sample_rows, cu_q) == list(range(cu_q[-1]))):
+            # every row sampled in order: its logits in one call where the model has it
+            logits = in_mode(decode_logits)(input_ids, positions, attn, self.kv_caches)
+            if logits is not None:
+                return StepOutput(sample_logits=logits)
+        forward = in_mode(self.model.forward)
         try:
             if prompt_new is None or not any(prompt_new):  # every row generated: as a forward without kinds
                 hidden = forward(input_ids, positions, attn, self.kv_caches, **extra)

@@ -378,6 +378,8 @@ struct DecodeStackArgs : torch::CustomClassHolder {
   std::optional<at::Tensor> final_norm;  // the decoder's final RMSNorm weight, or none (the caller norms)
   std::optional<at::Tensor> embedding;   // Q8_0 token embedding blocks [vocab, row bytes], or none
   bool embed_bf16 = false;               // its rows rounded to bfloat16 (else float32)
+  std::optional<at::Tensor> head;        // the LM head's GGUF blocks [vocab, row bytes], or none
+  int64_t head_qtype = 0, head_passes = 1, head_n = 0;
 };
 
 c10::intrusive_ptr<DecodeStackArgs> make_stack_args(
@@ -388,7 +390,7 @@ c10::intrusive_ptr<DecodeStackArgs> make_stack_args(
     std::vector<int64_t> windows, double softcap, int64_t act, double eps, c10::List<std::optional<at::Tensor>> routers,
     std::vector<at::Tensor> expert_weights, std::vector<int64_t> expert_types, int64_t top_k, bool renormalize,
     int64_t isa, std::optional<at::Tensor> final_norm, double final_eps, std::optional<at::Tensor> embedding,
-    bool embed_bf16) {
+    bool embed_bf16, std::optional<at::Tensor> head, int64_t head_qtype, int64_t head_passes, int64_t head_n) {
   auto a = c10::make_intrusive<DecodeStackArgs>();
   a->ropes = std::move(ropes);
   a->weights = std::move(weights);
@@ -421,6 +423,13 @@ c10::intrusive_ptr<DecodeStackArgs> make_stack_args(
     a->embedding = embedding->contiguous();
   }
   a->embed_bf16 = embed_bf16;
+  if (head.has_value() && head->defined()) {
+    TORCH_CHECK(a->final_norm.has_value() && head_n >= 1, "DecodeStackArgs: an LM head needs the final norm");
+    a->head = head->contiguous();
+  }
+  a->head_qtype = head_qtype;
+  a->head_passes = head_passes;
+  a->head_n = head_n;
   return a;
 }
 
@@ -475,14 +484,17 @@ std::vector<at::Tensor> table_rows(at::TensorList tables, const at::Tensor& posi
 // decode_stack on `args` and a step's own tensors: its rows (h [rows, hidden], or token ids [rows]
 // looked up in args' embedding), their positions (their RoPE rows gathered
 // from each whole table here), slots, tails and native rows; then the final norm where args hold
-// one (models/layers/norm.py's RMSNorm: rms_norm's rows).
+// one (models/layers/norm.py's RMSNorm: rms_norm's rows); with `logits`, the LM head's matmul of
+// the normed rows (gguf_mm's, in h's dtype) instead of them.
 at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const at::Tensor& h,
                             const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
                             const at::Tensor& slots, const std::optional<at::Tensor>& tails,
-                            const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx) {
+                            const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
+                            bool logits) {
   const char* op = "decode_stack_run";
   TORCH_CHECK((h.dim() == 2 || (h.dim() == 1 && a->embedding.has_value())) && positions.numel() == h.size(0), op,
               ": h [rows, hidden] (or token ids [rows] with a Q8_0 embedding in args) and a position a row");
+  TORCH_CHECK(!logits || a->head.has_value(), op, ": logits asked of args without an LM head");
   const at::Tensor rows = h.dim() == 1 ? embed_q8_0(*a->embedding, h, a->embed_bf16, op) : h;
   const std::vector<at::Tensor> cos = table_rows(cos_tables, positions, op), sin = table_rows(sin_tables, positions, op);
   at::Tensor out = decode_stack(rows, cos, sin, a->ropes, a->weights, a->qtypes, a->passes, a->biases, a->parts, a->norms,
@@ -505,7 +517,17 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
       norm_row(a->isa, xp + r * n * es, nullptr, nullptr, w.data_ptr(), w.scalar_type() == at::kFloat, (int)n,
                (float)a->final_eps, dtype, np + r * n * es, buf.data());
   });
-  return normed;
+  if (!logits) return normed;
+  Projection head;
+  head.parts.push_back(make_matmul(*a->head, a->head_qtype, a->head_n, n, a->isa, op, a->head_passes));
+  head.biases.push_back(nullptr);
+  head.N = a->head_n;
+  head.K = n;
+  at::Tensor out_logits = at::empty({T, a->head_n}, out.options());
+  std::vector<float> xf, of;
+  std::vector<uint8_t> act;
+  linear_rows(head, normed.data_ptr(), T, dtype, a->isa, xf, of, act, out_logits.data_ptr());
+  return out_logits;
 }
 
 }  // namespace
@@ -519,7 +541,7 @@ TORCH_LIBRARY_FRAGMENT(opentgi, m) {
         "Tensor[] expert_weights, int[] expert_types, int top_k, bool renormalize, int isa) -> Tensor");
   m.def("decode_stack_run(__torch__.torch.classes.opentgi.DecodeStackArgs args, Tensor h, Tensor positions, "
         "Tensor[] cos_tables, Tensor[] sin_tables, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, "
-        "Tensor ctx) -> Tensor");
+        "Tensor ctx, bool logits=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {

@@ -223,6 +223,18 @@ class PagedDecoder(nn.Module):
         return self.model.norm(h)
 
     @torch.inference_mode()
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """`compute_logits(forward(...))` of every row in one native call (the decode stack ending
+        with the LM head: models/families/native_stack.py), or None where that call does not
+        take the step (the caller runs `forward` and `compute_logits`)."""
+        stack = self.native_stack
+        if stack is None or stack.head is None or self.__dict__.get("lora") is not None:
+            return None
+        logits = stack(input_ids, positions, attn, kv_caches, logits=True)
+        return logits if logits is None or logits.dtype == torch.float32 else logits.float()
+
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.has_lm_head:
             raise TypeError("a reward or embedding model has no language-model head")

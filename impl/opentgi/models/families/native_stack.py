@@ -14,7 +14,9 @@ are the module-by-module step's bit for bit (tests/kernels/test_kernels_stack.py
 carries over unchanged.
 
 The decoder's final norm runs in the same call where it is the layers' kind of RMSNorm, so does
-the token embedding's lookup where it is a GGUF file's Q8_0 blocks (and not scaled), and the
+the token embedding's lookup where it is a GGUF file's Q8_0 blocks (and not scaled), and with
+these two a step whose every row is sampled can have its logits of the same call (the LM head's
+GGUF blocks, `logits=True`: ModelRunner.execute through PagedDecoder.decode_logits), and the
 arguments that stay the same from step to step (weights, shapes, the paged caches) are converted
 once into an `opentgi.DecodeStackArgs` (`decode_stack_run`): a step passes only its own tensors.
 
@@ -95,6 +97,18 @@ def _parts(linear: nn.Module | None) -> list[QuantizedLinear] | None:
     return parts
 
 
+def _head(model) -> tuple[str, nn.Module | None]:
+    """(attribute, module) of the model's LM head as `compute_logits` takes it, where it is a
+    module without a soft-cap after it."""
+    if model.layout.final_softcap is not None or not getattr(model, "has_lm_head", False):
+        return "", None
+    if getattr(model, "logits_proj", None) is not None:
+        return "logits_proj", model.logits_proj
+    if not model.tie_word_embeddings and isinstance(getattr(model, "lm_head", None), nn.Module):
+        return "lm_head", model.lm_head
+    return "", None
+
+
 class NativeDecodeStack:
     """The decoder's layers as the arguments of one `opentgi::decode_stack` call."""
 
@@ -127,6 +141,12 @@ class NativeDecodeStack:
                    and final.weight.dtype == self.dtype)
         self.final_weight = _norm_weight(final) if in_call else None
         self.final_eps = float(final.eps) if in_call else 0.0
+        head_name, head = _head(model)
+        parts = _parts(head) if head is not None and in_call and self.embedding is not None else None
+        # the LM head's weight format where the call can end with it (one GGUF-block part, no bias)
+        self.head = parts[0].weight_format if parts is not None and len(parts) == 1 and parts[0].bias is None else None
+        if self.head is not None:
+            self.places.append((model._modules, head_name, head))
         self.args = None  # the DecodeStackArgs of `bound`
         self.bound: tuple[list, int] | None = None  # (the kv caches' list, the ISA id) `args` hold
         self.windows = [int(layer.self_attn.sliding_window or 0) for layer in layers]
@@ -243,16 +263,19 @@ class NativeDecodeStack:
                 self.qk_norms, [k for k, _ in kv_caches], [v for _, v in kv_caches], self.num_heads,
                 self.num_kv_heads, self.scale, self.windows, self.softcap, self.act, self.eps, self.routers,
                 self.expert_weights, self.expert_types, self.top_k, self.renormalize, isa, self.final_weight,
-                self.final_eps, self.embedding, self.dtype == torch.bfloat16)
+                self.final_eps, self.embedding, self.dtype == torch.bfloat16,
+                None if self.head is None else self.head.blocks, 0 if self.head is None else self.head.qtype,
+                1 if self.head is None else self.head.passes, 0 if self.head is None else self.head.out_features)
             self.bound = (kv_caches, isa)
         return self.args
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """The decoder's output for this step (the last layer's, normed by the final norm), or None
-        where the step has tokens the native attention does not attend as decode rows (the
-        modules take it). h: the rows [rows, hidden], or with `embedding` the token ids int64
-        [rows]; positions: int64 [rows]."""
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits: bool = False) -> torch.Tensor | None:
+        """The decoder's output for this step (the last layer's, normed by the final norm; with
+        `logits`, where `head` is set, the LM head's output of it instead), or None where the step
+        has tokens the native attention does not attend as decode rows (the modules take it).
+        h: the rows [rows, hidden], or with `embedding` the token ids int64 [rows]; positions:
+        int64 [rows]."""
         if (h.dtype != self.dtype and (h.dim() != 1 or self.embedding is None)) or meta.image_spans \
                 or not self._unchanged():
             return None
@@ -273,5 +296,5 @@ class NativeDecodeStack:
         # the op's C++ entry (`_op`): the packet's own call first walks the arguments for fake
         # script objects (torch.compile's), which a step never passes
         out = getattr(op, "_op", op)(args, h, positions, [cos for cos, _ in tables], [sin for _, sin in tables],
-                                     meta.slot_mapping, plan.tails, rows.block_tables, rows.seq, rows.ctx)
+                                     meta.slot_mapping, plan.tails, rows.block_tables, rows.seq, rows.ctx, logits)
         return out if self.final_weight is not None else self.final_norm(out)
