@@ -166,7 +166,8 @@ def table(results: list[StepBreakdown]) -> list[str]:
     head = "| part (ms per decode step, median) | " + " | ".join(f"c={r.concurrency}" for r in results) + " |"
     lines = [head, "|---|" + "---:|" * len(results)]
     for p in PARTS:
-        lines.append(f"| {p} | " + " | ".join(f"{r.median_ms.get(p, float('nan')):.2f}" for r in results) + " |")
+        lines.append(f"| {p} | " + " | ".join(f"{r.median_ms[p]:.2f}" if p in r.median_ms else "-"  # none a step
+                                               for r in results) + " |")
     lines.append("| whole engine step | " + " | ".join(f"{r.step_ms:.2f}" for r in results) + " |")
     lines.append("| native ops' calls | " + " | ".join(f"{r.native_ms:.2f}" for r in results) + " |")
     lines.append("| host: the step less them | " + " | ".join(
