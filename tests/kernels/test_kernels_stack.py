@@ -41,6 +41,12 @@ def float32_model(kernels, uniform_gguf, tmp_path_factory):
     return load(uniform_gguf, "float32", tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def mixed_bf16_model(kernels, tmp_path_factory):
+    """q, k, v in three block types, gate and up in two (parts side by side), in bfloat16."""
+    return load(tiny_models.tiny_gguf_path(), "bfloat16", tmp_path_factory)
+
+
 class Toggled:
     """The model's forward with its native stack on or off."""
 
@@ -79,9 +85,10 @@ def run_both(model, steps: list[dict[int, list[int]]]):
 @pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16"), ("qwen3", "bfloat16"),
                                          ("gemma2", "float32"), ("gemma3", "bfloat16"), ("gemma3", "float32"),
                                          ("qwen3_moe", "bfloat16"), ("mixtral", "float32")])
-def test_decode_steps_equal_the_modules_bit_for_bit(float32_model, uniform_gguf, tmp_path_factory, file, dtype):
+def test_decode_steps_equal_the_modules_bit_for_bit(request, float32_model, uniform_gguf, tmp_path_factory, file,
+                                                     dtype):
     if file == "mixed":  # q, k, v in three block types, gate and up in two: parts side by side
-        model = load(tiny_models.tiny_gguf_path(), dtype, tmp_path_factory)
+        model = request.getfixturevalue("mixed_bf16_model")
         assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "ConcatLinear"
     elif file != "uniform":  # the family's tiny model, its projections Q8_0 blocks
         model = load(tiny_models.tiny_family_path(file), dtype, tmp_path_factory, quantize="int8")
@@ -120,12 +127,14 @@ class Logits:
         return self.model.compute_logits(Toggled(self.model, False)(*args))
 
 
-def test_logits_of_the_stacks_call_equal_the_heads_of_the_modules(float32_model):
-    assert float32_model.native_stack.head is not None  # the tied Q8_0 head
-    fused, modules = PagedRunner(Logits(float32_model, True)), PagedRunner(Logits(float32_model, False))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_of_the_stacks_call_equal_the_heads_of_the_modules(request, dtype):
+    model = request.getfixturevalue("float32_model" if dtype == "float32" else "mixed_bf16_model")
+    assert model.native_stack.head is not None  # the tied Q8_0 head
+    fused, modules = PagedRunner(Logits(model, True)), PagedRunner(Logits(model, False))
     for new_tokens in [{0: list(range(5, 30)), 1: [3, 4]}, {0: [9], 1: [10]}, {1: [12]}]:
         a, b = fused.step(new_tokens), modules.step(new_tokens)
-        assert a.dtype == torch.float32 and a.shape[-1] == float32_model.config.vocab_size
+        assert a.dtype == torch.float32 and a.shape[-1] == model.config.vocab_size
         assert torch.equal(a, b)
 
 

@@ -255,7 +255,7 @@ class NativeDecodeStack:
 
     def _args(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], isa: int):
         """The DecodeStackArgs of these caches (the runner's list, which it never changes) and ISA,
-        made on the first step that passes them."""
+        made on the first step that passes them (and holding those caches until another list comes)."""
         bound = self.bound
         if bound is None or bound[0] is not kv_caches or bound[1] != isa:
             self.args = torch.classes.opentgi.DecodeStackArgs(
