@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -132,6 +133,15 @@ std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef q
   return projections;
 }
 
+// projections_of's result (and the biases' copies it points into), kept across calls by
+// DecodeStackArgs: made again only where a call's hidden size, head_dim or dtype differ
+struct Prepared {
+  std::vector<Projection> projections;
+  std::vector<at::Tensor> kept;
+  int64_t hidden = -1, D = -1;
+  at::ScalarType dt = at::kFloat;
+};
+
 // a norm's weight: `numel` values in h's dtype or float32, contiguous
 void check_norm(const at::Tensor& w, int64_t numel, at::ScalarType dt, const char* what, const char* op) {
   TORCH_CHECK(w.numel() == numel && (w.scalar_type() == dt || w.scalar_type() == at::kFloat) && w.is_contiguous(),
@@ -171,7 +181,7 @@ void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_
   std::memcpy(out, down.data_ptr(), T * hidden * es);
 }
 
-at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
+at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
                         const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
                         at::TensorList norms, at::TensorList qk_norms, at::TensorList k_caches,
@@ -180,7 +190,8 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
                         int64_t num_heads, int64_t num_kv_heads, double scale, at::IntArrayRef windows,
                         double softcap, int64_t act_kind, double eps,
                         const c10::List<std::optional<at::Tensor>>& routers, at::TensorList expert_weights,
-                        at::IntArrayRef expert_types, int64_t top_k, bool renormalize, int64_t isa) {
+                        at::IntArrayRef expert_types, int64_t top_k, bool renormalize, int64_t isa,
+                        Prepared* prepared) {
   const char* op = "decode_stack";
   check_isa(isa, op);
   const int dtype = row_dtype(h_in, op);
@@ -236,8 +247,16 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
   TORCH_CHECK(next_expert == expert_weights.size() && next_type == expert_types.size(), op,
               ": expert weights or types that belong to no layer");
   std::vector<at::Tensor> kept;  // the biases' contiguous copies, alive for the call
-  const std::vector<Projection> projections =
-      projections_of(weights, qtypes, passes, biases, parts, moe, L, hidden, H, KV, D, dt, isa, kept, op);
+  std::vector<Projection> built;
+  if (prepared == nullptr || prepared->hidden != hidden || prepared->D != D || prepared->dt != dt) {
+    built = projections_of(weights, qtypes, passes, biases, parts, moe, L, hidden, H, KV, D, dt, isa, kept, op);
+    if (prepared != nullptr) {
+      prepared->projections = std::move(built);
+      prepared->kept = std::move(kept);
+      prepared->hidden = hidden, prepared->D = D, prepared->dt = dt;
+    }
+  }
+  const std::vector<Projection>& projections = prepared != nullptr ? prepared->projections : built;
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t j = 0; j < (sandwich ? 4 : 2); ++j) check_norm(norms[(sandwich ? 4 : 2) * l + j], hidden, dt, "norm", op);
     if (!qk_norms.empty()) check_norm(qk_norms[l], (H + KV) * D, dt, "q/k norm", op);
@@ -365,6 +384,23 @@ at::Tensor decode_stack(const at::Tensor& h_in, at::TensorList cos, at::TensorLi
   return h;
 }
 
+// the op: projections made for this call alone
+at::Tensor decode_stack(const at::Tensor& h, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
+                        at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
+                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
+                        at::TensorList norms, at::TensorList qk_norms, at::TensorList k_caches,
+                        at::TensorList v_caches, const at::Tensor& slots, const std::optional<at::Tensor>& tails,
+                        const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
+                        int64_t num_heads, int64_t num_kv_heads, double scale, at::IntArrayRef windows,
+                        double softcap, int64_t act_kind, double eps,
+                        const c10::List<std::optional<at::Tensor>>& routers, at::TensorList expert_weights,
+                        at::IntArrayRef expert_types, int64_t top_k, bool renormalize, int64_t isa) {
+  return decode_stack_on(h, cos, sin, ropes, weights, qtypes, passes, biases, parts, norms, qk_norms, k_caches,
+                         v_caches, slots, tails, block_tables, seq, ctx, num_heads, num_kv_heads, scale, windows,
+                         softcap, act_kind, eps, routers, expert_weights, expert_types, top_k, renormalize, isa,
+                         nullptr);
+}
+
 // decode_stack's arguments that stay the same from step to step (the model's weights and shape,
 // its paged caches, the final norm), converted once: a step passes only its own tensors
 // (decode_stack_run) instead of some 250 list items and numbers.
@@ -380,6 +416,8 @@ struct DecodeStackArgs : torch::CustomClassHolder {
   bool embed_bf16 = false;               // its rows rounded to bfloat16 (else float32)
   std::optional<at::Tensor> head;        // the LM head's GGUF blocks [vocab, row bytes], or none
   int64_t head_qtype = 0, head_passes = 1, head_n = 0;
+  Prepared prepared;  // the layers' projections, made on the first call
+  std::mutex mu;      // one call at a time on these arguments (and their caches)
 };
 
 c10::intrusive_ptr<DecodeStackArgs> make_stack_args(
@@ -495,12 +533,14 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
   TORCH_CHECK((h.dim() == 2 || (h.dim() == 1 && a->embedding.has_value())) && positions.numel() == h.size(0), op,
               ": h [rows, hidden] (or token ids [rows] with a Q8_0 embedding in args) and a position a row");
   TORCH_CHECK(!logits || a->head.has_value(), op, ": logits asked of args without an LM head");
+  std::lock_guard<std::mutex> lock(a->mu);
   const at::Tensor rows = h.dim() == 1 ? embed_q8_0(*a->embedding, h, a->embed_bf16, op) : h;
   const std::vector<at::Tensor> cos = table_rows(cos_tables, positions, op), sin = table_rows(sin_tables, positions, op);
-  at::Tensor out = decode_stack(rows, cos, sin, a->ropes, a->weights, a->qtypes, a->passes, a->biases, a->parts, a->norms,
+  at::Tensor out = decode_stack_on(rows, cos, sin, a->ropes, a->weights, a->qtypes, a->passes, a->biases, a->parts, a->norms,
                                 a->qk_norms, a->k_caches, a->v_caches, slots, tails, block_tables, seq, ctx,
                                 a->num_heads, a->num_kv_heads, a->scale, a->windows, a->softcap, a->act, a->eps,
-                                a->routers, a->expert_weights, a->expert_types, a->top_k, a->renormalize, a->isa);
+                                a->routers, a->expert_weights, a->expert_types, a->top_k, a->renormalize, a->isa,
+                                &a->prepared);
   if (!a->final_norm.has_value()) return out;
   const at::Tensor& w = *a->final_norm;
   const int64_t T = out.size(0), n = out.size(1);
