@@ -113,7 +113,7 @@ class ModelRunner:
         dev = self.device
 
         def t(values, dtype):
-            if dev.type == "cpu":  # a numpy array and a tensor on its memory: a third of torch.tensor's cost
+            if dev.type == "cpu":  # a numpy array and a tensor on its memory: cheaper than torch.tensor
                 return torch.from_numpy(np.array(values, dtype=_NUMPY_INTS[dtype]))
             return torch.tensor(values, dtype=dtype, device=dev)
 
