@@ -187,6 +187,13 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model)
         assert stack(h, positions, meta(None), runner.kv_caches) is None
     finally:
         layer.mlp.down_proj = original
+    assert stack(h, positions, meta(None), runner.kv_caches) is not None
+    head = model.logits_proj  # the head the call ends with, replaced: the stack steps aside too
+    model.logits_proj = torch.nn.Identity()
+    try:
+        assert stack(h, positions, meta(None), runner.kv_caches) is None
+    finally:
+        model.logits_proj = head
 
 
 def test_a_projection_of_another_format_gets_no_stack(float32_model):

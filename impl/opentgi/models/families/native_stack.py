@@ -141,12 +141,15 @@ class NativeDecodeStack:
                    and final.weight.dtype == self.dtype)
         self.final_weight = _norm_weight(final) if in_call else None
         self.final_eps = float(final.eps) if in_call else 0.0
+        if in_call:
+            self.places.append((model.model._modules, "norm", final))
         head_name, head = _head(model)
         parts = _parts(head) if head is not None and in_call and self.embedding is not None else None
         # the LM head's weight format where the call can end with it (one GGUF-block part, no bias)
         self.head = parts[0].weight_format if parts is not None and len(parts) == 1 and parts[0].bias is None else None
         if self.head is not None:
             self.places.append((model._modules, head_name, head))
+        self.columns = tuple(zip(*self.places))  # with the final norm's and the head's places
         self.args = None  # the DecodeStackArgs of `bound`
         self.bound: tuple[list, int] | None = None  # (the kv caches' list, the ISA id) `args` hold
         self.windows = [int(layer.self_attn.sliding_window or 0) for layer in layers]
