@@ -56,11 +56,20 @@ def test_switches_and_renamed_fields(tmp_path):
 @pytest.mark.parametrize("argv,env", [(["--api", "grpc"], {}), ([], {"PORT": "eighty"}),
                                       (["--fim-template", "<PRE>{prefix}<MID>"], {}),
                                       (["--speculate", "-1"], {}), (["--reasoning-budget", "-1"], {}),
-                                      (["--tool-call-parser", "xml"], {})])
+                                      (["--tool-call-parser", "xml"], {}), (["--kv-cache-dtype", "fp8"], {}),
+                                      ([], {"KV_CACHE_DTYPE": "half"})])
 def test_bad_values_exit_with_a_message(argv, env):
     with pytest.raises(SystemExit) as info:
         parse(argv, env)
     assert "opentgi:" in str(info.value)
+
+
+def test_kv_cache_dtype_flag_and_environment():
+    assert parse([]).kv_cache_dtype == "auto"
+    assert parse(["--kv-cache-dtype", "float32"]).kv_cache_dtype == "float32"
+    assert parse([], {"KV_CACHE_DTYPE": "bfloat16"}).kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit, match="--kv-cache-dtype must be one of auto, float16, bfloat16, float32, got 'fp8'"):
+        parse(["--kv-cache-dtype", "fp8"])
 
 
 def test_fim_template_is_kept_when_valid():

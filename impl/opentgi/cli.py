@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from opentgi.config import Settings
+from opentgi.config import KV_CACHE_DTYPES, Settings
 
 log = logging.getLogger("opentgi")
 
@@ -66,6 +66,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--revision", str, "model revision (hub ids only)"),
     Option("--dtype", str, "float32 | float16 | bfloat16 (default: bfloat16 on CUDA and on CPUs "
            "with avx512_bf16 or AMX, else float32)"),
+    Option("--kv-cache-dtype", str, "auto | float16 | bfloat16 | float32: the paged KV cache's dtype (default: "
+           "auto, float16 where the model computes in float32 on CPU, half the cache's bytes; else the model's)"),
     Option("--quantize", str, "weight formats for a float checkpoint: int8 (per channel; TGI's eetq), "
            "int4 (groups of 32; int4-g64, int4-g128), fp8 (GPUs with FP8); awq / gptq checkpoints are "
            "read as they are (default: the checkpoint's own; GGUF files are always read as they are)"),
@@ -240,6 +242,9 @@ def settings_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Setti
             or settings.image_fetch_timeout <= 0:
         raise SystemExit("opentgi: --max-image-bytes, --max-images, --max-image-pixels and "
                          "--image-fetch-timeout must be positive")
+    if settings.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise SystemExit(f"opentgi: --kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {settings.kv_cache_dtype!r}")
     if settings.kernels not in ("auto", "native", "torch"):
         raise SystemExit(f"opentgi: --kernels must be auto, native or torch, got {settings.kernels!r}")
     if settings.api not in ("tgi", "lightllm"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")  # --kv-cache-dtype
+
 
 @dataclass
 class Settings:
@@ -26,6 +28,9 @@ class Settings:
     quantize: str | None = None  # int8 | int4[-g64|-g128] | fp8 | awq | gptq | eetq (models/quantization/methods.py)
     dequantize: bool = False  # a GGUF's 4-bit layers served dense in the serving dtype
     kernels: str = "auto"  # auto | native | torch: the matmul path of GGUF blocks on CPU (opentgi.kernels)
+    # auto | float16 | bfloat16 | float32: the paged KV cache's dtype; auto = float16 where the model
+    # computes in float32 on CPU, else the model's (engine/execution/kv_cache.py kv_cache_dtype)
+    kv_cache_dtype: str = "auto"
 
     # --- sharding (tensor parallelism, engine/execution/shards.py) -----------------------------------------
     num_shard: int = 1  # ranks in the tensor-parallel group

@@ -31,6 +31,8 @@ def test_info_reports_the_limits(client):
     assert (info["max_input_tokens"], info["max_total_tokens"]) == (40, 64)
     assert info["deterministic"] is True  # batch-invariant unless started with --nondeterministic
     assert info["kernels"].startswith("torch (")  # a tiny Llama folder: no GGUF blocks to serve
+    # --kv-cache-dtype auto: float16 under a float32 model (CPUs without native bfloat16), else the model's
+    assert info["kv_cache_dtype"] == ("float16" if info["model_dtype"] == "torch.float32" else "bfloat16")
 
 
 def test_stop_sequences_up_to_the_configured_limit(client):

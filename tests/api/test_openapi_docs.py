@@ -296,6 +296,7 @@ ADDED_FIELDS = {
     "Info": {"adapters", "deterministic",  # LoRA adapters (issue 13), batch invariance (issue 24)
              "model_architecture", "supported_architectures",  # the paged path's families (issue 22)
              "kernels",  # the matmul path of GGUF layers (issue 36)
+             "kv_cache_dtype",  # --kv-cache-dtype
              "model_kind"},  # generation or a pooling model (issue 39)
 }
 RELAXED_REQUIRED = {"Message": ["role"], "DeltaToolCall": ["index"], "FunctionDefinition": ["name"]}

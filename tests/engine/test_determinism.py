@@ -32,6 +32,7 @@ from tests.helpers.cpu_kernels import (
     torch_runs_avx512_kernels,
 )
 from tests.helpers.determinism import NEW_TOKENS, OTHERS, TARGET, alone, loaded_model, run_target
+from tests.helpers.engine import running
 from tests.helpers.hypothesis_profiles import examples
 
 torch.set_num_threads(1)
@@ -42,6 +43,16 @@ def model(request, model_path):
     loaded = loaded_model(model_path, request.param)
     assert loaded.model.batch_invariant
     return loaded
+
+
+def test_these_run_on_the_default_kv_cache(model):
+    """--kv-cache-dtype auto: float16 under a float32 model (every test here runs on it), else the model's."""
+    async def cache():
+        async with running(model) as engine:
+            return engine.info.kv_cache_dtype, {c.dtype for pair in engine.runner.kv_caches for c in pair}
+
+    expected = torch.float16 if model.model.spec.dtype == torch.float32 else torch.bfloat16
+    assert asyncio.run(cache()) == (str(expected).removeprefix("torch."), {expected})
 
 
 def test_among_16_concurrent_others(model):

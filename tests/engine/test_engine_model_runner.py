@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from opentgi.config import Settings
-from opentgi.engine.execution.kv_cache import bytes_per_block, num_kv_blocks
+from opentgi.engine.execution.kv_cache import bytes_per_block, kv_cache_dtype, num_kv_blocks
 from opentgi.engine.execution.model_runner import ModelRunner
 from opentgi.engine.output.stop_checker import StopChecker
 from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
@@ -65,6 +66,29 @@ def test_kv_pool_sizing():
     assert num_kv_blocks(Settings(kv_cache_cpu_bytes=per_block * 10), SPEC, 16) == 10
     # a budget larger than any use is trimmed to every concurrent request at full context
     assert num_kv_blocks(Settings(kv_cache_cpu_bytes=per_block * 10_000), SPEC, 16, max_useful_tokens=320) == 20
+
+
+def test_kv_cache_dtype_auto_and_chosen():
+    """auto: float16 where the model computes in float32 on CPU, else the model's dtype; another
+    dtype than the model's only on CPU; the pool is allocated and sized in it."""
+    bf16 = ModelSpec(**{**SPEC.__dict__, "dtype": torch.bfloat16})
+    cuda = ModelSpec(**{**SPEC.__dict__, "dtype": torch.bfloat16, "device": torch.device("cuda")})
+    assert kv_cache_dtype(Settings(), SPEC) == torch.float16
+    assert kv_cache_dtype(Settings(), bf16) == torch.bfloat16 and kv_cache_dtype(Settings(), cuda) == torch.bfloat16
+    assert kv_cache_dtype(Settings(kv_cache_dtype="float32"), SPEC) == torch.float32
+    assert kv_cache_dtype(Settings(kv_cache_dtype="float16"), bf16) == torch.float16
+    with pytest.raises(ValueError, match="on cuda the KV cache is in the model's dtype"):
+        kv_cache_dtype(Settings(kv_cache_dtype="float16"), cuda)
+    with pytest.raises(ValueError, match="got 'int8'"):
+        kv_cache_dtype(Settings(kv_cache_dtype="int8"), SPEC)
+
+    class HalfCacheModel(FakeModel):
+        spec = ModelSpec(**{**SPEC.__dict__, "kv_cache_dtype": torch.float16})
+
+    runner = ModelRunner(HalfCacheModel(), num_blocks=8, block_size=4)
+    assert {c.dtype for pair in runner.kv_caches for c in pair} == {torch.float16}
+    assert bytes_per_block(HalfCacheModel.spec, 16) * 2 == bytes_per_block(SPEC, 16)  # twice the tokens a budget
+    assert num_kv_blocks(Settings(kv_cache_cpu_bytes=bytes_per_block(SPEC, 16) * 10), HalfCacheModel.spec, 16) == 20
 
 
 def _resident_fraction(t: torch.Tensor) -> float:

@@ -13,13 +13,15 @@ BLOCK_SIZE, NUM_BLOCKS = 16, 48
 
 
 class PagedRunner:
-    """A minimal model runner: contiguous-free block tables (reversed order), metadata per step."""
+    """A minimal model runner: contiguous-free block tables (reversed order), metadata per step;
+    the caches in `kv_dtype` (default: the model's)."""
 
-    def __init__(self, model):
+    def __init__(self, model, kv_dtype: torch.dtype | None = None):
         self.model = model
         spec = model.spec
         shape = (NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=spec.dtype), torch.zeros(shape, dtype=spec.dtype))
+        dtype = kv_dtype or spec.dtype
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                           for _ in range(spec.num_layers)]
         self.free = list(reversed(range(NUM_BLOCKS)))
         self.tables: dict[int, list[int]] = {}

@@ -191,6 +191,42 @@ def test_float16_queries_take_the_torch_forms(kernels):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("prompt_form", [False, True])
+def test_float16_caches_native_and_torch_backends_agree(kernels, prompt_form):
+    """--kv-cache-dtype float16 under float32 queries, one step that writes its keys: sequence 0's 20
+    prompt tokens after 12 cached, sequence 1's decode row. Both backends store the same float16
+    keys; the native one attends them as a float32 cache of the same values (bitwise) and as the
+    torch backend (within float32 rounding)."""
+    lens = [32, 40]
+    *caches, tables = cache_and_tables(lens, 2, 32, seed=13, dtype=torch.float16)
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(21, 6, 32, generator=gen)
+    k, v = torch.randn(21, 2, 32, generator=gen), torch.randn(21, 2, 32, generator=gen)
+    positions = list(range(12, 32)) + [39]
+    slots = torch.tensor([int(tables[0 if i < 20 else 1, p // BLOCK]) * BLOCK + p % BLOCK
+                          for i, p in enumerate(positions)])
+
+    def step(backend, k_cache, v_cache, k=k, v=v):
+        backend.batch_invariant, backend.prompt_form = True, prompt_form
+        meta = AttentionMetadata(
+            slot_mapping=slots, cu_seqlens_q=torch.tensor([0, 20, 21], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 32, 72], dtype=torch.int32), max_seqlen_q=20, max_seqlen_k=40,
+            context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, decode_only=False,
+            prompt_new_tokens=[20, 0])
+        return backend.forward(q, k, v, k_cache, v_cache, meta, 32 ** -0.5)
+
+    native_caches = [c.clone() for c in caches]
+    ours = step(NativeAttentionBackend(), *native_caches)
+    torch_caches = [c.clone() for c in caches]
+    theirs = step(TorchAttentionBackend(), *torch_caches)
+    assert native_caches[0].dtype == torch.float16
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, torch_caches, strict=True))
+    assert torch.equal(native_caches[0].view(-1, 2, 32)[slots], k.half())  # rounded to nearest even
+    torch.testing.assert_close(ours, theirs, atol=3e-6, rtol=1e-5)
+    as_float32 = [c.float() for c in caches]  # the same values in a float32 cache, given the rounded keys
+    assert torch.equal(step(NativeAttentionBackend(), *as_float32, k=k.half().float(), v=v.half().float()), ours)
+
+
 def test_long_rows_in_splits_match_float64_and_keep_their_bits(kernels):
     """Rows past 512 keys are attended in splits of 512 keys, combined in split order: still within
     float32 rounding of the exact attention, and a row's bits its own alone, among others and on any

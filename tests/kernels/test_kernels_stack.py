@@ -73,8 +73,8 @@ class CountingStack:
         return out
 
 
-def run_both(model, steps: list[dict[int, list[int]]]):
-    fused, modules = PagedRunner(Toggled(model, True)), PagedRunner(Toggled(model, False))
+def run_both(model, steps: list[dict[int, list[int]]], kv_dtype: torch.dtype | None = None):
+    fused, modules = PagedRunner(Toggled(model, True), kv_dtype), PagedRunner(Toggled(model, False), kv_dtype)
     for new_tokens in steps:
         a, b = fused.step(new_tokens), modules.step(new_tokens)
         assert torch.equal(a, b)
@@ -84,9 +84,15 @@ def run_both(model, steps: list[dict[int, list[int]]]):
 
 @pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16"), ("qwen3", "bfloat16"),
                                          ("gemma2", "float32"), ("gemma3", "bfloat16"), ("gemma3", "float32"),
-                                         ("qwen3_moe", "bfloat16"), ("mixtral", "float32")])
+                                         ("qwen3_moe", "bfloat16"), ("mixtral", "float32"),
+                                         ("uniform", "float32/float16"), ("mixed", "bfloat16/float16"),
+                                         ("gemma2", "float32/float16")])
 def test_decode_steps_equal_the_modules_bit_for_bit(request, float32_model, uniform_gguf, tmp_path_factory, file,
                                                      dtype):
+    """dtype: the model's, or the model's/the KV cache's (--kv-cache-dtype: the stack stores keys and
+    values rounded as the modules' `.to(cache dtype)` does)."""
+    dtype, _, kv = dtype.partition("/")
+    kv_dtype = getattr(torch, kv) if kv else None
     if file == "mixed":  # q, k, v in three block types, gate and up in two: parts side by side
         model = request.getfixturevalue("mixed_bf16_model")
         assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "ConcatLinear"
@@ -106,7 +112,7 @@ def test_decode_steps_equal_the_modules_bit_for_bit(request, float32_model, unif
     prompts = {0: list(range(5, 40)), 1: list(range(100, 117)), 2: [7, 8, 9]}
     steps = [prompts, {0: [11]}, {0: [12], 1: [13], 2: [14]}, {1: [15, 16, 17], 2: [18, 19]}, {0: [20], 2: [21]}]
     try:
-        run_both(model, steps)
+        run_both(model, steps, kv_dtype)
     finally:
         model.native_stack = stack
     # PagedRunner tells no prompt tokens: every token in the decode row's form, every step the stack's

@@ -34,14 +34,17 @@ def naive_attention(q, keys, values, window=None):
 
 
 class PagedSequences:
-    """Sequences with random (scattered) block tables and their full k/v kept contiguously too."""
+    """Sequences with random (scattered) block tables and their full k/v kept contiguously too;
+    the caches in `cache_dtype`, the new keys and values rounded to `round_to` first when given."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, cache_dtype: torch.dtype = torch.float32, backend=None,
+                 round_to: torch.dtype | None = None):
         self.rng = random.Random(seed)
         self.free = list(range(NUM_BLOCKS))
         self.rng.shuffle(self.free)
-        self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM)
-        self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM)
+        self.k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, dtype=cache_dtype)
+        self.v_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, dtype=cache_dtype)
+        self.backend, self.round_to = backend or TorchAttentionBackend(), round_to
         self.tables: list[list[int]] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -62,6 +65,8 @@ class PagedSequences:
             while len(self.tables[s]) * BLOCK_SIZE < start + n:
                 self.tables[s].append(self.free.pop())
             q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(n, KV_HEADS, DIM)
+            if self.round_to is not None:
+                k, v = k.to(self.round_to).float(), v.to(self.round_to).float()
             self.keys[s] = torch.cat([self.keys[s], k])
             self.values[s] = torch.cat([self.values[s], v])
             q_parts.append(q), k_parts.append(k), v_parts.append(v)
@@ -81,9 +86,8 @@ class PagedSequences:
             max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx),
             context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=tables,
             decode_only=all(n == 1 for n in q_lens))
-        out = TorchAttentionBackend().forward(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts),
-                                              self.k_cache, self.v_cache, meta, 1 / math.sqrt(DIM),
-                                              sliding_window=window)
+        out = self.backend.forward(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), self.k_cache,
+                                   self.v_cache, meta, 1 / math.sqrt(DIM), sliding_window=window)
         return out, torch.cat(expected)
 
 
@@ -102,6 +106,33 @@ def test_prefill_chunks_and_decode_match_naive_attention(window):
     for new_lens in steps:
         out, expected = paged.step(new_lens, window)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def attend_steps(steps, cache_dtype, round_to=None, backend=None):
+    """Each step's output, and the k cache left, for the same random tokens (seeded)."""
+    torch.manual_seed(5)
+    paged = PagedSequences(seed=2, cache_dtype=cache_dtype, backend=backend, round_to=round_to)
+    for _ in range(3):
+        paged.add()
+    return [paged.step(new_lens)[0] for new_lens in steps], paged.k_cache
+
+
+# fresh prompts (batched or, with batch invariance, in segments), a chunk after cached keys, decode rows
+MIXED_STEPS = [{0: 7, 1: 33}, {0: 1, 1: 1}, {0: 1, 1: 20, 2: 16}, {2: 3, 0: 1}, {0: 1, 1: 1, 2: 1}]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_float16_caches_are_attended_as_stored_in_every_form(batch_invariant):
+    """--kv-cache-dtype float16 under float32 queries: every form, those that attend this step's keys
+    without reading the cache included, sees keys and values as the cache stores them: the bits a
+    float32 cache gives keys and values rounded to float16 beforehand."""
+    backend = TorchAttentionBackend()
+    backend.batch_invariant = batch_invariant
+    half, half_cache = attend_steps(MIXED_STEPS, torch.float16, backend=backend)
+    full, full_cache = attend_steps(MIXED_STEPS, torch.float32, round_to=torch.float16, backend=backend)
+    assert half_cache.dtype == torch.float16 and torch.equal(half_cache.float(), full_cache)
+    for a, b in zip(half, full, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
 def test_decode_batch_with_different_lengths():

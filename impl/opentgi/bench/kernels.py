@@ -10,12 +10,13 @@ a markdown table of median microseconds per call, and the GB/s of weight bytes e
 at one row. The kernels are timed in turn, round after round, so that load on the machine falls
 on all of them alike.
 
-`python -m opentgi.bench kernels --attention [--context L]`: decode attention per layer instead,
+`python -m opentgi.bench kernels --attention [--context L] [--kv-cache-dtype D]`: decode attention per layer instead,
 the torch backend beside the native one (models/attention/), at the default model's attention
 shape (9 query heads, 3 kv heads, head_dim 64, blocks of 16): a decode step of 1, 16 and 64 rows
 of contexts L/2..L, block tables scattered over the pool, both batch-invariant as served; median
 CPU microseconds of this process (the machines are shared) per layer call (the step's plan built
-once and reused, as a step's layers reuse it) and per plan (once a step), backends in turn.
+once and reused, as a step's layers reuse it) and per plan (once a step), backends in turn; the
+cache in D (default: the dtype computed in, as `--kv-cache-dtype` float32/bfloat16 serves it).
 
 `python -m opentgi.bench kernels --moe [--experts E]`: one mixture-of-experts block at
 Qwen3-30B-A3B's layer shape (hidden 2048, experts' intermediate 768, top 8 of 128 experts; gate/up
@@ -122,9 +123,9 @@ HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 ATTENTION_ROWS = (1, 16, 64)
 
 
-def decode_step(rows: int, context: int, dtype: torch.dtype, seed: int = 0):
+def decode_step(rows: int, context: int, dtype: torch.dtype, seed: int = 0, kv_dtype: torch.dtype | None = None):
     """(q, k, v, k_cache, v_cache, meta builder): rows decode rows, contexts spread over
-    context/2..context, their blocks scattered over the pool."""
+    context/2..context, their blocks scattered over the pool (the cache in kv_dtype, else dtype)."""
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(context // 2, context + 1, (rows,), generator=gen).tolist()
     need = [-(-n // BLOCK) for n in lens]
@@ -133,8 +134,8 @@ def decode_step(rows: int, context: int, dtype: torch.dtype, seed: int = 0):
     tables = torch.full((rows, max(need)), -1, dtype=torch.int32)
     for i, n in enumerate(need):
         tables[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
-    k_cache = torch.randn(pool, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(pool, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+    k_cache = torch.randn(pool, BLOCK, KV_HEADS, DIM, generator=gen).to(kv_dtype or dtype)
+    v_cache = torch.randn(pool, BLOCK, KV_HEADS, DIM, generator=gen).to(kv_dtype or dtype)
     q = torch.randn(rows, HEADS, DIM, generator=gen).to(dtype)
     k = torch.randn(rows, KV_HEADS, DIM, generator=gen).to(dtype)
     v = torch.randn(rows, KV_HEADS, DIM, generator=gen).to(dtype)
@@ -151,7 +152,7 @@ def decode_step(rows: int, context: int, dtype: torch.dtype, seed: int = 0):
     return q, k, v, k_cache, v_cache, meta
 
 
-def measure_attention(repeats: int, context: int, dtype: torch.dtype):
+def measure_attention(repeats: int, context: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
     from opentgi.models.attention.native_backend import NativeAttentionBackend
     from opentgi.models.attention.torch_backend import TorchAttentionBackend
     from opentgi.models.attention.torch_plan import make_plan
@@ -162,7 +163,7 @@ def measure_attention(repeats: int, context: int, dtype: torch.dtype):
     results = []
     with torch.inference_mode():
         for rows in ATTENTION_ROWS:
-            q, k, v, k_cache, v_cache, meta = decode_step(rows, context, dtype)
+            q, k, v, k_cache, v_cache, meta = decode_step(rows, context, dtype, kv_dtype=kv_dtype)
             metas = {name: meta() for name in backends}
             layer: dict[str, list[float]] = {name: [] for name in backends}
             plan: dict[str, list[float]] = {name: [] for name in backends}
@@ -263,6 +264,8 @@ def main(argv=None) -> None:
                         help="default: what this host serves (bfloat16 with native bfloat16, else float32)")
     parser.add_argument("--attention", action="store_true", help="decode attention per layer instead")
     parser.add_argument("--context", type=int, default=512, help="--attention: the longest context")
+    parser.add_argument("--kv-cache-dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                        help="--attention: the cache's dtype (default: --dtype's)")
     parser.add_argument("--moe", action="store_true", help="a mixture-of-experts block instead")
     parser.add_argument("--experts", type=int, default=128, help="--moe: how many experts")
     args = parser.parse_args(argv)
@@ -279,8 +282,9 @@ def main(argv=None) -> None:
               "experts, Q4_K gate/up, Q6_K down")
         print(moe_table(measure_moe(args.repeats, args.experts, dtype)))
     elif args.attention:
-        print(f"decode attention, contexts {args.context // 2}-{args.context}, CPU us")
-        print(attention_table(measure_attention(args.repeats, args.context, dtype)))
+        kv_dtype = getattr(torch, args.kv_cache_dtype) if args.kv_cache_dtype else dtype
+        print(f"decode attention, contexts {args.context // 2}-{args.context}, {kv_dtype} cache, CPU us")
+        print(attention_table(measure_attention(args.repeats, args.context, dtype, kv_dtype)))
     else:
         print(table(measure(args.repeats, dtype, path.name == "native")))
 

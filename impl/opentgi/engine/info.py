@@ -40,6 +40,7 @@ class EngineInfo:
     deterministic: bool = True  # batch-invariant numerics (False with --nondeterministic)
     supported_architectures: list[str] = field(default_factory=list)  # those of the paged path
     kernels: str = "torch"  # a GGUF's matmul path: "native (avx2)" or "torch (why)" (opentgi.kernels)
+    kv_cache_dtype: str | None = None  # the paged KV cache's ("float16", ...); None: no paged cache
     image_input: bool = False  # a vision-language model served with its image encoder
     image_marker: str | None = None  # where an image goes in its prompt text (e.g. Idefics3's `<image>`)
     model_kind: str = "generation"  # | "embedding" | "rerank" | "classification" (engine/pooling/)

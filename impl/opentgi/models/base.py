@@ -2,8 +2,11 @@
 
 Contract with the engine's model runner (see models/loader.py for how a model is loaded):
 - KV caches: one (k_cache, v_cache) pair per layer, each [num_blocks, block_size, spec.num_kv_heads,
-  spec.head_dim], dtype spec.dtype, on spec.device. block_size = LoadedModel.block_size (the
-  attention backend's choice: 16 with the torch backend, a multiple of 256 with flash-attn).
+  spec.head_dim], dtype spec.cache_dtype (the engine's --kv-cache-dtype; spec.dtype unless it set
+  one), on spec.device. A forward stores k/v rounded to that dtype and every attention form reads
+  them as stored, the step's own keys included, so a token's numbers do not depend on the path.
+  block_size = LoadedModel.block_size (the attention backend's choice: 16 with the torch backend,
+  a multiple of 256 with flash-attn).
 - AttentionMetadata (attention/metadata.py): tensors on spec.device; cu_seqlens_q/k, context_lens
   and block_tables int32, slot_mapping int64. Pad block_tables with -1 on CPU (the torch backend
   never reads past context_lens) and with 0 for flash-attn. `decode_only` must be True exactly when
@@ -55,6 +58,11 @@ class ModelSpec:
     # is none or the layers differ (Gemma 2/3: families/layout.py has each layer's)
     sliding_window: int | None = None
     is_reward_model: bool = False  # a one-label sequence-classification head (compute_score)
+    kv_cache_dtype: torch.dtype | None = None  # the paged KV cache's, set by the engine; None: dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
 
 class PagedCausalLM(Protocol):

@@ -1,4 +1,4 @@
-# GENERATED from openapi/tgi.json (sha256 3ab6354a75b40259) by codegen with
+# GENERATED from openapi/tgi.json (sha256 f01cd899c33d06cc) by codegen with
 # datamodel-code-generator 0.86.0. DO NOT EDIT BY HAND: change the document
 # and regenerate with `python -m codegen` (CI runs `python -m codegen --check`).
 
@@ -123,6 +123,11 @@ class Info(BaseModel):
         None,
         description="The matmul path of a GGUF's quantized layers: `native (<instruction set>)` when the native CPU kernels serve them, `torch (<why>)` otherwise (--kernels; an opentgi addition)",
         examples=['native (avx2)'],
+    )
+    kv_cache_dtype: str | None = Field(
+        None,
+        description="The paged KV cache's dtype (--kv-cache-dtype: by default float16 where the model computes in float32 on CPU, else the model's); null where the model has no paged cache (an opentgi addition)",
+        examples=['float16'],
     )
     model_architecture: str | None = Field(
         None,

@@ -245,6 +245,7 @@ async def get_model_info() -> Response:
         "adapters": list(info.adapters),
         "deterministic": bool(getattr(info, "deterministic", True)),
         "kernels": getattr(info, "kernels", "torch"),
+        "kv_cache_dtype": getattr(info, "kv_cache_dtype", None),
         "model_architecture": info.architecture,
         "supported_architectures": list(info.supported_architectures),
         "model_kind": getattr(info, "model_kind", "generation"),

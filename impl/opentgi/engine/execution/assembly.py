@@ -16,7 +16,7 @@ from opentgi.engine.execution.gpu_memory import (
     profile_step,
 )
 from opentgi.engine.execution.host_memory import keep_freed_memory
-from opentgi.engine.execution.kv_cache import num_kv_blocks
+from opentgi.engine.execution.kv_cache import kv_cache_dtype, num_kv_blocks
 from opentgi.engine.info import EngineInfo
 from opentgi.models.base import ModelSpec
 from opentgi.models.registry import PAGED_ARCHITECTURES
@@ -129,6 +129,7 @@ def build_runner(loaded, settings: Settings, memory: DeviceMemory | None = None)
     from opentgi.engine.execution.model_runner import ModelRunner
 
     spec = spec or loaded.model.spec
+    spec.kv_cache_dtype = kv_cache_dtype(settings, spec)
     block_size = _block_size(loaded, settings, spec)
     memory = _device_memory(spec, memory)
     profile = None
@@ -195,6 +196,7 @@ def build_info(loaded, settings: Settings, spec: ModelSpec, num_blocks: int, blo
         deterministic=batch_invariant(loaded),
         supported_architectures=list(PAGED_ARCHITECTURES),
         kernels=getattr(loaded, "kernels", "torch"),
+        kv_cache_dtype=str(spec.cache_dtype).removeprefix("torch.") if runner_kind == "paged" else None,
     )
 
 

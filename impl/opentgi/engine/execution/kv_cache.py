@@ -4,6 +4,11 @@ One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, num_kv_head
 pool holds `max_batch_total_tokens` tokens when that is set; else, on CUDA, what the memory profile
 leaves (`gpu_memory.py`: `--cuda-memory-fraction` of the device, less the largest step's working
 memory), and on CPU as many as `kv_cache_cpu_bytes` buys.
+
+The pool's dtype is `--kv-cache-dtype` (`kv_cache_dtype`): by default float16 where the model
+computes in float32 on CPU (hosts without native bfloat16), as llama.cpp keeps its cache: a long
+context's decode step reads the cache more than the weights, and float16 halves those bytes (and
+the pool's memory) for keys and values rounded to 11 significant bits; elsewhere the model's dtype.
 """
 
 from __future__ import annotations
@@ -17,9 +22,27 @@ from opentgi.config import Settings
 from opentgi.engine.execution.gpu_memory import MemoryProfile, NotEnoughMemoryError
 from opentgi.models.base import ModelSpec
 
+_KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def kv_cache_dtype(settings: Settings, spec: ModelSpec) -> torch.dtype:
+    """The pool's dtype for `settings.kv_cache_dtype` (module docstring). A dtype other than the
+    model's is served on CPU only: flash-attn reads its cache in the model's dtype."""
+    choice = settings.kv_cache_dtype
+    on_cpu = torch.device(spec.device).type == "cpu"
+    if choice == "auto":
+        return torch.float16 if on_cpu and spec.dtype == torch.float32 else spec.dtype
+    if choice not in _KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be auto, float16, bfloat16 or float32, got {choice!r}")
+    dtype = _KV_DTYPES[choice]
+    if dtype != spec.dtype and not on_cpu:
+        raise ValueError(f"--kv-cache-dtype {choice}: on {torch.device(spec.device).type} the KV cache is in "
+                         f"the model's dtype ({str(spec.dtype)[6:]}); another one is served on CPU only")
+    return dtype
+
 
 def bytes_per_block(spec: ModelSpec, block_size: int) -> int:
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    itemsize = torch.empty((), dtype=spec.cache_dtype).element_size()
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * itemsize
 
 
@@ -62,17 +85,17 @@ def cache_growth_limit(settings: Settings, spec: ModelSpec, block_size: int, num
 
 
 def allocate_kv_caches(spec: ModelSpec, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The pool, zero. On CPU each tensor is an anonymous memory map: the operating system hands
+    """The pool, zero, in spec.cache_dtype. On CPU each tensor is an anonymous memory map: the operating system hands
     out zero pages on first write, so the pool costs resident memory only for the blocks in use.
     The block manager hands out the lowest free block first and reuses written blocks before fresh
     ones, so the written part stays the peak working set and a step faults in fresh pages only
     while that peak grows (a pool handed out in FIFO order would fault in fresh pages in many steps
     until written once through: docs/cpu.md). On GPU, zeros written at once."""
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    shape, dtype = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim), spec.cache_dtype
     if torch.device(spec.device).type != "cpu":
-        return [(torch.zeros(shape, dtype=spec.dtype, device=spec.device),
-                 torch.zeros(shape, dtype=spec.dtype, device=spec.device)) for _ in range(spec.num_layers)]
-    return [(_untouched_zeros(shape, spec.dtype), _untouched_zeros(shape, spec.dtype)) for _ in range(spec.num_layers)]
+        return [(torch.zeros(shape, dtype=dtype, device=spec.device),
+                 torch.zeros(shape, dtype=dtype, device=spec.device)) for _ in range(spec.num_layers)]
+    return [(_untouched_zeros(shape, dtype), _untouched_zeros(shape, dtype)) for _ in range(spec.num_layers)]
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -61,6 +61,34 @@ static inline uint16_t bf16_store(float f) {
   return (uint16_t)(bits >> 16);
 }
 
+// float32 -> float16, round to nearest even (overflow to infinity, NaN kept a quiet NaN): the bits of
+// F16C's _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT) and of torch's conversion
+static inline uint16_t fp16_store(float f) {
+#ifdef OPENTGI_AVX2
+  return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  x &= 0x7FFFFFFFu;
+  if (x > 0x7F800000u) return sign | 0x7E00u | (uint16_t)((x >> 13) & 0x3FFu);
+  if (x >= 0x477FF000u) return sign | 0x7C00u;  // 65520 and up round to infinity
+  if (x <= 0x33000000u) return sign;             // 2^-25 and below round to zero
+  uint32_t m, shift;
+  if (x >= 0x38800000u) {  // normal: rebias the exponent, drop 13 mantissa bits
+    m = x - 0x38000000u;
+    shift = 13;
+  } else {  // subnormal: the significand with its hidden bit, in units of 2^-24
+    m = (x & 0x7FFFFFu) | 0x800000u;
+    shift = 126 - (x >> 23);
+  }
+  uint32_t h = m >> shift;
+  const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (h & 1u))) ++h;  // a carry moves into the exponent, as it should
+  return sign | (uint16_t)h;
+#endif
+}
+
 static inline float fp16_to_fp32(uint16_t h) {
 #ifdef OPENTGI_AVX2
   return _cvtsh_ss(h);

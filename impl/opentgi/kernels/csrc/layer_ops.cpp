@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "attention.h"
 #include "common.h"
 #include "layer_ops.h"
 
@@ -120,6 +121,28 @@ void OPENTGI_FN(silu_mul_row)(const void* gate, const void* up, int n, int dtype
 
 void OPENTGI_FN(gelu_tanh_mul_row)(const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
   act_mul_row<gelu_tanh_inplace>(gate, up, n, dtype, out, buf);
+}
+
+void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtype, int n) {
+  if ((kv_dtype == KV_F32 && dtype == ROW_F32) || (kv_dtype == KV_BF16 && dtype == ROW_BF16)) {
+    std::memcpy(dst, src, (size_t)n * (dtype == ROW_F32 ? 4 : 2));
+    return;
+  }
+  int i = 0;
+  if (kv_dtype == KV_F16) {
+    uint16_t* out = (uint16_t*)dst;
+#ifdef OPENTGI_AVX2
+    if (dtype == ROW_F32)
+      for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i*)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps((const float*)src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; ++i) out[i] = fp16_store(load(src, i, dtype));
+  } else if (kv_dtype == KV_BF16) {
+    for (; i < n; ++i) ((uint16_t*)dst)[i] = bf16_store(load(src, i, dtype));
+  } else {
+    for (; i < n; ++i) ((float*)dst)[i] = load(src, i, dtype);
+  }
 }
 
 }  // namespace opentgi

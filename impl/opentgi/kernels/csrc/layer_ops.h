@@ -28,4 +28,11 @@ void silu_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void*
 void gelu_tanh_mul_row_scalar(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 void gelu_tanh_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 
+// A token's keys or values (n values of the row dtype) stored into the KV cache's row in the
+// cache's dtype (attention.h's KvDtype): copied as they are where the dtypes agree, else rounded to
+// nearest even (float16: F16C's conversion in the AVX2 variant, the same bits in the scalar one), as
+// torch's `.to(cache dtype)` stores them on the module path.
+void kv_store_row_scalar(void* dst, int kv_dtype, const void* src, int dtype, int n);
+void kv_store_row_avx2(void* dst, int kv_dtype, const void* src, int dtype, int n);
+
 }  // namespace opentgi

@@ -272,6 +272,13 @@ void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int 
   silu_mul_row_scalar(gate, up, n, dtype, out, buf);
 }
 
+void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, int n) {
+#ifdef OPENTGI_WITH_AVX2
+  if (isa == AVX2) return kv_store_row_avx2(dst, kv_dtype, src, dtype, n);
+#endif
+  kv_store_row_scalar(dst, kv_dtype, src, dtype, n);
+}
+
 namespace {
 
 // Fused layer ops (layer_ops.h), rows split among torch's intra-op threads, each row by one thread.

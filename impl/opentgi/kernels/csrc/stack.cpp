@@ -262,14 +262,16 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     if (!qk_norms.empty()) check_norm(qk_norms[l], (H + KV) * D, dt, "q/k norm", op);
     TORCH_CHECK(ropes[l] >= 0 && ropes[l] < (int64_t)cos.size(), op, ": layer ", l, " names RoPE table ", ropes[l]);
     TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && v_caches[l].sizes() == k_caches[0].sizes()
-                    && k_caches[l].scalar_type() == dt && v_caches[l].scalar_type() == dt
+                    && k_caches[l].scalar_type() == k_caches[0].scalar_type()
+                    && v_caches[l].scalar_type() == k_caches[0].scalar_type()
                     && k_caches[l].is_contiguous() && v_caches[l].is_contiguous(),
-                op, ": every layer's caches [blocks, block_size, kv_heads, head_dim] alike, in h's dtype");
+                op, ": every layer's caches [blocks, block_size, kv_heads, head_dim] alike, in one dtype");
   }
   // every block any layer reads (windows only narrow what a row reads), checked once
   PagedAttention att = attention_args(k_caches[0], v_caches[0], block_tables, seq, ctx, T, H, D, 0, scale, softcap, op);
   TORCH_CHECK(k_caches[0].size(2) == KV, op, ": the caches hold ", k_caches[0].size(2), " kv heads, not ", KV);
-  const int64_t cache_slots = k_caches[0].size(0) * k_caches[0].size(1), slot_bytes = KV * D * es;
+  const int64_t cache_slots = k_caches[0].size(0) * k_caches[0].size(1);
+  const int64_t slot_bytes = KV * D * k_caches[0].element_size();  // a token's row, in the cache's dtype
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sl[t] >= -1 && sl[t] < cache_slots, op, ": row ", t, " writes slot ", sl[t], " of ", cache_slots);
@@ -340,9 +342,9 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
           }
         }
         for (int64_t i = 0; i < H * D; ++i) qf[t * H * D + i] = ld(row, i, dtype);
-        if (sl[t] >= 0) {
-          std::memcpy(kc + sl[t] * slot_bytes, row + H * D * es, slot_bytes);
-          std::memcpy(vc + sl[t] * slot_bytes, row + (H + KV) * D * es, slot_bytes);
+        if (sl[t] >= 0) {  // in the cache's dtype (float16 caches: rounded to nearest even)
+          kv_row(isa, kc + sl[t] * slot_bytes, att.kv_dtype, row + H * D * es, dtype, (int)(KV * D));
+          kv_row(isa, vc + sl[t] * slot_bytes, att.kv_dtype, row + (H + KV) * D * es, dtype, (int)(KV * D));
         }
       }
     });

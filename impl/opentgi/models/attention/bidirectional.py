@@ -32,8 +32,8 @@ def attend_image_spans(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor
             positions = torch.arange(hi, device=q.device)
             blocks = meta.block_tables[b, :-(-hi // block_size)].to(torch.int64)
             slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size, device=q.device)).flatten()[:hi]
-            keys = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv heads, hi, D]
-            values = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            keys = flat_k.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kv heads, hi, D]
+            values = flat_v.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
             in_image = positions >= lo
             for p in range(first, last):
                 visible = (positions <= p) | in_image

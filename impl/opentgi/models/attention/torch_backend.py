@@ -58,6 +58,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return softcapped_attention(q, k, v, mask, scale, softcap)
 
 
+def _as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """This step's keys or values as the cache holds them (rounded to its dtype: --kv-cache-dtype),
+    in x's dtype: the forms that attend them without reading the cache see the bits the others
+    read, so a token's numbers do not depend on its form (models/base.py)."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [num_blocks, block_size, H, D], slots int64 [N] -> [N, H, D] (one row copy per slot)."""
     flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
@@ -149,15 +156,17 @@ class TorchAttentionBackend:
             rows, length = batch.rows, batch.length
             q_b = q.index_select(0, batch.gather).view(rows, length, num_kv_heads, group, head_dim)
             q_b = q_b.permute(0, 2, 3, 1, 4).reshape(rows, num_kv_heads, group * length, head_dim)
-            keys = k.index_select(0, batch.gather).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
-            values = v.index_select(0, batch.gather).view(rows, length, num_kv_heads, head_dim).transpose(1, 2)
+            keys = _as_stored(k.index_select(0, batch.gather), k_cache).view(rows, length, num_kv_heads, head_dim)
+            values = _as_stored(v.index_select(0, batch.gather), v_cache).view(rows, length, num_kv_heads, head_dim)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             o = _attend(q_b, keys, values, batch.mask, scale, softcap)
             o = o.view(rows, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
             out.index_copy_(0, batch.dest, o.reshape(rows * length, num_heads, head_dim).index_select(0, batch.valid))
         for row in plan.prefill:
             q_row = q[row.q_start:row.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if row.slots is None:
-                keys, values = k[row.q_start:row.q_end], v[row.q_start:row.q_end]
+                keys = _as_stored(k[row.q_start:row.q_end], k_cache)
+                values = _as_stored(v[row.q_start:row.q_end], v_cache)
             else:
                 keys = _gather(k_cache, row.slots).to(q.dtype)
                 values = _gather(v_cache, row.slots).to(q.dtype)
