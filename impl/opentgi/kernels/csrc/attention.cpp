@@ -11,45 +11,45 @@ namespace opentgi {
 
 namespace {
 
-// One cache row (head_dim values of one position and kv head) as float32: the cache's own memory
-// for float32, else converted into `buf`.
+// Value i of a cache row (head_dim values of one position and kv head, in the cache's dtype) as
+// float32, exactly: a 16-bit cache is read in place, each value converted where it is used (no
+// float32 copy of the tile: half the bytes through the caches), so its numbers are those of a
+// float32 cache holding the same values.
 template <int KV>
-static inline const float* cache_row(const void* cache, int64_t row, int D, float* buf) {
-  if (KV == KV_F32) return (const float*)cache + row * D;
-  const uint16_t* src = (const uint16_t*)cache + row * D;
-  int i = 0;
-#ifdef OPENTGI_AVX2
-  for (; i + 8 <= D; i += 8) {
-    const __m128i h = _mm_loadu_si128((const __m128i*)(src + i));
-    __m256 f;
-    if (KV == KV_BF16) {
-      f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    } else {
-      f = _mm256_cvtph_ps(h);
-    }
-    _mm256_storeu_ps(buf + i, f);
-  }
-#endif
-  for (; i < D; ++i) buf[i] = KV == KV_BF16 ? bf16_to_fp32(src[i]) : fp16_to_fp32(src[i]);
-  return buf;
+static inline float load1(const void* row, int i) {
+  if (KV == KV_F32) return ((const float*)row)[i];
+  const uint16_t h = ((const uint16_t*)row)[i];
+  return KV == KV_BF16 ? bf16_to_fp32(h) : fp16_to_fp32(h);
 }
+
+#ifdef OPENTGI_AVX2
+// values i .. i + 7 of a cache row as float32 (F16C for float16)
+template <int KV>
+static inline __m256 load8(const void* row, int i) {
+  if (KV == KV_F32) return _mm256_loadu_ps((const float*)row + i);
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)row + i));
+  if (KV == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+#endif
 
 // The logits of one query head against n key rows: out[j] = q . k[j] * scale (out has n rounded up
 // to 8 writable). In the AVX2 variant keys go 8 at a time (eight independent FMA chains), each
 // key's lanes summed by the same tree whatever its place among the 8 (a short last group repeats
 // its last key), so a logit's bits depend only on q, the key and D.
-static inline void logits_of(const float* q, const float* const* k, int n, int D, float scale, float* out) {
+template <int KV>
+static inline void logits_of(const float* q, const void* const* k, int n, int D, float scale, float* out) {
 #ifdef OPENTGI_AVX2
   const int body = D / 8 * 8;
   const __m256 sv = _mm256_set1_ps(scale);
   for (int j = 0; j < n; j += 8) {
-    const float* kr[8];
+    const void* kr[8];
     for (int u = 0; u < 8; ++u) kr[u] = k[j + u < n ? j + u : n - 1];
     __m256 a[8];
     for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
     for (int i = 0; i < body; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[u] + i), a[u]);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8<KV>(kr[u], i), a[u]);
     }
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -58,7 +58,7 @@ static inline void logits_of(const float* q, const float* const* k, int n, int D
       float tail[8];
       _mm256_storeu_ps(tail, sums);
       for (int u = 0; u < 8; ++u)
-        for (int i = body; i < D; ++i) tail[u] += q[i] * kr[u][i];
+        for (int i = body; i < D; ++i) tail[u] += q[i] * load1<KV>(kr[u], i);
       sums = _mm256_loadu_ps(tail);
     }
     _mm256_storeu_ps(out + j, _mm256_mul_ps(sums, sv));
@@ -68,9 +68,9 @@ static inline void logits_of(const float* q, const float* const* k, int n, int D
     float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int i = 0;
     for (; i + 4 <= D; i += 4)
-      for (int u = 0; u < 4; ++u) p[u] += q[i + u] * k[j][i + u];
+      for (int u = 0; u < 4; ++u) p[u] += q[i + u] * load1<KV>(k[j], i + u);
     float sum = (p[0] + p[1]) + (p[2] + p[3]);
-    for (; i < D; ++i) sum += q[i] * k[j][i];
+    for (; i < D; ++i) sum += q[i] * load1<KV>(k[j], i);
     out[j] = sum * scale;
   }
 #endif
@@ -78,27 +78,28 @@ static inline void logits_of(const float* q, const float* const* k, int n, int D
 
 #ifdef OPENTGI_AVX2
 // acc[d .. d + 8W) += sum over j (in order) of p[j] * v[j][d ..], the accumulators in registers
-template <int W>
-static inline void pv_chunk(float* acc, const float* p, const float* const* v, int n, int d) {
+template <int W, int KV>
+static inline void pv_chunk(float* acc, const float* p, const void* const* v, int n, int d) {
   __m256 r[W];
   for (int u = 0; u < W; ++u) r[u] = _mm256_loadu_ps(acc + d + 8 * u);
   for (int j = 0; j < n; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int u = 0; u < W; ++u) r[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + d + 8 * u), r[u]);
+    for (int u = 0; u < W; ++u) r[u] = _mm256_fmadd_ps(pj, load8<KV>(v[j], d + 8 * u), r[u]);
   }
   for (int u = 0; u < W; ++u) _mm256_storeu_ps(acc + d + 8 * u, r[u]);
 }
 #endif
 
 // acc[d] += p[j] * v[j][d] for j = 0 .. n - 1 in order, each d on its own
-static inline void probs_times_values(float* acc, const float* p, const float* const* v, int n, int D) {
+template <int KV>
+static inline void probs_times_values(float* acc, const float* p, const void* const* v, int n, int D) {
   int d = 0;
 #ifdef OPENTGI_AVX2
-  for (; d + 64 <= D; d += 64) pv_chunk<8>(acc, p, v, n, d);
-  for (; d + 8 <= D; d += 8) pv_chunk<1>(acc, p, v, n, d);
+  for (; d + 64 <= D; d += 64) pv_chunk<8, KV>(acc, p, v, n, d);
+  for (; d + 8 <= D; d += 8) pv_chunk<1, KV>(acc, p, v, n, d);
 #endif
   for (; d < D; ++d)
-    for (int j = 0; j < n; ++j) acc[d] += p[j] * v[j][d];
+    for (int j = 0; j < n; ++j) acc[d] += p[j] * load1<KV>(v[j], d);
 }
 
 // the largest and the sum of s[0 .. n) (AVX2: 8 lanes, then across them)
@@ -159,10 +160,8 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
   float* acc = logits + (int64_t)G * stride;  // [per * G][D]
   float* m = acc + (int64_t)per * G * D;      // [per * G]: running max
   float* l = m + per * G;                     // [per * G]: running sum
-  float* kbuf = l + per * G;                  // [keys][D]: a tile's keys as float32
-  float* vbuf = kbuf + (int64_t)keys * D;     // and its values
-  const float* kp[1024];                      // tile_keys <= 1024 (block_size checked by the op)
-  const float* vp[1024];
+  const void* kp[1024];                       // a tile's key rows, in the cache (tile_keys <= 1024:
+  const void* vp[1024];                       // block_size checked by the op), and its value rows
   for (int64_t item = item0; item < item1; ++item) {
     const int64_t unit = item / chunks;
     const int64_t r = a.unit_row[unit];
@@ -188,8 +187,8 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
           const int t1 = ctx < (blk + 1) * bs ? ctx - blk * bs : bs;
           const int64_t row = ((int64_t)table[blk] * bs + t0) * Hkv + h;  // cache row of (t0, h)
           for (int j = 0; j < t1 - t0; ++j, ++n) {
-            kp[n] = cache_row<KV>(a.k_cache, row + (int64_t)j * Hkv, D, kbuf + (int64_t)n * D);
-            vp[n] = cache_row<KV>(a.v_cache, row + (int64_t)j * Hkv, D, vbuf + (int64_t)n * D);
+            kp[n] = (const char*)a.k_cache + (row + (int64_t)j * Hkv) * D * elem;
+            vp[n] = (const char*)a.v_cache + (row + (int64_t)j * Hkv) * D * elem;
           }
         }
         for (int blk = te; blk < ne; ++blk)  // the next tile's rows of this head, while this one computes
@@ -197,7 +196,7 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
         const int i0 = (h - h0) * G;  // the head's query heads within the item
         for (int g = 0; g < G; ++g) {
           float* s = logits + g * stride;
-          logits_of(q + (int64_t)(i0 + g) * D, kp, n, D, a.scale, s);
+          logits_of<KV>(q + (int64_t)(i0 + g) * D, kp, n, D, a.scale, s);
           if (a.softcap > 0.0f)
             for (int j = 0; j < n; ++j) s[j] = a.softcap * std::tanh(s[j] / a.softcap);
           const float mb = max_of(s, n);
@@ -209,7 +208,7 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
           }
           exp_shifted(s, n, m[i0 + g]);
           l[i0 + g] += sum_of(s, n);
-          probs_times_values(acc + (int64_t)(i0 + g) * D, s, vp, n, D);
+          probs_times_values<KV>(acc + (int64_t)(i0 + g) * D, s, vp, n, D);
         }
       }
     }

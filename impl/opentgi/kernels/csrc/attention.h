@@ -62,9 +62,9 @@ inline int tile_keys(int block_size) { return block_size >= 64 ? block_size : 64
 inline int64_t paged_attention_scratch(const PagedAttention& a) {
   const int64_t group = a.num_heads / a.num_kv_heads, heads = group * a.kv_heads_per_item;
   const int64_t keys = tile_keys(a.block_size);
-  // logits [group][tile rounded to 8], accumulators [heads][head_dim], max and sum [heads], a
-  // tile's keys and values as float32
-  return group * ((keys + 7) / 8 * 8) + heads * a.head_dim + 2 * heads + 2 * keys * a.head_dim + 16;
+  // logits [group][tile rounded to 8], accumulators [heads][head_dim], max and sum [heads] (keys
+  // and values are read in place, 16-bit caches converted as they are used)
+  return group * ((keys + 7) / 8 * 8) + heads * a.head_dim + 2 * heads + 16;
 }
 
 // Prompt attention (prompt_attention.cpp): the prompt tokens' own form. A tile is up to
