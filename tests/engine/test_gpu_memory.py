@@ -68,7 +68,7 @@ def test_blocks_from_a_profile_and_a_clear_error_when_none_fit(tiny_llama):
 
 def test_build_runner_profiles_the_largest_step_then_sizes_the_pool(tiny_llama, monkeypatch):
     settings = Settings(model_id=str(tiny_llama), max_batch_size=6, chunked_prefill_tokens=40,
-                        cuda_memory_fraction=0.75)
+                        cuda_memory_fraction=0.75, kv_cache_dtype="float32")  # blocks of the model's dtype
     loaded = load_model(settings)
     per_block = bytes_per_block(loaded.spec, loaded.block_size)
     memory = FakeMemory(free=1000 * per_block, total=1200 * per_block, step=50 * per_block)

@@ -33,6 +33,7 @@ async def started_engine(path):
     from opentgi.engine.engine import Engine
 
     settings = settings_for(path)
+    settings.kv_cache_dtype = "float32"  # scores compared with transformers' float32 forward
     engine = Engine.from_settings(settings)
     await engine.start()
     return settings, engine
