@@ -85,7 +85,7 @@ def run_both(model, steps: list[dict[int, list[int]]], kv_dtype: torch.dtype | N
 @pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16"), ("qwen3", "bfloat16"),
                                          ("gemma2", "float32"), ("gemma3", "bfloat16"), ("gemma3", "float32"),
                                          ("qwen3_moe", "bfloat16"), ("mixtral", "float32"),
-                                         ("uniform", "float32/float16"), ("mixed", "bfloat16/float16"),
+                                         ("uniform", "float32/float16"), ("gemma3", "bfloat16/float16"),
                                          ("gemma2", "float32/float16")])
 def test_decode_steps_equal_the_modules_bit_for_bit(request, float32_model, uniform_gguf, tmp_path_factory, file,
                                                      dtype):
