@@ -61,6 +61,7 @@ async def test_a_dead_loop_thread_fails_requests_in_flight_and_refuses_new_ones(
 async def test_a_stalled_step_fails_requests_in_flight_and_refuses_new_ones(llama, monkeypatch):
     engine = await started(llama)
     engine.stall_after_s = 0.3
+    engine.stall_per_token_s = 0.05  # a decode step's limit 0.35 s
     try:
         handle = await engine.submit(long_request())
         await anext(aiter(handle))
@@ -89,6 +90,30 @@ async def test_a_stalled_step_fails_requests_in_flight_and_refuses_new_ones(llam
         result = await (await engine.submit(long_request(max_new=3))).result()
         assert result.sequences[0].generated_tokens == 3
         assert engine.stats().used_blocks == 0 and engine.stats().running == 0
+    finally:
+        await engine.stop()
+
+
+async def test_a_step_of_many_prompt_tokens_has_time_in_proportion(llama, monkeypatch):
+    engine = await started(llama)
+    engine.stall_after_s = 0.3
+    engine.stall_per_token_s = 0.05  # a 60-token prompt step may take 3.3 s, a decode step 0.35 s
+    try:
+        execute = engine.runner.execute
+        calls = []
+
+        def slow_prompt_step(*args, **kwargs):
+            if not calls:
+                calls.append(1)
+                time.sleep(1.5)  # past the base limit, within the prompt's allowance
+            return execute(*args, **kwargs)
+
+        monkeypatch.setattr(engine.runner, "execute", slow_prompt_step)
+        prompt = list(range(10, 70))
+        request = GenerationRequest(prompt, SamplingParams(), StoppingParams(max_new_tokens=4, ignore_eos=True))
+        result = await asyncio.wait_for((await engine.submit(request)).result(), 20)
+        assert result.sequences[0].generated_tokens == 4
+        assert calls and engine.healthy()
     finally:
         await engine.stop()
 

@@ -51,7 +51,11 @@ from opentgi.engine.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-STALL_AFTER_S = 120.0  # a step running longer than this fails what is in flight; the engine is unhealthy
+# A step running longer than STALL_AFTER_S plus STALL_PER_TOKEN_S for each token it computes fails
+# what is in flight (the engine is unhealthy): a decode step has minutes, a prompt chunk of 512 tokens
+# on a large model and a slow CPU the time it honestly needs.
+STALL_AFTER_S = 120.0
+STALL_PER_TOKEN_S = 0.5
 WATCHDOG_INTERVAL_S = 0.25  # how often the watchdog looks at the loop thread
 BUSY_VOUCHES_S = 5.0  # a step that ended this recently, with sequences running, vouches for health
 
@@ -129,6 +133,7 @@ class Engine:
         self._rng = random.SystemRandom()
         self._step_started_at: float | None = None
         self.stall_after_s = STALL_AFTER_S
+        self.stall_per_token_s = STALL_PER_TOKEN_S
         self.failure: str | None = None  # why the engine cannot serve (loop died, step stalled)
         self._watchdog: asyncio.Task | None = None
         self._probes: set[str] = set()  # health probes in flight: not counted against the limit
@@ -222,10 +227,16 @@ class Engine:
         if shard_failure:  # a shard of the tensor-parallel group is gone
             return shard_failure
         started = self._step_started_at
-        if started is not None and time.monotonic() - started > self.stall_after_s:
+        limit = self.stall_limit_s()
+        if started is not None and time.monotonic() - started > limit:
             return (f"an engine step has run for {time.monotonic() - started:.0f} s "
-                    f"(stalled: the limit is {self.stall_after_s:g} s)")
+                    f"(stalled: the limit is {limit:g} s)")
         return None
+
+    def stall_limit_s(self) -> float:
+        """How long the running step may take: `stall_after_s`, plus `stall_per_token_s` for each token
+        it computes (the scheduler's count for the step; the last step's until this one is scheduled)."""
+        return self.stall_after_s + self.stall_per_token_s * self.core.step_tokens
 
     def _fail_live(self, reason: str) -> None:
         """Fails every request in flight (on the event loop) and tells the loop thread to drop them."""

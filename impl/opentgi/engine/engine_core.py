@@ -49,6 +49,7 @@ class EngineCore:
         self.steps_total = 0
         self.last_step_at = time.monotonic()
         self.peak_tokens_running = 0
+        self.step_tokens = 0  # tokens the current (or last) step computes
         self._reported_prefix = (0, 0)  # (hit, query) tokens already told to the observer
         self._busy = False  # the observer was told of a batch and not yet that the engine is idle
 
@@ -112,6 +113,7 @@ class EngineCore:
         and stop conditions -> finished sequences leave -> report."""
         self._drain_inbox()
         out = self.scheduler.schedule()
+        self.step_tokens = out.num_tokens  # the watchdog's allowance for this step (Engine.stall_limit_s)
         self._on_preempted(out.preempted)
         if out.is_empty:
             self._report_idle()
