@@ -232,3 +232,20 @@ def test_moe_comparison_times_the_per_expert_loop_beside_grouped_experts():
     assert all(set(us) == {"per-expert loop", "grouped"} for _, _, us in results)
     table = bench_kernels.moe_table(results)
     assert table.count("\n") == len(results) + 1 and "x |" in table
+
+
+def test_bandwidth_mode_sets_each_block_type_beside_the_streaming_read():
+    import torch
+
+    from opentgi.bench import kernels as bench_kernels
+    from opentgi.kernels import native
+
+    native.load("native")
+    torch.set_num_threads(1)
+    stream, results = bench_kernels.measure_bandwidth(megabytes=8, repeats=1)
+    names = [name for name, _ in results]
+    assert names == ["native Q4_0", "native Q4_1", "native Q4_1 2-pass", "native Q8_0", "native Q4_K",
+                     "native Q4_K 2-pass", "native Q6_K", "native Q6_K 2-pass"]
+    assert stream > 0 and all(gbs > 0 for _, gbs in results)
+    table = bench_kernels.bandwidth_table(stream, results)
+    assert table.count("\n") == len(results) + 2 and "| native Q6_K 2-pass |" in table

@@ -24,6 +24,12 @@ in Q4_K, down in Q6_K, as a Q4_K_M file holds them; down's activations in two pa
 the router included: the per-expert loop (two native calls per expert a step uses) beside the
 grouped experts (one call per projection), at 1, 4 and 16 rows, median microseconds per block
 call, in turn.
+
+`python -m opentgi.bench kernels --bandwidth [--megabytes M]`: what one decode row reads, against
+what the machine can read: the host's streaming read bandwidth (a float32 sum over M MB, in
+torch's threads), then each native block type at one row over a rotation of 8192x2048 weights
+holding M MB in all (so they come from memory, not the caches, as a model's layers do), in GB/s of
+weight bytes and as a share of the streaming figure (issue target: 80%).
 """
 
 from __future__ import annotations
@@ -253,6 +259,53 @@ def moe_table(results) -> str:
     return "\n".join(lines)
 
 
+BANDWIDTH_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+
+
+def measure_bandwidth(megabytes: int, repeats: int):
+    """(streaming GB/s, [(kernel, GB/s)]): each block type at one row over weights of `megabytes`
+    in all, met in turn as a model's layers are; the best of `repeats` sweeps."""
+    from gguf import GGMLQuantizationType as Q
+
+    from opentgi.kernels import native
+
+    total = megabytes * 2**20
+    flat = torch.ones(total // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        flat.sum()
+        best = min(best, time.perf_counter() - start)
+    stream = total / best / 1e9
+    del flat
+    out_features, in_features = SHAPES[1]
+    x = torch.randn(1, in_features)
+    results = []
+    for name in BANDWIDTH_TYPES:
+        qtype = int(Q[name])
+        first = torch.from_numpy(_gguf_blocks(Q[name], out_features, in_features))
+        weights = [first] + [first.clone() for _ in range(max(1, total // first.nbytes) - 1)]
+        for passes in (1, 2) if name in ("Q4_1", "Q4_K", "Q6_K") else (1,):
+            native.gguf_mm(x, weights[0], qtype, out_features, passes=passes)
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for w in weights:
+                    native.gguf_mm(x, w, qtype, out_features, passes=passes)
+                best = min(best, time.perf_counter() - start)
+            label = f"native {name}" + (" 2-pass" if passes == 2 else "")
+            results.append((label, len(weights) * first.nbytes / best / 1e9))
+        del weights
+    return stream, results
+
+
+def bandwidth_table(stream: float, results) -> str:
+    lines = ["| kernel, one row | GB/s | share of streaming reads |", "|---|---:|---:|",
+             f"| streaming read (float32 sum) | {stream:.1f} | 100% |"]
+    lines += [f"| {name} | {gbs:.1f} | {100 * gbs / stream:.0f}% |" for name, gbs in results]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     from opentgi.kernels import native
     from opentgi.models.loader import cpu_has_bf16
@@ -268,6 +321,9 @@ def main(argv=None) -> None:
                         help="--attention: the cache's dtype (default: --dtype's)")
     parser.add_argument("--moe", action="store_true", help="a mixture-of-experts block instead")
     parser.add_argument("--experts", type=int, default=128, help="--moe: how many experts")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="one row's weight reads against the host's streaming read bandwidth instead")
+    parser.add_argument("--megabytes", type=int, default=512, help="--bandwidth: weights (and the read) in MB")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -275,9 +331,12 @@ def main(argv=None) -> None:
     path = native.load("auto")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {dtype}, kernels {path.describe()}, "
           f"median of {args.repeats}")
-    if (args.attention or args.moe) and path.name != "native":
-        raise SystemExit(f"--attention and --moe need the native kernels: {path.describe()}")
-    if args.moe:
+    if (args.attention or args.moe or args.bandwidth) and path.name != "native":
+        raise SystemExit(f"--attention, --moe and --bandwidth need the native kernels: {path.describe()}")
+    if args.bandwidth:
+        print(f"one row's weight reads over {args.megabytes} MB of weights, best of {args.repeats} sweeps")
+        print(bandwidth_table(*measure_bandwidth(args.megabytes, args.repeats)))
+    elif args.moe:
         print(f"MoE block: hidden {MOE_HIDDEN}, intermediate {MOE_INTERMEDIATE}, top {MOE_TOP_K} of {args.experts} "
               "experts, Q4_K gate/up, Q6_K down")
         print(moe_table(measure_moe(args.repeats, args.experts, dtype)))
