@@ -3,7 +3,9 @@ on every instruction-set path this CPU runs.
 
 The error bound is the activations' 8-bit rounding: each input moves by at most half its block's
 step (amax / 127 / 2), so an output moves by at most sum_j step_j / 2 * |w_j|; float32 products
-and sums add at most 1e-5 of sum_j |x_j w_j| (at most 64 blocks a row here)."""
+and sums add at most 1e-5 of sum_j |x_j w_j| (at most 64 blocks a row here). With `passes=2` the
+step is 16-bit activations' (amax / 32767 for blocks of 32, amax / 16383 for superblocks: the
+wide kernels of Q4_0, Q4_1, Q4_K and Q6_K) or two 8-bit passes' (amax / 127 / 254: the rest)."""
 
 from __future__ import annotations
 
@@ -19,22 +21,32 @@ from tests.helpers.gguf_blocks import F16_FIELDS, TYPES, random_blocks, rows
 torch.set_num_threads(1)
 
 K_QUANTS = tuple(q for q in TYPES if native.BLOCK_TYPES[q][1] == 256)  # superblocks of 256: ActQ8K
+WIDE = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)  # 16-bit activations where `passes=2` asks
 
 
-def reference(raw: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def steps(qtype: Q, passes: int) -> float:
+    """The activations' quantization steps a block's amax, for `passes`."""
+    if passes == 1:
+        return 127
+    if qtype in WIDE:
+        return 16383 if qtype in K_QUANTS else 32767
+    return 127 * 254
+
+
+def reference(raw: np.ndarray, qtype: Q, x: torch.Tensor, passes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ W.T in float64, the bound on a kernel's error for each output)."""
     n = raw.shape[0]
     w = torch.from_numpy(dequantize(raw, qtype)).reshape(n, -1).double()
     xd = x.double()
     block = 256 if qtype in K_QUANTS else 32
-    step = xd.view(x.shape[0], -1, block).abs().amax(-1) / 127  # [m, blocks]
+    step = xd.view(x.shape[0], -1, block).abs().amax(-1) / steps(qtype, passes)  # [m, blocks]
     half_steps = step.repeat_interleave(block, dim=1) / 2
     bound = half_steps @ w.abs().T + 1e-5 * (xd.abs() @ w.abs().T) + 1e-30
     return xd @ w.T, bound
 
 
-def mm(x, raw, qtype, isa):
-    return native.gguf_mm(x, torch.from_numpy(raw), int(qtype), raw.shape[0], isa)
+def mm(x, raw, qtype, isa, passes=1):
+    return native.gguf_mm(x, torch.from_numpy(raw), int(qtype), raw.shape[0], isa, passes=passes)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -42,11 +54,12 @@ def mm(x, raw, qtype, isa):
 def test_every_type_is_within_the_activation_rounding_of_the_exact_product(kernels, qtype, k):
     raw = random_blocks(qtype, 48, k, seed=k)
     x = rows(7, k, seed=1)
-    want, bound = reference(raw, qtype, x)
-    for isa in native.supported_isas():
-        got = mm(x, raw, qtype, isa).double()
-        assert ((got - want).abs() <= bound).all(), (isa, float(((got - want).abs() / bound).max()))
-        assert float((got - want).abs().max()) > 0  # the 8-bit rounding shows: these are the kernel's sums
+    for passes in (1, 2):
+        want, bound = reference(raw, qtype, x, passes)
+        for isa in native.supported_isas():
+            got = mm(x, raw, qtype, isa, passes).double()
+            assert ((got - want).abs() <= bound).all(), (isa, passes, float(((got - want).abs() / bound).max()))
+            assert float((got - want).abs().max()) > 0  # the rounding shows: these are the kernel's sums
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -60,36 +73,44 @@ def test_bfloat16_rows_give_the_float32_result_rounded(kernels, qtype):
 
 def test_the_paths_agree(kernels):
     """Every type adds one exact integer sum a (super)block in order on every path, eight outputs at
-    once or one (44 outputs: both): the same bits."""
+    once or one (44 outputs: both), against 8-bit activations and (passes=2) 16-bit ones or two
+    8-bit passes: the same bits, and a row's bits whatever the tile of rows it is computed in (11
+    rows: a tile of eight and three; a row alone)."""
     isas = native.supported_isas()
     for qtype in TYPES:
         raw = random_blocks(qtype, 44, 1024, seed=5)
-        x = rows(5, 1024, seed=6)
-        results = [mm(x, raw, qtype, isa) for isa in isas]
-        for other in results[1:]:
-            assert torch.equal(other, results[0]), qtype.name
+        x = rows(11, 1024, seed=6)
+        for passes in (1, 2):
+            results = [mm(x, raw, qtype, isa, passes) for isa in isas]
+            for other in results[1:]:
+                assert torch.equal(other, results[0]), (qtype.name, passes)
+            assert torch.equal(mm(x[9:10], raw, qtype, isas[-1], passes), results[0][9:10]), (qtype.name, passes)
 
 
 # every weight at its type's largest magnitude: (byte range, value) set after the float16 fields
 EXTREMES = {Q.Q4_0: ((2, 18, 0xFF),), Q.Q4_1: ((4, 20, 0xFF),), Q.Q8_0: ((2, 34, 0x81),),  # q 15, 15, -127
             Q.Q4_K: ((4, 144, 0xFF),),  # scales and mins 63, q 15
             Q.Q6_K: ((0, 192, 0xFF), (192, 200, 0x80), (200, 208, 0x7F))}  # q - 32 = 31, scales -128, 127
+# and Q6_K's largest product, (q - 32) * sc = -32 * -128: 32 of them against 16383 fill an int32 lane
+CASES = [(qtype, fills) for qtype, fills in EXTREMES.items()] + [(Q.Q6_K, ((0, 192, 0x00), (192, 208, 0x80)))]
 
 
-@pytest.mark.parametrize("qtype", tuple(EXTREMES), ids=lambda q: q.name)
-def test_largest_weights_against_full_scale_activations_do_not_saturate(kernels, qtype):
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize(("qtype", "fills"), CASES, ids=[f"{q.name}-{i}" for i, (q, _) in enumerate(CASES)])
+def test_largest_weights_against_full_scale_activations_do_not_saturate(kernels, qtype, fills, passes):
     """Twelve outputs (eight at once, four alone; float16 scales of either sign) of the largest
-    weights against +-127 activations: within the rounding bound, equal on every path."""
+    weights against full-scale activations (+-127; +-16383 or +-32767 wide, where Q6_K's int32
+    lanes have the least room): within the rounding bound, equal on every path."""
     k = 512
     raw = random_blocks(qtype, 12, k, seed=9).reshape(12, k // native.BLOCK_TYPES[qtype][1], -1)
-    for start, end, value in EXTREMES[qtype]:
+    for start, end, value in fills:
         raw[..., start:end] = value
     raw = raw.reshape(12, -1)
     x = torch.ones(3, k)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs: +-127 in every block
-    want, bound = reference(raw, qtype, x)
-    results = [mm(x, raw, qtype, isa) for isa in native.supported_isas()]
+    want, bound = reference(raw, qtype, x, passes)
+    results = [mm(x, raw, qtype, isa, passes) for isa in native.supported_isas()]
     for got in results:
         assert ((got.double() - want).abs() <= bound).all(), qtype.name
     for other in results[1:]:

@@ -40,6 +40,19 @@ static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml layout
 struct ActQ8 { float d; int32_t sum; int8_t qs[32]; };
 struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 
+// Wide (16-bit) activations, the form `passes=2` asks for where a block type has a wide kernel:
+// per block of 32 (Q4_0 / Q4_1) int16 values |q| <= 32767 with one float scale and their exact sum
+// (Q4_1's minimum term); per superblock of 256 (Q4_K / Q6_K) |q| <= 16383 with one float scale and
+// the exact sums per 32 (Q4_K's mins term). 16383 is what Q6_K's int32 lanes allow: its weights
+// enter the products as (q - 32) * sc, |.| <= 32 * 128 = 4096, and an AVX2 lane adds 32 products of
+// a superblock: 32 * 4096 * 16383 < 2^31 (Q4_K's q * sc <= 15 * 63 = 945 leaves more room). A
+// superblock's total over its lanes may pass 2^31: the kernels add the lanes exactly (int64, or
+// doubles holding integers) and round the total to float once.
+constexpr int Q16_MAX = 32767;
+constexpr int Q16K_MAX = 16383;
+struct ActQ16 { float d; int32_t sum; int16_t qs[32]; };
+struct ActQ16K { float d; int32_t sums[8]; int16_t qs[256]; };
+
 // Weight types by GGML id (gguf's GGMLQuantizationType).
 enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
              Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23 };
@@ -122,12 +135,19 @@ typedef void (*MatmulFn)(const uint8_t* w, size_t row_bytes, const uint8_t* act,
 // Each quantizes one row of K floats into activation blocks.
 void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out);
 void OPENTGI_FN(quantize_q8k)(const float* x, int K, ActQ8K* out);
+void OPENTGI_FN(quantize_q16)(const float* x, int K, ActQ16* out);
+void OPENTGI_FN(quantize_q16k)(const float* x, int K, ActQ16K* out);
 
 void OPENTGI_FN(matmul_q4_0)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q8_0)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_k)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q6_k)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+// the same weights against wide activations (ActQ16 / ActQ16K)
+void OPENTGI_FN(matmul_q4_0_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q4_1_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q6_k_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 
 #ifdef OPENTGI_AVX2
 static inline float hsum_ps(__m256 x) {

@@ -2,6 +2,10 @@
 // kernels per instruction set, picking one for a GGML type, quantizing activation rows (in one or
 // two passes) and running a weight of GGUF blocks over them, outputs split among torch's intra-op
 // threads, each output computed whole by one thread (common.h's invariant).
+//
+// `passes=2` asks for ~16-bit activations: 16-bit activation blocks (common.h ActQ16 / ActQ16K)
+// against the type's wide kernel where it has one (Q4_0, Q4_1, Q4_K, Q6_K), else two 8-bit passes
+// (quantize_rows).
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +22,12 @@ namespace opentgi {
 #define OPENTGI_DECLARE(isa)                                                                         \
   void quantize_q8_##isa(const float*, int, ActQ8*);                                                 \
   void quantize_q8k_##isa(const float*, int, ActQ8K*);                                               \
+  void quantize_q16_##isa(const float*, int, ActQ16*);                                               \
+  void quantize_q16k_##isa(const float*, int, ActQ16K*);                                             \
+  void matmul_q4_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_1_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_k_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q6_k_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q8_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -40,13 +50,30 @@ namespace {
 
 enum Isa { SCALAR = 0, AVX2 = 1 };
 
+// activation layouts (common.h)
+enum Act { ACT_Q8 = 0, ACT_Q8K = 1, ACT_Q16 = 2, ACT_Q16K = 3 };
+
 struct Kernel {
   MatmulFn matmul;
-  bool superblocks;  // K-quant: ActQ8K activations
+  bool superblocks;  // K-quant: ActQ8K activations (ActQ16K when wide)
   int block_values, block_bytes;
+  int act = ACT_Q8;  // the activations' layout
+  int passes = 1;    // activation rows an input row: 2 for two 8-bit passes
 };
 
-bool kernel_for(int64_t qtype, int64_t isa, Kernel* k) {
+// a row of K values in activation layout `act`, in bytes
+static inline size_t act_bytes(int act, int64_t K) {
+  switch (act) {
+    case ACT_Q8K: return K / QK_K * sizeof(ActQ8K);
+    case ACT_Q16: return K / QK * sizeof(ActQ16);
+    case ACT_Q16K: return K / QK_K * sizeof(ActQ16K);
+    default: return K / QK * sizeof(ActQ8);
+  }
+}
+
+// The kernel for a GGML type on an ISA; `passes` 2 asks for ~16-bit activations: the wide kernel
+// (one pass of ActQ16 / ActQ16K) where the type has one, else two 8-bit passes.
+bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1) {
 #define OPENTGI_PICK(fn) (isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
 #ifdef OPENTGI_WITH_AVX2
 #define AVX2_OR_NULL(fn) fn##_avx2
@@ -68,58 +95,86 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k) {
     case IQ4_XS: *k = {OPENTGI_PICK(matmul_iq4_xs), true, QK_K, 136}; break;
     default: return false;
   }
+  k->act = k->superblocks ? ACT_Q8K : ACT_Q8;
+  k->passes = (int)passes;
+  if (passes == 2) {
+    MatmulFn wide = nullptr;
+    switch (qtype) {
+      case Q4_0: wide = OPENTGI_PICK(matmul_q4_0_wide); break;
+      case Q4_1: wide = OPENTGI_PICK(matmul_q4_1_wide); break;
+      case Q4_K: wide = OPENTGI_PICK(matmul_q4_k_wide); break;
+      case Q6_K: wide = OPENTGI_PICK(matmul_q6_k_wide); break;
+      default: break;
+    }
+    if (wide != nullptr) {
+      k->matmul = wide;
+      k->act = k->superblocks ? ACT_Q16K : ACT_Q16;
+      k->passes = 1;
+    }
+  }
   return k->matmul != nullptr;
 }
 
-// Activation row m (row src[m] of x where src is given) into act rows m * passes .. + passes - 1:
-// the row quantized, then (passes == 2) what that rounding left, x - d * q in float32, quantized
-// by the same code. A weight's products with the two rows, added, are the row's product to about
-// 16 bits of each block's range; every block kernel is linear in the activation's values, so no
-// kernel changes, and a row's bits stay its own.
-void quantize_one(const float* row, int K, bool superblocks, int64_t isa, uint8_t* dst) {
+// Activation row m (row src[m] of x where src is given) into act rows m * passes .. + passes - 1
+// in layout `act`: the row quantized, then (passes == 2, 8-bit layouts) what that rounding left,
+// x - d * q in float32, quantized by the same code. A weight's products with the two rows, added,
+// are the row's product to about 16 bits of each block's range; every block kernel is linear in
+// the activation's values, so no kernel changes, and a row's bits stay its own.
+void quantize_one(const float* row, int K, int act, int64_t isa, uint8_t* dst) {
 #ifdef OPENTGI_WITH_AVX2
   if (isa == AVX2) {
-    if (superblocks) quantize_q8k_avx2(row, K, (ActQ8K*)dst); else quantize_q8_avx2(row, K, (ActQ8*)dst);
-    return;
+    switch (act) {
+      case ACT_Q8K: quantize_q8k_avx2(row, K, (ActQ8K*)dst); return;
+      case ACT_Q16: quantize_q16_avx2(row, K, (ActQ16*)dst); return;
+      case ACT_Q16K: quantize_q16k_avx2(row, K, (ActQ16K*)dst); return;
+      default: quantize_q8_avx2(row, K, (ActQ8*)dst); return;
+    }
   }
 #endif
-  if (superblocks) quantize_q8k_scalar(row, K, (ActQ8K*)dst); else quantize_q8_scalar(row, K, (ActQ8*)dst);
+  switch (act) {
+    case ACT_Q8K: quantize_q8k_scalar(row, K, (ActQ8K*)dst); return;
+    case ACT_Q16: quantize_q16_scalar(row, K, (ActQ16*)dst); return;
+    case ACT_Q16K: quantize_q16k_scalar(row, K, (ActQ16K*)dst); return;
+    default: quantize_q8_scalar(row, K, (ActQ8*)dst); return;
+  }
 }
 
-void residual(const float* row, int K, bool superblocks, const uint8_t* act, float* out) {
+void residual(const float* row, int K, int act, const uint8_t* q, float* out) {
+  const bool superblocks = act == ACT_Q8K;
+  const uint8_t* act_rows = q;
   const int n = superblocks ? QK_K : QK;
   for (int b = 0; b < K / n; ++b) {
     float d;
     const int8_t* qs;
     if (superblocks) {
-      d = ((const ActQ8K*)act)[b].d;
-      qs = ((const ActQ8K*)act)[b].qs;
+      d = ((const ActQ8K*)act_rows)[b].d;
+      qs = ((const ActQ8K*)act_rows)[b].qs;
     } else {
-      d = ((const ActQ8*)act)[b].d;
-      qs = ((const ActQ8*)act)[b].qs;
+      d = ((const ActQ8*)act_rows)[b].d;
+      qs = ((const ActQ8*)act_rows)[b].qs;
     }
     for (int i = 0; i < n; ++i) out[b * n + i] = row[b * n + i] - d * (float)qs[i];
   }
 }
 
-void quantize_rows(const float* x, int64_t M, int K, bool superblocks, int64_t isa, uint8_t* act, size_t arb,
+void quantize_rows(const float* x, int64_t M, int K, int layout, int64_t isa, uint8_t* act, size_t arb,
                    int passes = 1, const int64_t* src = nullptr) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> rest(passes > 1 ? K : 0);
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + (src ? src[m] : m) * K;
       uint8_t* dst = act + m * passes * arb;
-      quantize_one(row, K, superblocks, isa, dst);
+      quantize_one(row, K, layout, isa, dst);
       if (passes > 1) {
-        residual(row, K, superblocks, dst, rest.data());
-        quantize_one(rest.data(), K, superblocks, isa, dst + arb);
+        residual(row, K, layout, dst, rest.data());
+        quantize_one(rest.data(), K, layout, isa, dst + arb);
       }
     }
   });
 }
 
 // One weight of GGUF blocks, checked against its input width; its activations quantized in
-// `passes` passes (quantize_rows).
+// `passes` passes (quantize_rows): 1 where the type's wide kernel serves `passes=2` (kernel_for).
 struct Matmul {
   Kernel k;
   const uint8_t* w;
@@ -131,17 +186,17 @@ struct Matmul {
 Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int64_t isa, const char* op,
                    int64_t passes = 1) {
   Matmul mm;
-  TORCH_CHECK(kernel_for(qtype, isa, &mm.k), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
   TORCH_CHECK(passes == 1 || passes == 2, op, ": passes must be 1 or 2");
+  TORCH_CHECK(kernel_for(qtype, isa, &mm.k, passes), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
   TORCH_CHECK(K % mm.k.block_values == 0, op, ": K=", K, " is not a multiple of ", mm.k.block_values);
   mm.N = N;
   mm.K = K;
-  mm.passes = (int)passes;
+  mm.passes = mm.k.passes;
   mm.row_bytes = K / mm.k.block_values * mm.k.block_bytes;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * mm.row_bytes, op,
               ": w must be contiguous uint8 holding ", N, " rows of ", mm.row_bytes, " bytes");
   mm.w = w.data_ptr<uint8_t>();
-  mm.act_row_bytes = mm.k.superblocks ? K / QK_K * sizeof(ActQ8K) : K / QK * sizeof(ActQ8);
+  mm.act_row_bytes = act_bytes(mm.k.act, K);
   return mm;
 }
 
@@ -167,7 +222,7 @@ void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float*
   if (ldo == 0) ldo = mm.N;
   const int passes = mm.passes;
   act.resize(M * passes * mm.act_row_bytes);
-  quantize_rows(x, M, (int)mm.K, mm.k.superblocks, isa, act.data(), mm.act_row_bytes, passes);
+  quantize_rows(x, M, (int)mm.K, mm.k.act, isa, act.data(), mm.act_row_bytes, passes);
   const uint8_t* ap = act.data();
   std::vector<float> y(passes > 1 ? M * passes * mm.N : 0);
   float* dst = passes > 1 ? y.data() : out;
@@ -189,13 +244,13 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
     run_matmul(parts[0], x, M, isa, out, act, ldo);
     return;
   }
-  // one quantized copy of the rows per (superblocks, passes), the parts' offsets into `act`
+  // one quantized copy of the rows per (layout, passes), the parts' offsets into `act`
   std::vector<size_t> at(parts.size());
   size_t total = 0;
   for (size_t j = 0; j < parts.size(); ++j) {
     size_t k = 0;
     for (; k < j; ++k)
-      if (parts[k].k.superblocks == parts[j].k.superblocks && parts[k].passes == parts[j].passes
+      if (parts[k].k.act == parts[j].k.act && parts[k].passes == parts[j].passes
           && parts[k].K == parts[j].K) break;
     if (k < j) {
       at[j] = at[k];
@@ -209,7 +264,7 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
     bool first = true;
     for (size_t k = 0; k < j; ++k) first = first && at[k] != at[j];
     if (first)
-      quantize_rows(x, M, (int)parts[j].K, parts[j].k.superblocks, isa, act.data() + at[j], parts[j].act_row_bytes,
+      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, act.data() + at[j], parts[j].act_row_bytes,
                     parts[j].passes);
   }
   // two-pass parts' products per pass, added after

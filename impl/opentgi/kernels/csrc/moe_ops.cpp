@@ -108,7 +108,7 @@ MoeCall moe_call(const at::Tensor& x, at::TensorList w, int64_t qtype, int64_t N
                  const char* op) {
   MoeCall c;
   TORCH_CHECK(passes == 1 || passes == 2, op, ": passes must be 1 or 2");
-  TORCH_CHECK(kernel_for(qtype, isa, &c.k), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
+  TORCH_CHECK(kernel_for(qtype, isa, &c.k, passes), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), op, ": x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x float32 or bfloat16");
   TORCH_CHECK(!w.empty(), op, ": no experts");
@@ -116,7 +116,7 @@ MoeCall moe_call(const at::Tensor& x, at::TensorList w, int64_t qtype, int64_t N
   c.N = N;
   TORCH_CHECK(c.K % c.k.block_values == 0, op, ": K=", c.K, " is not a multiple of ", c.k.block_values);
   c.row_bytes = c.K / c.k.block_values * c.k.block_bytes;
-  c.arb = c.k.superblocks ? c.K / QK_K * sizeof(ActQ8K) : c.K / QK * sizeof(ActQ8);
+  c.arb = act_bytes(c.k.act, c.K);
   c.wp = expert_weights(w, N, c.row_bytes, op);
   return c;
 }
@@ -124,8 +124,9 @@ MoeCall moe_call(const at::Tensor& x, at::TensorList w, int64_t qtype, int64_t N
 }  // namespace
 
 at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,
-                       int64_t out_features, int64_t isa, int64_t passes) {
-  const MoeCall c = moe_call(x, w, qtype, out_features, isa, passes, "gguf_moe_up");
+                       int64_t out_features, int64_t isa, int64_t asked_passes) {
+  const MoeCall c = moe_call(x, w, qtype, out_features, isa, asked_passes, "gguf_moe_up");
+  const int64_t passes = c.k.passes;  // 1 where a wide kernel serves two
   const size_t rb = passes * c.arb;  // a row's activation rows
   const int64_t T = x.size(0), top = ids.dim() == 2 ? ids.size(1) : 0, N = c.N;
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "gguf_moe_up: ids must be [tokens, k], a row per row of x");
@@ -135,7 +136,7 @@ at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, con
   if (pairs == 0 || N == 0) return out;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   std::vector<uint8_t> act(T * rb), grouped(pairs * rb);
-  quantize_rows(xf.data_ptr<float>(), T, (int)c.K, c.k.superblocks, isa, act.data(), c.arb, (int)passes);  // once a token
+  quantize_rows(xf.data_ptr<float>(), T, (int)c.K, c.k.act, isa, act.data(), c.arb, (int)passes);  // once a token
   for (int64_t r = 0; r < pairs; ++r) std::memcpy(grouped.data() + r * rb, act.data() + g.order[r] / top * rb, rb);
   std::vector<float> y(pairs * passes * N);
   run_grouped(c.k, c.wp, c.row_bytes, grouped.data(), c.arb, g, N, c.K, (int)passes, y.data());
@@ -159,8 +160,9 @@ at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, con
 }
 
 at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, const at::Tensor& ids,
-                         const at::Tensor& weights, int64_t out_features, int64_t isa, int64_t passes) {
-  const MoeCall c = moe_call(h, w, qtype, out_features, isa, passes, "gguf_moe_down");
+                         const at::Tensor& weights, int64_t out_features, int64_t isa, int64_t asked_passes) {
+  const MoeCall c = moe_call(h, w, qtype, out_features, isa, asked_passes, "gguf_moe_down");
+  const int64_t passes = c.k.passes;  // 1 where a wide kernel serves two
   TORCH_CHECK(ids.dim() == 2, "gguf_moe_down: ids must be [tokens, k]");
   const int64_t T = ids.size(0), top = ids.size(1), pairs = T * top, N = c.N;
   TORCH_CHECK(h.size(0) == pairs, "gguf_moe_down: h must hold a row per (token, slot) pair: ", pairs);
@@ -172,7 +174,7 @@ at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, c
   const at::Tensor hf = h.to(at::kFloat).contiguous(), wf = weights.to(at::kFloat).contiguous();
   const at::Tensor ic = ids.contiguous();
   std::vector<uint8_t> act(pairs * passes * c.arb);
-  quantize_rows(hf.data_ptr<float>(), pairs, (int)c.K, c.k.superblocks, isa, act.data(), c.arb, (int)passes,
+  quantize_rows(hf.data_ptr<float>(), pairs, (int)c.K, c.k.act, isa, act.data(), c.arb, (int)passes,
                 g.order.data());
   std::vector<float> y(pairs * passes * N);
   run_grouped(c.k, c.wp, c.row_bytes, act.data(), c.arb, g, N, c.K, (int)passes, y.data());

@@ -3,7 +3,8 @@
 // and an output adds (d_w * d_x) * sum block by block, in block order (Q4_1's m * (d_x * sum(x))
 // added in a second float the same way, the two added at the end): AVX2 and scalar agree bit for
 // bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that arithmetic,
-// so a row gets the same bits alone or among others.
+// so a row gets the same bits alone or among others. Q4_0 and Q4_1 also take 16-bit activations
+// (Tile32Wide).
 #include "tiles.h"
 
 namespace opentgi {
@@ -161,7 +162,114 @@ struct Tile32 {
 #endif
 };
 
+// Wide activations (ActQ16) for Q4_0 and Q4_1: the block's weights as int16 (Q4_0's q - 8 in
+// place, so no sum term; Q4_1's q), the exact block sum (|.| <= 32 * 15 * 32767 < 2^24), then the
+// same float products per block as against ActQ8, on every path.
+template <class Block, int Kind>  // Kind: 0 Q4_0, 1 Q4_1
+struct Tile32Wide {
+  template <int R>
+  static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+    const Block* w = (const Block*)wr;
+    const ActQ16* a[R];
+    float acc[R], mins[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ16*)(act + r * stride);
+      acc[r] = mins[r] = 0.0f;
+    }
+    alignas(32) int16_t w16[QK];
+    for (int b = 0; b < K / QK; ++b) {
+      const float dw = fp16_to_fp32(w[b].d);
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t byte = ((const uint8_t*)w[b].qs)[i];
+        w16[i] = (int16_t)((byte & 0x0F) - (Kind == 0 ? 8 : 0));
+        w16[i + 16] = (int16_t)((byte >> 4) - (Kind == 0 ? 8 : 0));
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ16& y = a[r][b];
+        const int32_t s = (int32_t)dot16_exact(w16, y.qs, QK);
+        acc[r] += (dw * y.d) * (float)s;
+        if constexpr (Kind == 1) mins[r] += fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * (y.d * (float)y.sum);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = Kind == 1 ? acc[r] + mins[r] : acc[r];
+  }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows at once, output c in float lane c by run<R>'s arithmetic: rows p and p + 4
+  // share a vector (8 values of each, one in each half, against the activations' 8 broadcast to
+  // both), a block's sums coming out in column order after two rounds of hadd; the weights unpacked
+  // once a block for a tile of up to eight activation rows.
+  static constexpr bool has_run8 = true;
+  static constexpr int rows = 8;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    constexpr int qs_at = Kind == 1 ? 4 : 2;
+    const int nb = K / QK;
+    const ActQ16* a[R];
+    alignas(32) float acc[R][8] = {}, mins[R][8] = {};  // in memory: the registers go to the products
+    for (int r = 0; r < R; ++r) a[r] = (const ActQ16*)(act + r * stride);
+    const __m256i mask = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i off = _mm256_set1_epi16(Kind == 0 ? 8 : 0);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(Block);
+      prefetch_next8(wr, row_bytes, b, nb);
+      __m256 dv, mv;
+      if constexpr (Kind == 1) {  // d and m side by side: one 32-bit word a row
+        int32_t dm[8];
+        for (int c = 0; c < 8; ++c) std::memcpy(&dm[c], base + c * row_bytes, 4);
+        __m256i v = _mm256_loadu_si256((const __m256i*)dm);
+        v = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                     0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+        v = _mm256_permute4x64_epi64(v, 0xD8);  // d0..d7, m0..m7
+        dv = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+        mv = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+      } else {
+        dv = mv = fp16_8(base, row_bytes);
+      }
+      alignas(32) __m256i wq[4][4];  // pair p, values 8i .. 8i + 7 of rows p (low half) and p + 4 (high half)
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes + qs_at),
+                                              (const __m128i*)(base + p * row_bytes + qs_at));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        wq[p][0] = _mm256_sub_epi16(_mm256_unpacklo_epi8(lo, zero), off);
+        wq[p][1] = _mm256_sub_epi16(_mm256_unpackhi_epi8(lo, zero), off);
+        wq[p][2] = _mm256_sub_epi16(_mm256_unpacklo_epi8(hi, zero), off);
+        wq[p][3] = _mm256_sub_epi16(_mm256_unpackhi_epi8(hi, zero), off);
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ16& y = a[r][b];
+        __m256i xv[4];
+        for (int i = 0; i < 4; ++i) xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y.qs + 8 * i)));
+        __m256i s[4];
+        for (int p = 0; p < 4; ++p)
+          s[p] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(wq[p][0], xv[0]), _mm256_madd_epi16(wq[p][1], xv[1])),
+                                  _mm256_add_epi32(_mm256_madd_epi16(wq[p][2], xv[2]), _mm256_madd_epi16(wq[p][3], xv[3])));
+        const __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m256 dy = _mm256_mul_ps(dv, _mm256_set1_ps(y.d));
+        _mm256_store_ps(acc[r], _mm256_add_ps(_mm256_load_ps(acc[r]), _mm256_mul_ps(dy, _mm256_cvtepi32_ps(sum))));
+        if constexpr (Kind == 1)
+          _mm256_store_ps(mins[r], _mm256_add_ps(_mm256_load_ps(mins[r]), _mm256_mul_ps(mv, _mm256_set1_ps(y.d * (float)y.sum))));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 v = _mm256_load_ps(acc[r]);
+      _mm256_storeu_ps(out + r * ldo, Kind == 1 ? _mm256_add_ps(v, _mm256_load_ps(mins[r])) : v);
+    }
+  }
+#endif
+};
+
 }  // namespace
+
+void OPENTGI_FN(matmul_q4_0_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                  int n1, int K, float* out, int ldo) {
+  drive<Tile32Wide<BlockQ4_0, 0>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+void OPENTGI_FN(matmul_q4_1_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                  int n1, int K, float* out, int ldo) {
+  drive<Tile32Wide<BlockQ4_1, 1>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_q4_0)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                              int K, float* out, int ldo) {

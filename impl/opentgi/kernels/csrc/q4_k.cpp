@@ -3,6 +3,7 @@
 // both paths add the same two floats per superblock, in superblock order: AVX2 and scalar agree
 // bit for bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that
 // arithmetic, the scale and min unpacking, float16 scales and mins sums shared by the eight.
+// The wide form (TileQ4KWide) takes 16-bit activations the same way.
 #include <cstddef>
 
 #include "tiles.h"
@@ -126,7 +127,122 @@ struct TileQ4K {
 #endif
 };
 
+// Wide activations (ActQ16K): a superblock's weights unpacked once to int16 with their sub-block
+// scale multiplied in (q * sc <= 945), reused by every activation row of the tile; per row the
+// exact total sum_i q_i * sc_i * x_i (int32 lanes of 32 products, < 2^29, added exactly: common.h)
+// and mins sum_j m_j * sums_j (|.| <= 8 * 63 * 32 * 16383 < 2^28), then the same two float
+// products per superblock as against ActQ8K, on every path.
+static inline void unpack_q4k16(const uint8_t* qs, const int16_t* sc, int16_t* w16) {
+#ifdef OPENTGI_AVX2
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+    const __m256i lo = _mm256_and_si256(bits, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
+    const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
+    int16_t* o = w16 + 64 * j;
+    _mm256_store_si256((__m256i*)o, _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), sl));
+    _mm256_store_si256((__m256i*)(o + 16), _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), sl));
+    _mm256_store_si256((__m256i*)(o + 32), _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), sh));
+    _mm256_store_si256((__m256i*)(o + 48), _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)), sh));
+  }
+#else
+  for (int j = 0; j < 4; ++j) {
+    for (int i = 0; i < 32; ++i) {
+      w16[64 * j + i] = (int16_t)((qs[32 * j + i] & 0x0F) * sc[2 * j]);
+      w16[64 * j + 32 + i] = (int16_t)((qs[32 * j + i] >> 4) * sc[2 * j + 1]);
+    }
+  }
+#endif
+}
+
+struct TileQ4KWide {
+  template <int R>
+  static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+    const BlockQ4_K* w = (const BlockQ4_K*)wr;
+    const ActQ16K* a[R];
+    float acc[R], accm[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ16K*)(act + r * stride);
+      acc[r] = accm[r] = 0.0f;
+    }
+    alignas(32) int16_t w16[QK_K];
+    for (int b = 0; b < K / QK_K; ++b) {
+      const BlockQ4_K& x = w[b];
+      const float d = fp16_to_fp32(x.d), dmin = fp16_to_fp32(x.dmin);
+      uint8_t sc[8], mn[8];
+      scales_mins(x.scales, sc, mn);
+      int16_t sc16[8];
+      for (int j = 0; j < 8; ++j) sc16[j] = sc[j];
+      unpack_q4k16(x.qs, sc16, w16);
+      for (int r = 0; r < R; ++r) {
+        const ActQ16K& y = a[r][b];
+        int32_t mins = 0;
+        for (int j = 0; j < 8; ++j) mins += (int32_t)mn[j] * y.sums[j];
+        const int64_t total = dot16_exact(w16, y.qs, QK_K);
+        acc[r] += (d * y.d) * (float)total;
+        accm[r] += (dmin * y.d) * (float)mins;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = acc[r] - accm[r];
+  }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows at once, output c in float lane c by run<R>'s arithmetic: the eight rows
+  // unpacked once a superblock for a tile of up to eight activation rows (wide_dots8).
+  static constexpr bool has_run8 = true;
+  static constexpr int rows = 8;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ16K* a[R];
+    alignas(32) float acc[R][8] = {}, accm[R][8] = {};  // in memory: the registers go to the products
+    for (int r = 0; r < R; ++r) a[r] = (const ActQ16K*)(act + r * stride);
+    alignas(32) int16_t w16[8 * QK_K];
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
+      prefetch_next8(wr, row_bytes, b, nb);
+      __m256 d, dmin;
+      alignas(32) int16_t sc16[64];
+      __m256i mins[4];
+      kquant_headers8(base, row_bytes, &d, &dmin, sc16, mins);
+      {  // the mins term first, so its registers are free for the products
+        __m256i mrow[8];  // row c's 8 mins as int32
+        for (int c = 0; c < 4; ++c) {
+          mrow[c] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(mins[c]));
+          mrow[c + 4] = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(mins[c], 1));
+        }
+        for (int r = 0; r < R; ++r) {
+          const ActQ16K& y = a[r][b];
+          const __m256i ys = _mm256_loadu_si256((const __m256i*)y.sums);
+          __m256i mp[8];
+          for (int c = 0; c < 8; ++c) mp[c] = _mm256_mullo_epi32(mrow[c], ys);
+          const __m256 dy = _mm256_mul_ps(dmin, _mm256_set1_ps(y.d));
+          _mm256_store_ps(accm[r], _mm256_add_ps(_mm256_load_ps(accm[r]), _mm256_mul_ps(dy, _mm256_cvtepi32_ps(reduce8(mp)))));
+        }
+      }
+      for (int c = 0; c < 8; ++c)
+        unpack_q4k16(base + c * row_bytes + offsetof(BlockQ4_K, qs), sc16 + 16 * (c % 4) + 8 * (c / 4), w16 + c * QK_K);
+      const int16_t* xs[R];
+      for (int r = 0; r < R; ++r) xs[r] = a[r][b].qs;
+      __m256i sums[R][8];
+      wide_dots8<R>(w16, xs, sums);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
+        _mm256_store_ps(acc[r], _mm256_add_ps(_mm256_load_ps(acc[r]), _mm256_mul_ps(dy, exact_totals8(sums[r]))));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(_mm256_load_ps(acc[r]), _mm256_load_ps(accm[r])));
+  }
+#endif
+};
+
 }  // namespace
+
+void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                  int n1, int K, float* out, int ldo) {
+  drive<TileQ4KWide>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_q4_k)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                              int K, float* out, int ldo) {

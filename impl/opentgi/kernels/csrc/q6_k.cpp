@@ -1,7 +1,8 @@
 // Q6_K (w = d * sc * (q - 32), 16 sub-blocks of 16 with int8 sc) against ActQ8K. As Q4_K: exact
 // integer sums per superblock (the -32 offset taken as 32 * sum_k sc_k * bsum_k), one float added
 // per superblock in order, so AVX2 and scalar agree bit for bit; AVX2 computes eight outputs at once
-// (one float lane each) by exactly that arithmetic.
+// (one float lane each) by exactly that arithmetic. The wide form (TileQ6KWide) takes 16-bit
+// activations the same way.
 #include <cstddef>
 
 #include "tiles.h"
@@ -148,7 +149,107 @@ struct TileQ6K {
 #endif
 };
 
+// Wide activations (ActQ16K): a superblock's weights unpacked once to int16 (q - 32) * sc, the
+// offset and scale folded in (|.| <= 32 * 128 = 4096: with |x| <= 16383 an int32 lane's 32 products
+// stay below 2^31, common.h), reused by every activation row of the tile; per row the exact total
+// (lanes added exactly) and one float product per superblock, on every path.
+static inline void unpack_q6k16(const BlockQ6_K& x, int16_t* w16) {
+#ifdef OPENTGI_AVX2
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi16(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
+    const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
+    __m256i q[4];  // values 128h + 32k .. + 31, 0..63
+    q[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+    for (int k = 0; k < 4; ++k) {
+      const int sub = 8 * h + 2 * k;  // the 16-value sub-block of the low half
+      int16_t* o = w16 + 128 * h + 32 * k;
+      const __m256i lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[k])), off);
+      const __m256i hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[k], 1)), off);
+      _mm256_store_si256((__m256i*)o, _mm256_mullo_epi16(lo, _mm256_set1_epi16(x.scales[sub])));
+      _mm256_store_si256((__m256i*)(o + 16), _mm256_mullo_epi16(hi, _mm256_set1_epi16(x.scales[sub + 1])));
+    }
+  }
+#else
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = x.ql + 64 * h;
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t qh = x.qh[32 * h + l];
+      w16[128 * h + l] = (int16_t)((ql[l] & 0xF) | ((qh & 3) << 4));
+      w16[128 * h + l + 32] = (int16_t)((ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4));
+      w16[128 * h + l + 64] = (int16_t)((ql[l] >> 4) | (((qh >> 4) & 3) << 4));
+      w16[128 * h + l + 96] = (int16_t)((ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4));
+    }
+  }
+  for (int i = 0; i < QK_K; ++i) w16[i] = (int16_t)((w16[i] - 32) * x.scales[i / 16]);
+#endif
+}
+
+struct TileQ6KWide {
+  template <int R>
+  static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+    const BlockQ6_K* w = (const BlockQ6_K*)wr;
+    const ActQ16K* a[R];
+    float acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ16K*)(act + r * stride);
+      acc[r] = 0.0f;
+    }
+    alignas(32) int16_t w16[QK_K];
+    for (int b = 0; b < K / QK_K; ++b) {
+      const float d = fp16_to_fp32(w[b].d);
+      unpack_q6k16(w[b], w16);
+      for (int r = 0; r < R; ++r) {
+        const ActQ16K& y = a[r][b];
+        acc[r] += (d * y.d) * (float)dot16_exact(w16, y.qs, QK_K);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
+  }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows at once, output c in float lane c by run<R>'s arithmetic: the eight rows
+  // unpacked once a superblock for a tile of up to eight activation rows (wide_dots8).
+  static constexpr bool has_run8 = true;
+  static constexpr int rows = 8;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ16K* a[R];
+    alignas(32) float acc[R][8] = {};  // in memory: the registers go to the products
+    for (int r = 0; r < R; ++r) a[r] = (const ActQ16K*)(act + r * stride);
+    alignas(32) int16_t w16[8 * QK_K];
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
+      prefetch_next8(wr, row_bytes, b, nb);
+      const __m256 d = fp16_8(base + offsetof(BlockQ6_K, d), row_bytes);
+      for (int c = 0; c < 8; ++c) unpack_q6k16(*(const BlockQ6_K*)(base + c * row_bytes), w16 + c * QK_K);
+      const int16_t* xs[R];
+      for (int r = 0; r < R; ++r) xs[r] = a[r][b].qs;
+      __m256i sums[R][8];
+      wide_dots8<R>(w16, xs, sums);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
+        _mm256_store_ps(acc[r], _mm256_add_ps(_mm256_load_ps(acc[r]), _mm256_mul_ps(dy, exact_totals8(sums[r]))));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_load_ps(acc[r]));
+  }
+#endif
+};
+
 }  // namespace
+
+void OPENTGI_FN(matmul_q6_k_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                  int n1, int K, float* out, int ldo) {
+  drive<TileQ6KWide>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_q6_k)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                              int K, float* out, int ldo) {

@@ -1,5 +1,6 @@
 // Activations quantized per row from the row's own values: blocks of 32 (ActQ8) or superblocks of
-// 256 (ActQ8K), scale amax / 127, values rounded to nearest (ties to even) and clamped to +-127.
+// 256 (ActQ8K), scale amax / 127, values rounded to nearest (ties to even) and clamped to +-127;
+// the wide forms (ActQ16, ActQ16K) the same way with amax / Q16_MAX (Q16K_MAX) and int16 values.
 // A block holding NaN or Inf gets a NaN scale and zero values: its products come out NaN, never a
 // crash and never a silently finite result.
 #include <cmath>
@@ -9,7 +10,7 @@
 
 namespace opentgi {
 
-static inline float block_scale(const float* x, int n, float* inv) {
+static inline float block_scale(const float* x, int n, float* inv, float top = 127.0f) {
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < n; ++i) {
@@ -21,14 +22,20 @@ static inline float block_scale(const float* x, int n, float* inv) {
     *inv = 0.0f;
     return NAN;
   }
-  *inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  return amax / 127.0f;
+  *inv = amax > 0.0f ? top / amax : 0.0f;
+  return amax / top;
 }
 
 static inline int8_t to_q8(float v) {
   v = std::nearbyint(v);
   v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
   return (int8_t)(int)v;
+}
+
+static inline int16_t to_q16(float v, float top) {
+  v = std::nearbyint(v);
+  v = v > top ? top : (v < -top ? -top : v);
+  return (int16_t)(int)v;
 }
 
 void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out) {
@@ -55,6 +62,34 @@ void OPENTGI_FN(quantize_q8k)(const float* x, int K, ActQ8K* out) {
       int s = 0;
       for (int i = 0; i < 16; ++i) s += out[b].qs[16 * j + i];
       out[b].bsums[j] = (int16_t)s;
+    }
+  }
+}
+
+void OPENTGI_FN(quantize_q16)(const float* x, int K, ActQ16* out) {
+  for (int b = 0; b < K / QK; ++b) {
+    const float* v = x + b * QK;
+    float inv;
+    out[b].d = block_scale(v, QK, &inv, (float)Q16_MAX);
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      out[b].qs[i] = to_q16(v[i] * inv, (float)Q16_MAX);
+      sum += out[b].qs[i];
+    }
+    out[b].sum = sum;
+  }
+}
+
+void OPENTGI_FN(quantize_q16k)(const float* x, int K, ActQ16K* out) {
+  for (int b = 0; b < K / QK_K; ++b) {
+    const float* v = x + b * QK_K;
+    float inv;
+    out[b].d = block_scale(v, QK_K, &inv, (float)Q16K_MAX);
+    for (int i = 0; i < QK_K; ++i) out[b].qs[i] = to_q16(v[i] * inv, (float)Q16K_MAX);
+    for (int j = 0; j < 8; ++j) {
+      int32_t s = 0;
+      for (int i = 0; i < 32; ++i) s += out[b].qs[32 * j + i];
+      out[b].sums[j] = s;
     }
   }
 }

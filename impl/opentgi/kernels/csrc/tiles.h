@@ -1,7 +1,7 @@
 // The row loop every block family shares: for each weight row (or eight, where the tile has an
-// eight-output form), activation rows in tiles of up to four (the weight's blocks loaded once per
-// tile); Tile::run<R> computes R rows, each by the same instructions as alone. Also the small
-// helpers several families share.
+// eight-output form), activation rows in tiles of up to four (Tile::rows where the tile says: the
+// weight's blocks loaded, or unpacked, once per tile); Tile::run<R> computes R rows, each by the
+// same instructions as alone. Also the small helpers several families share.
 #pragma once
 #include "common.h"
 
@@ -11,6 +11,11 @@ template <class Tile, class = void>
 struct HasRun8 { static constexpr bool value = false; };
 template <class Tile>
 struct HasRun8<Tile, decltype((void)Tile::has_run8)> { static constexpr bool value = Tile::has_run8; };
+
+template <class Tile, class = void>
+struct TileRows { static constexpr int value = 4; };
+template <class Tile>
+struct TileRows<Tile, decltype((void)Tile::rows)> { static constexpr int value = Tile::rows; };
 
 // rows m0 .. m0 + R - 1 against the one output n (Tile::run<R>)
 template <class Tile, int R>
@@ -29,27 +34,31 @@ static inline void run_eight(const uint8_t* w, size_t row_bytes, const uint8_t* 
                          out + (size_t)m0 * ldo + n, ldo);
 }
 
-// every row tile of up to four rows against one output, or (Eight) against outputs n .. n + 7
+// the last rows (R or fewer) of the tiles
+template <class Tile, bool Eight, int R>
+static inline void rows_rest(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int rest,
+                             int m, int n, int K, float* out, int ldo) {
+  if constexpr (R > 0) {
+    if (rest == R) {
+      if constexpr (Eight) run_eight<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+      else run_one<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+    } else {
+      rows_rest<Tile, Eight, R - 1>(w, row_bytes, act, act_row_bytes, rest, m, n, K, out, ldo);
+    }
+  }
+}
+
+// every row tile of up to four (TileRows) rows against one output, or (Eight) against outputs n .. n + 7
 template <class Tile, bool Eight>
 static inline void rows_against(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int M,
                                 int n, int K, float* out, int ldo) {
+  constexpr int T = TileRows<Tile>::value;
   int m = 0;
-  for (; m + 4 <= M; m += 4) {
-    if constexpr (Eight) run_eight<Tile, 4>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
-    else run_one<Tile, 4>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+  for (; m + T <= M; m += T) {
+    if constexpr (Eight) run_eight<Tile, T>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+    else run_one<Tile, T>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
   }
-  switch (M - m) {
-#define OPENTGI_REST(R)                                                               \
-  case R:                                                                              \
-    if constexpr (Eight) run_eight<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo); \
-    else run_one<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);        \
-    break;
-    OPENTGI_REST(3)
-    OPENTGI_REST(2)
-    OPENTGI_REST(1)
-#undef OPENTGI_REST
-    default: break;
-  }
+  rows_rest<Tile, Eight, T - 1>(w, row_bytes, act, act_row_bytes, M - m, m, n, K, out, ldo);
 }
 
 // Outputs n0 .. n1 - 1 of every row: eight outputs at a time where the tile has an eight-output
@@ -152,6 +161,85 @@ static inline void kquant_headers8(const uint8_t* base, size_t row_bytes, __m256
   mins[3] = _mm256_unpackhi_epi8(m23, zero);
 }
 
+// Wide activations (common.h ActQ16 / ActQ16K): the exact total of each of eight vectors of int32
+// lanes (lane sums may pass 2^31: added as doubles, which hold these integers exactly), rounded to
+// float once, total c in lane c: the float a scalar int64 sum converts to.
+static inline __m256 exact_totals8(const __m256i* s) {
+  __m256d t[8];
+  for (int c = 0; c < 8; ++c)
+    t[c] = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(s[c])),
+                         _mm256_cvtepi32_pd(_mm256_extracti128_si256(s[c], 1)));
+  __m128 half[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256d a = _mm256_hadd_pd(t[4 * h], t[4 * h + 1]), b = _mm256_hadd_pd(t[4 * h + 2], t[4 * h + 3]);
+    half[h] = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_permute2f128_pd(a, b, 0x20), _mm256_permute2f128_pd(a, b, 0x31)));
+  }
+  return _mm256_set_m128(half[1], half[0]);
+}
+
+// the exact sum of 8 int32 lanes
+static inline int64_t lanes_exact(__m256i v) {
+  alignas(32) int32_t l[8];
+  _mm256_store_si256((__m256i*)l, v);
+  int64_t s = 0;
+  for (int i = 0; i < 8; ++i) s += l[i];
+  return s;
+}
+
+// Eight weight rows' superblocks unpacked to int16 (w16: 256 values a row, rows 256 apart) against
+// R wide activation rows (x[r]: 256 int16): sums[r][c] = the 8 int32 lanes of row r by weight row c
+// (lanes bounded by the caller). Two weight rows and up to four activation rows a step, their
+// products in registers: each weight and activation vector loaded once a step.
+template <int R>
+static inline void wide_dots8(const int16_t* w16, const int16_t* const* x, __m256i (*sums)[8]) {
+  if constexpr (R > 3) {  // three rows a step: 6 sums, 2 weight and 3 activation vectors in registers
+    constexpr int H = R == 4 ? 2 : 3;
+    wide_dots8<H>(w16, x, sums);
+    wide_dots8<R - H>(w16, x + H, sums + H);
+  } else {
+    for (int c = 0; c < 8; c += 2) {
+      __m256i s0[R], s1[R];
+      for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int k = 0; k < QK_K; k += 16) {
+        const __m256i w0 = _mm256_load_si256((const __m256i*)(w16 + c * QK_K + k));
+        const __m256i w1 = _mm256_load_si256((const __m256i*)(w16 + (c + 1) * QK_K + k));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[r] + k));
+          s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(w0, xv));
+          s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(w1, xv));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        sums[r][c] = s0[r];
+        sums[r][c + 1] = s1[r];
+      }
+    }
+  }
+}
+
+// 8 int32 lanes of sum w[i] * x[i], i < n (n a multiple of 16; the caller bounds each lane)
+static inline __m256i dot16_lanes(const int16_t* w, const int16_t* x, int n) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int k = 0; k < n; k += 16)
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(w + k)),
+                                                  _mm256_loadu_si256((const __m256i*)(x + k))));
+  return acc;
+}
+#endif
+
+// the exact sum of w[i] * x[i], i < n (n a multiple of 16, each lane of 32 products within int32)
+static inline int64_t dot16_exact(const int16_t* w, const int16_t* x, int n) {
+#ifdef OPENTGI_AVX2
+  return lanes_exact(dot16_lanes(w, x, n));
+#else
+  int64_t s = 0;
+  for (int i = 0; i < n; ++i) s += (int32_t)w[i] * x[i];
+  return s;
+#endif
+}
+
+#ifdef OPENTGI_AVX2
 // Lane c: sum_j min_j(row c) * (bsums[2j] + bsums[2j + 1]) (exact: |pair| <= 2 * 16 * 127), the
 // mins as kquant_headers8 leaves them.
 static inline __m256i mins_dot8(const __m256i* mins, const int16_t* bsums) {
