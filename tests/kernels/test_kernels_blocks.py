@@ -100,7 +100,7 @@ CASES = [(qtype, fills) for qtype, fills in EXTREMES.items()] + [(Q.Q6_K, ((0, 1
 def test_largest_weights_against_full_scale_activations_do_not_saturate(kernels, qtype, fills, passes):
     """Twelve outputs (eight at once, four alone; float16 scales of either sign) of the largest
     weights against full-scale activations (+-127; +-16383 or +-32767 wide, where Q6_K's int32
-    lanes have the least room): within the rounding bound, equal on every path."""
+    lanes have the least room): within the rounding bound, equal on every path and row by row."""
     k = 512
     raw = random_blocks(qtype, 12, k, seed=9).reshape(12, k // native.BLOCK_TYPES[qtype][1], -1)
     for start, end, value in fills:
@@ -115,6 +115,8 @@ def test_largest_weights_against_full_scale_activations_do_not_saturate(kernels,
         assert ((got.double() - want).abs() <= bound).all(), qtype.name
     for other in results[1:]:
         assert torch.equal(other, results[0]), qtype.name
+    for i in range(3):  # a row alone (the wide kernels' one-row form)
+        assert torch.equal(mm(x[i:i + 1], raw, qtype, None, passes), results[0][i:i + 1]), qtype.name
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)

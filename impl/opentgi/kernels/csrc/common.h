@@ -43,7 +43,10 @@ struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 // Wide (16-bit) activations, the form `passes=2` asks for where a block type has a wide kernel:
 // per block of 32 (Q4_0 / Q4_1) int16 values |q| <= 32767 with one float scale and their exact sum
 // (Q4_1's minimum term); per superblock of 256 (Q4_K / Q6_K) |q| <= 16383 with one float scale and
-// the exact sums per 32 (Q4_K's mins term). 16383 is what Q6_K's int32 lanes allow: its weights
+// the exact sums per 32 (Q4_K's mins term), and the same values split into bytes, q = 128 * hi + lo
+// (hi in [-128, 127], lo in [0, 127], each with its sums per 16): a tile of one or two rows, where
+// the weights are not reused enough to pay for their unpacking to int16, multiplies the weights'
+// bytes by hi and by lo as the 8-bit kernels do (tiles.h exact_combine8). 16383 is what Q6_K's int32 lanes allow: its weights
 // enter the products as (q - 32) * sc, |.| <= 32 * 128 = 4096, and an AVX2 lane adds 32 products of
 // a superblock: 32 * 4096 * 16383 < 2^31 (Q4_K's q * sc <= 15 * 63 = 945 leaves more room). A
 // superblock's total over its lanes may pass 2^31: the kernels add the lanes exactly (int64, or
@@ -51,7 +54,13 @@ struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 constexpr int Q16_MAX = 32767;
 constexpr int Q16K_MAX = 16383;
 struct ActQ16 { float d; int32_t sum; int16_t qs[32]; };
-struct ActQ16K { float d; int32_t sums[8]; int16_t qs[256]; };
+struct ActQ16K {
+  float d;
+  int32_t sums[8];
+  int16_t qs[256];
+  int8_t hi[256], lo[256];
+  int16_t bsums_hi[16], bsums_lo[16];
+};
 
 // Weight types by GGML id (gguf's GGMLQuantizationType).
 enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,

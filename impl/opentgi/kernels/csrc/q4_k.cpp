@@ -194,6 +194,10 @@ struct TileQ4KWide {
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
+    if constexpr (R <= 2) {
+      run8_bytes<R>(wr, row_bytes, act, stride, K, out, ldo);
+      return;
+    }
     const int nb = K / QK_K;
     const ActQ16K* a[R];
     alignas(32) float acc[R][8] = {}, accm[R][8] = {};  // in memory: the registers go to the products
@@ -233,6 +237,71 @@ struct TileQ4KWide {
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(_mm256_load_ps(acc[r]), _mm256_load_ps(accm[r])));
+  }
+
+  // One or two rows: the weights' nibbles against the activations' byte halves (hi, lo) as the
+  // 8-bit kernel multiplies them, each half's total exact in int32 (< 2^25, as TileQ4K's), the
+  // superblock's total 128 * hi + lo exact until rounded once (exact_combine8): the same integer,
+  // so the same bits, as the int16 form.
+  template <int R>
+  static inline void run8_bytes(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                                float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ16K* a[R];
+    __m256 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ16K*)(act + r * stride);
+      acc[r] = accm[r] = _mm256_setzero_ps();
+    }
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
+      prefetch_next8(wr, row_bytes, b, nb);
+      __m256 d, dmin;
+      alignas(32) int16_t sc16[64];
+      __m256i mins[4];
+      kquant_headers8(base, row_bytes, &d, &dmin, sc16, mins);
+      __m256i sums[R][2][8];
+      for (int c = 0; c < 8; ++c) {
+        const uint8_t* qs = base + c * row_bytes + offsetof(BlockQ4_K, qs);
+        const int16_t* sc = sc16 + 16 * (c % 4) + 8 * (c / 4);
+        __m256i lo[4], hi[4];
+        for (int j = 0; j < 4; ++j) {
+          const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+          lo[j] = _mm256_and_si256(bits, mask);
+          hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
+        }
+        for (int r = 0; r < R; ++r) {
+          for (int h = 0; h < 2; ++h) {
+            const int8_t* yq = h == 0 ? a[r][b].hi : a[r][b].lo;
+            __m256i sum = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+              const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j)));
+              const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j + 32)));
+              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
+              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+            }
+            sums[r][h][c] = sum;
+          }
+        }
+      }
+      __m256i mrow[8];  // row c's 8 mins as int32
+      for (int c = 0; c < 4; ++c) {
+        mrow[c] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(mins[c]));
+        mrow[c + 4] = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(mins[c], 1));
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ16K& y = a[r][b];
+        const __m256i ys = _mm256_loadu_si256((const __m256i*)y.sums);
+        __m256i mp[8];
+        for (int c = 0; c < 8; ++c) mp[c] = _mm256_mullo_epi32(mrow[c], ys);
+        const __m256 yd = _mm256_set1_ps(y.d);
+        const __m256 total = exact_combine8(reduce8(sums[r][0]), reduce8(sums[r][1]));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, yd), total));
+        accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(reduce8(mp))));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_sub_ps(acc[r], accm[r]));
   }
 #endif
 };

@@ -220,6 +220,10 @@ struct TileQ6KWide {
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
+    if constexpr (R <= 2) {
+      run8_bytes<R>(wr, row_bytes, act, stride, K, out, ldo);
+      return;
+    }
     const int nb = K / QK_K;
     const ActQ16K* a[R];
     alignas(32) float acc[R][8] = {};  // in memory: the registers go to the products
@@ -240,6 +244,70 @@ struct TileQ6KWide {
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_load_ps(acc[r]));
+  }
+
+  // One or two rows: the weights' 6-bit values against the activations' byte halves (hi, lo) as the
+  // 8-bit kernel multiplies them (the -32 offset by the halves' sums per 16), each half's total
+  // exact in int32 (< 2^29, as TileQ6K's), the superblock's total 128 * hi + lo exact until rounded
+  // once (exact_combine8): the same integer, so the same bits, as the int16 form.
+  template <int R>
+  static inline void run8_bytes(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                                float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ16K* a[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ16K*)(act + r * stride);
+      acc[r] = _mm256_setzero_ps();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i pick[4] = {
+        _mm256_set_m128i(_mm_set1_epi16(0x0302), _mm_set1_epi16(0x0100)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0706), _mm_set1_epi16(0x0504)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0B0A), _mm_set1_epi16(0x0908)),
+        _mm256_set_m128i(_mm_set1_epi16(0x0F0E), _mm_set1_epi16(0x0D0C))};
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
+      prefetch_next8(wr, row_bytes, b, nb);
+      const __m256 d = fp16_8(base + offsetof(BlockQ6_K, d), row_bytes);
+      __m256i sums[R][2][8];
+      for (int c = 0; c < 8; ++c) {
+        const BlockQ6_K& x = *(const BlockQ6_K*)(base + c * row_bytes);
+        __m256i q[8];  // values 32k .. 32k + 31 of the superblock, 0..63
+        for (int h = 0; h < 2; ++h) {
+          const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
+          const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
+          const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
+          q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+          q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+          q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
+          q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        }
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));  // 0..7 | 8..15
+        const __m256i slo = _mm256_permute4x64_epi64(s16, 0x44), shi = _mm256_permute4x64_epi64(s16, 0xEE);
+        __m256i sc[8];
+        for (int k = 0; k < 8; ++k) sc[k] = _mm256_shuffle_epi8(k < 4 ? slo : shi, pick[k % 4]);
+        for (int r = 0; r < R; ++r) {
+          for (int h = 0; h < 2; ++h) {
+            const int8_t* yq = h == 0 ? a[r][b].hi : a[r][b].lo;
+            const int16_t* bs = h == 0 ? a[r][b].bsums_hi : a[r][b].bsums_lo;
+            __m256i sum = _mm256_setzero_si256();
+            for (int k = 0; k < 8; ++k) {
+              const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(yq + 32 * k)));
+              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[k]));
+            }
+            const __m256i offset = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)bs));
+            sums[r][h][c] = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, exact_combine8(reduce8(sums[r][0]), reduce8(sums[r][1]))));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
   }
 #endif
 };

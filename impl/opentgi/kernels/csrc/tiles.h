@@ -177,6 +177,17 @@ static inline __m256 exact_totals8(const __m256i* s) {
   return _mm256_set_m128(half[1], half[0]);
 }
 
+// float(128 * hi + lo) lane by lane, exact until the one rounding (hi, lo: int32 totals of the byte
+// halves of 16-bit activations, common.h ActQ16K), the float a scalar int64 total converts to
+static inline __m256 exact_combine8(__m256i hi, __m256i lo) {
+  const __m256d k = _mm256_set1_pd(128.0);
+  const __m256d a = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(hi)), k),
+                                  _mm256_cvtepi32_pd(_mm256_castsi256_si128(lo)));
+  const __m256d b = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(hi, 1)), k),
+                                  _mm256_cvtepi32_pd(_mm256_extracti128_si256(lo, 1)));
+  return _mm256_set_m128(_mm256_cvtpd_ps(b), _mm256_cvtpd_ps(a));
+}
+
 // the exact sum of 8 int32 lanes
 static inline int64_t lanes_exact(__m256i v) {
   alignas(32) int32_t l[8];
