@@ -2,7 +2,8 @@
 with native bfloat16, float32 elsewhere: models/loader.py), so that the next cliff shows: dense
 (oneDNN's packed weights), int8 per channel, int4 groups of 32 (torch's kernel, in
 `int4.kernel_dtype`), and the native kernels on GGUF blocks of each type (opentgi.kernels) where
-they build (Q4_1 and Q4_K also with two-pass activations), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
+they build (Q4_1, Q4_K and Q6_K also with `passes=2`, the ~16-bit activations q/k/v and down
+projections take), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
 and MLP shapes).
 
 `python -m opentgi.bench kernels [--threads N] [--repeats R] [--dtype float32|bfloat16]` prints
@@ -87,7 +88,7 @@ def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: 
             blocks = torch.from_numpy(_gguf_blocks(qtype, out_features, in_features))
             found[f"native {qtype.name}"] = (
                 lambda x, b=blocks, q=int(qtype): native.gguf_mm(x, b, q, out_features), blocks.nbytes)
-            if qtype in (Q.Q4_1, Q.Q4_K):  # activations in two passes, as q/k/v and down projections take them
+            if qtype in (Q.Q4_1, Q.Q4_K, Q.Q6_K):  # ~16-bit activations, as q/k/v and down projections take them
                 found[f"native {qtype.name} 2-pass"] = (
                     lambda x, b=blocks, q=int(qtype): native.gguf_mm(x, b, q, out_features, passes=2), blocks.nbytes)
     return found

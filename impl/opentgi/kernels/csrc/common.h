@@ -4,6 +4,9 @@
 // Invariant of every kernel: output (m, n) is the dot product of activation row m with weight row
 // n, its blocks summed in one fixed order (block 0, 1, ... of the row), by the same instructions
 // whatever the row count, the tile of rows it shares a weight load with, or the thread computing it.
+// (A block's integer sum is exact, so where a wide kernel forms it two ways, int16 products for
+// tiles of rows and byte halves for a tile of one or two, it is the same integer: the float
+// instructions on it, which alone round, are the same.)
 #pragma once
 #include <cmath>
 #include <cstddef>

@@ -27,8 +27,9 @@ from opentgi.models.quantization import ggml
 from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
 NATIVE_TYPES = frozenset(native.BLOCK_TYPES)  # GGML type ids the kernel multiplies
-# Projections whose activations are quantized in two passes (kernels.native.gguf_mm: the 8-bit
-# rounding's residual quantized and multiplied too, ~16-bit activations): the attention's q/k/v,
+# Projections whose activations are quantized to ~16 bits (`passes=2`, kernels.native.gguf_mm:
+# 16-bit activation blocks where the type has a wide kernel, Q4_0, Q4_1, Q4_K and Q6_K; else two
+# 8-bit passes, the 8-bit rounding's residual quantized and multiplied too): the attention's q/k/v,
 # whose inputs' 8-bit rounding the attention logits amplify, and the MLP's down projection, whose
 # gated input is heavy-tailed. On the default model these two carry most of the 8-bit rounding's
 # perplexity cost at about a third of its layers' weights (docs/benchmarks.md); the rest keep one.
@@ -36,7 +37,7 @@ TWO_PASS = re.compile(r"\.(q_proj|k_proj|v_proj|qkv_proj|down_proj|w2)\.weight$"
 
 
 def activation_passes(name: str) -> int:
-    """How many passes the native kernel quantizes the activations of weight `name` in (1 or 2)."""
+    """How many passes the native kernel quantizes the activations of `name` in (2: ~16 bits)."""
     return 2 if TWO_PASS.search(name) else 1
 
 
