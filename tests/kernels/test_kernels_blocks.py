@@ -87,6 +87,20 @@ def test_the_paths_agree(kernels):
             assert torch.equal(mm(x[9:10], raw, qtype, isas[-1], passes), results[0][9:10]), (qtype.name, passes)
 
 
+def test_wide_rows_in_l2_sized_blocks_keep_their_bits(kernels):
+    """Wide activations at K=4096 come in blocks of 8-16 rows (csrc/tiles.h drive): 21 rows give a
+    short last block; every row has its bits alone and on every path."""
+    isas = native.supported_isas()
+    for qtype in WIDE:
+        raw = random_blocks(qtype, 12, 4096, seed=11)
+        x = rows(21, 4096, seed=12)
+        results = [mm(x, raw, qtype, isa, 2) for isa in isas]
+        for other in results[1:]:
+            assert torch.equal(other, results[0]), qtype.name
+        for i in (0, 9, 17, 20):
+            assert torch.equal(mm(x[i:i + 1], raw, qtype, isas[-1], 2), results[0][i:i + 1]), (qtype.name, i)
+
+
 # every weight at its type's largest magnitude: (byte range, value) set after the float16 fields
 EXTREMES = {Q.Q4_0: ((2, 18, 0xFF),), Q.Q4_1: ((4, 20, 0xFF),), Q.Q8_0: ((2, 34, 0x81),),  # q 15, 15, -127
             Q.Q4_K: ((4, 144, 0xFF),),  # scales and mins 63, q 15

@@ -57,13 +57,10 @@ struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 constexpr int Q16_MAX = 32767;
 constexpr int Q16K_MAX = 16383;
 struct ActQ16 { float d; int32_t sum; int16_t qs[32]; };
-struct ActQ16K {
-  float d;
-  int32_t sums[8];
-  int16_t qs[256];
-  int8_t hi[256], lo[256];
-  int16_t bsums_hi[16], bsums_lo[16];
-};
+// A row of K values: K / 256 ActQ16K, then K / 256 ActQ16KBytes (the byte halves apart, so that
+// the int16 form reads only its own cache lines).
+struct ActQ16K { float d; int32_t sums[8]; int16_t qs[256]; };
+struct ActQ16KBytes { int8_t hi[256], lo[256]; int16_t bsums_hi[16], bsums_lo[16]; };
 
 // Weight types by GGML id (gguf's GGMLQuantizationType).
 enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,

@@ -66,7 +66,7 @@ static inline size_t act_bytes(int act, int64_t K) {
   switch (act) {
     case ACT_Q8K: return K / QK_K * sizeof(ActQ8K);
     case ACT_Q16: return K / QK * sizeof(ActQ16);
-    case ACT_Q16K: return K / QK_K * sizeof(ActQ16K);
+    case ACT_Q16K: return K / QK_K * (sizeof(ActQ16K) + sizeof(ActQ16KBytes));
     default: return K / QK * sizeof(ActQ8);
   }
 }

@@ -201,6 +201,7 @@ struct Tile32Wide {
   // once a block for a tile of up to eight activation rows.
   static constexpr bool has_run8 = true;
   static constexpr int rows = 8;
+  static constexpr bool row_blocks = true;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {

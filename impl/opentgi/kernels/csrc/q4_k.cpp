@@ -191,6 +191,7 @@ struct TileQ4KWide {
   // unpacked once a superblock for a tile of up to eight activation rows (wide_dots8).
   static constexpr bool has_run8 = true;
   static constexpr int rows = 8;
+  static constexpr bool row_blocks = true;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
@@ -272,8 +273,9 @@ struct TileQ4KWide {
           hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
         }
         for (int r = 0; r < R; ++r) {
+          const ActQ16KBytes& yb = ((const ActQ16KBytes*)(a[r] + nb))[b];
           for (int h = 0; h < 2; ++h) {
-            const int8_t* yq = h == 0 ? a[r][b].hi : a[r][b].lo;
+            const int8_t* yq = h == 0 ? yb.hi : yb.lo;
             __m256i sum = _mm256_setzero_si256();
             for (int j = 0; j < 4; ++j) {
               const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j)));

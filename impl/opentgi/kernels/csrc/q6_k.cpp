@@ -217,6 +217,7 @@ struct TileQ6KWide {
   // unpacked once a superblock for a tile of up to eight activation rows (wide_dots8).
   static constexpr bool has_run8 = true;
   static constexpr int rows = 8;
+  static constexpr bool row_blocks = true;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
@@ -289,9 +290,10 @@ struct TileQ6KWide {
         __m256i sc[8];
         for (int k = 0; k < 8; ++k) sc[k] = _mm256_shuffle_epi8(k < 4 ? slo : shi, pick[k % 4]);
         for (int r = 0; r < R; ++r) {
+          const ActQ16KBytes& yb = ((const ActQ16KBytes*)(a[r] + nb))[b];
           for (int h = 0; h < 2; ++h) {
-            const int8_t* yq = h == 0 ? a[r][b].hi : a[r][b].lo;
-            const int16_t* bs = h == 0 ? a[r][b].bsums_hi : a[r][b].bsums_lo;
+            const int8_t* yq = h == 0 ? yb.hi : yb.lo;
+            const int16_t* bs = h == 0 ? yb.bsums_hi : yb.bsums_lo;
             __m256i sum = _mm256_setzero_si256();
             for (int k = 0; k < 8; ++k) {
               const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(yq + 32 * k)));

@@ -81,6 +81,7 @@ void OPENTGI_FN(quantize_q16)(const float* x, int K, ActQ16* out) {
 }
 
 void OPENTGI_FN(quantize_q16k)(const float* x, int K, ActQ16K* out) {
+  ActQ16KBytes* bytes = (ActQ16KBytes*)(out + K / QK_K);
   for (int b = 0; b < K / QK_K; ++b) {
     const float* v = x + b * QK_K;
     float inv;
@@ -93,17 +94,17 @@ void OPENTGI_FN(quantize_q16k)(const float* x, int K, ActQ16K* out) {
     }
     for (int i = 0; i < QK_K; ++i) {  // q = 128 * hi + lo
       const int q = out[b].qs[i];
-      out[b].hi[i] = (int8_t)((q - (q & 127)) / 128);
-      out[b].lo[i] = (int8_t)(q & 127);
+      bytes[b].hi[i] = (int8_t)((q - (q & 127)) / 128);
+      bytes[b].lo[i] = (int8_t)(q & 127);
     }
     for (int j = 0; j < 16; ++j) {
       int sh = 0, sl = 0;
       for (int i = 0; i < 16; ++i) {
-        sh += out[b].hi[16 * j + i];
-        sl += out[b].lo[16 * j + i];
+        sh += bytes[b].hi[16 * j + i];
+        sl += bytes[b].lo[16 * j + i];
       }
-      out[b].bsums_hi[j] = (int16_t)sh;
-      out[b].bsums_lo[j] = (int16_t)sl;
+      bytes[b].bsums_hi[j] = (int16_t)sh;
+      bytes[b].bsums_lo[j] = (int16_t)sl;
     }
   }
 }

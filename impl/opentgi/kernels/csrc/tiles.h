@@ -14,6 +14,14 @@ struct HasRun8<Tile, decltype((void)Tile::has_run8)> { static constexpr bool val
 
 template <class Tile, class = void>
 struct TileRows { static constexpr int value = 4; };
+
+// Tiles whose activation rows are wide (16-bit) take the rows in blocks that stay in L2 while every
+// group of eight outputs passes over them (drive): the same tiles, so the same bits.
+template <class Tile, class = void>
+struct RowBlocks { static constexpr bool value = false; };
+template <class Tile>
+struct RowBlocks<Tile, decltype((void)Tile::row_blocks)> { static constexpr bool value = Tile::row_blocks; };
+constexpr size_t ROW_BLOCK_BYTES = 192 * 1024;
 template <class Tile>
 struct TileRows<Tile, decltype((void)Tile::rows)> { static constexpr int value = Tile::rows; };
 
@@ -65,13 +73,28 @@ static inline void rows_against(const uint8_t* w, size_t row_bytes, const uint8_
 // form (Tile::run8), the rest one at a time; a weight row (or eight) is loaded once per tile of
 // four activation rows and stays in L1 across the tiles.
 template <class Tile>
-static inline void drive(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
-                         int M, int n0, int n1, int K, float* out, int ldo) {
+static inline void drive_rows(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
+                              int M, int n0, int n1, int K, float* out, int ldo) {
   int n = n0;
   if constexpr (HasRun8<Tile>::value) {
     for (; n + 8 <= n1; n += 8) rows_against<Tile, true>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
   }
   for (; n < n1; ++n) rows_against<Tile, false>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
+}
+
+template <class Tile>
+static inline void drive(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
+                         int M, int n0, int n1, int K, float* out, int ldo) {
+  if constexpr (RowBlocks<Tile>::value) {
+    constexpr int T = TileRows<Tile>::value;
+    int per = (int)(ROW_BLOCK_BYTES / act_row_bytes) / T * T;
+    per = per < T ? T : per;
+    for (int m0 = 0; m0 < M; m0 += per)
+      drive_rows<Tile>(w, row_bytes, act + (size_t)m0 * act_row_bytes, act_row_bytes, M - m0 < per ? M - m0 : per,
+                       n0, n1, K, out + (size_t)m0 * ldo, ldo);
+  } else {
+    drive_rows<Tile>(w, row_bytes, act, act_row_bytes, M, n0, n1, K, out, ldo);
+  }
 }
 
 // a K-quant's 6-bit scales and mins of its 8 sub-blocks (ggml's get_scale_min_k4)
