@@ -5,7 +5,7 @@ The error bound is the activations' 8-bit rounding: each input moves by at most 
 step (amax / 127 / 2), so an output moves by at most sum_j step_j / 2 * |w_j|; float32 products
 and sums add at most 1e-5 of sum_j |x_j w_j| (at most 64 blocks a row here). With `passes=2` the
 step is 16-bit activations' (amax / 32767 for blocks of 32, amax / 16383 for superblocks: the
-wide kernels of Q4_0, Q4_1, Q4_K and Q6_K) or two 8-bit passes' (amax / 127 / 254: the rest)."""
+wide kernels of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K) or two 8-bit passes' (amax / 127 / 254: the rest)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.helpers.gguf_blocks import F16_FIELDS, TYPES, random_blocks, rows
 torch.set_num_threads(1)
 
 K_QUANTS = tuple(q for q in TYPES if native.BLOCK_TYPES[q][1] == 256)  # superblocks of 256: ActQ8K
-WIDE = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)  # 16-bit activations where `passes=2` asks
+WIDE = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)  # 16-bit activations where `passes=2` asks
 
 
 def steps(qtype: Q, passes: int) -> float:

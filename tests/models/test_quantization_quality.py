@@ -71,12 +71,12 @@ async def served_perplexity(loaded, **settings) -> float:
 async def test_quantized_and_native_perplexity_stay_close_to_the_dense_weights(default_model):
     """In the dtype this host serves, the native kernels (the file's Q4_1 blocks, and `--quantize
     int8` as Q8_0) against torch's path and the same weights dense. The native kernels round each
-    activation row to 8-bit blocks, q/k/v and down projections' to ~16 bits (16-bit blocks for
-    Q4_1, two 8-bit passes for Q8_0: models/quantization/gguf_blocks.py): on an AVX2 EPYC in
-    float32 this text's perplexity moved by +0.2% (Q4_1, against torch's path; +0.9% with 8-bit
-    activations everywhere) and +0.6% (int8, against dense); the bounds guard that cost from
-    growing (docs/benchmarks.md). A float16 KV cache (the default under float32) against
-    float32's: -0.3% (24.08 against 24.15), bounded at 0.5%."""
+    activation row to 8-bit blocks, q/k/v and down projections' to 16-bit blocks
+    (models/quantization/gguf_blocks.py): on an AVX2 EPYC in float32 this text's perplexity moved
+    by +0.2% (Q4_1, against torch's path; +0.9% with 8-bit activations everywhere) and +0.4% (int8,
+    against dense); the bounds guard that cost from growing (docs/benchmarks.md). A float16 KV
+    cache (the default under float32) against float32's: -0.3% (24.08 against 24.15), bounded at
+    0.5%."""
     dtype = "bfloat16" if cpu_has_bf16() else "float32"
     dense = await served_perplexity(default_model(dtype=dtype, dequantize=True))
     torch_path = await served_perplexity(default_model(dtype=dtype))  # tests pin GGUFs to torch's path

@@ -141,8 +141,8 @@ def _register_fake() -> None:
 def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int, isa: str | None = None,
             passes: int = 1) -> torch.Tensor:
     """`x @ W.T`, W the GGUF blocks of `qtype` (rows of x [..., K] quantized to 8-bit blocks; with
-    `passes=2` ~16-bit activations: 16-bit blocks where the type has a wide kernel, Q4_0, Q4_1, Q4_K
-    and Q6_K, else what the 8-bit rounding left quantized too and its product added)."""
+    `passes=2` ~16-bit activations: 16-bit blocks where the type has a wide kernel, Q4_0, Q4_1, Q8_0,
+    Q4_K and Q6_K, else what the 8-bit rounding left quantized too and its product added)."""
     if x.dim() == 2:  # rows already (a step's activations): no reshape ops
         return torch.ops.opentgi.gguf_mm(x, blocks, qtype, out_features, _isa(isa), passes)
     rows = x.reshape(-1, x.shape[-1])

@@ -44,7 +44,7 @@ struct ActQ8 { float d; int32_t sum; int8_t qs[32]; };
 struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 
 // Wide (16-bit) activations, the form `passes=2` asks for where a block type has a wide kernel:
-// per block of 32 (Q4_0 / Q4_1) int16 values |q| <= 32767 with one float scale and their exact sum
+// per block of 32 (Q4_0 / Q4_1 / Q8_0) int16 values |q| <= 32767 with one float scale and their exact sum
 // (Q4_1's minimum term); per superblock of 256 (Q4_K / Q6_K) |q| <= 16383 with one float scale and
 // the exact sums per 32 (Q4_K's mins term), and the same values split into bytes, q = 128 * hi + lo
 // (hi in [-128, 127], lo in [0, 127], each with its sums per 16): a tile of one or two rows, where
@@ -155,6 +155,7 @@ void OPENTGI_FN(matmul_q6_k)(const uint8_t*, size_t, const uint8_t*, size_t, int
 // the same weights against wide activations (ActQ16 / ActQ16K)
 void OPENTGI_FN(matmul_q4_0_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q8_0_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q6_k_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 

@@ -4,7 +4,7 @@
 // threads, each output computed whole by one thread (common.h's invariant).
 //
 // `passes=2` asks for ~16-bit activations: 16-bit activation blocks (common.h ActQ16 / ActQ16K)
-// against the type's wide kernel where it has one (Q4_0, Q4_1, Q4_K, Q6_K), else two 8-bit passes
+// against the type's wide kernel where it has one (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), else two 8-bit passes
 // (quantize_rows).
 #pragma once
 #include <ATen/Parallel.h>
@@ -26,6 +26,7 @@ namespace opentgi {
   void quantize_q16k_##isa(const float*, int, ActQ16K*);                                             \
   void matmul_q4_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q8_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_k_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q6_k_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -102,6 +103,7 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1) {
     switch (qtype) {
       case Q4_0: wide = OPENTGI_PICK(matmul_q4_0_wide); break;
       case Q4_1: wide = OPENTGI_PICK(matmul_q4_1_wide); break;
+      case Q8_0: wide = OPENTGI_PICK(matmul_q8_0_wide); break;
       case Q4_K: wide = OPENTGI_PICK(matmul_q4_k_wide); break;
       case Q6_K: wide = OPENTGI_PICK(matmul_q6_k_wide); break;
       default: break;

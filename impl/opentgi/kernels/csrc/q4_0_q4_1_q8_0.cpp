@@ -3,7 +3,7 @@
 // and an output adds (d_w * d_x) * sum block by block, in block order (Q4_1's m * (d_x * sum(x))
 // added in a second float the same way, the two added at the end): AVX2 and scalar agree bit for
 // bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that arithmetic,
-// so a row gets the same bits alone or among others. Q4_0 and Q4_1 also take 16-bit activations
+// so a row gets the same bits alone or among others. Each also takes 16-bit activations
 // (Tile32Wide).
 #include "tiles.h"
 
@@ -162,10 +162,10 @@ struct Tile32 {
 #endif
 };
 
-// Wide activations (ActQ16) for Q4_0 and Q4_1: the block's weights as int16 (Q4_0's q - 8 in
-// place, so no sum term; Q4_1's q), the exact block sum (|.| <= 32 * 15 * 32767 < 2^24), then the
-// same float products per block as against ActQ8, on every path.
-template <class Block, int Kind>  // Kind: 0 Q4_0, 1 Q4_1
+// Wide activations (ActQ16) for Q4_0, Q4_1 and Q8_0: the block's weights as int16 (Q4_0's q - 8
+// in place, so no sum term; Q4_1's q; Q8_0's q), the exact block sum (|.| <= 32 * 128 * 32767 <
+// 2^28), then the same float products per block as against ActQ8, on every path.
+template <class Block, int Kind>  // Kind: 0 Q4_0, 1 Q4_1, 2 Q8_0
 struct Tile32Wide {
   template <int R>
   static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
@@ -179,10 +179,14 @@ struct Tile32Wide {
     alignas(32) int16_t w16[QK];
     for (int b = 0; b < K / QK; ++b) {
       const float dw = fp16_to_fp32(w[b].d);
-      for (int i = 0; i < 16; ++i) {
-        const uint8_t byte = ((const uint8_t*)w[b].qs)[i];
-        w16[i] = (int16_t)((byte & 0x0F) - (Kind == 0 ? 8 : 0));
-        w16[i + 16] = (int16_t)((byte >> 4) - (Kind == 0 ? 8 : 0));
+      if constexpr (Kind == 2) {
+        for (int i = 0; i < QK; ++i) w16[i] = ((const BlockQ8_0*)w)[b].qs[i];
+      } else {
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t byte = ((const uint8_t*)w[b].qs)[i];
+          w16[i] = (int16_t)((byte & 0x0F) - (Kind == 0 ? 8 : 0));
+          w16[i + 16] = (int16_t)((byte >> 4) - (Kind == 0 ? 8 : 0));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const ActQ16& y = a[r][b];
@@ -232,6 +236,16 @@ struct Tile32Wide {
       for (int p = 0; p < 4; ++p) {
         const __m256i v = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes + qs_at),
                                               (const __m128i*)(base + p * row_bytes + qs_at));
+        if constexpr (Kind == 2) {  // values 0..15 in v, 16..31 in v2, sign-extended
+          const __m256i v2 = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes + qs_at + 16),
+                                                 (const __m128i*)(base + p * row_bytes + qs_at + 16));
+          const __m256i s1 = _mm256_cmpgt_epi8(zero, v), s2 = _mm256_cmpgt_epi8(zero, v2);
+          wq[p][0] = _mm256_unpacklo_epi8(v, s1);
+          wq[p][1] = _mm256_unpackhi_epi8(v, s1);
+          wq[p][2] = _mm256_unpacklo_epi8(v2, s2);
+          wq[p][3] = _mm256_unpackhi_epi8(v2, s2);
+          continue;
+        }
         const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         wq[p][0] = _mm256_sub_epi16(_mm256_unpacklo_epi8(lo, zero), off);
         wq[p][1] = _mm256_sub_epi16(_mm256_unpackhi_epi8(lo, zero), off);
@@ -270,6 +284,11 @@ void OPENTGI_FN(matmul_q4_0_wide)(const uint8_t* w, size_t rb, const uint8_t* ac
 void OPENTGI_FN(matmul_q4_1_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                   int n1, int K, float* out, int ldo) {
   drive<Tile32Wide<BlockQ4_1, 1>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+
+void OPENTGI_FN(matmul_q8_0_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                  int n1, int K, float* out, int ldo) {
+  drive<Tile32Wide<BlockQ8_0, 2>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
 }
 
 void OPENTGI_FN(matmul_q4_0)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,

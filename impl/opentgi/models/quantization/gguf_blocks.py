@@ -28,8 +28,8 @@ from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
 NATIVE_TYPES = frozenset(native.BLOCK_TYPES)  # GGML type ids the kernel multiplies
 # Projections whose activations are quantized to ~16 bits (`passes=2`, kernels.native.gguf_mm:
-# 16-bit activation blocks where the type has a wide kernel, Q4_0, Q4_1, Q4_K and Q6_K; else two
-# 8-bit passes, the 8-bit rounding's residual quantized and multiplied too): the attention's q/k/v,
+# 16-bit activation blocks where the type has a wide kernel, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K; else
+# two 8-bit passes, the residual of the first rounding quantized and multiplied too): q/k/v,
 # whose inputs' 8-bit rounding the attention logits amplify, and the MLP's down projection, whose
 # gated input is heavy-tailed. On the default model these two carry most of the 8-bit rounding's
 # perplexity cost at about a third of its layers' weights (docs/benchmarks.md); the rest keep one.
