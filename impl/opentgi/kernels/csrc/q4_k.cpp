@@ -11,6 +11,38 @@
 namespace opentgi {
 namespace {
 
+#ifdef OPENTGI_AVX2
+// sums[i][c]: eight int32 lanes whose total is weight row c's exact sum_j sc_j * dot_j against the
+// 256 activation bytes ys[i] (ActQ8K's order), for the eight superblocks at base + c * row_bytes
+// with their scales as kquant_headers8 leaves them; each row's nibbles unpacked once for all N.
+template <int N>
+static inline void q4k_dots8(const uint8_t* base, size_t row_bytes, const int16_t* sc16, const int8_t* const* ys,
+                             __m256i (*sums)[8]) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < 8; ++c) {
+    const uint8_t* qs = base + c * row_bytes + offsetof(BlockQ4_K, qs);
+    const int16_t* sc = sc16 + 16 * (c % 4) + 8 * (c / 4);
+    __m256i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+      lo[j] = _mm256_and_si256(bits, mask);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
+    }
+    for (int i = 0; i < N; ++i) {
+      const int8_t* yq = ys[i];
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j)));
+        const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j + 32)));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+      }
+      sums[i][c] = sum;
+    }
+  }
+}
+#endif
+
 struct TileQ4K {
   template <int R>
   static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
@@ -84,7 +116,6 @@ struct TileQ4K {
       a[r] = (const ActQ8K*)(act + r * stride);
       acc[r] = accm[r] = _mm256_setzero_ps();
     }
-    const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
       prefetch_next8(wr, row_bytes, b, nb);
@@ -92,28 +123,10 @@ struct TileQ4K {
       alignas(32) int16_t sc16[64];
       __m256i mins[4];
       kquant_headers8(base, row_bytes, &d, &dmin, sc16, mins);
+      const int8_t* ys[R];
+      for (int r = 0; r < R; ++r) ys[r] = a[r][b].qs;
       __m256i sums[R][8];
-      for (int c = 0; c < 8; ++c) {
-        const uint8_t* qs = base + c * row_bytes + offsetof(BlockQ4_K, qs);
-        const int16_t* sc = sc16 + 16 * (c % 4) + 8 * (c / 4);
-        __m256i lo[4], hi[4];
-        for (int j = 0; j < 4; ++j) {
-          const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
-          lo[j] = _mm256_and_si256(bits, mask);
-          hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
-        }
-        for (int r = 0; r < R; ++r) {
-          const int8_t* yq = a[r][b].qs;
-          __m256i sum = _mm256_setzero_si256();
-          for (int j = 0; j < 4; ++j) {
-            const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j)));
-            const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j + 32)));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
-          }
-          sums[r][c] = sum;
-        }
-      }
+      q4k_dots8<R>(base, row_bytes, sc16, ys, sums);
       for (int r = 0; r < R; ++r) {
         const ActQ8K& y = a[r][b];
         const __m256 yd = _mm256_set1_ps(y.d);
@@ -254,7 +267,6 @@ struct TileQ4KWide {
       a[r] = (const ActQ16K*)(act + r * stride);
       acc[r] = accm[r] = _mm256_setzero_ps();
     }
-    const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
       prefetch_next8(wr, row_bytes, b, nb);
@@ -262,31 +274,14 @@ struct TileQ4KWide {
       alignas(32) int16_t sc16[64];
       __m256i mins[4];
       kquant_headers8(base, row_bytes, &d, &dmin, sc16, mins);
-      __m256i sums[R][2][8];
-      for (int c = 0; c < 8; ++c) {
-        const uint8_t* qs = base + c * row_bytes + offsetof(BlockQ4_K, qs);
-        const int16_t* sc = sc16 + 16 * (c % 4) + 8 * (c / 4);
-        __m256i lo[4], hi[4];
-        for (int j = 0; j < 4; ++j) {
-          const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
-          lo[j] = _mm256_and_si256(bits, mask);
-          hi[j] = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
-        }
-        for (int r = 0; r < R; ++r) {
-          const ActQ16KBytes& yb = ((const ActQ16KBytes*)(a[r] + nb))[b];
-          for (int h = 0; h < 2; ++h) {
-            const int8_t* yq = h == 0 ? yb.hi : yb.lo;
-            __m256i sum = _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-              const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j)));
-              const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j + 32)));
-              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-              sum = _mm256_add_epi32(sum, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
-            }
-            sums[r][h][c] = sum;
-          }
-        }
+      const int8_t* ys[2 * R];  // row r's high bytes at 2r, low bytes at 2r + 1
+      for (int r = 0; r < R; ++r) {
+        const ActQ16KBytes& yb = ((const ActQ16KBytes*)(a[r] + nb))[b];
+        ys[2 * r] = yb.hi;
+        ys[2 * r + 1] = yb.lo;
       }
+      __m256i sums[2 * R][8];
+      q4k_dots8<2 * R>(base, row_bytes, sc16, ys, sums);
       __m256i mrow[8];  // row c's 8 mins as int32
       for (int c = 0; c < 4; ++c) {
         mrow[c] = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(mins[c]));
@@ -298,7 +293,7 @@ struct TileQ4KWide {
         __m256i mp[8];
         for (int c = 0; c < 8; ++c) mp[c] = _mm256_mullo_epi32(mrow[c], ys);
         const __m256 yd = _mm256_set1_ps(y.d);
-        const __m256 total = exact_combine8(reduce8(sums[r][0]), reduce8(sums[r][1]));
+        const __m256 total = exact_combine8(reduce8(sums[2 * r]), reduce8(sums[2 * r + 1]));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, yd), total));
         accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(_mm256_mul_ps(dmin, yd), _mm256_cvtepi32_ps(reduce8(mp))));
       }
