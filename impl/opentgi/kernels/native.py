@@ -9,7 +9,7 @@ the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_
 token and every expert it was routed to in one call each; `moe_route` routes the tokens.
 `paged_attention(...)` attends decode rows over the paged KV cache in place (csrc/attention.h), the
 torch op `opentgi::paged_attention`, and `prompt_attention(...)` prompt rows in their own form; `rms_norm`, `add_rms_norm`, `silu_mul` and `gelu_tanh_mul` are
-fused per-row layer ops (csrc/layer_ops.h); `opentgi::decode_stack` (csrc/stack.cpp) runs a decode
+fused per-row layer ops (csrc/layer_ops.h); `opentgi::decode_stack_run` (csrc/stack.cpp) runs a decode
 step's decoder layers in one call (models/families/native_stack.py).
 """
 
@@ -126,12 +126,6 @@ def _register_fake() -> None:
     @torch.library.register_fake("opentgi::gelu_tanh_mul")
     def _(gate_up, isa):
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-
-    @torch.library.register_fake("opentgi::decode_stack")
-    def _(h, cos, sin, ropes, weights, qtypes, passes, biases, parts, norms, qk_norms, k_caches, v_caches, slots,
-          tails, block_tables, seq, ctx, num_heads, num_kv_heads, scale, windows, softcap, act, eps, routers,
-          expert_weights, expert_types, top_k, renormalize, isa):
-        return torch.empty_like(h)
 
     @torch.library.register_fake("opentgi::moe_route")
     def _(x, w, k, renormalize):

@@ -1,4 +1,4 @@
-// opentgi::decode_stack: a step's decoder layers, every row a decode row, in one call, registered
+// opentgi::decode_stack_run: a step's decoder layers, every row a decode row, in one call, registered
 // into the opentgi library ops.cpp defines. The layer is models/families/decoder.py's:
 //   norm, one qkv matmul (+ bias), q and k normed per head (Qwen3, Gemma 3), RoPE by halves on q
 //   and k (the layer's table: Gemma 3's local layers have their own), k and v stored in the paged
@@ -247,16 +247,13 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   TORCH_CHECK(next_expert == expert_weights.size() && next_type == expert_types.size(), op,
               ": expert weights or types that belong to no layer");
   std::vector<at::Tensor> kept;  // the biases' contiguous copies, alive for the call
-  std::vector<Projection> built;
-  if (prepared == nullptr || prepared->hidden != hidden || prepared->D != D || prepared->dt != dt) {
-    built = projections_of(weights, qtypes, passes, biases, parts, moe, L, hidden, H, KV, D, dt, isa, kept, op);
-    if (prepared != nullptr) {
-      prepared->projections = std::move(built);
-      prepared->kept = std::move(kept);
-      prepared->hidden = hidden, prepared->D = D, prepared->dt = dt;
-    }
+  if (prepared->hidden != hidden || prepared->D != D || prepared->dt != dt) {  // made on the first call
+    prepared->projections =
+        projections_of(weights, qtypes, passes, biases, parts, moe, L, hidden, H, KV, D, dt, isa, kept, op);
+    prepared->kept = std::move(kept);
+    prepared->hidden = hidden, prepared->D = D, prepared->dt = dt;
   }
-  const std::vector<Projection>& projections = prepared != nullptr ? prepared->projections : built;
+  const std::vector<Projection>& projections = prepared->projections;
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t j = 0; j < (sandwich ? 4 : 2); ++j) check_norm(norms[(sandwich ? 4 : 2) * l + j], hidden, dt, "norm", op);
     if (!qk_norms.empty()) check_norm(qk_norms[l], (H + KV) * D, dt, "q/k norm", op);
@@ -386,22 +383,6 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   return h;
 }
 
-// the op: projections made for this call alone
-at::Tensor decode_stack(const at::Tensor& h, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
-                        at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
-                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef parts,
-                        at::TensorList norms, at::TensorList qk_norms, at::TensorList k_caches,
-                        at::TensorList v_caches, const at::Tensor& slots, const std::optional<at::Tensor>& tails,
-                        const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
-                        int64_t num_heads, int64_t num_kv_heads, double scale, at::IntArrayRef windows,
-                        double softcap, int64_t act_kind, double eps,
-                        const c10::List<std::optional<at::Tensor>>& routers, at::TensorList expert_weights,
-                        at::IntArrayRef expert_types, int64_t top_k, bool renormalize, int64_t isa) {
-  return decode_stack_on(h, cos, sin, ropes, weights, qtypes, passes, biases, parts, norms, qk_norms, k_caches,
-                         v_caches, slots, tails, block_tables, seq, ctx, num_heads, num_kv_heads, scale, windows,
-                         softcap, act_kind, eps, routers, expert_weights, expert_types, top_k, renormalize, isa,
-                         nullptr);
-}
 
 // decode_stack's arguments that stay the same from step to step (the model's weights and shape,
 // its paged caches, the final norm), converted once: a step passes only its own tensors
@@ -576,18 +557,12 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
 
 TORCH_LIBRARY_FRAGMENT(opentgi, m) {
   m.class_<DecodeStackArgs>("DecodeStackArgs").def(torch::init(&make_stack_args));
-  m.def("decode_stack(Tensor h, Tensor[] cos, Tensor[] sin, int[] ropes, Tensor[] weights, int[] qtypes, "
-        "int[] passes, Tensor?[] biases, int[] parts, Tensor[] norms, Tensor[] qk_norms, Tensor[] k_caches, "
-        "Tensor[] v_caches, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, Tensor ctx, int num_heads, "
-        "int num_kv_heads, float scale, int[] windows, float softcap, int act, float eps, Tensor?[] routers, "
-        "Tensor[] expert_weights, int[] expert_types, int top_k, bool renormalize, int isa) -> Tensor");
   m.def("decode_stack_run(__torch__.torch.classes.opentgi.DecodeStackArgs args, Tensor h, Tensor positions, "
         "Tensor[] cos_tables, Tensor[] sin_tables, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, "
         "Tensor ctx, bool logits=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
-  m.impl("decode_stack", decode_stack);
   m.impl("decode_stack_run", decode_stack_run);
 }
 
