@@ -244,8 +244,9 @@ def test_bandwidth_mode_sets_each_block_type_beside_the_streaming_read():
     torch.set_num_threads(1)
     stream, results = bench_kernels.measure_bandwidth(megabytes=8, repeats=1)
     names = [name for name, _ in results]
-    assert names == ["native Q4_0", "native Q4_1", "native Q4_1 2-pass", "native Q8_0", "native Q4_K",
-                     "native Q4_K 2-pass", "native Q6_K", "native Q6_K 2-pass"]
+    assert names == ["native Q4_0", "native Q4_1", "native Q4_1 2-pass", "native Q5_0", "native Q5_1", "native Q8_0",
+                     "native Q2_K", "native Q3_K", "native Q4_K", "native Q4_K 2-pass", "native Q5_K", "native Q6_K",
+                     "native Q6_K 2-pass", "native IQ4_NL", "native IQ4_XS"]
     assert stream > 0 and all(gbs > 0 for _, gbs in results)
     table = bench_kernels.bandwidth_table(stream, results)
     assert table.count("\n") == len(results) + 2 and "| native Q6_K 2-pass |" in table

@@ -55,7 +55,8 @@ def _gguf_blocks(qtype, out_features: int, in_features: int) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(out_features, in_features // block, size), dtype=np.uint8)
-    offsets = {"Q6_K": (208,), "Q4_1": (0, 2), "Q4_K": (0, 2)}.get(qtype.name, (0,))
+    offsets = {"Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82),
+               "Q3_K": (108,)}.get(qtype.name, (0,))
     for start in offsets:
         scales = (rng.standard_normal(raw.shape[:2]) * 0.01).astype(np.float16)
         raw[..., start:start + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
@@ -260,7 +261,7 @@ def moe_table(results) -> str:
     return "\n".join(lines)
 
 
-BANDWIDTH_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+BANDWIDTH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 def measure_bandwidth(megabytes: int, repeats: int):
