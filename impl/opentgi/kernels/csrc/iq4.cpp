@@ -5,7 +5,8 @@
 // never hold -128): exact integer sums per block / superblock, and both paths add (d_w * d_x) *
 // (float)sum per block in block order: AVX2 and scalar agree bit for bit, and a row's bits never
 // depend on the other rows. AVX2 reduces eight IQ4_NL blocks' integer sums together (the same
-// integers).
+// integers), and computes eight outputs at once (run8, one float lane each) by exactly that
+// arithmetic, where |y| against sign(w, y) bounds the pairs the same way.
 #include "tiles.h"
 
 namespace opentgi {
@@ -88,6 +89,57 @@ struct TileIQ4NL {
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
   }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by run<R>'s arithmetic (out[r * ldo + c]): rows p and p + 4 share a vector (16 values of each,
+  // one in each half) against the activations' 16 broadcast to both, |y| against sign(w, y) (the
+  // pairs bounded as above; the activation's absolute values taken once for the eight rows), a
+  // block's exact sums in column order after two rounds of hadd (|.| <= 32 * 127 * 127 < 2^19).
+  static constexpr bool has_run8 = true;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK;
+    const ActQ8* a[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8*)(act + r * stride);
+      acc[r] = _mm256_setzero_ps();
+    }
+    const __m128i t = _mm_load_si128((const __m128i*)kvalues);
+    const __m256i table = _mm256_set_m128i(t, t), mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_NL);
+      prefetch_next8(wr, row_bytes, b, nb);
+      const __m256 dv = fp16_8(base, row_bytes);
+      __m256i ylo[R], yhi[R], alo[R], ahi[R], s[R][4];  // each activation's 16 and 16, both halves
+      for (int r = 0; r < R; ++r) {
+        ylo[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)a[r][b].qs));
+        yhi[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(a[r][b].qs + 16)));
+        alo[r] = _mm256_abs_epi8(ylo[r]);
+        ahi[r] = _mm256_abs_epi8(yhi[r]);
+      }
+      for (int p = 0; p < 4; ++p) {  // values 0..15 and 16..31 of rows p (low half) and p + 4 (high half)
+        const __m256i v = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes + 2),
+                                              (const __m128i*)(base + p * row_bytes + 2));
+        const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, mask));
+        const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+        for (int r = 0; r < R; ++r)
+          s[r][p] = _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(alo[r], _mm256_sign_epi8(lo, ylo[r])), ones),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(ahi[r], _mm256_sign_epi8(hi, yhi[r])), ones));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i sum =
+            _mm256_hadd_epi32(_mm256_hadd_epi32(s[r][0], s[r][1]), _mm256_hadd_epi32(s[r][2], s[r][3]));
+        const __m256 dy = _mm256_mul_ps(dv, _mm256_set1_ps(a[r][b].d));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, _mm256_cvtepi32_ps(sum)));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  }
+#endif
 };
 
 struct TileIQ4XS {
@@ -139,6 +191,82 @@ struct TileIQ4XS {
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
   }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by run<R>'s arithmetic (out[r * ldo + c]): the eight headers unpacked together (d and the
+  // multipliers of every sub-block, row c in lane c), then sub-block by sub-block rows p and p + 4
+  // share a vector as in TileIQ4NL::run8, each half's pair sums multiplied by its own row's
+  // multiplier (madd), a superblock's exact totals in column order after two rounds of hadd.
+  // int32 holds them: |total| <= 8 * 32 * 32 * 127 * 127 < 2^27.
+  static constexpr bool has_run8 = true;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ8K* a[R];
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = _mm256_setzero_ps();
+    }
+    const __m128i t = _mm_load_si128((const __m128i*)kvalues);
+    const __m256i table = _mm256_set_m128i(t, t), mask = _mm256_set1_epi8(0x0F);
+    const __m256i k15 = _mm256_set1_epi32(15), k48 = _mm256_set1_epi32(48), k32 = _mm256_set1_epi32(32);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_XS);
+      prefetch_next8(wr, row_bytes, b, nb);
+      // words 0 (d | scales_h << 16) and 1 (scales_l) of every row, row c in lane c (rows p and
+      // p + 4 loaded together, then transposed as in kquant_headers8)
+      __m256i h[4];
+      for (int p = 0; p < 4; ++p)
+        h[p] = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes), (const __m128i*)(base + p * row_bytes));
+      const __m256i u = _mm256_unpacklo_epi32(h[0], h[1]), v = _mm256_unpacklo_epi32(h[2], h[3]);
+      const __m256i w0 = _mm256_unpacklo_epi64(u, v), sl = _mm256_unpackhi_epi64(u, v);
+      const __m256i sh = _mm256_srli_epi32(w0, 16);
+      const __m256i dpack = _mm256_permute4x64_epi64(
+          _mm256_shuffle_epi8(w0, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                   0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)),
+          0x08);
+      const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(dpack));
+      __m256i s[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < 4; ++p) s[r][p] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        // the multiplier ls - 32 of sub-block j, row c in lane c, then in the int16 words of rows p
+        // (low half) and p + 4 (high half)
+        const __m256i hbits = j < 2 ? _mm256_slli_epi32(sh, 4 - 2 * j) : _mm256_srli_epi32(sh, 2 * j - 4);
+        const __m256i ls = _mm256_sub_epi32(
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), k15), _mm256_and_si256(hbits, k48)), k32);
+        __m256i ylo[R], yhi[R], alo[R], ahi[R];
+        for (int r = 0; r < R; ++r) {
+          const int8_t* yq = a[r][b].qs + 32 * j;
+          ylo[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)yq));
+          yhi[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(yq + 16)));
+          alo[r] = _mm256_abs_epi8(ylo[r]);
+          ahi[r] = _mm256_abs_epi8(yhi[r]);
+        }
+        for (int p = 0; p < 4; ++p) {
+          const __m256i sv = _mm256_shuffle_epi8(ls, _mm256_set1_epi32(0x01000100 + 0x04040404 * p));
+          const __m256i q = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes + 8 + 16 * j),
+                                                (const __m128i*)(base + p * row_bytes + 8 + 16 * j));
+          const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, mask));
+          const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(q, 4), mask));
+          for (int r = 0; r < R; ++r) {
+            const __m256i pl = _mm256_maddubs_epi16(alo[r], _mm256_sign_epi8(lo, ylo[r]));
+            const __m256i ph = _mm256_maddubs_epi16(ahi[r], _mm256_sign_epi8(hi, yhi[r]));
+            s[r][p] = _mm256_add_epi32(s[r][p], _mm256_add_epi32(_mm256_madd_epi16(pl, sv), _mm256_madd_epi16(ph, sv)));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i total = _mm256_hadd_epi32(_mm256_hadd_epi32(s[r][0], s[r][1]), _mm256_hadd_epi32(s[r][2], s[r][3]));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d)), _mm256_cvtepi32_ps(total)));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  }
+#endif
 };
 
 }  // namespace
