@@ -3,7 +3,8 @@
 // against int8: maddubs pairs stay under 2 * 31 * 127; Q5_0's -16 taken as 16 * sum(q_x)), and
 // both paths add (d_w * d_x) * (float)sum per block in block order (Q5_1's m * d_x * sum(q_x) in a
 // separate float, also in block order): AVX2 and scalar agree bit for bit, and a row's bits never
-// depend on the other rows. AVX2 reduces eight blocks' integer sums together (the same integers).
+// depend on the other rows. AVX2 reduces eight blocks' integer sums together (the same integers),
+// and computes eight outputs at once (run8: one float lane each) by exactly that arithmetic.
 #include "tiles.h"
 
 namespace opentgi {
@@ -96,6 +97,77 @@ struct TileQ5 {
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = WithMin ? acc[r] + mins[r] : acc[r];
   }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by step's arithmetic (out[r * ldo + c]): rows p and p + 4 share a vector (one in each half), the
+  // fifth bits of both spread from their qh words by one byte shuffle; a block's integer sums come
+  // out in column order after two rounds of hadd. Exact: q <= 31 against |x| <= 127 (int8: 128),
+  // the two maddubs (pairs) added in int16 hold 4 * 31 * 128 < 2^15, then int32.
+  static constexpr bool has_run8 = true;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    constexpr int qs_at = WithMin ? 8 : 6;  // after d (, m) and qh
+    const int nb = K / QK;
+    const ActQ8* a[R];
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8*)(act + r * stride);
+      acc[r] = mins[r] = _mm256_setzero_ps();
+    }
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), five = _mm256_set1_epi8(0x10);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // byte j: bit j % 8
+    // bytes 0..7 of a half from qh byte 0 (values 0..7), 8..15 from byte 1; the high nibbles' from 2, 3
+    const __m256i spread_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                               0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i spread_hi = _mm256_add_epi8(spread_lo, _mm256_set1_epi8(2));
+    // a 32-bit word's low 16 bits to the first 8 bytes of each half, its high 16 to the last 8
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(Block);
+      prefetch_next8(wr, row_bytes, b, nb);
+      // the first 16 bytes of rows p (low half) and p + 4 (high half), transposed: words 0 and 1 of
+      // row c in int32 lane c (d | m, qh for Q5_1; d | qh's low half, qh's high half | qs for Q5_0)
+      __m256i h[4];
+      for (int p = 0; p < 4; ++p)
+        h[p] = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes), (const __m128i*)(base + p * row_bytes));
+      const __m256i u0 = _mm256_unpacklo_epi32(h[0], h[1]), u1 = _mm256_unpacklo_epi32(h[2], h[3]);
+      const __m256i w0 = _mm256_unpacklo_epi64(u0, u1), w1 = _mm256_unpackhi_epi64(u0, u1);
+      const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w0, split), 0xD8);  // low | high
+      const __m256 dv = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+      const __m256 mv = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));  // Q5_1's m
+      const __m256i hv = WithMin ? w1 : _mm256_or_si256(_mm256_srli_epi32(w0, 16), _mm256_slli_epi32(w1, 16));
+      __m256i lo[4], hi[4];
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes + qs_at),
+                                              (const __m128i*)(base + p * row_bytes + qs_at));
+        const __m256i at = _mm256_set1_epi8((char)(4 * p));
+        const __m256i blo = _mm256_and_si256(_mm256_shuffle_epi8(hv, _mm256_add_epi8(spread_lo, at)), bit);
+        const __m256i bhi = _mm256_and_si256(_mm256_shuffle_epi8(hv, _mm256_add_epi8(spread_hi, at)), bit);
+        lo[p] = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_cmpeq_epi8(blo, bit), five));
+        hi[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                _mm256_and_si256(_mm256_cmpeq_epi8(bhi, bit), five));
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ8& y = a[r][b];
+        const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y.qs));
+        const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y.qs + 16)));
+        __m256i s[4];
+        for (int p = 0; p < 4; ++p)
+          s[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], ylo), _mm256_maddubs_epi16(hi[p], yhi)),
+                                   ones);
+        __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        if constexpr (!WithMin) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * y.sum));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum)));
+        if constexpr (WithMin)
+          mins[r] = _mm256_add_ps(mins[r], _mm256_mul_ps(mv, _mm256_set1_ps(y.d * (float)y.sum)));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, WithMin ? _mm256_add_ps(acc[r], mins[r]) : acc[r]);
+  }
+#endif
 };
 
 }  // namespace
