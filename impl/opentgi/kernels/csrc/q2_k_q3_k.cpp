@@ -4,7 +4,9 @@
 // int16's limit); Q2_K's minimum (sum_k m_k * bsum_k) and Q3_K's -4 offset (4 * sum_k sc_k *
 // bsum_k) are subtracted exactly from the bsums, so each superblock gives exact integer sums and
 // both paths add the same floats per superblock in superblock order: AVX2 and scalar agree bit for
-// bit, and a row's bits never depend on the other rows.
+// bit, and a row's bits never depend on the other rows. AVX2 computes eight outputs at once (one
+// float lane each) by exactly that arithmetic.
+#include <cstddef>
 #include <type_traits>
 
 #include "tiles.h"
@@ -26,11 +28,73 @@ static inline void q3_scales(const uint8_t* s, uint32_t* aux) {
   aux[1] = (aux[1] & m4) | (((tmp >> 2) & m2) << 4);
 }
 
+#ifdef OPENTGI_AVX2
+// q3_scales in one vector, no store and reload: the 16 six-bit scales 0..63 in bytes 0..15
+static inline __m128i q3_scales_v(const uint8_t* s) {
+  uint32_t tmp;
+  std::memcpy(&tmp, s + 8, 4);
+  const __m128i lo = _mm_srlv_epi32(_mm_shuffle_epi32(_mm_loadl_epi64((const __m128i*)s), 0x44), _mm_setr_epi32(0, 0, 4, 4));
+  const __m128i hi = _mm_srlv_epi32(_mm_set1_epi32((int)tmp), _mm_setr_epi32(0, 2, 4, 6));
+  return _mm_or_si128(_mm_and_si128(lo, _mm_set1_epi8(0x0F)), _mm_slli_epi32(_mm_and_si128(hi, _mm_set1_epi8(0x03)), 4));
+}
+
+// Sub-block order "split": the even sub-blocks' 8 int16 in the low lane, the odd ones' in the high
+// lane, so that values 32j .. 32j + 31 (sub-block 2j in the low lane, 2j + 1 in the high one) take
+// their multipliers by one in-lane shuffle (scale_pair). 16 bytes (int8) -> split int16:
+static inline __m256i split_bytes(__m128i v) {
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(v, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+}
+// the 16 bsums of an activation superblock, split (a dot product with split multipliers: the same
+// integer as in sub-block order)
+static inline __m256i split_bsums(const int16_t* bsums) {
+  const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)bsums),
+                                        _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  return _mm256_permute4x64_epi64(v, 0xD8);
+}
+// multipliers of values 32j .. 32j + 31: sub-block 2j's in the low lane, 2j + 1's in the high one
+static inline __m256i scale_pair(__m256i split, int j) {
+  return _mm256_shuffle_epi8(split, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+}
+
+// A superblock's multipliers (Q2_K: sc, Q3_K: sc - 32) and Q2_K's minima, split (int16).
+template <bool Q3>
+static inline void lowbit_scales(const uint8_t* blk, __m256i* sc, __m256i* mn) {
+  if constexpr (Q3) {
+    *sc = split_bytes(_mm_sub_epi8(q3_scales_v(((const BlockQ3_K*)blk)->scales), _mm_set1_epi8(32)));
+  } else {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)((const BlockQ2_K*)blk)->scales), m4 = _mm_set1_epi8(0x0F);
+    *sc = split_bytes(_mm_and_si128(raw, m4));
+    *mn = split_bytes(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+  }
+}
+
+// Q3_K's hmask (Q2_K: none)
+template <bool Q3>
+static inline __m256i load_hmask(const uint8_t* blk) {
+  if constexpr (Q3) return _mm256_loadu_si256((const __m256i*)((const BlockQ3_K*)blk)->hmask);
+  return _mm256_setzero_si256();
+}
+
+// values 32j .. 32j + 31 of the superblock (0..3, Q3_K 0..7): bits = qs[32h .. 32h + 31] for
+// j = 4h + t, hm the Q3_K hmask (its bit j moved to bit 2, the bit alone in its byte)
+template <bool Q3>
+static inline __m256i lowbit_values(__m256i bits, __m256i hm, int j) {
+  __m256i q = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * (j % 4)), _mm256_set1_epi8(0x03));
+  if constexpr (Q3) {
+    const __m256i hb = j <= 2 ? _mm256_slli_epi16(hm, 2 - j) : _mm256_srli_epi16(hm, j - 2);
+    q = _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x04)));
+  }
+  return q;
+}
+#endif
+
 template <bool Q3>
 struct TileLowBit {
+  using Block = std::conditional_t<Q3, BlockQ3_K, BlockQ2_K>;
+
   template <int R>
   static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
-    using Block = std::conditional_t<Q3, BlockQ3_K, BlockQ2_K>;
     const Block* w = (const Block*)wr;
     const ActQ8K* a[R];
     float acc[R], accm[R];
@@ -42,32 +106,16 @@ struct TileLowBit {
       const Block& x = w[b];
       const float d = fp16_to_fp32(x.d);
 #ifdef OPENTGI_AVX2
-      __m256i sc, mn;  // 16 int16: each sub-block's multiplier and (Q2_K) minimum
-      if constexpr (Q3) {
-        uint32_t aux[4];
-        q3_scales(x.scales, aux);
-        sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_loadu_si128((const __m128i*)aux), _mm_set1_epi8(32)));
-        mn = sc;
-      } else {
-        const __m128i raw = _mm_loadu_si128((const __m128i*)x.scales), m4 = _mm_set1_epi8(0x0F);
-        sc = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
-        mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
-      }
-      // scales of values 32c .. 32c + 31: sub-block 2c's in the low lane, 2c + 1's in the high one
-      const __m256i pick = _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
-                                           1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-      __m256i q[8], s[8];  // values 32c .. 32c + 31 of the superblock (0..3 or 0..7), their scales
-      const __m256i m3 = _mm256_set1_epi8(0x03), m1 = _mm256_set1_epi8(0x01);
-      __m256i hm = _mm256_setzero_si256();
-      if constexpr (Q3) hm = _mm256_loadu_si256((const __m256i*)x.hmask);
+      __m256i sc, mn;  // split: each sub-block's multiplier and (Q2_K) minimum
+      lowbit_scales<Q3>((const uint8_t*)&x, &sc, &mn);
+      if constexpr (Q3) mn = sc;
+      __m256i q[8], s[8];  // values 32j .. 32j + 31 of the superblock, their multipliers
+      const __m256i hm = load_hmask<Q3>((const uint8_t*)&x);
       for (int h = 0; h < 2; ++h) {
         const __m256i bits = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * h));
         for (int t = 0; t < 4; ++t) {
-          const int c = 4 * h + t;
-          q[c] = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * t), m3);
-          if constexpr (Q3)
-            q[c] = _mm256_or_si256(q[c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, c), m1), 2));
-          s[c] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(c)), pick);
+          q[4 * h + t] = lowbit_values<Q3>(bits, hm, 4 * h + t);
+          s[4 * h + t] = scale_pair(sc, 4 * h + t);
         }
       }
 #else
@@ -94,7 +142,7 @@ struct TileLowBit {
         const ActQ8K& y = a[r][b];
         int32_t total = 0, offset = 0;  // Q2_K: sum_k m_k * bsum_k; Q3_K: sum_k sc_k * bsum_k
 #ifdef OPENTGI_AVX2
-        offset = hsum_i32(_mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i*)y.bsums)));
+        offset = hsum_i32(_mm256_madd_epi16(mn, split_bsums(y.bsums)));
         __m256i sum = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
           const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * c)));
@@ -120,6 +168,73 @@ struct TileLowBit {
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = Q3 ? acc[r] : acc[r] - accm[r];
   }
+
+#ifdef OPENTGI_AVX2
+  // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
+  // by run<R>'s arithmetic (out[r * ldo + c]): each row's exact superblock total (Q3_K: with its
+  // -4 * offset, as run<R> subtracts it) and Q2_K's offset come out in column order (reduce8), then
+  // the same float products per superblock. int32 holds every partial sum: Q2_K |total| <= 16 * 15
+  // * 16 * 3 * 127 < 2^21, offset <= 16 * 15 * 2032 < 2^19; Q3_K |total| <= 16 * 32 * 16 * 7 * 127
+  // + 4 * 16 * 32 * 2032 < 2^24 (4 * bsum <= 8128 stays an int16).
+  static constexpr bool has_run8 = true;
+  template <int R>
+  static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                          float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ8K* a[R];
+    __m256 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = accm[r] = _mm256_setzero_ps();
+    }
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(Block);
+      prefetch_next8(wr, row_bytes, b, nb);
+      __m256i bs[R];  // the activation rows' bsums, split (Q3_K: times 4)
+      for (int r = 0; r < R; ++r) {
+        bs[r] = split_bsums(a[r][b].bsums);
+        if constexpr (Q3) bs[r] = _mm256_slli_epi16(bs[r], 2);
+      }
+      __m256i sums[R][8], offs[Q3 ? 1 : R][8];
+      for (int c = 0; c < 8; ++c) {
+        const Block& x = *(const Block*)(base + c * row_bytes);
+        __m256i sc, mn;
+        lowbit_scales<Q3>((const uint8_t*)&x, &sc, &mn);
+        if constexpr (!Q3)
+          for (int r = 0; r < R; ++r) offs[r][c] = _mm256_madd_epi16(mn, bs[r]);
+        const __m256i hm = load_hmask<Q3>((const uint8_t*)&x);
+        __m256i sum[R];
+        for (int r = 0; r < R; ++r) sum[r] = Q3 ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_madd_epi16(sc, bs[r]))
+                                                : _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bits = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * h));
+          for (int t = 0; t < 4; ++t) {
+            const int j = 4 * h + t;
+            const __m256i q = lowbit_values<Q3>(bits, hm, j), s = scale_pair(sc, j);
+            for (int r = 0; r < R; ++r) {
+              const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(a[r][b].qs + 32 * j)));
+              sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, s));
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) sums[r][c] = sum[r];
+      }
+      const __m256 d = fp16_8(base + offsetof(Block, d), row_bytes);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
+        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, _mm256_cvtepi32_ps(reduce8(sums[r]))));
+      }
+      if constexpr (!Q3) {
+        const __m256 dmin = fp16_8(base + offsetof(BlockQ2_K, dmin), row_bytes);
+        for (int r = 0; r < R; ++r) {
+          const __m256 dy = _mm256_mul_ps(dmin, _mm256_set1_ps(a[r][b].d));
+          accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(dy, _mm256_cvtepi32_ps(reduce8(offs[r]))));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, Q3 ? acc[r] : _mm256_sub_ps(acc[r], accm[r]));
+  }
+#endif
 };
 
 }  // namespace
