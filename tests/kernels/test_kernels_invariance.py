@@ -44,3 +44,19 @@ def test_the_thread_count_never_changes_a_bit(kernels, qtype):
                 assert torch.equal(native.gguf_mm(x, raw, int(qtype), 200, isa), one), (isa, count)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_one_or_two_rows_read_in_memory_order_keep_their_bits(kernels, passes):
+    """One or two rows read Q6_K weights in memory order, in runs of superblocks (csrc/tiles.h
+    in_memory_order8): at K = 18432 (72 superblocks: one run, or for 16-bit activations' byte
+    halves a run and a short one) a row alone or in a pair has the bits it has in a tile of four,
+    on every path; every other type too."""
+    for qtype in TYPES:
+        raw = torch.from_numpy(random_blocks(qtype, 12, 18432, seed=15))
+        x = rows(6, 18432, seed=16)
+        for isa in native.supported_isas():
+            whole = native.gguf_mm(x, raw, int(qtype), 12, isa, passes=passes)
+            for start, count in ((0, 1), (5, 1), (1, 2), (4, 2)):
+                part = native.gguf_mm(x[start:start + count], raw, int(qtype), 12, isa, passes=passes)
+                assert torch.equal(part, whole[start:start + count]), (qtype.name, isa, start, count)

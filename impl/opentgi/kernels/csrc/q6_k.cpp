@@ -11,12 +11,12 @@ namespace opentgi {
 namespace {
 
 #ifdef OPENTGI_AVX2
-// sums[i][c]: eight int32 lanes whose total is weight row c's exact superblock sum (its -32 offset
-// folded in by the sums per 16, bs[i]) against the 256 activation bytes ys[i] (ActQ8K's order), for
-// the eight superblocks at base + c * row_bytes; each row's 6-bit values unpacked once for all N.
+// sums[i][c]: eight int32 lanes whose total is the exact superblock sum of weight row c (at x, its
+// -32 offset folded in by the sums per 16, bs[i]) against the 256 activation bytes ys[i] (ActQ8K's
+// order); the row's 6-bit values unpacked once for all N.
 template <int N>
-static inline void q6k_dots8(const uint8_t* base, size_t row_bytes, const int8_t* const* ys,
-                             const int16_t* const* bs, __m256i (*sums)[8]) {
+static inline void q6k_dots1(const BlockQ6_K& x, const int8_t* const* ys, const int16_t* const* bs,
+                             __m256i (*sums)[8], int c) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   // scale 2k in the low half, 2k + 1 in the high half, from int16 scales 0..7 (or 8..15) in both
   const __m256i pick[4] = {
@@ -24,36 +24,40 @@ static inline void q6k_dots8(const uint8_t* base, size_t row_bytes, const int8_t
       _mm256_set_m128i(_mm_set1_epi16(0x0706), _mm_set1_epi16(0x0504)),
       _mm256_set_m128i(_mm_set1_epi16(0x0B0A), _mm_set1_epi16(0x0908)),
       _mm256_set_m128i(_mm_set1_epi16(0x0F0E), _mm_set1_epi16(0x0D0C))};
-  for (int c = 0; c < 8; ++c) {
-    const BlockQ6_K& x = *(const BlockQ6_K*)(base + c * row_bytes);
-    __m256i q[8];  // values 32k .. 32k + 31 of the superblock, 0..63
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
-      const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
-      const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
-      // the 2-bit pairs of qh moved to bits 4-5 (shifts within 16-bit lanes; the mask drops what
-      // crosses a byte)
-      q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-      q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
-      q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
-      q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
-                                     _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
-    }
-    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));  // 0..7 | 8..15
-    const __m256i lo = _mm256_permute4x64_epi64(s16, 0x44), hi = _mm256_permute4x64_epi64(s16, 0xEE);
-    __m256i sc[8];
-    for (int k = 0; k < 8; ++k) sc[k] = _mm256_shuffle_epi8(k < 4 ? lo : hi, pick[k % 4]);
-    for (int i = 0; i < N; ++i) {
-      __m256i sum = _mm256_setzero_si256();
-      for (int k = 0; k < 8; ++k) {
-        const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(ys[i] + 32 * k)));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[k]));
-      }
-      // - 32 * sum_k sc_k * bsum_k
-      const __m256i offset = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)bs[i]));
-      sums[i][c] = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
-    }
+  __m256i q[8];  // values 32k .. 32k + 31 of the superblock, 0..63
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
+    const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
+    // the 2-bit pairs of qh moved to bits 4-5 (shifts within 16-bit lanes; the mask drops what
+    // crosses a byte)
+    q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+    q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+    q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
+    q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
   }
+  const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));  // 0..7 | 8..15
+  const __m256i lo = _mm256_permute4x64_epi64(s16, 0x44), hi = _mm256_permute4x64_epi64(s16, 0xEE);
+  __m256i sc[8];
+  for (int k = 0; k < 8; ++k) sc[k] = _mm256_shuffle_epi8(k < 4 ? lo : hi, pick[k % 4]);
+  for (int i = 0; i < N; ++i) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(ys[i] + 32 * k)));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[k]));
+    }
+    // - 32 * sum_k sc_k * bsum_k
+    const __m256i offset = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)bs[i]));
+    sums[i][c] = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
+  }
+}
+
+// q6k_dots1 for the eight superblocks at base + c * row_bytes
+template <int N>
+static inline void q6k_dots8(const uint8_t* base, size_t row_bytes, const int8_t* const* ys,
+                             const int16_t* const* bs, __m256i (*sums)[8]) {
+  for (int c = 0; c < 8; ++c) q6k_dots1<N>(*(const BlockQ6_K*)(base + c * row_bytes), ys, bs, sums, c);
 }
 #endif
 
@@ -143,21 +147,36 @@ struct TileQ6K {
       a[r] = (const ActQ8K*)(act + r * stride);
       acc[r] = _mm256_setzero_ps();
     }
-    for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
-      prefetch_next8(wr, row_bytes, b, nb);
-      const __m256 d = fp16_8(base + offsetof(BlockQ6_K, d), row_bytes);
-      const int8_t* ys[R];
-      const int16_t* bs[R];
-      for (int r = 0; r < R; ++r) {
-        ys[r] = a[r][b].qs;
-        bs[r] = a[r][b].bsums;
-      }
-      __m256i sums[R][8];
-      q6k_dots8<R>(base, row_bytes, ys, bs, sums);
+    auto finish = [&](int b, __m256i (*sums)[8]) {
+      const __m256 d = fp16_8(wr + (size_t)b * sizeof(BlockQ6_K) + offsetof(BlockQ6_K, d), row_bytes);
       for (int r = 0; r < R; ++r) {
         const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, _mm256_cvtepi32_ps(reduce8(sums[r]))));
+      }
+    };
+    if constexpr (R <= 2) {
+      in_memory_order8<R>(wr, row_bytes, sizeof(BlockQ6_K), nb, [&](const uint8_t* x, int b, __m256i (*sums)[8], int c) {
+        const int8_t* ys[R];
+        const int16_t* bs[R];
+        for (int r = 0; r < R; ++r) {
+          ys[r] = a[r][b].qs;
+          bs[r] = a[r][b].bsums;
+        }
+        q6k_dots1<R>(*(const BlockQ6_K*)x, ys, bs, sums, c);
+      }, finish);
+    } else {
+      for (int b = 0; b < nb; ++b) {
+        const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
+        prefetch_next8(wr, row_bytes, b, nb);
+        const int8_t* ys[R];
+        const int16_t* bs[R];
+        for (int r = 0; r < R; ++r) {
+          ys[r] = a[r][b].qs;
+          bs[r] = a[r][b].bsums;
+        }
+        __m256i sums[R][8];
+        q6k_dots8<R>(base, row_bytes, ys, bs, sums);
+        finish(b, sums);
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
@@ -277,10 +296,7 @@ struct TileQ6KWide {
       a[r] = (const ActQ16K*)(act + r * stride);
       acc[r] = _mm256_setzero_ps();
     }
-    for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
-      prefetch_next8(wr, row_bytes, b, nb);
-      const __m256 d = fp16_8(base + offsetof(BlockQ6_K, d), row_bytes);
+    in_memory_order8<2 * R>(wr, row_bytes, sizeof(BlockQ6_K), nb, [&](const uint8_t* x, int b, __m256i (*sums)[8], int c) {
       const int8_t* ys[2 * R];  // row r's high bytes at 2r, low bytes at 2r + 1
       const int16_t* bs[2 * R];
       for (int r = 0; r < R; ++r) {
@@ -290,13 +306,14 @@ struct TileQ6KWide {
         bs[2 * r] = yb.bsums_hi;
         bs[2 * r + 1] = yb.bsums_lo;
       }
-      __m256i sums[2 * R][8];
-      q6k_dots8<2 * R>(base, row_bytes, ys, bs, sums);
+      q6k_dots1<2 * R>(*(const BlockQ6_K*)x, ys, bs, sums, c);
+    }, [&](int b, __m256i (*sums)[8]) {
+      const __m256 d = fp16_8(wr + (size_t)b * sizeof(BlockQ6_K) + offsetof(BlockQ6_K, d), row_bytes);
       for (int r = 0; r < R; ++r) {
         const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, exact_combine8(reduce8(sums[2 * r]), reduce8(sums[2 * r + 1]))));
       }
-    }
+    });
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
   }
 #endif

@@ -134,6 +134,36 @@ static inline void prefetch_next8(const uint8_t* rows8, size_t row_bytes, int b,
   for (int i = 0; i < per_block; ++i) _mm_prefetch((const char*)next + 64 * (b * per_block + i), _MM_HINT_T0);
 }
 
+// One or two activation rows pass over each weight once, so their eight-output forms are bound by
+// how fast the weights arrive: in_memory_order8 reads the eight rows in memory order (row c's
+// superblocks one after another, then row c + 1's: a stream the hardware prefetcher follows, with
+// a software prefetch PREFETCH_AHEAD bytes ahead) instead of superblock by superblock across the
+// rows. dots(x, b, sums, c) sets sums[i][c], the exact int32 lanes of weight row c's superblock b
+// (at x) against activation stream i < N; once the eight rows of a run of superblocks are done,
+// finish(b, sums) takes superblock b's lanes, in superblock order. The integers are the same
+// whatever the order they were formed in, and finish does the float arithmetic of the
+// superblock-by-superblock form in the same order: the same bits.
+constexpr int PREFETCH_AHEAD = 2048;
+template <int N, class Dots, class Finish>
+static inline void in_memory_order8(const uint8_t* rows8, size_t row_bytes, size_t block_bytes, int nb, Dots dots,
+                                    Finish finish) {
+  constexpr int RUN = 128 / N;  // superblocks a run (32 KB of lanes): whole rows up to K = 32768 / N
+  alignas(32) __m256i sums[RUN][N][8];
+  const int lines = (int)((block_bytes + 63) / 64);
+  for (int b0 = 0; b0 < nb; b0 += RUN) {
+    const int b1 = b0 + RUN < nb ? b0 + RUN : nb;
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* row = rows8 + c * row_bytes;
+      for (int b = b0; b < b1; ++b) {
+        const uint8_t* x = row + (size_t)b * block_bytes;
+        for (int l = 0; l < lines; ++l) _mm_prefetch((const char*)x + PREFETCH_AHEAD + 64 * l, _MM_HINT_T0);
+        dots(x, b, sums[b - b0], c);
+      }
+    }
+    for (int b = b0; b < b1; ++b) finish(b, sums[b - b0]);
+  }
+}
+
 // Eight rows' float16 scale (at p + c * row_bytes) as 8 floats, row c in lane c.
 static inline __m256 fp16_8(const uint8_t* p, size_t row_bytes) {
   uint16_t d[8];
