@@ -2,7 +2,9 @@
 // integer sums per superblock (the -32 offset taken as 32 * sum_k sc_k * bsum_k), one float added
 // per superblock in order, so AVX2 and scalar agree bit for bit; AVX2 computes eight outputs at once
 // (one float lane each) by exactly that arithmetic. The wide form (TileQ6KWide) takes 16-bit
-// activations the same way.
+// activations the same way. One or two rows read the eight weight rows in memory order
+// (in_memory_order8): Q6_K's unpacking keeps the cores busy enough that the interleaved order's
+// waits on memory showed; the lighter formats keep that order.
 #include <cstddef>
 
 #include "tiles.h"
@@ -134,7 +136,8 @@ struct TileQ6K {
 #ifdef OPENTGI_AVX2
   // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
   // by run<R>'s arithmetic (out[r * ldo + c]): each row's superblock total (its offset term folded
-  // in, exact) comes out in column order (reduce8), then the same float product per superblock.
+  // in, exact) comes out in column order (reduce8), then the same float product per superblock;
+  // one or two rows form the totals in memory order first (in_memory_order8), the same integers.
   // int32 holds it: |sum_k sc_k * dot_k| <= 16 * 128 * 16 * 63 * 127 < 2^28, |32 * offset| < 2^28.
   static constexpr bool has_run8 = true;
   template <int R>
@@ -285,7 +288,8 @@ struct TileQ6KWide {
   // One or two rows: the weights' 6-bit values against the activations' byte halves (hi, lo) as the
   // 8-bit kernel multiplies them (the -32 offset by the halves' sums per 16), each half's total
   // exact in int32 (< 2^29, as TileQ6K's), the superblock's total 128 * hi + lo exact until rounded
-  // once (exact_combine8): the same integer, so the same bits, as the int16 form.
+  // once (exact_combine8): the same integer, so the same bits, as the int16 form. The weights are
+  // read in memory order (in_memory_order8).
   template <int R>
   static inline void run8_bytes(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                                 float* out, int ldo) {
