@@ -92,7 +92,7 @@ struct Tile32 {
     for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
     __m256 acc[R], mins[R];
     for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
     // the next eight rows follow these eight: a few of their cache lines a block, so they are in
     // L1 when their turn comes
     const uint8_t* next = wr + 8 * row_bytes;
@@ -118,13 +118,7 @@ struct Tile32 {
       }
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
-        const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y.qs));
-        const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y.qs + 16)));
-        __m256i s[4];
-        for (int p = 0; p < 4; ++p)
-          s[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], ylo), _mm256_maddubs_epi16(hi[p], yhi)),
-                                   ones);
-        __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        __m256i sum = pair_sums8(lo, hi, y.qs);
         if constexpr (Kind == 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * y.sum));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum)));
         if constexpr (Kind == 1)

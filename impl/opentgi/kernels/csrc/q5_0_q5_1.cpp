@@ -116,7 +116,7 @@ struct TileQ5 {
       a[r] = (const ActQ8*)(act + r * stride);
       acc[r] = mins[r] = _mm256_setzero_ps();
     }
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), five = _mm256_set1_epi8(0x10);
+    const __m256i mask = _mm256_set1_epi8(0x0F), five = _mm256_set1_epi8(0x10);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // byte j: bit j % 8
     // bytes 0..7 of a half from qh byte 0 (values 0..7), 8..15 from byte 1; the high nibbles' from 2, 3
     const __m256i spread_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -152,13 +152,7 @@ struct TileQ5 {
       }
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
-        const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y.qs));
-        const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y.qs + 16)));
-        __m256i s[4];
-        for (int p = 0; p < 4; ++p)
-          s[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], ylo), _mm256_maddubs_epi16(hi[p], yhi)),
-                                   ones);
-        __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        __m256i sum = pair_sums8(lo, hi, y.qs);
         if constexpr (!WithMin) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * y.sum));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum)));
         if constexpr (WithMin)

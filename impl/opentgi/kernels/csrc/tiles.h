@@ -126,6 +126,19 @@ static inline __m256i reduce8(const __m256i* s) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+// Eight rows' block sums against one 32-value activation block y, row c in lane c: rows p and p + 4
+// share lo[p] (their values 0..15 as unsigned bytes, row p in the low half) and hi[p] (values
+// 16..31); pairs of products stay in int16 (the caller bounds them), then two rounds of hadd.
+static inline __m256i pair_sums8(const __m256i* lo, const __m256i* hi, const int8_t* y) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y));
+  const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y + 16)));
+  __m256i s[4];
+  for (int p = 0; p < 4; ++p)
+    s[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], ylo), _mm256_maddubs_epi16(hi[p], yhi)), ones);
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+}
+
 // The next eight weight rows follow eight being computed: a few of their cache lines a block (of nb
 // in a row), so they are in L1 when their turn comes.
 static inline void prefetch_next8(const uint8_t* rows8, size_t row_bytes, int b, int nb) {
