@@ -284,11 +284,12 @@ class NativeDecodeStack:
             return None
         window = self.window0 if self.window0 is not None and self.window0 < meta.max_seqlen_k else None
         group = self.num_heads // self.num_kv_heads
-        key = ("native", window, h.dtype, group)  # the plan the first layer's attention would make
+        # the plan the first layer's attention would make, in the hidden rows' dtype (h may be ids)
+        key = ("native", window, self.dtype, group)
         plan = meta.scratch.get(key)
         if plan is None:
             backend = self.backend
-            plan = meta.scratch[key] = make_plan(meta, kv_caches[0][0].shape[1], window, h.dtype, group,
+            plan = meta.scratch[key] = make_plan(meta, kv_caches[0][0].shape[1], window, self.dtype, group,
                                                  backend.batch_invariant, backend.prompt_form, native=True)
         rows = plan.native
         if rows is None or not rows.in_order:
