@@ -216,19 +216,12 @@ struct TileIQ4XS {
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_XS);
       prefetch_next8(wr, row_bytes, b, nb);
-      // words 0 (d | scales_h << 16) and 1 (scales_l) of every row, row c in lane c (rows p and
-      // p + 4 loaded together, then transposed as in kquant_headers8)
-      __m256i h[4];
-      for (int p = 0; p < 4; ++p)
-        h[p] = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes), (const __m128i*)(base + p * row_bytes));
-      const __m256i u = _mm256_unpacklo_epi32(h[0], h[1]), v = _mm256_unpacklo_epi32(h[2], h[3]);
-      const __m256i w0 = _mm256_unpacklo_epi64(u, v), sl = _mm256_unpackhi_epi64(u, v);
-      const __m256i sh = _mm256_srli_epi32(w0, 16);
-      const __m256i dpack = _mm256_permute4x64_epi64(
-          _mm256_shuffle_epi8(w0, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                   0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1)),
-          0x08);
-      const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(dpack));
+      // words 0 (d | scales_h << 16) and 1 (scales_l) of every row, row c in lane c
+      __m256i w[4];
+      header_words8(base, row_bytes, w);
+      const __m256i sl = w[1], sh = _mm256_srli_epi32(w[0], 16);
+      __m256 d, unused;
+      fp16_halves8(w[0], &d, &unused);
       __m256i s[R][4];
       for (int r = 0; r < R; ++r)
         for (int p = 0; p < 4; ++p) s[r][p] = _mm256_setzero_si256();

@@ -10,21 +10,6 @@
 namespace opentgi {
 namespace {
 
-#ifdef OPENTGI_AVX2
-// Q4_1: eight rows' d and m (side by side, one 32-bit word a row at base + c * row_bytes), row c
-// in lane c
-static inline void dm8(const uint8_t* base, size_t row_bytes, __m256* dv, __m256* mv) {
-  int32_t dm[8];
-  for (int c = 0; c < 8; ++c) std::memcpy(&dm[c], base + c * row_bytes, 4);
-  __m256i v = _mm256_loadu_si256((const __m256i*)dm);
-  v = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                               0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
-  v = _mm256_permute4x64_epi64(v, 0xD8);  // d0..d7, m0..m7
-  *dv = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
-  *mv = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
-}
-#endif
-
 template <class Block, int Kind>  // Kind: 0 Q4_0, 1 Q4_1, 2 Q8_0
 struct Tile32 {
   template <int R>
@@ -102,7 +87,9 @@ struct Tile32 {
       for (int i = 0; i < per_block; ++i) _mm_prefetch((const char*)next + 64 * (b * per_block + i), _MM_HINT_T0);
       __m256 dv, mv;
       if constexpr (Kind == 1) {
-        dm8(base, row_bytes, &dv, &mv);
+        __m256i w[4];  // d and m side by side: word 0 of every row
+        header_words8(base, row_bytes, w);
+        fp16_halves8(w[0], &dv, &mv);
       } else {
         uint16_t d[8];
         for (int c = 0; c < 8; ++c) std::memcpy(&d[c], base + c * row_bytes, 2);
@@ -223,7 +210,9 @@ struct Tile32Wide {
       prefetch_next8(wr, row_bytes, b, nb);
       __m256 dv, mv;
       if constexpr (Kind == 1) {
-        dm8(base, row_bytes, &dv, &mv);
+        __m256i w[4];  // d and m side by side: word 0 of every row
+        header_words8(base, row_bytes, w);
+        fp16_halves8(w[0], &dv, &mv);
       } else {
         dv = mv = fp16_8(base, row_bytes);
       }

@@ -122,22 +122,16 @@ struct TileQ5 {
     const __m256i spread_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m256i spread_hi = _mm256_add_epi8(spread_lo, _mm256_set1_epi8(2));
-    // a 32-bit word's low 16 bits to the first 8 bytes of each half, its high 16 to the last 8
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
       prefetch_next8(wr, row_bytes, b, nb);
       // the first 16 bytes of rows p (low half) and p + 4 (high half), transposed: words 0 and 1 of
       // row c in int32 lane c (d | m, qh for Q5_1; d | qh's low half, qh's high half | qs for Q5_0)
-      __m256i h[4];
-      for (int p = 0; p < 4; ++p)
-        h[p] = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes), (const __m128i*)(base + p * row_bytes));
-      const __m256i u0 = _mm256_unpacklo_epi32(h[0], h[1]), u1 = _mm256_unpacklo_epi32(h[2], h[3]);
-      const __m256i w0 = _mm256_unpacklo_epi64(u0, u1), w1 = _mm256_unpackhi_epi64(u0, u1);
-      const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w0, split), 0xD8);  // low | high
-      const __m256 dv = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-      const __m256 mv = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));  // Q5_1's m
+      __m256i w[4];
+      header_words8(base, row_bytes, w);
+      const __m256i w0 = w[0], w1 = w[1];
+      __m256 dv, mv;  // mv: Q5_1's m
+      fp16_halves8(w0, &dv, &mv);
       const __m256i hv = WithMin ? w1 : _mm256_or_si256(_mm256_srli_epi32(w0, 16), _mm256_slli_epi32(w1, 16));
       __m256i lo[4], hi[4];
       for (int p = 0; p < 4; ++p) {

@@ -184,26 +184,40 @@ static inline __m256 fp16_8(const uint8_t* p, size_t row_bytes) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
 }
 
+// The first 16 bytes of eight rows (at base + c * row_bytes) transposed: w[k] holds word k (bytes
+// 4k .. 4k + 3) of row c in int32 lane c (rows p and p + 4 loaded together, then unpacked).
+static inline void header_words8(const uint8_t* base, size_t row_bytes, __m256i* w) {
+  __m256i h[4];
+  for (int p = 0; p < 4; ++p)
+    h[p] = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes), (const __m128i*)(base + p * row_bytes));
+  const __m256i a = _mm256_unpacklo_epi32(h[0], h[1]), b = _mm256_unpackhi_epi32(h[0], h[1]);
+  const __m256i c = _mm256_unpacklo_epi32(h[2], h[3]), e = _mm256_unpackhi_epi32(h[2], h[3]);
+  w[0] = _mm256_unpacklo_epi64(a, c);
+  w[1] = _mm256_unpackhi_epi64(a, c);
+  w[2] = _mm256_unpacklo_epi64(b, e);
+  w[3] = _mm256_unpackhi_epi64(b, e);
+}
+
+// The low and high float16 halves of eight int32 lanes (a header word, row c in lane c) as floats.
+static inline void fp16_halves8(__m256i w, __m256* lo, __m256* hi) {
+  const __m256i v = _mm256_permute4x64_epi64(
+      _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
+      0xD8);  // lows of lanes 0..7 | highs
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+}
+
 // The headers of eight Q4_K / Q5_K superblocks (d, dmin, then the 12 bytes of 6-bit scales and
 // mins, at base + c * row_bytes), unpacked as scales_mins does, eight rows at once: d and dmin of
 // row c in float lane c; sc16[16 * (c % 4) + 8 * (c / 4) + j] = scale j of row c; mins[k] holds the
 // mins of rows k (low half) and k + 4 (high half) as 8 int16 each.
 static inline void kquant_headers8(const uint8_t* base, size_t row_bytes, __m256* d, __m256* dmin, int16_t* sc16,
                                    __m256i* mins) {
-  __m256i h[4];  // rows p and p + 4: words d|dmin, scales 0-3, 4-7, 8-11
-  for (int p = 0; p < 4; ++p)
-    h[p] = _mm256_loadu2_m128i((const __m128i*)(base + (p + 4) * row_bytes), (const __m128i*)(base + p * row_bytes));
-  const __m256i a = _mm256_unpacklo_epi32(h[0], h[1]), b = _mm256_unpackhi_epi32(h[0], h[1]);
-  const __m256i c = _mm256_unpacklo_epi32(h[2], h[3]), e = _mm256_unpackhi_epi32(h[2], h[3]);
-  // word w of every row, row c in lane c
-  const __m256i w0 = _mm256_unpacklo_epi64(a, c), u0 = _mm256_unpackhi_epi64(a, c);
-  const __m256i u1 = _mm256_unpacklo_epi64(b, e), u2 = _mm256_unpackhi_epi64(b, e);
-  const __m256i v = _mm256_permute4x64_epi64(
-      _mm256_shuffle_epi8(w0, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                               0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)),
-      0xD8);
-  *d = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
-  *dmin = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+  __m256i w[4];  // words d|dmin, scales 0-3, 4-7, 8-11 of every row
+  header_words8(base, row_bytes, w);
+  fp16_halves8(w[0], d, dmin);
+  const __m256i u0 = w[1], u1 = w[2], u2 = w[3];
   // get_scale_min_k4 on 32-bit words (ggml's kmask form): 4 scales or 4 mins a word
   const __m256i k1 = _mm256_set1_epi32(0x3F3F3F3F), k2 = _mm256_set1_epi32(0x0F0F0F0F),
                 k3 = _mm256_set1_epi32(0x03030303);
