@@ -77,14 +77,24 @@ def _metric(url: str, name: str) -> float:
     return float(match.group(1))
 
 
-def _wait(condition, timeout_s: float, what: str):
+def _wait(condition, timeout_s: float, what: str, shown=None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f"; {shown()}" if shown else ""))
+
+
+def _state(driver, server: str, reply) -> str:
+    """What a failed wait reports: the reply's text, whether the page holds the key, and the engine's
+    decode steps and failed requests, so a flaky run says which side stalled."""
+    key_kept = driver.execute_script(f"return sessionStorage.getItem('opentgi-api-key') === '{KEY}'")
+    metrics = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    engine = [line for line in metrics.splitlines()
+              if line.startswith((DECODE_STEPS, "tgi_request_failure", "tgi_batch_current_size"))]
+    return f"the reply ends {reply.text[-300:]!r}, key kept: {key_kept}, engine: {engine}"
 
 
 def _set(driver, element_id: str, value: str) -> None:
@@ -114,8 +124,9 @@ def test_chat_page_streams_stops_and_fits_a_phone(browser, server):
     alert.accept()
 
     reply = browser.find_elements("css selector", ".msg.assistant")[-1]
-    first = _wait(lambda: reply.text, 30, "streamed text")
-    _wait(lambda: len(reply.text) > len(first), 30, "more streamed text")
+    shown = lambda: _state(browser, server, reply)  # noqa: E731
+    first = _wait(lambda: reply.text, 30, "streamed text", shown)
+    _wait(lambda: len(reply.text) > len(first), 30, "more streamed text", shown)
     assert "streaming" in reply.get_attribute("class")  # still generating when Stop is pressed
     browser.find_element("id", "stop").click()
     _wait(lambda: "(stopped)" in reply.text, 10, "the reply marked as stopped")

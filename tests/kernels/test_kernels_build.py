@@ -133,3 +133,14 @@ def test_two_processes_starting_at_once_compile_once(monkeypatch, tmp_path):
         caller.join()
     assert len(links) == 1
     assert sorted(r.cached for r in results) == [False, True] and results[0].path == results[1].path
+
+
+def test_compile_jobs_report_the_first_error_and_never_stall_on_output():
+    """`_run_all`: a job printing more than a pipe holds still finishes; a failing one raises
+    BuildError with its first error line, naming the source."""
+    chatty = ["sh", "-c", "head -c 300000 /dev/zero | tr '\\0' x; exit 0", "big.cpp", "-o", "big.o"]
+    build._run_all([chatty, ["true"], ["true"]], 2)
+    failing = ["sh", "-c", "echo 'note: context'; echo 'bad.cpp:3:1: error: expected ;'; exit 1", "bad.cpp",
+               "-o", "bad.o"]
+    with pytest.raises(build.BuildError, match=r"sh failed on bad.cpp: bad.cpp:3:1: error: expected ;"):
+        build._run_all([["true"], failing, chatty], 2)

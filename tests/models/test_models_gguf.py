@@ -184,9 +184,29 @@ def test_dequantize_serves_every_layer_dense(tiny_gguf, gguf_cache):
 
 
 @pytest.mark.slow  # the ci tier: a long run
+def test_the_tokenizer_is_the_one_transformers_gguf_import_builds(tiny_gguf, monkeypatch):
+    """The token lists read by our header reader and handed to transformers' converter give the
+    backend transformers' own GGUF import builds (the fallback, taken here by making the fast path
+    fail), with the file's specials on top either way."""
+    from opentgi.models.checkpoints import gguf_tokenizer
+
+    fast = gguf_tokenizer.load_gguf_tokenizer(tiny_gguf)
+
+    def refuse(path):
+        raise KeyError("a converter input this file lacks")
+
+    monkeypatch.setattr(gguf_tokenizer, "_converted", refuse)
+    imported = gguf_tokenizer.load_gguf_tokenizer(tiny_gguf)
+    assert fast.backend_tokenizer.to_str() == imported.backend_tokenizer.to_str()
+    assert fast.special_tokens_map == imported.special_tokens_map
+    text = "Hello wörld <|im_start|>user\n 123  \t😀<|im_end|>"
+    assert fast(text)["input_ids"] == imported(text)["input_ids"]
+    assert fast.decode(fast(text)["input_ids"]) == text
+
+
 def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
-    """gguf_header.py's one-pass reader: the same scalar metadata, array lengths and tensor bytes
-    as gguf-py's GGUFReader."""
+    """gguf_header.py's one-pass reader: the same scalar metadata, arrays and tensor bytes as
+    gguf-py's GGUFReader."""
     import gguf
     import numpy as np
 
@@ -196,6 +216,7 @@ def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
     for key, field in reader.fields.items():
         if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
             assert header.array_lengths[key] == len(field.data), key
+            assert header.array(key) == field.contents(), key
         elif not key.startswith("GGUF."):
             assert header.fields[key] == field.contents(), key
     assert set(header.tensors) == {t.name for t in reader.tensors}

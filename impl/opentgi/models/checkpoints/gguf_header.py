@@ -83,6 +83,7 @@ class GGUFHeader:
         self.path = Path(path)
         self.fields: dict[str, object] = {}
         self.array_lengths: dict[str, int] = {}
+        self._arrays: dict[str, tuple[int, int, int]] = {}  # key -> (item type, count, offset of the first)
         self.tensors: dict[str, GGUFTensor] = {}
         with open(self.path, "rb") as handle:
             head = handle.read(24)
@@ -100,6 +101,7 @@ class GGUFHeader:
             if value_type == _ARRAY:
                 (item_type, count), pos = struct.unpack_from("<IQ", buf, pos), pos + 12
                 self.array_lengths[key] = count
+                self._arrays[key] = (item_type, count, pos)
                 pos = self._skip_array(buf, pos, item_type, count)
             else:
                 self.fields[key], pos = self._value(buf, pos, value_type)
@@ -122,10 +124,10 @@ class GGUFHeader:
             self.tensors[name] = GGUFTensor(name, qtype, dims, self._tensor_data(data_start + offset, dims, qtype))
 
     @staticmethod
-    def _string(buf, pos: int) -> tuple[str, int]:
+    def _string(buf, pos: int, errors: str = "replace") -> tuple[str, int]:
         (length,) = struct.unpack_from("<Q", buf, pos)
         start = pos + 8
-        return bytes(buf[start:start + length]).decode("utf-8", errors="replace"), start + length
+        return bytes(buf[start:start + length]).decode("utf-8", errors=errors), start + length
 
     def _value(self, buf, pos: int, value_type: int) -> tuple[object, int]:
         if value_type == _STRING:
@@ -145,6 +147,23 @@ class GGUFHeader:
         if item_type == _ARRAY:
             raise ValueError("GGUF arrays of arrays are not read")
         return pos + count * struct.calcsize(_SCALARS[item_type])
+
+    def array(self, key: str) -> list:
+        """The elements of the metadata array `key` as Python values (str, int, float or bool),
+        read straight from the map: a 49k-token vocabulary in tens of milliseconds."""
+        item_type, count, pos = self._arrays[key]
+        if item_type == _STRING:
+            buf, out = memoryview(self._map), []
+            try:
+                for _ in range(count):
+                    text, pos = self._string(buf, pos, errors="strict")
+                    out.append(text)
+            finally:
+                buf.release()
+            return out
+        fmt = _SCALARS[item_type]
+        values = np.frombuffer(self._map, dtype=np.dtype(fmt), count=count, offset=pos).tolist()
+        return [bool(v) for v in values] if item_type == 7 else values
 
     def _tensor_data(self, start: int, dims: tuple[int, ...], qtype: GGMLQuantizationType) -> np.ndarray:
         """A view of the tensor's data (its extent checked by `_check_extents`)."""

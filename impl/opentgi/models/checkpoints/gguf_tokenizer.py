@@ -6,9 +6,12 @@ prepends it to every encoding, although the file says bos = `<|im_start|>` (1), 
 (2), pad = `<|im_end|>`, unk = `<|endoftext|>` (0) and `add_bos_token = False`. We rebuild the
 tokenizer from the file's own metadata so it encodes exactly like the original Hugging Face one.
 
-Building it reads the file's token lists through transformers (seconds for a 49k vocabulary), so
-the result is kept as a small tokenizer folder in the cache directory, keyed by the file's path,
-size and modification time; later starts load that folder.
+The token lists are read by our own header reader (gguf_header.py) and handed to transformers'
+GGUF converter, the same code its GGUF import runs, so the backend is the one that import builds;
+the import itself reads them through gguf-py, an object per element, 10-15 s for a 49k vocabulary
+(it remains the fallback should the converter's inputs change shape). The result is still kept as
+a small tokenizer folder in the cache directory, keyed by the file's path, size and modification
+time; later starts load that folder.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+
+from opentgi.models.checkpoints.gguf_header import GGUFHeader
 
 _SPECIAL_KEYS = {
     "bos_token": "tokenizer.ggml.bos_token_id",
@@ -77,6 +82,44 @@ def cached_gguf_tokenizer(path: str | Path, cache_root: Path, meta: dict[str, ob
     return tokenizer
 
 
+def _model_type(header: GGUFHeader) -> str:
+    """The model type transformers' GGUF import gives the file (load_gguf_checkpoint's renames)."""
+    arch = str(header.fields["general.architecture"])
+    if "llama" in arch and "mistral" in str(header.fields.get("general.name", "")):
+        return "mistral"
+    return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
+
+
+def _converted(path: Path):
+    """transformers' tokenizer for the file, as `AutoTokenizer.from_pretrained(gguf_file=...)` builds
+    it (its converter, its tokenizer class, the file's tokenizer metadata renamed by its own table),
+    from lists our header reader reads."""
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    header = GGUFHeader(path)
+    try:
+        parsed: dict[str, dict] = {"tokenizer": {}, "tokenizer_config": {}}
+        for key in [*header.fields, *header.array_lengths]:
+            prefix, _, rest = key.partition(".")
+            if prefix != "tokenizer":
+                continue
+            value = header.fields[key] if key in header.fields else header.array(key)
+            if isinstance(value, list) and len(value) == 1:
+                value = value[0]  # as the import reads a one-element array
+            for part, renames in GGUF_TOKENIZER_MAPPING.items():
+                if renames.get(rest) is not None:
+                    parsed[part][renames[rest]] = value
+        model_type = _model_type(header)
+    finally:
+        header.close()
+    backend, extra = convert_gguf_tokenizer(model_type, parsed["tokenizer"])
+    tokenizer_class = TOKENIZER_MAPPING[type(AutoConfig.for_model(model_type))][1]
+    kwargs = {"legacy": True, **parsed["tokenizer_config"], **extra}  # later ones win, as in the import
+    return tokenizer_class(tokenizer_object=backend, **kwargs)
+
+
 def load_gguf_tokenizer(path: str | Path, meta: dict[str, object] | None = None):
     """Load the tokenizer stored in a GGUF file, with the file's bos/eos/pad/unk and bos policy
     (`meta`: the file's scalar metadata when already read)."""
@@ -86,7 +129,10 @@ def load_gguf_tokenizer(path: str | Path, meta: dict[str, object] | None = None)
     path = Path(path)
     meta = read_gguf_metadata(path) if meta is None else meta
     # legacy=True is what transformers does when it is not told (and warns about): said here.
-    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
+    try:
+        hf_tok = _converted(path)
+    except Exception:  # noqa: BLE001 - a file the converter's inputs do not cover: transformers' own import
+        hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
     backend = hf_tok.backend_tokenizer
     id_to_token = {i: t for t, i in hf_tok.get_vocab().items()}
     specials = {name: id_to_token[int(meta[key])] for name, key in _SPECIAL_KEYS.items()
