@@ -88,8 +88,18 @@ def file_header(doc: Document) -> str:
     )
 
 
+# Generated source by (the document's name, its bytes): a pure function of both (and of the
+# pinned generator), so `--check` then a write, or several checks in one process, run the
+# generator once per document.
+_generated: dict[tuple[str, bytes], bytes] = {}
+
+
 def generate_models(doc: Document, output: Path) -> None:
     """Run datamodel-code-generator on one document, writing ``output``."""
+    key = (doc.relative_path, hashlib.sha256(doc.path.read_bytes()).digest())
+    if key in _generated:
+        output.write_bytes(_generated[key])
+        return
     with tempfile.TemporaryDirectory() as tmp:
         header_file = Path(tmp) / "header.txt"
         header_file.write_text(file_header(doc), encoding="utf-8")
@@ -114,7 +124,8 @@ def generate_models(doc: Document, output: Path) -> None:
             raise SystemExit(
                 f"codegen: datamodel-code-generator failed on {doc.relative_path}:\n{result.stderr}"
             )
-        output.write_bytes((Path(tmp) / "models.py").read_bytes())
+        _generated[key] = (Path(tmp) / "models.py").read_bytes()
+        output.write_bytes(_generated[key])
 
 
 def generate_all(out_dir: Path, spec_dir: Path = SPEC_DIR) -> list[Path]:

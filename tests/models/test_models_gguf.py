@@ -184,24 +184,76 @@ def test_dequantize_serves_every_layer_dense(tiny_gguf, gguf_cache):
 
 
 @pytest.mark.slow  # the ci tier: a long run
-def test_the_tokenizer_is_the_one_transformers_gguf_import_builds(tiny_gguf, monkeypatch):
+def _small_vocab_gguf(path, kind: str):
+    """A GGUF holding only a tokenizer of a few hundred tokens (transformers' import of a 49k one
+    takes 15 s): "gpt2", byte-level BPE with merges (a Qwen2 file), or "llama", sentencepiece
+    pieces with scores and byte fallback (a Llama file)."""
+    import gguf
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    writer = gguf.GGUFWriter(str(path), "qwen2" if kind == "gpt2" else "llama")
+    writer.add_context_length(64)
+    if kind == "gpt2":
+        chars = list(bytes_to_unicode().values())
+        merges = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
+        tokens = chars + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        types = [1] * (len(tokens) - 3) + [3, 3, 3]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(len(tokens) - 2)
+        writer.add_eos_token_id(len(tokens) - 1)
+        writer.add_add_bos_token(False)
+    else:
+        pieces = ["▁the", "▁a", "▁world", "▁w", "or", "ld", "he", "in", "▁", "t", "h", "e", "a", "w", "o", "r", "l", "d"]
+        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+        types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_tokenizer_is_the_one_transformers_gguf_import_builds(kind, tmp_path, monkeypatch):
     """The token lists read by our header reader and handed to transformers' converter give the
-    backend transformers' own GGUF import builds (the fallback, taken here by making the fast path
-    fail), with the file's specials on top either way."""
+    tokenizer transformers' own GGUF import builds (backend, class, specials, template), for a
+    byte-level BPE and a sentencepiece file; and `load_gguf_tokenizer` builds the same whether it
+    takes that path or falls back to the import."""
+    from transformers import AutoTokenizer
+
     from opentgi.models.checkpoints import gguf_tokenizer
 
-    fast = gguf_tokenizer.load_gguf_tokenizer(tiny_gguf)
+    path = _small_vocab_gguf(tmp_path / f"{kind}.gguf", kind)
+    converted = gguf_tokenizer._converted(path)
+    imported = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
+    assert converted.backend_tokenizer.to_str() == imported.backend_tokenizer.to_str()
+    assert type(converted) is type(imported)
+    assert converted.special_tokens_map == imported.special_tokens_map
+    assert converted.chat_template == imported.chat_template
+    text = "the world in a wörld\n 12 \t😀"
+    assert converted(text)["input_ids"] == imported(text)["input_ids"]
+
+    served = gguf_tokenizer.load_gguf_tokenizer(path)
 
     def refuse(path):
         raise KeyError("a converter input this file lacks")
 
     monkeypatch.setattr(gguf_tokenizer, "_converted", refuse)
-    imported = gguf_tokenizer.load_gguf_tokenizer(tiny_gguf)
-    assert fast.backend_tokenizer.to_str() == imported.backend_tokenizer.to_str()
-    assert fast.special_tokens_map == imported.special_tokens_map
-    text = "Hello wörld <|im_start|>user\n 123  \t😀<|im_end|>"
-    assert fast(text)["input_ids"] == imported(text)["input_ids"]
-    assert fast.decode(fast(text)["input_ids"]) == text
+    fallback = gguf_tokenizer.load_gguf_tokenizer(path)
+    assert served.backend_tokenizer.to_str() == fallback.backend_tokenizer.to_str()
+    assert served.special_tokens_map == fallback.special_tokens_map
+    assert served.decode(served(text)["input_ids"], skip_special_tokens=True).strip() == text.strip()
 
 
 def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
