@@ -15,10 +15,19 @@ LIVE_MAX_INPUT_TOKENS = 192
 LIVE_MAX_TOTAL_TOKENS = 256
 
 
+_handed_out: set[int] = set()  # ports this process gave a server that may not have bound them yet
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free now and never handed out before by this process: a test that picks ports for
+    several servers before any binds (a spawned one takes seconds) gets a different one each time."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_until_healthy(process, url: str, timeout_s: float = 120) -> None:

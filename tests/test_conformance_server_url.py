@@ -36,3 +36,31 @@ def test_conformance_tests_talk_to_the_given_server(tiny_llama):
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "1 passed" in run.stdout
         assert request_count(url) > before  # the test's requests reached this server, not one of its own
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The OS may offer a port again before the server it went to has bound it: free_port skips
+    the ports it handed out already."""
+    from conformance import live
+
+    offered = iter([41001, 41001, 41002])
+
+    class Probe:
+        def __init__(self, *args):
+            self.port = next(offered)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(live, "_handed_out", set())
+    monkeypatch.setattr(live.socket, "socket", Probe)
+    assert [live.free_port(), live.free_port()] == [41001, 41002]
