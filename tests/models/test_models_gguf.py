@@ -13,6 +13,7 @@ import torch
 
 from opentgi.config import Settings
 from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
+from opentgi.models.checkpoints.gguf_header import GGUFHeader
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
 from opentgi.models.loader import ModelLoadError, load_model
 from opentgi.models.quantization.linear import ConcatLinear, QuantizedLinear
@@ -235,7 +236,9 @@ def test_the_tokenizer_is_the_one_transformers_gguf_import_builds(kind, tmp_path
     from opentgi.models.checkpoints import gguf_tokenizer
 
     path = _small_vocab_gguf(tmp_path / f"{kind}.gguf", kind)
-    converted = gguf_tokenizer._converted(path)
+    header = GGUFHeader(path)
+    converted = gguf_tokenizer._converted(header)
+    header.close()
     imported = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
     assert converted.backend_tokenizer.to_str() == imported.backend_tokenizer.to_str()
     assert type(converted) is type(imported)
@@ -246,7 +249,7 @@ def test_the_tokenizer_is_the_one_transformers_gguf_import_builds(kind, tmp_path
 
     served = gguf_tokenizer.load_gguf_tokenizer(path)
 
-    def refuse(path):
+    def refuse(header):
         raise KeyError("a converter input this file lacks")
 
     monkeypatch.setattr(gguf_tokenizer, "_converted", refuse)
@@ -262,7 +265,6 @@ def test_the_header_reader_agrees_with_gguf_py(tiny_gguf):
     import gguf
     import numpy as np
 
-    from opentgi.models.checkpoints.gguf_header import GGUFHeader
 
     header, reader = GGUFHeader(tiny_gguf), gguf.GGUFReader(str(tiny_gguf))
     for key, field in reader.fields.items():

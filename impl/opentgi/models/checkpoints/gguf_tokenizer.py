@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
-
 from opentgi.models.checkpoints.gguf_header import GGUFHeader
 
 _SPECIAL_KEYS = {
@@ -31,21 +29,6 @@ _SPECIAL_KEYS = {
 
 
 _CACHE_VERSION = 1  # bump when load_gguf_tokenizer builds something different
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, object]:
-    """The file's scalar and string metadata (token lists left out: they are big)."""
-    reader = gguf.GGUFReader(str(path))
-    meta: dict[str, object] = {}
-    for key, fld in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                   "tokenizer.ggml.scores"):
-            continue
-        try:
-            meta[key] = fld.contents()
-        except Exception:  # noqa: BLE001, S112 - an exotic field type we do not need
-            continue
-    return meta
 
 
 def cached_gguf_tokenizer(path: str | Path, cache_root: Path, meta: dict[str, object] | None = None):
@@ -90,7 +73,7 @@ def _model_type(header: GGUFHeader) -> str:
     return {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
 
 
-def _converted(path: Path):
+def _converted(header: GGUFHeader):
     """transformers' tokenizer for the file, as `AutoTokenizer.from_pretrained(gguf_file=...)` builds
     it (its converter, its tokenizer class, the file's tokenizer metadata renamed by its own table),
     from lists our header reader reads."""
@@ -98,22 +81,18 @@ def _converted(path: Path):
     from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    header = GGUFHeader(path)
-    try:
-        parsed: dict[str, dict] = {"tokenizer": {}, "tokenizer_config": {}}
-        for key in [*header.fields, *header.array_lengths]:
-            prefix, _, rest = key.partition(".")
-            if prefix != "tokenizer":
-                continue
-            value = header.fields[key] if key in header.fields else header.array(key)
-            if isinstance(value, list) and len(value) == 1:
-                value = value[0]  # as the import reads a one-element array
-            for part, renames in GGUF_TOKENIZER_MAPPING.items():
-                if renames.get(rest) is not None:
-                    parsed[part][renames[rest]] = value
-        model_type = _model_type(header)
-    finally:
-        header.close()
+    parsed: dict[str, dict] = {"tokenizer": {}, "tokenizer_config": {}}
+    for key in [*header.fields, *header.array_lengths]:
+        prefix, _, rest = key.partition(".")
+        if prefix != "tokenizer":
+            continue
+        value = header.fields[key] if key in header.fields else header.array(key)
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]  # as the import reads a one-element array
+        for part, renames in GGUF_TOKENIZER_MAPPING.items():
+            if renames.get(rest) is not None:
+                parsed[part][renames[rest]] = value
+    model_type = _model_type(header)
     backend, extra = convert_gguf_tokenizer(model_type, parsed["tokenizer"])
     tokenizer_class = TOKENIZER_MAPPING[type(AutoConfig.for_model(model_type))][1]
     kwargs = {"legacy": True, **parsed["tokenizer_config"], **extra}  # later ones win, as in the import
@@ -127,12 +106,16 @@ def load_gguf_tokenizer(path: str | Path, meta: dict[str, object] | None = None)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
-    meta = read_gguf_metadata(path) if meta is None else meta
-    # legacy=True is what transformers does when it is not told (and warns about): said here.
+    header = GGUFHeader(path)  # the scalar metadata and the token lists, in one pass over a map
     try:
-        hf_tok = _converted(path)
-    except Exception:  # noqa: BLE001 - a file the converter's inputs do not cover: transformers' own import
-        hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
+        meta = header.fields if meta is None else meta
+        try:
+            hf_tok = _converted(header)
+        except Exception:  # noqa: BLE001 - a file the converter's inputs do not cover: transformers' own import
+            # legacy=True is what transformers does when it is not told (and warns about): said here.
+            hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, legacy=True)
+    finally:
+        header.close()
     backend = hf_tok.backend_tokenizer
     id_to_token = {i: t for t, i in hf_tok.get_vocab().items()}
     specials = {name: id_to_token[int(meta[key])] for name, key in _SPECIAL_KEYS.items()
