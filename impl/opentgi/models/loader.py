@@ -11,7 +11,10 @@ formats of float checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -440,8 +443,33 @@ def load_transformers_model(folder: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     if folder.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(folder.parent, gguf_file=folder.name, dtype=dtype).eval()
+        with _one_gguf_parse():
+            return AutoModelForCausalLM.from_pretrained(folder.parent, gguf_file=folder.name, dtype=dtype).eval()
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+@contextlib.contextmanager
+def _one_gguf_parse():
+    """While transformers imports a GGUF: one gguf-py `GGUFReader` per file and one tensor-name
+    table per (architecture, layer count). Its import opens the file twice (config, then weights),
+    each reader building a numpy view per vocabulary entry, and it rebuilds the name table for every
+    module of the model; the readers and tables are only read, so sharing them changes nothing."""
+    import gguf
+
+    real_reader, real_table = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(real_table)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_table
 
 
 def _check_quantize(quantize, config, device: torch.device, sharded: bool, model_id: str) -> None:
