@@ -54,6 +54,25 @@ def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_mode
     assert "Q8_0 blocks (embedding) 13 MiB" in resident and "float32 0 MiB" in resident  # norms only
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_takes_the_layers_and_leaves_the_embedding_and_head_on_the_files_blocks(
+        kernels, tiny_gguf, tmp_path, method):
+    """`--quantize` requantizes the layer projections only: the embedding and the tied head stay
+    the file's Q8_0 blocks (no dense float copy), as without it, and no packed cache is written."""
+    loaded = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", kernels="native",
+                                 quantize=method, cache_dir=str(tmp_path)))
+    layer = loaded.model.model.layers[0]
+    assert loaded.kernels.startswith("native (")
+    assert layer.self_attn.o_proj.weight_format.description.startswith("Q8_0" if method == "int8" else "Q4_1")
+    head = loaded.model.logits_proj
+    assert isinstance(head, QuantizedLinear) and head.weight_format.description.startswith("Q8_0 blocks")
+    embedding = loaded.model.model.embed_tokens
+    assert isinstance(embedding, GGUFEmbedding)
+    assert embedding.gguf_blocks.data_ptr() == head.weight_format.blocks.data_ptr()
+    assert "Q8_0 blocks (embedding) 13 MiB" in loaded.model.resident
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and "packed" in p.name]
+
+
 def test_the_embedding_looks_up_the_values_a_dense_copy_holds(native_model, torch_model):
     ids = torch.tensor([[0, 5, 49151], [17, 17, 3]])
     dense = torch_model.model.model.embed_tokens

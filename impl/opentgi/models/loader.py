@@ -287,6 +287,10 @@ def load_model(settings: Settings, tp=None) -> LoadedModel:
             from opentgi.models.quantization.gguf_blocks import NATIVE_TYPES
 
             native_types = NATIVE_TYPES
+            if checkpoint is not None and checkpoint.keep_int4:
+                # --quantize takes the layer projections; the embedding and the head stay the
+                # file's own blocks, as without it (no dense copy, no packed cache)
+                checkpoint.native_types, checkpoint.packed_cache = native_types, None
     reason = paged_unsupported_reason(config)
     if reason is None:
         try:
