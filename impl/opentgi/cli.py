@@ -369,9 +369,10 @@ def serve(settings: Settings) -> None:
     from opentgi.engine.pooling import engine_from_settings
     from opentgi.metrics import Metrics
     from opentgi.models.loader import ModelLoadError
-    from opentgi.process import keep_gpu_compilers_out_without_cuda
+    from opentgi.process import keep_gpu_compilers_out_without_cuda, keep_scikit_learn_out
 
     keep_gpu_compilers_out_without_cuda()
+    keep_scikit_learn_out()
     # One OpenMP team in the process (engine/execution/torch_threads.py): the engine's loop thread gets the
     # torch threads, this thread (the event loop) runs torch on one.
     if settings.num_shard == 1:  # with shards, each rank's share is set by shards.rank_settings

@@ -176,6 +176,10 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _spawned_worker(settings: Settings, rdv: Rendezvous, parent_pid: int) -> None:
+    from opentgi.process import keep_gpu_compilers_out_without_cuda, keep_scikit_learn_out
+
+    keep_gpu_compilers_out_without_cuda()  # what the server process does before it loads (process.py)
+    keep_scikit_learn_out()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s shard {rdv.rank}: %(message)s")
     code = run_worker(settings, rdv, parent_pid)
