@@ -91,10 +91,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     left, right = window
     if causal:
         right = 0
-    i = torch.arange(lq).unsqueeze(1)
-    j = torch.arange(lk).unsqueeze(0)
+    i = torch.arange(lq, device=q.device).unsqueeze(1)
+    j = torch.arange(lk, device=q.device).unsqueeze(0)
     diagonal = i + lk - lq
-    visible = torch.ones(lq, lk, dtype=torch.bool)
+    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     if right >= 0:
         visible &= j <= diagonal + right
     if left >= 0:
