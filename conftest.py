@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.helpers import hypothesis_profiles  # noqa: F401 - registers the profiles
+from tests.helpers.nodeids import DEFAULT_MODEL_GROUP, set_nodeid
 
 KERNEL_CACHE = Path(__file__).resolve().parent / ".cache" / "kernels"
 DEFAULT_MODEL_FIXTURES = {"default_model", "default_server"}
-DEFAULT_MODEL_GROUP = "default-model"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -77,8 +77,13 @@ def default_server(default_model) -> Iterator[str]:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if DEFAULT_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group(DEFAULT_MODEL_GROUP))
+            # pytest-xdist (--dist loadgroup) marks a group by a node id suffix "@group", set where
+            # pytest 9 no longer reads it (`_nodeid`): set here instead, or every worker would load
+            # the default model
+            if getattr(config.option, "loadgroup", False) and hasattr(item, "_id") and "@" not in item.nodeid:
+                set_nodeid(item, f"{item.nodeid}@{DEFAULT_MODEL_GROUP}")

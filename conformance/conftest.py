@@ -20,6 +20,7 @@ import torch
 from conformance.live import LIVE_MAX_INPUT_TOKENS, LIVE_MAX_TOTAL_TOKENS, free_port, serve
 from opentgi.config import Settings
 from tests.helpers import tiny_models
+from tests.helpers.nodeids import DEFAULT_MODEL_GROUP, set_nodeid, unit_of_work
 
 torch.set_num_threads(1)  # CI has 2 cores and other suites run beside this one
 
@@ -50,14 +51,7 @@ def pytest_collection_modifyitems(items):
     would run one operation per document) and so do `-k`/`--deselect`: give each its own."""
     for item in items:
         if getattr(item, "operation_label", None) and not item.nodeid.endswith("]"):
-            wanted = f"{item.parent.nodeid}::{item.name}"
-            if hasattr(item, "_id"):  # pytest 9 keeps a parsed NodeId
-                from _pytest.nodeid import coerce_node_id
-
-                item._id = coerce_node_id(wanted)
-            else:
-                item._nodeid = wanted
-            assert item.nodeid == wanted, (item.nodeid, wanted)
+            set_nodeid(item, f"{item.parent.nodeid}::{item.name}")
     seen: set[str] = set()
     repeated = sorted({item.nodeid for item in items if item.nodeid in seen or seen.add(item.nodeid)})
     if repeated:  # xdist would run one of each silently
@@ -67,13 +61,20 @@ def pytest_collection_modifyitems(items):
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: unknown, and unused, without it
 def pytest_xdist_make_scheduler(config, log):
     """With `-n`: a module's tests stay on one worker (its module-scoped engine is built once), but
-    each schemathesis operation is a unit of its own, so the longest module spreads over the workers."""
+    each schemathesis operation is a unit of its own, so the longest module spreads over the workers;
+    and, as `--dist loadgroup` does, an `xdist_group`'s tests are one unit (the default model's)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleOrOperation(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module, _, test = nodeid.partition("::")
-            return nodeid if module.endswith("test_schemathesis_tgi.py") else module
+            return unit_of_work(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # the default model's unit is the longest by far (it loads the model several ways):
+            # started first, the other worker fills the time beside it instead of waiting at the end
+            if DEFAULT_MODEL_GROUP in self.workqueue:
+                self.workqueue.move_to_end(DEFAULT_MODEL_GROUP, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleOrOperation(config, log)
 
