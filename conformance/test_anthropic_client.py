@@ -106,7 +106,7 @@ def test_errors_are_the_sdks_typed_errors(client):
 @pytest.mark.slow
 def test_default_model_knows_the_capital_of_france(default_server):
     base = default_server
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=300)
     with client.messages.stream(model="claude-test", max_tokens=30, extra_body=GREEDY, messages=question) as stream:
         streamed = "".join(stream.text_stream)

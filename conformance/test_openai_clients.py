@@ -426,6 +426,6 @@ def test_default_model_knows_the_capital_of_france(default_server):
     base = default_server
     chat = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
     out = chat.chat.completions.create(
-        model="tgi", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        model="tgi", messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
         max_tokens=30, temperature=0)
     assert "Paris" in out.choices[0].message.content

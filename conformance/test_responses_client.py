@@ -95,8 +95,8 @@ def test_bad_input_is_the_sdks_typed_error(client):
 def test_default_model_knows_the_capital_of_france(default_server):
     base = default_server
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
-    out = client.responses.create(model="tgi", input="What is the capital of France?", max_output_tokens=30,
-                                  temperature=0)
+    out = client.responses.create(model="tgi", input="What is the capital of France? Answer in one sentence.",
+                                  max_output_tokens=30, temperature=0)
     follow_up = client.responses.create(model="tgi", input="And of Italy?", previous_response_id=out.id,
                                         max_output_tokens=30, temperature=0)
     with client.responses.stream(model="tgi", input="What is the weather in Paris?", tools=[WEATHER],
