@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 IMPL = Path(__file__).resolve().parents[1] / "impl"
 
 
@@ -21,6 +23,7 @@ def run(code: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow  # an interpreter that imports transformers' model and generation code
 def test_a_server_process_never_imports_scikit_learn_and_transformers_still_generates():
     out = run("""
         import sys
@@ -37,6 +40,7 @@ def test_a_server_process_never_imports_scikit_learn_and_transformers_still_gene
     assert out == "None False 6"
 
 
+@pytest.mark.slow  # an interpreter that imports transformers' generation code
 def test_after_transformers_looked_for_it_the_refusal_tells_transformers_too():
     out = run("""
         import sys
