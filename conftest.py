@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import hypothesis_profiles  # noqa: F401 - registers the profiles
-from tests.helpers.nodeids import DEFAULT_MODEL_GROUP, set_nodeid
+from tests.helpers.nodeids import DEFAULT_MODEL_GROUP, set_nodeid, unit_of_work
 
 KERNEL_CACHE = Path(__file__).resolve().parent / ".cache" / "kernels"
 DEFAULT_MODEL_FIXTURES = {"default_model", "default_server"}
@@ -85,5 +85,6 @@ def pytest_collection_modifyitems(config, items):
             # pytest-xdist (--dist loadgroup) marks a group by a node id suffix "@group", set where
             # pytest 9 no longer reads it (`_nodeid`): set here instead, or every worker would load
             # the default model
-            if getattr(config.option, "loadgroup", False) and hasattr(item, "_id") and "@" not in item.nodeid:
+            if getattr(config.option, "loadgroup", False) and hasattr(item, "_id") and \
+                    unit_of_work(item.nodeid) != DEFAULT_MODEL_GROUP:
                 set_nodeid(item, f"{item.nodeid}@{DEFAULT_MODEL_GROUP}")

@@ -71,6 +71,11 @@ def test_quantize_takes_the_layers_and_leaves_the_embedding_and_head_on_the_file
     assert embedding.gguf_blocks.data_ptr() == head.weight_format.blocks.data_ptr()
     assert "Q8_0 blocks (embedding) 13 MiB" in loaded.model.resident
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and "packed" in p.name]
+    tok, model = loaded.tokenizer, loaded.model  # the blocks' head keeps a row's bits batch-free
+    prompts = [tok(text)["input_ids"] for text in ("Once upon a time", "The quick brown fox", "A b c")]
+    alone = model.compute_logits(PagedRunner(model).step({0: prompts[0]}))
+    batch = model.compute_logits(PagedRunner(model).step(dict(enumerate(prompts))))
+    assert torch.equal(alone[0], batch[0])
 
 
 def test_the_embedding_looks_up_the_values_a_dense_copy_holds(native_model, torch_model):

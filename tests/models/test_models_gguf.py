@@ -59,6 +59,32 @@ def test_unpermute_rows_undoes_llama_cpp_permutation():
     assert torch.equal(permuted[unpermute_rows(rows, heads)], original)
 
 
+@pytest.mark.slow  # transformers' GGUF import, three times
+def test_the_reference_import_reads_the_gguf_once_and_builds_the_same_model(tiny_gguf, monkeypatch):
+    """load_transformers_model: one gguf-py reader for transformers' two passes over the file, the
+    same weights as transformers' own import (which opens it twice), gguf-py left as it was."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from opentgi.models.loader import load_transformers_model
+
+    opened = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            opened.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    ours = load_transformers_model(tiny_gguf)
+    assert len(opened) == 1 and gguf.GGUFReader is Counting
+    plain = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
+    assert len(opened) == 3
+    theirs = plain.state_dict()
+    assert ours.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(value, theirs[name]) for name, value in ours.state_dict().items())
+
+
 @pytest.mark.slow  # the ci tier: a long run
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_gguf_serves_its_formats_and_matches_transformers(tiny_gguf, gguf_cache, dtype):

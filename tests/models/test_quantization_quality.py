@@ -73,7 +73,7 @@ async def test_quantized_and_native_perplexity_stay_close_to_the_dense_weights(d
     int8` as Q8_0) against torch's path and the same weights dense. The native kernels round each
     activation row to 8-bit blocks, q/k/v and down projections' to 16-bit blocks
     (models/quantization/gguf_blocks.py): on an AVX2 EPYC in float32 this text's perplexity moved
-    by +0.3% (Q4_1, against torch's path; +0.9% with 8-bit activations everywhere) and +1.0% (int8,
+    by +0.3% (Q4_1, against torch's path; +0.9% with 8-bit activations everywhere) and +0.97% (int8,
     against dense: the layers rounded a second time, and the tied head on the file's Q8_0 blocks
     as without --quantize); the bounds guard that cost from growing (docs/benchmarks.md). A float16 KV
     cache (the default under float32) against float32's: -0.3% (24.08 against 24.15), bounded at
@@ -90,5 +90,5 @@ async def test_quantized_and_native_perplexity_stay_close_to_the_dense_weights(d
     assert abs(native / kv32 - 1) < 0.005
     assert abs(torch_path / dense - 1) < 0.01  # Q4_1's values, rows unrounded
     assert abs(native / torch_path - 1) < 0.005
-    assert abs(int8 / dense - 1) < 0.015
+    assert abs(int8 / dense - 1) < 0.01
     assert 1 < dense < 30  # an instruct model on plain English prose
