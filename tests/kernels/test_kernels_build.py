@@ -43,6 +43,26 @@ def test_a_fresh_cache_gets_a_whole_build(monkeypatch, tmp_path):
     assert not list(tmp_path.glob(".build-*"))
 
 
+def test_the_avx512_variant_is_built_and_run_exactly_where_the_cpu_has_it(kernels, monkeypatch):
+    zen3 = "flags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
+    zen5 = "flags\t\t: fpu avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
+    skylake_x = "flags\t\t: fpu avx2 fma f16c avx512f avx512dq avx512bw avx512vl\n"  # no VNNI
+    assert build.cpu_has(build.AVX512_CPU_FLAGS, zen5)
+    assert not build.cpu_has(build.AVX512_CPU_FLAGS, zen3) and not build.cpu_has(build.AVX512_CPU_FLAGS, skylake_x)
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(build, "cpu_has", lambda flags: False)
+    assert build.variants() == ("scalar", "avx2")
+    monkeypatch.setattr(build, "cpu_has", lambda flags: True)
+    assert build.variants() == ("scalar", "avx2", "avx512")
+    monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
+    assert build.variants() == ("scalar",)
+    monkeypatch.undo()
+    # this host: the loaded library runs AVX-512 exactly where its CPU has it, and serves its best
+    has = build.cpu_has(build.AVX512_CPU_FLAGS) and build.platform.machine().lower() in ("x86_64", "amd64")
+    assert ("avx512" in native.supported_isas()) == has
+    assert kernels.isa == native.supported_isas()[-1]
+
+
 def test_the_cache_key_follows_the_sources_and_the_flags(kernels, monkeypatch):
     cxx = build.compiler()
     key = build.cache_key(cxx, build.variants())

@@ -1,8 +1,9 @@
 """Compiling csrc/ into one shared library of torch ops, once per machine, and loading it.
 
 The library is built with the machine's C++ compiler (`$CXX`, else `c++`): the kernel sources
-twice, a portable scalar variant and, on x86-64, an AVX2+FMA+F16C one (the op picks per call, the
-loader picks the best the CPU has), plus ops.cpp, moe_ops.cpp and stack.cpp, the only sources that include
+once per instruction set: a portable scalar variant and, on x86-64, an AVX2+FMA+F16C one and,
+where the CPU has AVX-512 F/BW/VL/DQ with VNNI, an AVX-512 one (the op picks per call, the loader
+picks the best the CPU has; every variant computes the same bits), plus ops.cpp, moe_ops.cpp and stack.cpp, the only sources that include
 torch's headers (`<torch/library.h>`, `<ATen/Parallel.h>`: the ops run in torch's intra-op pool).
 Those three are compiled as one translation unit, started first: parsing torch's headers is most
 of their time, so once instead of three times halves the build. The rest are compiled side by side
@@ -26,11 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
-KERNEL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
-                  "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp", "attention.cpp",
-                  "prompt_attention.cpp", "layer_ops.cpp")
+MATMUL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
+                  "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp")
+KERNEL_SOURCES = (*MATMUL_SOURCES, "attention.cpp", "prompt_attention.cpp", "layer_ops.cpp")
+# the AVX-512 variant is the matmuls' alone: attention and the row ops run AVX2's on such a CPU
+ISA_SOURCES = {"avx512": MATMUL_SOURCES}
 COMMON_FLAGS = ("-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
-ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c")}
+ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c"),
+             "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                        "-mavx512vnni")}
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # /proc/cpuinfo's names
 TORCH_SOURCES = ("ops.cpp", "moe_ops.cpp", "stack.cpp")  # the torch ops: one translation unit (torch's headers once)
 CACHE_ENV = "OPENTGI_KERNELS_CACHE"
 BUILD_TIMEOUT_S = 300
@@ -66,7 +72,25 @@ def compiler() -> str:
 
 
 def variants() -> tuple[str, ...]:
-    return ("scalar", "avx2") if platform.machine().lower() in ("x86_64", "amd64") else ("scalar",)
+    """The variants to compile here: scalar everywhere; AVX2 on any x86-64 (a library built on one
+    host may be loaded on another; the op checks the CPU at run time); AVX-512 only where this CPU
+    has it, so a host compiles only what it can run and test."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("scalar",)
+    return ("scalar", "avx2", "avx512") if cpu_has(AVX512_CPU_FLAGS) else ("scalar", "avx2")
+
+
+def cpu_has(flags: tuple[str, ...], cpuinfo: str | None = None) -> bool:
+    """Whether the CPU lists every flag in `cpuinfo` (Linux /proc/cpuinfo's text; read when None,
+    False where it is not readable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(flags) <= set(line.split(":", 1)[1].split())
+    return False
 
 
 def _torch_flags() -> tuple[list[str], list[str]]:
@@ -85,13 +109,13 @@ def _jobs(cxx: str, out: Path, isas: tuple[str, ...]) -> list[list[str]]:
     `out`), so the kernel sources fill the other cores meanwhile."""
     include = f"-I{SOURCES}"
     torch_compile, _ = _torch_flags()
-    defines = ["-DOPENTGI_WITH_AVX2"] if "avx2" in isas else []
+    defines = [f"-DOPENTGI_WITH_{isa.upper()}" for isa in isas if isa != "scalar"]
     unit = out / "torch_ops.cpp"
     unit.write_text("".join(f'#include "{source}"\n' for source in TORCH_SOURCES))
     jobs = [[cxx, *COMMON_FLAGS, *torch_compile, *defines, include, "-w", "-c", str(unit),
              "-o", str(out / "torch_ops.o")]]
     for isa in isas:
-        for source in KERNEL_SOURCES:
+        for source in ISA_SOURCES.get(isa, KERNEL_SOURCES):
             obj = out / f"{Path(source).stem}.{isa}.o"
             jobs.append([cxx, *COMMON_FLAGS, "-std=c++17", *ISA_FLAGS[isa], include, "-c",
                          str(SOURCES / source), "-o", str(obj)])

@@ -13,7 +13,17 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The AVX-512 variant is the AVX2 code (OPENTGI_AVX2 holds in both) compiled with AVX-512's
+// encodings (32 vector registers) plus, under OPENTGI_AVX512, wider or fused forms of the same
+// integer arithmetic (VNNI's dot products, 512-bit lanes), exact as the AVX2 forms are: the same
+// integers, then the same float instructions, so the same bits.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) \
+    && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define OPENTGI_AVX2 1
+#define OPENTGI_AVX512 1
+#include <immintrin.h>
+#define OPENTGI_ISA avx512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define OPENTGI_AVX2 1
 #include <immintrin.h>
 #define OPENTGI_ISA avx2
@@ -166,15 +176,31 @@ static inline float hsum_ps(__m256 x) {
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
 }
+// s + the int32 lanes of x * y in unsigned by signed bytes, four products a lane: VNNI's one
+// instruction in the AVX-512 variant, maddubs then madd by ones in AVX2's. The same integers
+// wherever maddubs' pairs stay within int16 (every caller bounds them).
+static inline __m256i dot_u8_add(__m256i s, __m256i x, __m256i y) {
+#ifdef OPENTGI_AVX512
+  return _mm256_dpbusd_epi32(s, x, y);
+#else
+  return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1)));
+#endif
+}
+// s + madd(x, y) (pairs of int16 products into int32 lanes): VNNI's one instruction where present
+static inline __m256i madd_add(__m256i s, __m256i x, __m256i y) {
+#ifdef OPENTGI_AVX512
+  return _mm256_dpwssd_epi32(s, x, y);
+#else
+  return _mm256_add_epi32(s, _mm256_madd_epi16(x, y));
+#endif
+}
+
 // 8 int32 sums of 4 products each: signed x signed bytes (|values| <= 127, no int16 overflow)
 static inline __m256i dot_i8(__m256i x, __m256i y) {
-  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  return dot_u8_add(_mm256_setzero_si256(), _mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
 }
 // unsigned x signed bytes (x <= 63 here)
-static inline __m256i dot_u8(__m256i x, __m256i y) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1));
-}
+static inline __m256i dot_u8(__m256i x, __m256i y) { return dot_u8_add(_mm256_setzero_si256(), x, y); }
 // 32 nibbles of 16 bytes: low nibbles first, then high ones (Q4_0 / Q4_1 value order)
 static inline __m256i nibbles32(const uint8_t* qs) {
   const __m128i b = _mm_loadu_si128((const __m128i*)qs);

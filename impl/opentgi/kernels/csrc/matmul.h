@@ -46,10 +46,13 @@ OPENTGI_DECLARE(scalar)
 #ifdef OPENTGI_WITH_AVX2
 OPENTGI_DECLARE(avx2)
 #endif
+#ifdef OPENTGI_WITH_AVX512
+OPENTGI_DECLARE(avx512)
+#endif
 
 namespace {
 
-enum Isa { SCALAR = 0, AVX2 = 1 };
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 
 // activation layouts (common.h)
 enum Act { ACT_Q8 = 0, ACT_Q8K = 1, ACT_Q16 = 2, ACT_Q16K = 3 };
@@ -75,11 +78,16 @@ static inline size_t act_bytes(int act, int64_t K) {
 // The kernel for a GGML type on an ISA; `passes` 2 asks for ~16-bit activations: the wide kernel
 // (one pass of ActQ16 / ActQ16K) where the type has one, else two 8-bit passes.
 bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1) {
-#define OPENTGI_PICK(fn) (isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
+#define OPENTGI_PICK(fn) (isa == AVX512 ? AVX512_OR_NULL(fn) : isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
 #ifdef OPENTGI_WITH_AVX2
 #define AVX2_OR_NULL(fn) fn##_avx2
 #else
 #define AVX2_OR_NULL(fn) nullptr
+#endif
+#ifdef OPENTGI_WITH_AVX512
+#define AVX512_OR_NULL(fn) fn##_avx512
+#else
+#define AVX512_OR_NULL(fn) nullptr
 #endif
   switch (qtype) {
     case Q4_0: *k = {OPENTGI_PICK(matmul_q4_0), false, QK, 18}; break;
@@ -123,6 +131,16 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1) {
 // are the row's product to about 16 bits of each block's range; every block kernel is linear in
 // the activation's values, so no kernel changes, and a row's bits stay its own.
 void quantize_one(const float* row, int K, int act, int64_t isa, uint8_t* dst) {
+#ifdef OPENTGI_WITH_AVX512
+  if (isa == AVX512) {
+    switch (act) {
+      case ACT_Q8K: quantize_q8k_avx512(row, K, (ActQ8K*)dst); return;
+      case ACT_Q16: quantize_q16_avx512(row, K, (ActQ16*)dst); return;
+      case ACT_Q16K: quantize_q16k_avx512(row, K, (ActQ16K*)dst); return;
+      default: quantize_q8_avx512(row, K, (ActQ8*)dst); return;
+    }
+  }
+#endif
 #ifdef OPENTGI_WITH_AVX2
   if (isa == AVX2) {
     switch (act) {

@@ -94,6 +94,7 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
 // Each row's visible blocks in splits (attention.h), every (split, kv head chunk) a work item among
 // torch's intra-op threads; then each row of several splits gets its heads' splits combined in split
 // order: max of the running maxima, then the sums and accumulators rescaled and added, then divided.
+// (The AVX-512 variant holds the matmuls alone: here and in the row ops, an AVX-512 CPU runs AVX2's.)
 void run_attention(const PagedAttention& args, int64_t rows, int64_t isa) {
   PagedAttention a = args;
   const int bs = a.block_size, per = a.kv_heads_per_item, chunks = a.num_kv_heads / per;
@@ -123,7 +124,7 @@ void run_attention(const PagedAttention& args, int64_t rows, int64_t isa) {
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(scratch);
 #ifdef OPENTGI_WITH_AVX2
-    if (isa == AVX2) {
+    if (isa >= AVX2) {
       paged_attention_avx2(a, i0, i1, buf.data());
       return;
     }
@@ -179,6 +180,9 @@ AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k_cache, con
 #ifdef OPENTGI_WITH_AVX2
                   || isa == AVX2
 #endif
+#ifdef OPENTGI_WITH_AVX512
+                  || isa == AVX512
+#endif
               , op, ": no kernel for ISA ", isa);
   TORCH_CHECK(q.dim() == 3 && q.device().is_cpu(), op, ": q must be a 3-D CPU tensor");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, op, ": q float32 or bfloat16");
@@ -227,7 +231,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(scratch);
 #ifdef OPENTGI_WITH_AVX2
-    if (isa == AVX2) {
+    if (isa >= AVX2) {
       prompt_attention_avx2(a, tiles.data(), i0, i1, buf.data());
       return;
     }
@@ -250,20 +254,23 @@ void check_isa(int64_t isa, const char* op) {
 #ifdef OPENTGI_WITH_AVX2
                   || isa == AVX2
 #endif
+#ifdef OPENTGI_WITH_AVX512
+                  || isa == AVX512
+#endif
               , op, ": no kernel for ISA ", isa);
 }
 
 void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const void* weight, bool weight_f32, int n,
               float eps, int dtype, void* out, float* buf) {
 #ifdef OPENTGI_WITH_AVX2
-  if (isa == AVX2) return rms_norm_row_avx2(x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
+  if (isa >= AVX2) return rms_norm_row_avx2(x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
 #endif
   rms_norm_row_scalar(x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
 }
 
 void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
 #ifdef OPENTGI_WITH_AVX2
-  if (isa == AVX2) {
+  if (isa >= AVX2) {
     if (act == ACT_GELU_TANH) return gelu_tanh_mul_row_avx2(gate, up, n, dtype, out, buf);
     return silu_mul_row_avx2(gate, up, n, dtype, out, buf);
   }
@@ -274,7 +281,7 @@ void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int 
 
 void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, int n) {
 #ifdef OPENTGI_WITH_AVX2
-  if (isa == AVX2) return kv_store_row_avx2(dst, kv_dtype, src, dtype, n);
+  if (isa >= AVX2) return kv_store_row_avx2(dst, kv_dtype, src, dtype, n);
 #endif
   kv_store_row_scalar(dst, kv_dtype, src, dtype, n);
 }
@@ -367,6 +374,11 @@ std::vector<int64_t> isas() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     found.push_back(AVX2);
+#endif
+#ifdef OPENTGI_WITH_AVX512
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+      && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
+    found.push_back(AVX512);
 #endif
   return found;
 }

@@ -59,6 +59,7 @@ struct Tile32 {
   // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
   // by run<R>'s arithmetic (out[r * ldo + c]).
   static constexpr bool has_run8 = true;
+  static constexpr int rows = BYTE_TILE_ROWS;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
@@ -127,7 +128,6 @@ struct Tile32 {
       a[r] = (const ActQ8*)(act + r * stride);
       acc[r] = _mm256_setzero_ps();
     }
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ8_0);
       prefetch_next8(wr, row_bytes, b, nb);
@@ -138,10 +138,8 @@ struct Tile32 {
         const ActQ8& y = a[r][b];
         const __m256i yq = _mm256_loadu_si256((const __m256i*)y.qs);
         __m256i s[8];
-        for (int c = 0; c < 8; ++c) {
-          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q[c], q[c]), _mm256_sign_epi8(yq, q[c]));
-          s[c] = _mm256_madd_epi16(p, ones);
-        }
+        for (int c = 0; c < 8; ++c)
+          s[c] = dot_u8_add(_mm256_setzero_si256(), _mm256_sign_epi8(q[c], q[c]), _mm256_sign_epi8(yq, q[c]));
         const __m256 dy = _mm256_mul_ps(dv, _mm256_set1_ps(y.d));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(dy, _mm256_cvtepi32_ps(reduce8(s))));
       }
@@ -242,8 +240,8 @@ struct Tile32Wide {
         for (int i = 0; i < 4; ++i) xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y.qs + 8 * i)));
         __m256i s[4];
         for (int p = 0; p < 4; ++p)
-          s[p] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(wq[p][0], xv[0]), _mm256_madd_epi16(wq[p][1], xv[1])),
-                                  _mm256_add_epi32(_mm256_madd_epi16(wq[p][2], xv[2]), _mm256_madd_epi16(wq[p][3], xv[3])));
+          s[p] = madd_add(madd_add(madd_add(_mm256_madd_epi16(wq[p][0], xv[0]), wq[p][1], xv[1]), wq[p][2], xv[2]),
+                          wq[p][3], xv[3]);
         const __m256i sum = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
         const __m256 dy = _mm256_mul_ps(dv, _mm256_set1_ps(y.d));
         _mm256_store_ps(acc[r], _mm256_add_ps(_mm256_load_ps(acc[r]), _mm256_mul_ps(dy, _mm256_cvtepi32_ps(sum))));

@@ -15,6 +15,33 @@ namespace {
 // sums[i][c]: eight int32 lanes whose total is weight row c's exact sum_j sc_j * dot_j against the
 // 256 activation bytes ys[i] (ActQ8K's order), for the eight superblocks at base + c * row_bytes
 // with their scales as kquant_headers8 leaves them; each row's nibbles unpacked once for all N.
+#ifdef OPENTGI_AVX512
+// In 512-bit steps: sub-blocks 2j and 2j + 1 (a byte vector's low nibbles, then its high ones) in
+// one vector against the 64 activation bytes they meet, VNNI's multiply-add by their scales; lane
+// by lane (fold16) the 256-bit form's sums.
+template <int N>
+static inline void q4k_dots8(const uint8_t* base, size_t row_bytes, const int16_t* sc16, const int8_t* const* ys,
+                             __m256i (*sums)[8]) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 8; ++c) {
+    const uint8_t* qs = base + c * row_bytes + offsetof(BlockQ4_K, qs);
+    const int16_t* sc = sc16 + 16 * (c % 4) + 8 * (c / 4);
+    __m512i q[4], s[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+      q[j] = _mm512_and_si512(join256(bits, _mm256_srli_epi16(bits, 4)), mask);
+      s[j] = join256(_mm256_set1_epi16(sc[2 * j]), _mm256_set1_epi16(sc[2 * j + 1]));
+    }
+    for (int i = 0; i < N; ++i) {
+      const int8_t* yq = ys[i];
+      __m512i sum = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j)
+        sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(q[j], _mm512_loadu_si512((const void*)(yq + 64 * j))), s[j]);
+      sums[i][c] = fold16(sum);
+    }
+  }
+}
+#else
 template <int N>
 static inline void q4k_dots8(const uint8_t* base, size_t row_bytes, const int16_t* sc16, const int8_t* const* ys,
                              __m256i (*sums)[8]) {
@@ -41,6 +68,7 @@ static inline void q4k_dots8(const uint8_t* base, size_t row_bytes, const int16_
     }
   }
 }
+#endif
 #endif
 
 struct TileQ4K {
@@ -76,8 +104,8 @@ struct TileQ4K {
         for (int j = 0; j < 4; ++j) {
           const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(y.qs + 64 * j)));
           const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i*)(y.qs + 64 * j + 32)));
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+          sum = madd_add(sum, pl, _mm256_set1_epi16(sc[2 * j]));
+          sum = madd_add(sum, ph, _mm256_set1_epi16(sc[2 * j + 1]));
         }
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -106,6 +134,7 @@ struct TileQ4K {
   // come out in column order (reduce8, mins_dot8), then the same two float products per superblock.
   // int32 holds them: |total| <= 8 * 63 * 32 * 15 * 127 < 2^25, |mins| <= 8 * 63 * 4064 < 2^22.
   static constexpr bool has_run8 = true;
+  static constexpr int rows = BYTE_TILE_ROWS;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
@@ -146,7 +175,16 @@ struct TileQ4K {
 // and mins sum_j m_j * sums_j (|.| <= 8 * 63 * 32 * 16383 < 2^28), then the same two float
 // products per superblock as against ActQ8K, on every path.
 static inline void unpack_q4k16(const uint8_t* qs, const int16_t* sc, int16_t* w16) {
-#ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {  // a sub-block of 32 a step
+    const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+    const __m256i lo = _mm256_and_si256(bits, mask), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), mask);
+    _mm512_storeu_si512((void*)(w16 + 64 * j), _mm512_mullo_epi16(_mm512_cvtepu8_epi16(lo), _mm512_set1_epi16(sc[2 * j])));
+    _mm512_storeu_si512((void*)(w16 + 64 * j + 32),
+                        _mm512_mullo_epi16(_mm512_cvtepu8_epi16(hi), _mm512_set1_epi16(sc[2 * j + 1])));
+  }
+#elif defined(OPENTGI_AVX2)
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int j = 0; j < 4; ++j) {
     const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
@@ -203,7 +241,7 @@ struct TileQ4KWide {
   // Eight weight rows at once, output c in float lane c by run<R>'s arithmetic: the eight rows
   // unpacked once a superblock for a tile of up to eight activation rows (wide_dots8).
   static constexpr bool has_run8 = true;
-  static constexpr int rows = 8;
+  static constexpr int rows = WIDE_TILE_ROWS;
   static constexpr bool row_blocks = true;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
@@ -216,7 +254,7 @@ struct TileQ4KWide {
     const ActQ16K* a[R];
     alignas(32) float acc[R][8] = {}, accm[R][8] = {};  // in memory: the registers go to the products
     for (int r = 0; r < R; ++r) a[r] = (const ActQ16K*)(act + r * stride);
-    alignas(32) int16_t w16[8 * QK_K];
+    alignas(64) int16_t w16[8 * QK_K];
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
       prefetch_next8(wr, row_bytes, b, nb);

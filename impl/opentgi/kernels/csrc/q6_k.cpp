@@ -43,12 +43,28 @@ static inline void q6k_dots1(const BlockQ6_K& x, const int8_t* const* ys, const 
   const __m256i lo = _mm256_permute4x64_epi64(s16, 0x44), hi = _mm256_permute4x64_epi64(s16, 0xEE);
   __m256i sc[8];
   for (int k = 0; k < 8; ++k) sc[k] = _mm256_shuffle_epi8(k < 4 ? lo : hi, pick[k % 4]);
+#ifdef OPENTGI_AVX512
+  // values 64m .. 64m + 63 in one vector against their 64 activation bytes, VNNI's multiply-add
+  // by the scales: lane by lane (fold16) the 256-bit form's sums
+  __m512i q2[4], sc2[4];
+  for (int m = 0; m < 4; ++m) {
+    q2[m] = join256(q[2 * m], q[2 * m + 1]);
+    sc2[m] = join256(sc[2 * m], sc[2 * m + 1]);
+  }
+#endif
   for (int i = 0; i < N; ++i) {
+#ifdef OPENTGI_AVX512
+    __m512i sum2 = _mm512_setzero_si512();
+    for (int m = 0; m < 4; ++m)
+      sum2 = _mm512_dpwssd_epi32(sum2, _mm512_maddubs_epi16(q2[m], _mm512_loadu_si512((const void*)(ys[i] + 64 * m))), sc2[m]);
+    const __m256i sum = fold16(sum2);
+#else
     __m256i sum = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k) {
       const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(ys[i] + 32 * k)));
       sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[k]));
     }
+#endif
     // - 32 * sum_k sc_k * bsum_k
     const __m256i offset = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i*)bs[i]));
     sums[i][c] = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
@@ -113,7 +129,7 @@ struct TileQ6K {
         for (int k = 0; k < 8; ++k) {
           const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
           const __m256i s = _mm256_set_m128i(_mm_set1_epi16(x.scales[2 * k + 1]), _mm_set1_epi16(x.scales[2 * k]));
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
+          sum = madd_add(sum, p, s);
         }
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -140,6 +156,7 @@ struct TileQ6K {
   // one or two rows form the totals in memory order first (in_memory_order8), the same integers.
   // int32 holds it: |sum_k sc_k * dot_k| <= 16 * 128 * 16 * 63 * 127 < 2^28, |32 * offset| < 2^28.
   static constexpr bool has_run8 = true;
+  static constexpr int rows = BYTE_TILE_ROWS;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
@@ -192,7 +209,30 @@ struct TileQ6K {
 // stay below 2^31, common.h), reused by every activation row of the tile; per row the exact total
 // (lanes added exactly) and one float product per superblock, on every path.
 static inline void unpack_q6k16(const BlockQ6_K& x, int16_t* w16) {
-#ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+  // 32 values a step: sub-blocks 2k and 2k + 1 widened at once, their two scales picked from the
+  // sixteen (vpermw)
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m512i off = _mm512_set1_epi16(32);
+  const __m512i s16 = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)x.scales)));
+  const __m512i pair = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // 0 x16 | 1 x16
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
+    const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
+    __m256i q[4];  // values 128h + 32k .. + 31, 0..63
+    q[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+    for (int k = 0; k < 4; ++k) {
+      const __m512i sc = _mm512_permutexvar_epi16(_mm512_add_epi16(pair, _mm512_set1_epi16(8 * h + 2 * k)), s16);
+      _mm512_storeu_si512((void*)(w16 + 128 * h + 32 * k),
+                          _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(q[k]), off), sc));
+    }
+  }
+#elif defined(OPENTGI_AVX2)
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi16(32);
   for (int h = 0; h < 2; ++h) {
     const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
@@ -254,7 +294,7 @@ struct TileQ6KWide {
   // Eight weight rows at once, output c in float lane c by run<R>'s arithmetic: the eight rows
   // unpacked once a superblock for a tile of up to eight activation rows (wide_dots8).
   static constexpr bool has_run8 = true;
-  static constexpr int rows = 8;
+  static constexpr int rows = WIDE_TILE_ROWS;
   static constexpr bool row_blocks = true;
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
@@ -267,7 +307,7 @@ struct TileQ6KWide {
     const ActQ16K* a[R];
     alignas(32) float acc[R][8] = {};  // in memory: the registers go to the products
     for (int r = 0; r < R; ++r) a[r] = (const ActQ16K*)(act + r * stride);
-    alignas(32) int16_t w16[8 * QK_K];
+    alignas(64) int16_t w16[8 * QK_K];
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
       prefetch_next8(wr, row_bytes, b, nb);

@@ -22,6 +22,14 @@ struct RowBlocks { static constexpr bool value = false; };
 template <class Tile>
 struct RowBlocks<Tile, decltype((void)Tile::row_blocks)> { static constexpr bool value = Tile::row_blocks; };
 constexpr size_t ROW_BLOCK_BYTES = 192 * 1024;
+// Activation rows a K-quant tile takes at once, its weights unpacked once for them: wide (16-bit)
+// and byte (8-bit) activations; more where AVX-512's 32 registers and cheaper products leave the
+// unpacking a larger share
+#ifdef OPENTGI_AVX512
+constexpr int WIDE_TILE_ROWS = 16, BYTE_TILE_ROWS = 8;
+#else
+constexpr int WIDE_TILE_ROWS = 8, BYTE_TILE_ROWS = 4;
+#endif
 template <class Tile>
 struct TileRows<Tile, decltype((void)Tile::rows)> { static constexpr int value = Tile::rows; };
 
@@ -134,8 +142,13 @@ static inline __m256i pair_sums8(const __m256i* lo, const __m256i* hi, const int
   const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y));
   const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y + 16)));
   __m256i s[4];
+#ifdef OPENTGI_AVX512
+  (void)ones;  // the same lanes: bytes 4i .. 4i + 3 of lo and of hi, exact either way
+  for (int p = 0; p < 4; ++p) s[p] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[p], ylo), hi[p], yhi);
+#else
   for (int p = 0; p < 4; ++p)
     s[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], ylo), _mm256_maddubs_epi16(hi[p], yhi)), ones);
+#endif
   return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
 }
 
@@ -281,6 +294,41 @@ static inline int64_t lanes_exact(__m256i v) {
 // R wide activation rows (x[r]: 256 int16): sums[r][c] = the 8 int32 lanes of row r by weight row c
 // (lanes bounded by the caller). Two weight rows and up to four activation rows a step, their
 // products in registers: each weight and activation vector loaded once a step.
+#ifdef OPENTGI_AVX512
+// 512-bit lanes i and i + 8 added: exact, and lane i then holds what the 256-bit form's lane i
+// holds where the 512-bit form steps over twice the values (values k + 2i, k + 2i + 1 of each
+// half of a 32-value step are the 256-bit form's values of two 16-value steps)
+static inline __m256i fold16(__m512i s) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+}
+static inline __m512i join256(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+// wide_dots8 in 512-bit steps (VNNI's multiply-add): four weight rows and up to four activation
+// rows a step, sixteen sums in registers; sums[r][c] lane by lane the 256-bit form's (fold16).
+template <int R>
+static inline void wide_dots8(const int16_t* w16, const int16_t* const* x, __m256i (*sums)[8]) {
+  if constexpr (R > 4) {
+    wide_dots8<4>(w16, x, sums);
+    wide_dots8<R - 4>(w16, x + 4, sums + 4);
+  } else {
+    for (int c = 0; c < 8; c += 4) {
+      __m512i s[4][R];
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r) s[j][r] = _mm512_setzero_si512();
+      for (int k = 0; k < QK_K; k += 32) {
+        __m512i w[4];
+        for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_si512((const void*)(w16 + (c + j) * QK_K + k));
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_loadu_si512((const void*)(x[r] + k));
+          for (int j = 0; j < 4; ++j) s[j][r] = _mm512_dpwssd_epi32(s[j][r], w[j], xv);
+        }
+      }
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r) sums[r][c + j] = fold16(s[j][r]);
+    }
+  }
+}
+#else
 template <int R>
 static inline void wide_dots8(const int16_t* w16, const int16_t* const* x, __m256i (*sums)[8]) {
   if constexpr (R > 3) {  // three rows a step: 6 sums, 2 weight and 3 activation vectors in registers
@@ -308,13 +356,13 @@ static inline void wide_dots8(const int16_t* w16, const int16_t* const* x, __m25
     }
   }
 }
+#endif
 
 // 8 int32 lanes of sum w[i] * x[i], i < n (n a multiple of 16; the caller bounds each lane)
 static inline __m256i dot16_lanes(const int16_t* w, const int16_t* x, int n) {
   __m256i acc = _mm256_setzero_si256();
   for (int k = 0; k < n; k += 16)
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(w + k)),
-                                                  _mm256_loadu_si256((const __m256i*)(x + k))));
+    acc = madd_add(acc, _mm256_loadu_si256((const __m256i*)(w + k)), _mm256_loadu_si256((const __m256i*)(x + k)));
   return acc;
 }
 #endif
