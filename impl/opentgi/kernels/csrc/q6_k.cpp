@@ -13,13 +13,25 @@ namespace opentgi {
 namespace {
 
 #ifdef OPENTGI_AVX2
+// Values 128h + 32k .. + 31 of the superblock (0..63) into q[k], k < 4: the 2-bit pairs of qh moved
+// to bits 4-5 (shifts within 16-bit lanes; the mask drops what crosses a byte)
+static inline void q6k_values(const BlockQ6_K& x, int h, __m256i* q) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
+  const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
+  const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
+  q[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+  q[1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+}
+
 // sums[i][c]: eight int32 lanes whose total is the exact superblock sum of weight row c (at x, its
 // -32 offset folded in by the sums per 16, bs[i]) against the 256 activation bytes ys[i] (ActQ8K's
 // order); the row's 6-bit values unpacked once for all N.
 template <int N>
 static inline void q6k_dots1(const BlockQ6_K& x, const int8_t* const* ys, const int16_t* const* bs,
                              __m256i (*sums)[8], int c) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   // scale 2k in the low half, 2k + 1 in the high half, from int16 scales 0..7 (or 8..15) in both
   const __m256i pick[4] = {
       _mm256_set_m128i(_mm_set1_epi16(0x0302), _mm_set1_epi16(0x0100)),
@@ -27,18 +39,7 @@ static inline void q6k_dots1(const BlockQ6_K& x, const int8_t* const* ys, const 
       _mm256_set_m128i(_mm_set1_epi16(0x0B0A), _mm_set1_epi16(0x0908)),
       _mm256_set_m128i(_mm_set1_epi16(0x0F0E), _mm_set1_epi16(0x0D0C))};
   __m256i q[8];  // values 32k .. 32k + 31 of the superblock, 0..63
-  for (int h = 0; h < 2; ++h) {
-    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
-    const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
-    const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
-    // the 2-bit pairs of qh moved to bits 4-5 (shifts within 16-bit lanes; the mask drops what
-    // crosses a byte)
-    q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-    q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
-    q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
-    q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
-                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
-  }
+  for (int h = 0; h < 2; ++h) q6k_values(x, h, q + 4 * h);
   const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));  // 0..7 | 8..15
   const __m256i lo = _mm256_permute4x64_epi64(s16, 0x44), hi = _mm256_permute4x64_epi64(s16, 0xEE);
   __m256i sc[8];
@@ -94,19 +95,7 @@ struct TileQ6K {
       const float d = fp16_to_fp32(x.d);
 #ifdef OPENTGI_AVX2
       __m256i q[8];  // values 32k .. 32k + 31 of the superblock, 0..63
-      const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
-        const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
-        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4));
-        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l2, m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4));
-        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4));
-        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
-                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4));
-      }
+      for (int h = 0; h < 2; ++h) q6k_values(x, h, q + 4 * h);
 #else
       uint8_t q[256];
       for (int h = 0; h < 2; ++h) {
@@ -212,20 +201,12 @@ static inline void unpack_q6k16(const BlockQ6_K& x, int16_t* w16) {
 #ifdef OPENTGI_AVX512
   // 32 values a step: sub-blocks 2k and 2k + 1 widened at once, their two scales picked from the
   // sixteen (vpermw)
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   const __m512i off = _mm512_set1_epi16(32);
   const __m512i s16 = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)x.scales)));
   const __m512i pair = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // 0 x16 | 1 x16
   for (int h = 0; h < 2; ++h) {
-    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
-    const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
-    const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
     __m256i q[4];  // values 128h + 32k .. + 31, 0..63
-    q[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-    q[1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
-    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
-    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
-                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+    q6k_values(x, h, q);
     for (int k = 0; k < 4; ++k) {
       const __m512i sc = _mm512_permutexvar_epi16(_mm512_add_epi16(pair, _mm512_set1_epi16(8 * h + 2 * k)), s16);
       _mm512_storeu_si512((void*)(w16 + 128 * h + 32 * k),
@@ -233,17 +214,10 @@ static inline void unpack_q6k16(const BlockQ6_K& x, int16_t* w16) {
     }
   }
 #elif defined(OPENTGI_AVX2)
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi16(32);
+  const __m256i off = _mm256_set1_epi16(32);
   for (int h = 0; h < 2; ++h) {
-    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h));
-    const __m256i l2 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * h + 32));
-    const __m256i hb = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * h));
     __m256i q[4];  // values 128h + 32k .. + 31, 0..63
-    q[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-    q[1] = _mm256_or_si256(_mm256_and_si256(l2, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
-    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(hb, m30));
-    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
-                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+    q6k_values(x, h, q);
     for (int k = 0; k < 4; ++k) {
       const int sub = 8 * h + 2 * k;  // the 16-value sub-block of the low half
       int16_t* o = w16 + 128 * h + 32 * k;
