@@ -250,3 +250,22 @@ def test_bandwidth_mode_sets_each_block_type_beside_the_streaming_read():
     assert stream > 0 and all(gbs > 0 for _, gbs in results)
     table = bench_kernels.bandwidth_table(stream, results)
     assert table.count("\n") == len(results) + 2 and "| native Q6_K 2-pass |" in table
+
+
+def test_kernels_mode_times_each_asked_instruction_set_side_by_side():
+    import torch
+
+    from opentgi.bench import kernels as bench_kernels
+    from opentgi.kernels import native
+
+    native.load("native")
+    torch.set_num_threads(1)
+    best = native.supported_isas()[-1]
+    found = bench_kernels.kernels(64, 256, torch.float32, True, ("scalar", best))
+    assert [n for n in found if n.startswith("native Q4_K")] == [
+        "native Q4_K scalar", "native Q4_K 2-pass scalar", f"native Q4_K {best}", f"native Q4_K 2-pass {best}"]
+    x = torch.randn(3, 256)
+    for name in ("native Q4_1", "native Q6_K 2-pass"):  # each variant's kernel, the same bits
+        assert torch.equal(found[f"{name} scalar"][0](x), found[f"{name} {best}"][0](x))
+    results = bench_kernels.measure(1, torch.float32, True, ("scalar", best))
+    assert f"native Q8_0 {best} (us)" in bench_kernels.table(results)

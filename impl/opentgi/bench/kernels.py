@@ -6,8 +6,8 @@ they build (Q4_1, Q4_K and Q6_K also with `passes=2`, the ~16-bit activations q/
 projections take), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
 and MLP shapes).
 
-`python -m opentgi.bench kernels [--threads N] [--repeats R] [--dtype float32|bfloat16]` prints
-a markdown table of median microseconds per call, and the GB/s of weight bytes each format reads
+`python -m opentgi.bench kernels [--threads N] [--repeats R] [--dtype float32|bfloat16] [--isas
+avx2,avx512]` prints a markdown table of median microseconds per call, and the GB/s of weight bytes each format reads
 at one row. The kernels are timed in turn, round after round, so that load on the machine falls
 on all of them alike.
 
@@ -63,8 +63,10 @@ def _gguf_blocks(qtype, out_features: int, in_features: int) -> np.ndarray:
     return raw.reshape(out_features, -1)
 
 
-def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: bool):
-    """name -> (function of x, bytes of weight it reads)."""
+def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: bool,
+            isas: tuple[str | None, ...] = (None,)):
+    """name -> (function of x, bytes of weight it reads); the native kernels on each of `isas` (None:
+    the best this CPU runs)."""
     import torch.nn.functional as F
     from gguf import GGMLQuantizationType as Q
 
@@ -87,19 +89,22 @@ def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: 
 
         for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):
             blocks = torch.from_numpy(_gguf_blocks(qtype, out_features, in_features))
-            found[f"native {qtype.name}"] = (
-                lambda x, b=blocks, q=int(qtype): native.gguf_mm(x, b, q, out_features), blocks.nbytes)
-            if qtype in (Q.Q4_1, Q.Q4_K, Q.Q6_K):  # ~16-bit activations, as q/k/v and down projections take them
-                found[f"native {qtype.name} 2-pass"] = (
-                    lambda x, b=blocks, q=int(qtype): native.gguf_mm(x, b, q, out_features, passes=2), blocks.nbytes)
+            for isa in isas:
+                on = f" {isa}" if isa else ""
+                found[f"native {qtype.name}{on}"] = (
+                    lambda x, b=blocks, q=int(qtype), i=isa: native.gguf_mm(x, b, q, out_features, i), blocks.nbytes)
+                if qtype in (Q.Q4_1, Q.Q4_K, Q.Q6_K):  # ~16-bit activations, as q/k/v and down projections take them
+                    found[f"native {qtype.name} 2-pass{on}"] = (
+                        lambda x, b=blocks, q=int(qtype), i=isa: native.gguf_mm(x, b, q, out_features, i, passes=2),
+                        blocks.nbytes)
     return found
 
 
-def measure(repeats: int, dtype: torch.dtype, native_ok: bool):
+def measure(repeats: int, dtype: torch.dtype, native_ok: bool, isas: tuple[str | None, ...] = (None,)):
     results = []
     with torch.inference_mode():
         for out_features, in_features in SHAPES:
-            found = kernels(out_features, in_features, dtype, native_ok)
+            found = kernels(out_features, in_features, dtype, native_ok, isas)
             for rows in ROWS:
                 x = torch.randn(rows, in_features).to(dtype)
                 times: dict[str, list[float]] = {name: [] for name in found}
@@ -326,6 +331,9 @@ def main(argv=None) -> None:
     parser.add_argument("--bandwidth", action="store_true",
                         help="one row's weight reads against the host's streaming read bandwidth instead")
     parser.add_argument("--megabytes", type=int, default=512, help="--bandwidth: weights (and the read) in MB")
+    parser.add_argument("--isas", default="",
+                        help="the native kernels on each of these instruction-set variants, side by side "
+                             "(comma-separated, e.g. avx2,avx512; default: the best this CPU runs)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -347,7 +355,12 @@ def main(argv=None) -> None:
         print(f"decode attention, contexts {args.context // 2}-{args.context}, {kv_dtype} cache, CPU us")
         print(attention_table(measure_attention(args.repeats, args.context, dtype, kv_dtype)))
     else:
-        print(table(measure(args.repeats, dtype, path.name == "native")))
+        isas = tuple(args.isas.split(",")) if args.isas else (None,)
+        if args.isas and path.name == "native":
+            missing = [isa for isa in isas if isa not in native.supported_isas()]
+            if missing:
+                raise SystemExit(f"--isas: {', '.join(missing)} not on this CPU (it runs {', '.join(native.supported_isas())})")
+        print(table(measure(args.repeats, dtype, path.name == "native", isas)))
 
 
 if __name__ == "__main__":
