@@ -139,8 +139,30 @@ void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtyp
 #endif
     for (; i < n; ++i) out[i] = fp16_store(load(src, i, dtype));
   } else if (kv_dtype == KV_BF16) {
-    for (; i < n; ++i) ((uint16_t*)dst)[i] = bf16_store(load(src, i, dtype));
+    uint16_t* out = (uint16_t*)dst;
+#ifdef OPENTGI_AVX2
+    if (dtype == ROW_F32) {  // bf16_store's bits, eight at a time: round to nearest even, NaN kept quiet
+      const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), quiet = _mm256_set1_epi32(0x40);
+      const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+      for (; i + 8 <= n; i += 8) {
+        const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps((const float*)src + i));
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)), 16);
+        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, abs_mask), inf);
+        const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(bits, 16), quiet), nan);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i*)(out + i), _mm256_castsi256_si128(packed));
+      }
+    }
+#endif
+    for (; i < n; ++i) out[i] = bf16_store(load(src, i, dtype));
   } else {
+#ifdef OPENTGI_AVX2
+    if (dtype == ROW_BF16)  // bfloat16 is float32's upper half: exact
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_si256((__m256i*)((float*)dst + i),
+                            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)src + i))), 16));
+#endif
     for (; i < n; ++i) ((float*)dst)[i] = load(src, i, dtype);
   }
 }

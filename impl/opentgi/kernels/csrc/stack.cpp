@@ -54,10 +54,13 @@ void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64
                  std::vector<float>& of, std::vector<uint8_t>& act, void* out) {
   const int64_t K = p.K, N = p.N;
   const float* xin = (const float*)x;
-  if (dtype != ROW_F32) {
+  if (dtype != ROW_F32) {  // the rows as float32 (exact), a row a call of the ISA's conversion
     xf.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = ld(x, i, dtype);
-    xin = xf.data();
+    float* f = xf.data();
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) kv_row(isa, f + m * K, KV_F32, (const uint16_t*)x + m * K, dtype, (int)K);
+    });
+    xin = f;
   }
   float* o = (float*)out;
   if (dtype != ROW_F32) {
@@ -68,6 +71,12 @@ void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64
   bool any_bias = false;
   for (const void* b : p.biases) any_bias = any_bias || b != nullptr;
   if (dtype == ROW_F32 && !any_bias) return;
+  if (!any_bias) {  // rounded to the dtype once (to_dtype then st rounds twice: the same bits), a row a call
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) kv_row(isa, (uint16_t*)out + m * N, KV_BF16, o + m * N, ROW_F32, (int)N);
+    });
+    return;
+  }
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j)
