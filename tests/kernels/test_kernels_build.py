@@ -63,6 +63,33 @@ def test_the_avx512_variant_is_built_and_run_exactly_where_the_cpu_has_it(kernel
     assert kernels.isa == native.supported_isas()[-1]
 
 
+def test_a_library_built_on_a_cpu_of_the_other_kind_serves(kernels, monkeypatch, tmp_path):
+    """A Docker image's library, built on a CPU with AVX-512 or without (its ops check the CPU at run
+    time): found without compiling where it holds every variant this CPU runs; where it lacks this
+    CPU's best one, used only when the build here fails (a read-only cache), rather than no library."""
+    cxx = build.compiler()
+    two, three = build.X86_VARIANTS
+    monkeypatch.setattr(build, "variants", lambda: two)  # a CPU without AVX-512
+    with_avx512 = tmp_path / f"opentgi_kernels-{build.cache_key(cxx, three)}.so"
+    with_avx512.write_bytes(b"")
+    found = build.build(tmp_path)
+    assert found.cached and found.path == with_avx512 and found.isas == three
+    with_avx512.unlink()
+    without = tmp_path / f"opentgi_kernels-{build.cache_key(cxx, two)}.so"
+    without.write_bytes(b"")
+    monkeypatch.setattr(build, "variants", lambda: three)  # a CPU with AVX-512 that cannot build here
+
+    def refuse(jobs, parallel):
+        raise build.BuildError("c++ failed on q4_k.cpp: unrecognized command-line option '-mavx512vnni'")
+
+    monkeypatch.setattr(build, "_run_all", refuse)
+    found = build.build(tmp_path)
+    assert found.cached and found.path == without and found.isas == two
+    without.unlink()
+    with pytest.raises(build.BuildError, match="mavx512vnni"):
+        build.build(tmp_path)
+
+
 def test_the_cache_key_follows_the_sources_and_the_flags(kernels, monkeypatch):
     cxx = build.compiler()
     key = build.cache_key(cxx, build.variants())

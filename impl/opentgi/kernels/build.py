@@ -37,6 +37,7 @@ ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c"),
              "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                         "-mavx512vnni")}
 AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # /proc/cpuinfo's names
+X86_VARIANTS = (("scalar", "avx2"), ("scalar", "avx2", "avx512"))  # what variants() builds on x86-64
 TORCH_SOURCES = ("ops.cpp", "moe_ops.cpp", "stack.cpp")  # the torch ops: one translation unit (torch's headers once)
 CACHE_ENV = "OPENTGI_KERNELS_CACHE"
 BUILD_TIMEOUT_S = 300
@@ -145,23 +146,36 @@ def build(directory: Path | None = None) -> Built:
     directory = Path(directory) if directory is not None else cache_dir()
     try:
         key = cache_key(cxx, isas)
+        # the other x86-64 variant set: a library built on a CPU with (or without) AVX-512, as a
+        # Docker image's is, whose ops check the CPU at run time
+        other = next((v for v in X86_VARIANTS if v != isas), None) if isas in X86_VARIANTS else None
+        other_target = directory / f"opentgi_kernels-{cache_key(cxx, other)}.so" if other else None
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"compiler {cxx} unusable: {exc}") from None
     target = directory / f"opentgi_kernels-{key}.so"
     if target.is_file():
         return Built(target, isas, time.perf_counter() - start, True)
-    directory.mkdir(parents=True, exist_ok=True)
-    with _one_builder(directory / f".lock-{key}"):  # a second process waits, then finds the file
-        if target.is_file():
-            return Built(target, isas, time.perf_counter() - start, True)
-        with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
-            out = Path(tmp)
-            _run_all(_jobs(cxx, out, isas), os.cpu_count() or 1)
-            _, link_flags = _torch_flags()
-            linked = out / target.name
-            _run_all([[cxx, "-shared", *sorted(str(p) for p in out.glob("*.o")), "-o", str(linked), *link_flags]],
-                     1)
-            os.rename(linked, target)  # atomic: a reader never sees half a file
+    if other_target is not None and len(other) > len(isas) and other_target.is_file():
+        return Built(other_target, other, time.perf_counter() - start, True)  # every variant this CPU runs
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with _one_builder(directory / f".lock-{key}"):  # a second process waits, then finds the file
+            if target.is_file():
+                return Built(target, isas, time.perf_counter() - start, True)
+            with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
+                out = Path(tmp)
+                _run_all(_jobs(cxx, out, isas), os.cpu_count() or 1)
+                _, link_flags = _torch_flags()
+                linked = out / target.name
+                _run_all([[cxx, "-shared", *sorted(str(p) for p in out.glob("*.o")), "-o", str(linked),
+                           *link_flags]], 1)
+                os.rename(linked, target)  # atomic: a reader never sees half a file
+    except (BuildError, OSError):
+        # not built here (a read-only cache, a compiler without AVX-512): the library without this
+        # CPU's best variant serves with the rest rather than none
+        if other_target is not None and other_target.is_file():
+            return Built(other_target, other, time.perf_counter() - start, True)
+        raise
     return Built(target, isas, time.perf_counter() - start, False)
 
 
