@@ -138,14 +138,14 @@ static inline __m256i reduce8(const __m256i* s) {
 // share lo[p] (their values 0..15 as unsigned bytes, row p in the low half) and hi[p] (values
 // 16..31); pairs of products stay in int16 (the caller bounds them), then two rounds of hadd.
 static inline __m256i pair_sums8(const __m256i* lo, const __m256i* hi, const int8_t* y) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y));
   const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y + 16)));
   __m256i s[4];
 #ifdef OPENTGI_AVX512
-  (void)ones;  // the same lanes: bytes 4i .. 4i + 3 of lo and of hi, exact either way
-  for (int p = 0; p < 4; ++p) s[p] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[p], ylo), hi[p], yhi);
+  // the same lanes (bytes 4i .. 4i + 3 of lo and of hi), exact either way
+  for (int p = 0; p < 4; ++p) s[p] = dot_u8_add(dot_u8_add(_mm256_setzero_si256(), lo[p], ylo), hi[p], yhi);
 #else
+  const __m256i ones = _mm256_set1_epi16(1);  // the pairs added in int16 first: one madd for both halves
   for (int p = 0; p < 4; ++p)
     s[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo[p], ylo), _mm256_maddubs_epi16(hi[p], yhi)), ones);
 #endif
@@ -290,10 +290,6 @@ static inline int64_t lanes_exact(__m256i v) {
   return s;
 }
 
-// Eight weight rows' superblocks unpacked to int16 (w16: 256 values a row, rows 256 apart) against
-// R wide activation rows (x[r]: 256 int16): sums[r][c] = the 8 int32 lanes of row r by weight row c
-// (lanes bounded by the caller). Two weight rows and up to four activation rows a step, their
-// products in registers: each weight and activation vector loaded once a step.
 #ifdef OPENTGI_AVX512
 // 512-bit lanes i and i + 8 added: exact, and lane i then holds what the 256-bit form's lane i
 // holds where the 512-bit form steps over twice the values (values k + 2i, k + 2i + 1 of each
@@ -302,7 +298,13 @@ static inline __m256i fold16(__m512i s) {
   return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
 static inline __m512i join256(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+#endif
 
+// Eight weight rows' superblocks unpacked to int16 (w16: 256 values a row, rows 256 apart) against
+// R wide activation rows (x[r]: 256 int16): sums[r][c] = the 8 int32 lanes of row r by weight row c
+// (lanes bounded by the caller). Two weight rows and up to four activation rows a step, their
+// products in registers: each weight and activation vector loaded once a step.
+#ifdef OPENTGI_AVX512
 // wide_dots8 in 512-bit steps (VNNI's multiply-add): four weight rows and up to four activation
 // rows a step, sixteen sums in registers; sums[r][c] lane by lane the 256-bit form's (fold16).
 template <int R>
