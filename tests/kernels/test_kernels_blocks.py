@@ -72,8 +72,8 @@ def test_bfloat16_rows_give_the_float32_result_rounded(kernels, qtype):
 
 
 def test_the_paths_agree(kernels):
-    """Every type adds one exact integer sum a (super)block in order on every path, eight outputs at
-    once or one (44 outputs: both), against 8-bit activations and (passes=2) 16-bit ones or two
+    """Every type adds one exact integer sum a (super)block in order on every path, sixteen or eight
+    outputs at once or one (44 outputs: each), against 8-bit activations and (passes=2) 16-bit ones or two
     8-bit passes: the same bits, and a row's bits whatever the tile of rows it is computed in (11
     rows: a tile of eight and three; a row alone)."""
     isas = native.supported_isas()
@@ -92,7 +92,7 @@ def test_wide_rows_in_l2_sized_blocks_keep_their_bits(kernels):
     short last block; every row has its bits alone and on every path."""
     isas = native.supported_isas()
     for qtype in WIDE:
-        raw = random_blocks(qtype, 12, 4096, seed=11)
+        raw = random_blocks(qtype, 28, 4096, seed=11)
         x = rows(21, 4096, seed=12)
         results = [mm(x, raw, qtype, isa, 2) for isa in isas]
         for other in results[1:]:
@@ -112,14 +112,14 @@ CASES = [(qtype, fills) for qtype, fills in EXTREMES.items()] + [(Q.Q6_K, ((0, 1
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize(("qtype", "fills"), CASES, ids=[f"{q.name}-{i}" for i, (q, _) in enumerate(CASES)])
 def test_largest_weights_against_full_scale_activations_do_not_saturate(kernels, qtype, fills, passes):
-    """Twelve outputs (eight at once, four alone; float16 scales of either sign) of the largest
+    """28 outputs (sixteen at once, eight, four alone; float16 scales of either sign) of the largest
     weights against full-scale activations (+-127; +-16383 or +-32767 wide, where Q6_K's int32
     lanes have the least room): within the rounding bound, equal on every path and row by row."""
     k = 512
-    raw = random_blocks(qtype, 12, k, seed=9).reshape(12, k // native.BLOCK_TYPES[qtype][1], -1)
+    raw = random_blocks(qtype, 28, k, seed=9).reshape(28, k // native.BLOCK_TYPES[qtype][1], -1)
     for start, end, value in fills:
         raw[..., start:end] = value
-    raw = raw.reshape(12, -1)
+    raw = raw.reshape(28, -1)
     x = torch.ones(3, k)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs: +-127 in every block

@@ -12,6 +12,16 @@ struct HasRun8 { static constexpr bool value = false; };
 template <class Tile>
 struct HasRun8<Tile, decltype((void)Tile::has_run8)> { static constexpr bool value = Tile::has_run8; };
 
+// Tiles with a sixteen-output form (AVX-512) say from how many activation rows it is the faster one
+// (Tile::run16_from; below it, the weights arrive too slowly for sixteen rows' streams at once).
+template <class Tile, class = void>
+struct HasRun16 { static constexpr bool value = false; static constexpr int from = 0; };
+template <class Tile>
+struct HasRun16<Tile, decltype((void)Tile::run16_from)> {
+  static constexpr bool value = true;
+  static constexpr int from = Tile::run16_from;
+};
+
 template <class Tile, class = void>
 struct TileRows { static constexpr int value = 4; };
 
@@ -41,53 +51,58 @@ static inline void run_one(const uint8_t* w, size_t row_bytes, const uint8_t* ac
                         out + (size_t)m0 * ldo + n, ldo);
 }
 
-// rows m0 .. m0 + R - 1 against outputs n .. n + 7 (Tile::run8<R>: eight weight rows at once, one
-// output a float lane, each lane by exactly run<R>'s arithmetic, so the same bits)
-template <class Tile, int R>
-static inline void run_eight(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int m0,
-                             int n, int K, float* out, int ldo) {
-  Tile::template run8<R>(w + (size_t)n * row_bytes, row_bytes, act + m0 * act_row_bytes, act_row_bytes, K,
-                         out + (size_t)m0 * ldo + n, ldo);
-}
-
-// the last rows (R or fewer) of the tiles
-template <class Tile, bool Eight, int R>
-static inline void rows_rest(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int rest,
-                             int m, int n, int K, float* out, int ldo) {
-  if constexpr (R > 0) {
-    if (rest == R) {
-      if constexpr (Eight) run_eight<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
-      else run_one<Tile, R>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
-    } else {
-      rows_rest<Tile, Eight, R - 1>(w, row_bytes, act, act_row_bytes, rest, m, n, K, out, ldo);
-    }
+// rows m0 .. m0 + R - 1 against outputs n .. n + W - 1: W = 1 (Tile::run<R>), 8 (Tile::run8<R>: eight
+// weight rows at once, one output a float lane) or 16 (Tile::run16<R>, AVX-512: sixteen), each lane
+// by exactly run<R>'s arithmetic, so the same bits whichever form computes an output
+template <class Tile, int R, int W>
+static inline void run_at(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int m0,
+                          int n, int K, float* out, int ldo) {
+  const uint8_t* a = act + m0 * act_row_bytes;
+  float* o = out + (size_t)m0 * ldo + n;
+  if constexpr (W == 1) {
+    Tile::template run<R>(w + (size_t)n * row_bytes, a, act_row_bytes, K, o, ldo);
+  } else if constexpr (W == 8) {
+    Tile::template run8<R>(w + (size_t)n * row_bytes, row_bytes, a, act_row_bytes, K, o, ldo);
+  } else {
+    Tile::template run16<R>(w + (size_t)n * row_bytes, row_bytes, a, act_row_bytes, K, o, ldo);
   }
 }
 
-// every row tile of up to four (TileRows) rows against one output, or (Eight) against outputs n .. n + 7
-template <class Tile, bool Eight>
+// the last rows (R or fewer) of the tiles
+template <class Tile, int W, int R>
+static inline void rows_rest(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int rest,
+                             int m, int n, int K, float* out, int ldo) {
+  if constexpr (R > 0) {
+    if (rest == R) run_at<Tile, R, W>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+    else rows_rest<Tile, W, R - 1>(w, row_bytes, act, act_row_bytes, rest, m, n, K, out, ldo);
+  }
+}
+
+// every row tile of up to four (TileRows) rows against outputs n .. n + W - 1
+template <class Tile, int W>
 static inline void rows_against(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes, int M,
                                 int n, int K, float* out, int ldo) {
   constexpr int T = TileRows<Tile>::value;
   int m = 0;
-  for (; m + T <= M; m += T) {
-    if constexpr (Eight) run_eight<Tile, T>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
-    else run_one<Tile, T>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
-  }
-  rows_rest<Tile, Eight, T - 1>(w, row_bytes, act, act_row_bytes, M - m, m, n, K, out, ldo);
+  for (; m + T <= M; m += T) run_at<Tile, T, W>(w, row_bytes, act, act_row_bytes, m, n, K, out, ldo);
+  rows_rest<Tile, W, T - 1>(w, row_bytes, act, act_row_bytes, M - m, m, n, K, out, ldo);
 }
 
-// Outputs n0 .. n1 - 1 of every row: eight outputs at a time where the tile has an eight-output
-// form (Tile::run8), the rest one at a time; a weight row (or eight) is loaded once per tile of
-// four activation rows and stays in L1 across the tiles.
+// Outputs n0 .. n1 - 1 of every row: sixteen or eight outputs at a time where the tile has such a
+// form (Tile::run16, Tile::run8), the rest one at a time; a weight row (or eight, or sixteen) is
+// loaded once per tile of activation rows and stays in L1 across the tiles.
 template <class Tile>
 static inline void drive_rows(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,
                               int M, int n0, int n1, int K, float* out, int ldo) {
   int n = n0;
-  if constexpr (HasRun8<Tile>::value) {
-    for (; n + 8 <= n1; n += 8) rows_against<Tile, true>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
+  if constexpr (HasRun16<Tile>::value) {
+    if (M >= HasRun16<Tile>::from)
+      for (; n + 16 <= n1; n += 16) rows_against<Tile, 16>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
   }
-  for (; n < n1; ++n) rows_against<Tile, false>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
+  if constexpr (HasRun8<Tile>::value) {
+    for (; n + 8 <= n1; n += 8) rows_against<Tile, 8>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
+  }
+  for (; n < n1; ++n) rows_against<Tile, 1>(w, row_bytes, act, act_row_bytes, M, n, K, out, ldo);
 }
 
 template <class Tile>
@@ -154,9 +169,10 @@ static inline __m256i pair_sums8(const __m256i* lo, const __m256i* hi, const int
 
 // The next eight weight rows follow eight being computed: a few of their cache lines a block (of nb
 // in a row), so they are in L1 when their turn comes.
+template <int N = 8>
 static inline void prefetch_next8(const uint8_t* rows8, size_t row_bytes, int b, int nb) {
-  const uint8_t* next = rows8 + 8 * row_bytes;
-  const int lines = (int)((8 * row_bytes + 63) / 64), per_block = (lines + nb - 1) / nb;
+  const uint8_t* next = rows8 + N * row_bytes;
+  const int lines = (int)((N * row_bytes + 63) / 64), per_block = (lines + nb - 1) / nb;
   for (int i = 0; i < per_block; ++i) _mm_prefetch((const char*)next + 64 * (b * per_block + i), _MM_HINT_T0);
 }
 
@@ -298,6 +314,45 @@ static inline __m256i fold16(__m512i s) {
   return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
 static inline __m512i join256(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+// Sixteen rows' 16 bytes (at base + c * row_bytes) as four vectors of one 32-bit word a row: t[g]'s
+// lane c holds bytes 4g .. 4g + 3 of row c (loaded four rows a vector, then a 4x4 transpose of
+// words in each 128-bit lane).
+static inline void words16(const uint8_t* base, size_t row_bytes, __m512i* t) {
+  __m512i a[4];  // a[j]'s 128-bit lane q: row j + 4q
+  for (int j = 0; j < 4; ++j) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(base + j * row_bytes)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(base + (j + 4) * row_bytes)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(base + (j + 8) * row_bytes)), 2);
+    a[j] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(base + (j + 12) * row_bytes)), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+  t[0] = _mm512_unpacklo_epi64(t0, t2);
+  t[1] = _mm512_unpackhi_epi64(t0, t2);
+  t[2] = _mm512_unpacklo_epi64(t1, t3);
+  t[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// Sixteen rows' first 32-bit word (at base + c * row_bytes), row c in lane c.
+static inline __m512i header16(const uint8_t* base, size_t row_bytes) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32((int)row_bytes));
+  return _mm512_i32gather_epi32(at, (const void*)base, 1);
+}
+
+// The float16 in the low (High = false) or high half of sixteen 32-bit lanes, as floats.
+template <bool High>
+static inline __m512 fp16_lanes16(__m512i w) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(High ? _mm512_srli_epi32(w, 16) : w));
+}
+
+// The 32-bit word at p, in every lane.
+static inline __m512i word_all(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 #endif
 
 // Eight weight rows' superblocks unpacked to int16 (w16: 256 values a row, rows 256 apart) against
