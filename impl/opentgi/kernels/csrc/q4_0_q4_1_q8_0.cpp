@@ -323,11 +323,7 @@ struct Tile32Wide {
     const __m512i mask = _mm512_set1_epi8(0x0F), off = _mm512_set1_epi16(Kind == 0 ? 8 : 0);
     // bytes 0, 1 (pair 2g) or 2, 3 (pair 2g + 1) of each word to int16: zero-extended into the low
     // byte (nibbles), or into the high byte then shifted back with the sign (Q8_0)
-    const __m512i pick0 = Kind == 2 ? _mm512_broadcast_i32x4(_mm_setr_epi8(-128, 0, -128, 1, -128, 4, -128, 5, -128, 8,
-                                                                           -128, 9, -128, 12, -128, 13))
-                                    : _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 1, -128, 4, -128, 5, -128, 8, -128,
-                                                                           9, -128, 12, -128, 13, -128));
-    const __m512i pick1 = _mm512_add_epi8(pick0, _mm512_set1_epi32(Kind == 2 ? 0x02000200 : 0x00020002));
+    const __m512i pick0 = pair_pick<0, Kind == 2>(), pick1 = pair_pick<1, Kind == 2>();
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
       prefetch_next8<16>(wr, row_bytes, b, nb);

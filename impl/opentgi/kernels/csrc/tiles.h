@@ -347,6 +347,30 @@ static inline __m512 fp16_lanes16(__m512i w) {
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(High ? _mm512_srli_epi32(w, 16) : w));
 }
 
+// A shuffle control taking bytes 2H and 2H + 1 of each 32-bit word to its two 16-bit halves: into
+// their low bytes (zero-extended) or (IntoHigh) their high bytes, which an arithmetic shift by 8
+// then sign-extends.
+template <int H, bool IntoHigh>
+static inline __m512i pair_pick() {
+  alignas(16) int8_t c[16];
+  for (int w = 0; w < 4; ++w)
+    for (int i = 0; i < 2; ++i) {
+      c[4 * w + 2 * i + (IntoHigh ? 1 : 0)] = (int8_t)(4 * w + 2 * H + i);
+      c[4 * w + 2 * i + (IntoHigh ? 0 : 1)] = -128;
+    }
+  return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)c));
+}
+
+// float(128 * hi + lo) lane by lane, exact until the one rounding: exact_combine8's sixteen lanes
+static inline __m512 exact_combine16(__m512i hi, __m512i lo) {
+  const __m512d k = _mm512_set1_pd(128.0);
+  const __m512d a = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(hi)), k),
+                                  _mm512_cvtepi32_pd(_mm512_castsi512_si256(lo)));
+  const __m512d b = _mm512_add_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(hi, 1)), k),
+                                  _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(lo, 1)));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(a)), _mm512_cvtpd_ps(b), 1);
+}
+
 // The 32-bit word at p, in every lane.
 static inline __m512i word_all(const void* p) {
   int32_t v;
