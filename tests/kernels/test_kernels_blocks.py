@@ -120,17 +120,19 @@ def test_largest_weights_against_full_scale_activations_do_not_saturate(kernels,
     for start, end, value in fills:
         raw[..., start:end] = value
     raw = raw.reshape(28, -1)
-    x = torch.ones(4, k)
+    x = torch.ones(6, k)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs: +-127 in every block
-    x[3, 1::2] = -1.0  # (four rows: every many-row form)
+    x[3, 1::2] = -1.0  # (six rows: every many-row form)
+    x[4, ::4] = -1.0
+    x[5, 2::4] = -1.0
     want, bound = reference(raw, qtype, x, passes)
     results = [mm(x, raw, qtype, isa, passes) for isa in native.supported_isas()]
     for got in results:
         assert ((got.double() - want).abs() <= bound).all(), qtype.name
     for other in results[1:]:
         assert torch.equal(other, results[0]), qtype.name
-    for i in range(4):  # a row alone (the wide kernels' one-row form)
+    for i in range(6):  # a row alone (the wide kernels' one-row form)
         assert torch.equal(mm(x[i:i + 1], raw, qtype, None, passes), results[0][i:i + 1]), qtype.name
 
 

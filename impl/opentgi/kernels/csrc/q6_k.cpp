@@ -260,7 +260,7 @@ struct TileQ6K {
   // Sixteen weight rows at once, row c's exact total in int32 lane c (q6k_totals16), then run8's
   // float arithmetic lane by lane. (The wide form keeps its int16 weights: against byte halves,
   // twice the products, it measured slower from eight rows on.)
-  static constexpr int run16_from = 4;
+  static constexpr int run16_from = 6;
   template <int R>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
