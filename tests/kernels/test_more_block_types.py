@@ -104,10 +104,10 @@ def extreme_blocks(qtype: Q, n: int, k: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", NEW, ids=lambda q: q.name)
 def test_largest_weights_against_full_scale_activations_do_not_saturate(kernels, qtype):
     k = 512
-    raw = extreme_blocks(qtype, 8, k)  # eight outputs: AVX2's eight-row form too
+    raw = extreme_blocks(qtype, 24, k)  # 24 outputs: the sixteen- and eight-output forms too
     if qtype == Q.Q3_K:  # also the other extreme: ql = 0 and hmask 0, q - 4 = -4
         raw = np.concatenate([raw, raw.copy()])
-        raw.reshape(16, k // 256, 110)[8:, :, 32:96] = 0
+        raw.reshape(48, k // 256, 110)[24:, :, 32:96] = 0
     x = torch.ones(3, k)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs: +-127 in every block

@@ -71,65 +71,6 @@ static inline void q4k_dots8(const uint8_t* base, size_t row_bytes, const int16_
 #endif
 #endif
 
-#ifdef OPENTGI_AVX512
-// Sixteen Q4_K superblocks' headers (at base + c * row_bytes), row c in lane c: d and dmin, the
-// scales as int32 (sc[j]: sub-block j), the mins' bytes (mn_lo: sub-blocks 0..3, mn_hi: 4..7; byte
-// k of a lane is sub-block k's) by get_scale_min_k4 on 32-bit words (kquant_headers8's).
-struct Q4KHeaders16 {
-  __m512 d, dmin;
-  __m512i sc[8], mn_lo, mn_hi;
-  Q4KHeaders16(const uint8_t* base, size_t row_bytes) {
-    const __m512i head = header16(base, row_bytes);
-    d = fp16_lanes16<false>(head);
-    dmin = fp16_lanes16<true>(head);
-    const __m512i u0 = header16(base + 4, row_bytes), u1 = header16(base + 8, row_bytes),
-                  u2 = header16(base + 12, row_bytes);
-    const __m512i k1 = _mm512_set1_epi32(0x3F3F3F3F), k2 = _mm512_set1_epi32(0x0F0F0F0F),
-                  k3 = _mm512_set1_epi32(0x03030303), byte = _mm512_set1_epi32(0xFF);
-    const __m512i sc_lo = _mm512_and_si512(u0, k1);
-    const __m512i sc_hi = _mm512_or_si512(_mm512_and_si512(u2, k2),
-                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4));
-    mn_lo = _mm512_and_si512(u1, k1);
-    mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
-                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4));
-    for (int j = 0; j < 4; ++j) {
-      sc[j] = _mm512_and_si512(_mm512_srli_epi32(sc_lo, 8 * j), byte);
-      sc[j + 4] = _mm512_and_si512(_mm512_srli_epi32(sc_hi, 8 * j), byte);
-    }
-  }
-};
-
-// Sixteen weight rows' superblocks (at base + c * row_bytes) against N streams of 256 activation
-// bytes (ActQ8K's order, or a wide row's byte halves), N <= 8: total[i] lane c = row c's exact
-// sum_j sc_j * dot_j (|.| <= 8 * 63 * 32 * 15 * 128 < 2^25), the q4k_dots8 integer. The rows'
-// nibbles are transposed 32 bytes at a time (VNNI's four bytes a lane: w[g] lane c holds values
-// 32j + 4g .. + 3 of row c), then each sub-block's dot by VNNI against the stream's four bytes
-// broadcast, no horizontal sums.
-template <int N>
-static inline void q4k_totals16(const uint8_t* base, size_t row_bytes, const __m512i* sc, const int8_t* const* ys,
-                                __m512i* total) {
-  static_assert(N <= 8, "every sum in registers");
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_si512();
-  for (int h = 0; h < 4; ++h) {  // 32 bytes of nibbles: sub-blocks 2h (low) and 2h + 1 (high)
-    __m512i t[8];
-    words16(base + offsetof(BlockQ4_K, qs) + 32 * h, row_bytes, t);
-    words16(base + offsetof(BlockQ4_K, qs) + 32 * h + 16, row_bytes, t + 4);
-    for (int half = 0; half < 2; ++half) {
-      const int j = 2 * h + half;
-      __m512i w[8];
-      for (int g = 0; g < 8; ++g) w[g] = _mm512_and_si512(half ? _mm512_srli_epi16(t[g], 4) : t[g], mask);
-      for (int i = 0; i < N; ++i) {
-        const int8_t* yq = ys[i] + 32 * j;
-        __m512i dot = _mm512_setzero_si512();
-        for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, w[g], word_all(yq + 4 * g));
-        total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(dot, sc[j]));
-      }
-    }
-  }
-}
-#endif
-
 struct TileQ4K {
   template <int R>
   static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
@@ -227,9 +168,8 @@ struct TileQ4K {
   }
 
 #ifdef OPENTGI_AVX512
-  // Sixteen weight rows at once, row c's exact sums in int32 lane c (q4k_totals16; the mins term by
-  // VNNI's 16-bit multiply-add, the rows' mins as int16 pairs against the pair sums of bsums): the
-  // same integers as run8's, then its float arithmetic lane by lane.
+  // Sixteen weight rows at once, row c's exact sums in int32 lane c (kquant_totals16, kquant_mins16):
+  // the same integers as run8's, then its float arithmetic lane by lane.
   static constexpr int run16_from = 2;
   template <int R>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
@@ -238,25 +178,19 @@ struct TileQ4K {
     const ActQ8K* a[R];
     alignas(64) float acc[R][16] = {}, accm[R][16] = {};  // in memory: the registers go to the products
     for (int r = 0; r < R; ++r) a[r] = (const ActQ8K*)(act + r * stride);
-    const __m512i pick0 = pair_pick<0, false>(), pick1 = pair_pick<1, false>();
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
       prefetch_next8<16>(wr, row_bytes, b, nb);
-      Q4KHeaders16 hd(base, row_bytes);
-      const __m512i mpair[4] = {_mm512_shuffle_epi8(hd.mn_lo, pick0), _mm512_shuffle_epi8(hd.mn_lo, pick1),
-                                _mm512_shuffle_epi8(hd.mn_hi, pick0), _mm512_shuffle_epi8(hd.mn_hi, pick1)};
+      const KQuantHeaders16 hd(base, row_bytes);
+      __m512i mpair[4];
+      hd.min_pairs(mpair);
       const int8_t* ys[R];
       for (int r = 0; r < R; ++r) ys[r] = a[r][b].qs;
       __m512i total[R];
-      q4k_totals16<R>(base, row_bytes, hd.sc, ys, total);
+      kquant_totals16<R, false>(base + offsetof(BlockQ4_K, qs), nullptr, row_bytes, hd.sc, ys, total);
       for (int r = 0; r < R; ++r) {
         const ActQ8K& y = a[r][b];
-        // the sub-blocks' activation sums (|.| <= 32 * 127) as int16, pairs of them a word
-        alignas(16) int16_t pairs[8];
-        const __m256i p = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)y.bsums), _mm256_set1_epi16(1));
-        _mm_store_si128((__m128i*)pairs, _mm_packs_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
-        __m512i mn = _mm512_setzero_si512();
-        for (int k = 0; k < 4; ++k) mn = _mm512_dpwssd_epi32(mn, mpair[k], word_all(pairs + 2 * k));
+        const __m512i mn = kquant_mins16(mpair, y.bsums);
         const __m512 yd = _mm512_set1_ps(y.d);
         _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]),
                                               _mm512_mul_ps(_mm512_mul_ps(hd.d, yd), _mm512_cvtepi32_ps(total[r]))));
@@ -443,7 +377,7 @@ struct TileQ4KWide {
 
 #ifdef OPENTGI_AVX512
   // Sixteen weight rows at once: the weights' nibbles against each activation row's byte halves
-  // (hi, lo) as TileQ4K::run16 forms them (q4k_totals16), the total 128 * hi + lo exact until
+  // (hi, lo) as TileQ4K::run16 forms them (kquant_totals16), the total 128 * hi + lo exact until
   // rounded once; the mins term sum_j m_j * sums_j exact in int32 (< 2^28): run8's integers and
   // float arithmetic lane by lane.
   static constexpr int run16_from = 2;
@@ -468,7 +402,7 @@ struct TileQ4KWide {
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
       prefetch_next8<16>(wr, row_bytes, b, nb);
-      Q4KHeaders16 hd(base, row_bytes);
+      KQuantHeaders16 hd(base, row_bytes);
       const int8_t* ys[2 * R];  // row r's high bytes at 2r, low bytes at 2r + 1
       for (int r = 0; r < R; ++r) {
         const ActQ16KBytes& yb = ((const ActQ16KBytes*)(a[r] + nb))[b];
@@ -476,7 +410,7 @@ struct TileQ4KWide {
         ys[2 * r + 1] = yb.lo;
       }
       __m512i total[2 * R];
-      q4k_totals16<2 * R>(base, row_bytes, hd.sc, ys, total);
+      kquant_totals16<2 * R, false>(base + offsetof(BlockQ4_K, qs), nullptr, row_bytes, hd.sc, ys, total);
       __m512i mn[8];  // row c's min of sub-block j in lane c
       for (int j = 0; j < 4; ++j) {
         mn[j] = _mm512_and_si512(_mm512_srli_epi32(hd.mn_lo, 8 * j), byte);
