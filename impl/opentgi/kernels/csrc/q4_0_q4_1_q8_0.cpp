@@ -10,6 +10,25 @@
 namespace opentgi {
 namespace {
 
+#ifdef OPENTGI_AVX512
+// Sixteen rows' blocks (at base + c * row_bytes) of Q4_0 / Q4_1 / Q8_0 (Kind 0, 1, 2): w[g] lane c
+// holds values 4g .. 4g + 3 of row c as bytes (the nibbles, or Q8_0's signed bytes), g < 8.
+template <int Kind>
+static inline void values16(const uint8_t* base, size_t row_bytes, __m512i* w) {
+  constexpr int qs_at = Kind == 1 ? 4 : 2;
+  words16(base + qs_at, row_bytes, w);
+  if constexpr (Kind == 2) {
+    words16(base + qs_at + 16, row_bytes, w + 4);
+  } else {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; ++g) {
+      w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
+      w[g] = _mm512_and_si512(w[g], mask);
+    }
+  }
+}
+#endif
+
 template <class Block, int Kind>  // Kind: 0 Q4_0, 1 Q4_1, 2 Q8_0
 struct Tile32 {
   template <int R>
@@ -156,7 +175,6 @@ struct Tile32 {
   template <int R>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
-    constexpr int qs_at = Kind == 1 ? 4 : 2;
     const int nb = K / QK;
     const ActQ8* a[R];
     __m512 acc[R];
@@ -165,23 +183,16 @@ struct Tile32 {
       a[r] = (const ActQ8*)(act + r * stride);
       acc[r] = _mm512_setzero_ps();
     }
-    const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
       prefetch_next8<16>(wr, row_bytes, b, nb);
       const __m512i head = header16(base, row_bytes);
       const __m512 dv = fp16_lanes16<false>(head);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as unsigned bytes
-      words16(base + qs_at, row_bytes, w);
-      if constexpr (Kind == 2) {
-        words16(base + qs_at + 16, row_bytes, w + 4);
+      values16<Kind>(base, row_bytes, w);
+      if constexpr (Kind == 2)
         for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(w[g], flip);
-      } else {
-        for (int g = 0; g < 4; ++g) {
-          w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
-          w[g] = _mm512_and_si512(w[g], mask);
-        }
-      }
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
         __m512i sum = _mm512_setzero_si512();
@@ -315,12 +326,11 @@ struct Tile32Wide {
   template <int R>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
-    constexpr int qs_at = Kind == 1 ? 4 : 2;
     const int nb = K / QK;
     const ActQ16* a[R];
     alignas(64) float acc[R][16] = {}, mins[R][16] = {};  // in memory: the registers go to the products
     for (int r = 0; r < R; ++r) a[r] = (const ActQ16*)(act + r * stride);
-    const __m512i mask = _mm512_set1_epi8(0x0F), off = _mm512_set1_epi16(Kind == 0 ? 8 : 0);
+    const __m512i off = _mm512_set1_epi16(Kind == 0 ? 8 : 0);
     // bytes 0, 1 (pair 2g) or 2, 3 (pair 2g + 1) of each word to int16: zero-extended into the low
     // byte (nibbles), or into the high byte then shifted back with the sign (Q8_0)
     const __m512i pick0 = pair_pick<0, Kind == 2>(), pick1 = pair_pick<1, Kind == 2>();
@@ -330,15 +340,7 @@ struct Tile32Wide {
       const __m512i head = header16(base, row_bytes);
       const __m512 dv = fp16_lanes16<false>(head);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as bytes
-      words16(base + qs_at, row_bytes, w);
-      if constexpr (Kind == 2) {
-        words16(base + qs_at + 16, row_bytes, w + 4);
-      } else {
-        for (int g = 0; g < 4; ++g) {
-          w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
-          w[g] = _mm512_and_si512(w[g], mask);
-        }
-      }
+      values16<Kind>(base, row_bytes, w);
       __m512i w16[16];
       for (int g = 0; g < 8; ++g) {
         w16[2 * g] = _mm512_shuffle_epi8(w[g], pick0);

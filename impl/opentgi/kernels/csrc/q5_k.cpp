@@ -135,41 +135,15 @@ struct TileQ5K {
   }
 
 #ifdef OPENTGI_AVX512
-  // Sixteen weight rows at once, as TileQ4K::run16 (kquant_totals16 with the fifth bits,
-  // kquant_mins16): run8's integers and float arithmetic lane by lane. Tiles of eight activation
-  // rows here (AVX-512's registers).
+  // Sixteen weight rows at once (kquant_run16 with the fifth bits): run8's integers and float
+  // arithmetic lane by lane. Tiles of eight activation rows here (AVX-512's registers).
   static constexpr int rows = BYTE_TILE_ROWS;
   static constexpr int run16_from = 2;
   template <int R>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
-    const int nb = K / QK_K;
-    const ActQ8K* a[R];
-    alignas(64) float acc[R][16] = {}, accm[R][16] = {};  // in memory: the registers go to the products
-    for (int r = 0; r < R; ++r) a[r] = (const ActQ8K*)(act + r * stride);
-    for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ5_K);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
-      const KQuantHeaders16 hd(base, row_bytes);
-      __m512i mpair[4];
-      hd.min_pairs(mpair);
-      const int8_t* ys[R];
-      for (int r = 0; r < R; ++r) ys[r] = a[r][b].qs;
-      __m512i total[R];
-      kquant_totals16<R, true>(base + offsetof(BlockQ5_K, qs), base + offsetof(BlockQ5_K, qh), row_bytes, hd.sc, ys,
-                               total);
-      for (int r = 0; r < R; ++r) {
-        const ActQ8K& y = a[r][b];
-        const __m512i mn = kquant_mins16(mpair, y.bsums);
-        const __m512 yd = _mm512_set1_ps(y.d);
-        _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]),
-                                              _mm512_mul_ps(_mm512_mul_ps(hd.d, yd), _mm512_cvtepi32_ps(total[r]))));
-        _mm512_store_ps(accm[r], _mm512_add_ps(_mm512_load_ps(accm[r]),
-                                               _mm512_mul_ps(_mm512_mul_ps(hd.dmin, yd), _mm512_cvtepi32_ps(mn))));
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(out + r * ldo, _mm512_sub_ps(_mm512_load_ps(acc[r]), _mm512_load_ps(accm[r])));
+    kquant_run16<R, true>(wr, row_bytes, sizeof(BlockQ5_K), offsetof(BlockQ5_K, qs), offsetof(BlockQ5_K, qh), act,
+                          stride, K, out, ldo);
   }
 #endif
 #endif

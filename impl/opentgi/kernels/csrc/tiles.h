@@ -466,6 +466,41 @@ static inline void kquant_totals16(const uint8_t* qs, const uint8_t* qh, size_t 
     }
   }
 }
+
+// Sixteen Q4_K (Fifth: Q5_K) outputs against R <= 8 activation rows (ActQ8K), row c in lane c:
+// per superblock the exact totals (kquant_totals16) and mins (kquant_mins16), then the
+// eight-output forms' two float products, acc - accm at the end. Blocks of block_bytes; qs_at,
+// qh_at: the nibbles' and the fifth bits' offsets in a block.
+template <int R, bool Fifth>
+static inline void kquant_run16(const uint8_t* wr, size_t row_bytes, size_t block_bytes, size_t qs_at, size_t qh_at,
+                                const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+  const int nb = K / QK_K;
+  const ActQ8K* a[R];
+  alignas(64) float acc[R][16] = {}, accm[R][16] = {};  // in memory: the registers go to the products
+  for (int r = 0; r < R; ++r) a[r] = (const ActQ8K*)(act + r * stride);
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* base = wr + (size_t)b * block_bytes;
+    prefetch_next8<16>(wr, row_bytes, b, nb);
+    const KQuantHeaders16 hd(base, row_bytes);
+    __m512i mpair[4];
+    hd.min_pairs(mpair);
+    const int8_t* ys[R];
+    for (int r = 0; r < R; ++r) ys[r] = a[r][b].qs;
+    __m512i total[R];
+    kquant_totals16<R, Fifth>(base + qs_at, base + qh_at, row_bytes, hd.sc, ys, total);
+    for (int r = 0; r < R; ++r) {
+      const ActQ8K& y = a[r][b];
+      const __m512i mn = kquant_mins16(mpair, y.bsums);
+      const __m512 yd = _mm512_set1_ps(y.d);
+      _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]),
+                                            _mm512_mul_ps(_mm512_mul_ps(hd.d, yd), _mm512_cvtepi32_ps(total[r]))));
+      _mm512_store_ps(accm[r], _mm512_add_ps(_mm512_load_ps(accm[r]),
+                                             _mm512_mul_ps(_mm512_mul_ps(hd.dmin, yd), _mm512_cvtepi32_ps(mn))));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * ldo, _mm512_sub_ps(_mm512_load_ps(acc[r]), _mm512_load_ps(accm[r])));
+}
 #endif
 
 // Eight weight rows' superblocks unpacked to int16 (w16: 256 values a row, rows 256 apart) against
