@@ -177,36 +177,31 @@ struct Tile32 {
                            float* out, int ldo) {
     const int nb = K / QK;
     const ActQ8* a[R];
-    __m512 acc[R];
-    alignas(64) float mins[R][16] = {};  // in memory: the registers go to the weights and the sums
+    __m512 acc[R], mins[R];
     for (int r = 0; r < R; ++r) {
       a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = _mm512_setzero_ps();
+      acc[r] = mins[r] = _mm512_setzero_ps();
     }
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
       prefetch_next8<16>(wr, row_bytes, b, nb);
       const __m512i head = header16(base, row_bytes);
-      const __m512 dv = fp16_lanes16<false>(head);
+      const __m512 dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as unsigned bytes
       values16<Kind>(base, row_bytes, w);
       if constexpr (Kind == 2)
         for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(w[g], flip);
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
-        __m512i sum = _mm512_setzero_si512();
+        // Q4_0's -8 * sum(y) and Q8_0's -128 * sum(y) as the sum's start
+        __m512i sum = Kind == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32((Kind == 0 ? -8 : -128) * y.sum);
         for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
-        if constexpr (Kind != 1) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32((Kind == 0 ? 8 : 128) * y.sum));
         acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum)));
-        if constexpr (Kind == 1) {
-          const __m512 m = _mm512_mul_ps(fp16_lanes16<true>(head), _mm512_set1_ps(y.d * (float)y.sum));
-          _mm512_store_ps(mins[r], _mm512_add_ps(_mm512_load_ps(mins[r]), m));
-        }
+        if constexpr (Kind == 1) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(mv, _mm512_set1_ps(y.d * (float)y.sum)));
       }
     }
-    for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(out + r * ldo, Kind == 1 ? _mm512_add_ps(acc[r], _mm512_load_ps(mins[r])) : acc[r]);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, Kind == 1 ? _mm512_add_ps(acc[r], mins[r]) : acc[r]);
   }
 #endif
 #endif

@@ -87,8 +87,10 @@ struct Q6KHeaders16 {
   Q6KHeaders16(const uint8_t* base, size_t row_bytes) {
     d = fp16_lanes16<true>(header16(base + offsetof(BlockQ6_K, d) - 2, row_bytes));  // scales 14, 15 | d
     const __m512i pick0 = pair_pick<0, true>(), pick1 = pair_pick<1, true>();
+    __m512i words[4];  // scales 4m .. 4m + 3 in words[m]
+    words16(base + offsetof(BlockQ6_K, scales), row_bytes, words);
     for (int m = 0; m < 4; ++m) {
-      const __m512i w = header16(base + offsetof(BlockQ6_K, scales) + 4 * m, row_bytes);
+      const __m512i w = words[m];
       for (int i = 0; i < 4; ++i) sc[4 * m + i] = _mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * i), 24);
       pairs[2 * m] = _mm512_srai_epi16(_mm512_shuffle_epi8(w, pick0), 8);
       pairs[2 * m + 1] = _mm512_srai_epi16(_mm512_shuffle_epi8(w, pick1), 8);
