@@ -34,6 +34,13 @@ static inline void values32(const uint8_t* qs, int8_t* v) {
 }
 #endif
 
+#ifdef OPENTGI_AVX512
+// kvalues + 128 as unsigned bytes in every 128-bit lane (a shuffle's table)
+static inline __m512i shifted_table() {
+  return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)kvalues)), _mm512_set1_epi8((char)0x80));
+}
+#endif
+
 struct TileIQ4NL {
   template <int R>
   static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
@@ -139,6 +146,41 @@ struct TileIQ4NL {
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
   }
+
+#ifdef OPENTGI_AVX512
+  // Sixteen weight rows at once, row c's block sum in int32 lane c (VNNI against the activations'
+  // four bytes broadcast): the values looked up as kvalues + 128 (unsigned), 128 * sum(y) taken off
+  // (the sum's start); the same exact integer as run8's, then its float arithmetic lane by lane.
+  static constexpr int rows = BYTE_TILE_ROWS;
+  static constexpr int run16_from = 2;
+  template <int R>
+  static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                           float* out, int ldo) {
+    const int nb = K / QK;
+    const ActQ8* a[R];
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8*)(act + r * stride);
+      acc[r] = _mm512_setzero_ps();
+    }
+    const __m512i table = shifted_table();
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_NL);
+      prefetch_next8<16>(wr, row_bytes, b, nb);
+      const __m512 dv = fp16_lanes16<false>(header16(base, row_bytes));
+      __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, + 128
+      values16<0>(base, row_bytes, w);
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_shuffle_epi8(table, w[g]);
+      for (int r = 0; r < R; ++r) {
+        const ActQ8& y = a[r][b];
+        __m512i sum = _mm512_set1_epi32(-128 * y.sum);
+        for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum)));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+  }
+#endif
 #endif
 };
 
@@ -259,6 +301,59 @@ struct TileIQ4XS {
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
   }
+
+#ifdef OPENTGI_AVX512
+  // Sixteen weight rows at once, row c's sums in int32 lane c: each sub-block's dot by VNNI (the
+  // values looked up as kvalues + 128, the 128 * its activations' sum taken off as the dot's
+  // start), times the row's multiplier; the same exact total as run8's, then its float arithmetic.
+  static constexpr int rows = BYTE_TILE_ROWS;
+  static constexpr int run16_from = 2;
+  template <int R>
+  static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                           float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ8K* a[R];
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = _mm512_setzero_ps();
+    }
+    const __m512i table = shifted_table(), mask = _mm512_set1_epi8(0x0F);
+    const __m512i k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_XS);
+      prefetch_next8<16>(wr, row_bytes, b, nb);
+      __m512i hw[4];  // d | scales_h << 16, scales_l, the first qs
+      words16(base, row_bytes, hw);
+      const __m512 d = fp16_lanes16<false>(hw[0]);
+      const __m512i sh = _mm512_srli_epi32(hw[0], 16);
+      __m512i total[R];
+      for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const __m512i ls = _mm512_sub_epi32(
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(hw[1], 4 * j), k15),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(sh, 2 * j), k3), 4)), k32);
+        __m512i w[8];  // w[g] lane c: values 32j + 4g .. + 3 of row c, + 128
+        words16(base + offsetof(BlockIQ4_XS, qs) + 16 * j, row_bytes, w);
+        for (int g = 0; g < 4; ++g) {
+          w[g + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask));
+          w[g] = _mm512_shuffle_epi8(table, _mm512_and_si512(w[g], mask));
+        }
+        for (int r = 0; r < R; ++r) {
+          const ActQ8K& y = a[r][b];
+          const int8_t* yq = y.qs + 32 * j;
+          __m512i dot = _mm512_set1_epi32(-128 * (y.bsums[2 * j] + y.bsums[2 * j + 1]));
+          for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, w[g], word_all(yq + 4 * g));
+          total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(dot, ls));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a[r][b].d)),
+                                                     _mm512_cvtepi32_ps(total[r])));
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+  }
+#endif
 #endif
 };
 

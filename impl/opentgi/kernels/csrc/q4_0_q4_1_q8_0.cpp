@@ -10,25 +10,6 @@
 namespace opentgi {
 namespace {
 
-#ifdef OPENTGI_AVX512
-// Sixteen rows' blocks (at base + c * row_bytes) of Q4_0 / Q4_1 / Q8_0 (Kind 0, 1, 2): w[g] lane c
-// holds values 4g .. 4g + 3 of row c as bytes (the nibbles, or Q8_0's signed bytes), g < 8.
-template <int Kind>
-static inline void values16(const uint8_t* base, size_t row_bytes, __m512i* w) {
-  constexpr int qs_at = Kind == 1 ? 4 : 2;
-  words16(base + qs_at, row_bytes, w);
-  if constexpr (Kind == 2) {
-    words16(base + qs_at + 16, row_bytes, w + 4);
-  } else {
-    const __m512i mask = _mm512_set1_epi8(0x0F);
-    for (int g = 0; g < 4; ++g) {
-      w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
-      w[g] = _mm512_and_si512(w[g], mask);
-    }
-  }
-}
-#endif
-
 template <class Block, int Kind>  // Kind: 0 Q4_0, 1 Q4_1, 2 Q8_0
 struct Tile32 {
   template <int R>

@@ -334,6 +334,24 @@ static inline void words16(const uint8_t* base, size_t row_bytes, __m512i* t) {
   t[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+// Sixteen rows' blocks of 32 (at base + c * row_bytes) of Q4_0 / Q4_1 / Q8_0 (Kind 0, 1, 2; IQ4_NL's
+// nibbles as Q4_0's): w[g] lane c holds values 4g .. 4g + 3 of row c as bytes (the nibbles, or
+// Q8_0's signed bytes), g < 8.
+template <int Kind>
+static inline void values16(const uint8_t* base, size_t row_bytes, __m512i* w) {
+  constexpr int qs_at = Kind == 1 ? 4 : 2;
+  words16(base + qs_at, row_bytes, w);
+  if constexpr (Kind == 2) {
+    words16(base + qs_at + 16, row_bytes, w + 4);
+  } else {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; ++g) {
+      w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
+      w[g] = _mm512_and_si512(w[g], mask);
+    }
+  }
+}
+
 // Sixteen rows' first 32-bit word (at base + c * row_bytes), row c in lane c (four loads a 128-bit
 // lane: a gather measured slower on AMD).
 static inline __m512i header16(const uint8_t* base, size_t row_bytes) {
