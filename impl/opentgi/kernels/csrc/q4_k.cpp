@@ -6,7 +6,7 @@
 // The wide form (TileQ4KWide) takes 16-bit activations the same way.
 #include <cstddef>
 
-#include "tiles.h"
+#include "kquants16.h"
 
 namespace opentgi {
 namespace {

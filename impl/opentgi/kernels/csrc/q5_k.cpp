@@ -6,7 +6,7 @@
 // float lane each) by exactly that arithmetic, as Q4_K does.
 #include <cstddef>
 
-#include "tiles.h"
+#include "kquants16.h"
 
 namespace opentgi {
 namespace {
