@@ -179,7 +179,8 @@ void residual(const float* row, int K, int act, const uint8_t* q, float* out) {
 
 void quantize_rows(const float* x, int64_t M, int K, int layout, int64_t isa, uint8_t* act, size_t arb,
                    int passes = 1, const int64_t* src = nullptr) {
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  // a few rows a thread: a decode step's 16 rows are not left to one thread while the others wait
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> rest(passes > 1 ? K : 0);
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + (src ? src[m] : m) * K;
