@@ -155,6 +155,57 @@ struct TileQ5 {
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, WithMin ? _mm256_add_ps(acc[r], mins[r]) : acc[r]);
   }
+
+#ifdef OPENTGI_AVX512
+  // Sixteen weight rows at once, row c's block sum in int32 lane c (VNNI against the activations'
+  // four bytes broadcast): the nibbles transposed as Q4_0's, each fifth bit added where a byte
+  // test of the row's qh finds it; Q5_0's -16 * sum(y) the sum's start. run8's integers and float
+  // arithmetic lane by lane.
+  static constexpr int rows = BYTE_TILE_ROWS;
+  static constexpr int run16_from = 2;
+  template <int R>
+  static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                           float* out, int ldo) {
+    constexpr int qs_at = WithMin ? 8 : 6;
+    const int nb = K / QK;
+    const ActQ8* a[R];
+    __m512 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8*)(act + r * stride);
+      acc[r] = mins[r] = _mm512_setzero_ps();
+    }
+    const __m512i mask = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
+    // byte k of word j: the word's byte 0 (then + g / 2), in each 128-bit lane
+    const __m512i word = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(Block);
+      prefetch_next8<16>(wr, row_bytes, b, nb);
+      __m512i hw[4];  // the first 16 bytes: d (| m), qh
+      words16(base, row_bytes, hw);
+      const __m512 dv = fp16_lanes16<false>(hw[0]), mv = fp16_lanes16<true>(hw[0]);  // mv: Q5_1's m
+      const __m512i qh = WithMin ? hw[1] : _mm512_or_si512(_mm512_srli_epi32(hw[0], 16), _mm512_slli_epi32(hw[1], 16));
+      __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c
+      words16(base + qs_at, row_bytes, w);
+      for (int g = 0; g < 4; ++g) {
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
+        w[g] = _mm512_and_si512(w[g], mask);
+      }
+      for (int g = 0; g < 8; ++g) {  // bit 4g + k of qh to byte k: qh's byte g / 2 in every byte, tested
+        const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(word, _mm512_set1_epi8((char)(g / 2))));
+        const __m512i bits = _mm512_set1_epi32((int)(0x08040201u << (4 * (g % 2))));
+        w[g] = _mm512_or_si512(w[g], _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(spread, bits), five));
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ8& y = a[r][b];
+        __m512i sum = WithMin ? _mm512_setzero_si512() : _mm512_set1_epi32(-16 * y.sum);
+        for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum)));
+        if constexpr (WithMin) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(mv, _mm512_set1_ps(y.d * (float)y.sum)));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, WithMin ? _mm512_add_ps(acc[r], mins[r]) : acc[r]);
+  }
+#endif
 #endif
 };
 
