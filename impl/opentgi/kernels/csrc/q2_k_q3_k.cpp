@@ -234,6 +234,112 @@ struct TileLowBit {
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, Q3 ? acc[r] : _mm256_sub_ps(acc[r], accm[r]));
   }
+
+#ifdef OPENTGI_AVX512
+  // Sixteen weight rows at once, row c's sums in int32 lane c: each 16-value sub-block's dot by
+  // VNNI (the rows' qs and hmask bytes transposed, four a lane, against the activations' four
+  // bytes broadcast), times its multiplier; the offsets (Q2_K's minima, Q3_K's -4) by VNNI's 16-bit
+  // multiply-add on pairs of multipliers and bsums. run8's integers and float arithmetic lane by lane.
+  static constexpr int rows = BYTE_TILE_ROWS;
+  static constexpr int run16_from = 2;
+  template <int R>
+  static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                           float* out, int ldo) {
+    const int nb = K / QK_K;
+    const ActQ8K* a[R];
+    __m512 acc[R], accm[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActQ8K*)(act + r * stride);
+      acc[r] = accm[r] = _mm512_setzero_ps();
+    }
+    const __m512i m3 = _mm512_set1_epi8(0x03), m4 = _mm512_set1_epi8(0x0F), bit2 = _mm512_set1_epi8(0x04);
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* base = wr + (size_t)b * sizeof(Block);
+      prefetch_next8<16>(wr, row_bytes, b, nb);
+      __m512i sw[4];  // the multipliers' bytes (Q3_K: sc - 32; Q2_K: sc), four sub-blocks a word
+      __m512i mw[4];  // Q2_K: the minima's bytes, as sw
+      __m512 d, dmin = _mm512_setzero_ps();
+      if constexpr (Q3) {
+        __m512i raw[4];  // bytes 92..107: raw[1..3] the 12 scale bytes
+        words16(base + offsetof(BlockQ3_K, scales) - 4, row_bytes, raw);
+        d = fp16_lanes16<true>(header16(base + offsetof(BlockQ3_K, d) - 2, row_bytes));
+        const __m512i k4 = _mm512_set1_epi32(0x0F0F0F0F), k2 = _mm512_set1_epi32(0x03030303);
+        const __m512i a0 = raw[1], a1 = raw[2], tmp = raw[3];
+        sw[0] = _mm512_or_si512(_mm512_and_si512(a0, k4), _mm512_slli_epi32(_mm512_and_si512(tmp, k2), 4));
+        sw[1] = _mm512_or_si512(_mm512_and_si512(a1, k4), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tmp, 2), k2), 4));
+        sw[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a0, 4), k4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tmp, 4), k2), 4));
+        sw[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a1, 4), k4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tmp, 6), k2), 4));
+        for (int i = 0; i < 4; ++i) sw[i] = _mm512_sub_epi8(sw[i], _mm512_set1_epi8(32));
+      } else {
+        words16(base + offsetof(BlockQ2_K, scales), row_bytes, sw);
+        const __m512i head = header16(base + offsetof(BlockQ2_K, d), row_bytes);
+        d = fp16_lanes16<false>(head);
+        dmin = fp16_lanes16<true>(head);
+        for (int i = 0; i < 4; ++i) {
+          mw[i] = _mm512_and_si512(_mm512_srli_epi16(sw[i], 4), m4);
+          sw[i] = _mm512_and_si512(sw[i], m4);
+        }
+      }
+      // sub-block k's multiplier as int32 lanes (Q3_K's signed); pairs[i]: sub-blocks 2i, 2i + 1 as int16
+      __m512i sc[16], pairs[8], mpairs[Q3 ? 1 : 8];
+      for (int i = 0; i < 4; ++i) {
+        for (int k = 0; k < 4; ++k)
+          sc[4 * i + k] = Q3 ? _mm512_srai_epi32(_mm512_slli_epi32(sw[i], 24 - 8 * k), 24)
+                             : _mm512_and_si512(_mm512_srli_epi32(sw[i], 8 * k), _mm512_set1_epi32(0xFF));
+        pairs[2 * i] = Q3 ? _mm512_srai_epi16(_mm512_shuffle_epi8(sw[i], pair_pick<0, true>()), 8)
+                          : _mm512_shuffle_epi8(sw[i], pair_pick<0, false>());
+        pairs[2 * i + 1] = Q3 ? _mm512_srai_epi16(_mm512_shuffle_epi8(sw[i], pair_pick<1, true>()), 8)
+                              : _mm512_shuffle_epi8(sw[i], pair_pick<1, false>());
+        if constexpr (!Q3) {
+          mpairs[2 * i] = _mm512_shuffle_epi8(mw[i], pair_pick<0, false>());
+          mpairs[2 * i + 1] = _mm512_shuffle_epi8(mw[i], pair_pick<1, false>());
+        }
+      }
+      __m512i total[R], offset[R];
+      for (int r = 0; r < R; ++r) {
+        const int16_t* bs = a[r][b].bsums;
+        __m512i o = _mm512_setzero_si512();  // Q3_K: sum_k sc_k * bsum_k; Q2_K: sum_k m_k * bsum_k
+        for (int i = 0; i < 8; ++i) o = _mm512_dpwssd_epi32(o, Q3 ? pairs[i] : mpairs[i], word_all(bs + 2 * i));
+        offset[r] = o;
+        total[r] = Q3 ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(o, 2)) : _mm512_setzero_si512();
+      }
+      for (int u = 0; u < 2; ++u) {  // bytes l = 16u .. 16u + 15 of qs's 32-byte runs and of hmask
+        __m512i hm[4];
+        if constexpr (Q3) words16(base + offsetof(BlockQ3_K, hmask) + 16 * u, row_bytes, hm);
+        for (int h = 0; h < 2; ++h) {
+          __m512i qb[4];
+          words16(base + offsetof(Block, qs) + 32 * h + 16 * u, row_bytes, qb);
+          for (int t = 0; t < 4; ++t) {  // values 128h + 32t + l: sub-block 8h + 2t + u
+            const int k = 8 * h + 2 * t + u, j = 4 * h + t;
+            __m512i w[4];
+            for (int g = 0; g < 4; ++g) {
+              w[g] = _mm512_and_si512(_mm512_srli_epi16(qb[g], 2 * t), m3);
+              if constexpr (Q3) {  // hmask bit j to bit 2
+                const __m512i hb = j <= 2 ? _mm512_slli_epi16(hm[g], 2 - j) : _mm512_srli_epi16(hm[g], j - 2);
+                w[g] = _mm512_or_si512(w[g], _mm512_and_si512(hb, bit2));
+              }
+            }
+            for (int r = 0; r < R; ++r) {
+              const int8_t* yq = a[r][b].qs + 16 * k;
+              __m512i dot = _mm512_setzero_si512();
+              for (int g = 0; g < 4; ++g) dot = _mm512_dpbusd_epi32(dot, w[g], word_all(yq + 4 * g));
+              total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(dot, sc[k]));
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 yd = _mm512_set1_ps(a[r][b].d);
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, yd), _mm512_cvtepi32_ps(total[r])));
+        if constexpr (!Q3)
+          accm[r] = _mm512_add_ps(accm[r], _mm512_mul_ps(_mm512_mul_ps(dmin, yd), _mm512_cvtepi32_ps(offset[r])));
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, Q3 ? acc[r] : _mm512_sub_ps(acc[r], accm[r]));
+  }
+#endif
 #endif
 };
 
