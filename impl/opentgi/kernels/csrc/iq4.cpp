@@ -118,7 +118,7 @@ struct TileIQ4NL {
     const __m256i table = _mm256_set_m128i(t, t), mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_NL);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       const __m256 dv = fp16_8(base, row_bytes);
       __m256i ylo[R], yhi[R], alo[R], ahi[R], s[R][4];  // each activation's 16 and 16, both halves
       for (int r = 0; r < R; ++r) {
@@ -166,7 +166,7 @@ struct TileIQ4NL {
     const __m512i table = shifted_table();
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_NL);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       const __m512 dv = fp16_lanes16<false>(header16(base, row_bytes));
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, + 128
       values16<0>(base, row_bytes, w);
@@ -257,7 +257,7 @@ struct TileIQ4XS {
     const __m256i k15 = _mm256_set1_epi32(15), k48 = _mm256_set1_epi32(48), k32 = _mm256_set1_epi32(32);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_XS);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       // words 0 (d | scales_h << 16) and 1 (scales_l) of every row, row c in lane c
       __m256i w[4];
       header_words8(base, row_bytes, w);
@@ -318,11 +318,11 @@ struct TileIQ4XS {
       a[r] = (const ActQ8K*)(act + r * stride);
       acc[r] = _mm512_setzero_ps();
     }
-    const __m512i table = shifted_table(), mask = _mm512_set1_epi8(0x0F);
+    const __m512i table = shifted_table();
     const __m512i k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_XS);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       __m512i hw[4];  // d | scales_h << 16, scales_l, the first qs
       words16(base, row_bytes, hw);
       const __m512 d = fp16_lanes16<false>(hw[0]);
@@ -334,11 +334,8 @@ struct TileIQ4XS {
             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(hw[1], 4 * j), k15),
                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(sh, 2 * j), k3), 4)), k32);
         __m512i w[8];  // w[g] lane c: values 32j + 4g .. + 3 of row c, + 128
-        words16(base + offsetof(BlockIQ4_XS, qs) + 16 * j, row_bytes, w);
-        for (int g = 0; g < 4; ++g) {
-          w[g + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask));
-          w[g] = _mm512_shuffle_epi8(table, _mm512_and_si512(w[g], mask));
-        }
+        nibbles16(base + offsetof(BlockIQ4_XS, qs) + 16 * j, row_bytes, w);
+        for (int g = 0; g < 8; ++g) w[g] = _mm512_shuffle_epi8(table, w[g]);
         for (int r = 0; r < R; ++r) {
           const ActQ8K& y = a[r][b];
           const int8_t* yq = y.qs + 32 * j;

@@ -109,7 +109,7 @@ static inline void kquant_run16(const uint8_t* wr, size_t row_bytes, size_t bloc
   for (int r = 0; r < R; ++r) a[r] = (const ActQ8K*)(act + r * stride);
   for (int b = 0; b < nb; ++b) {
     const uint8_t* base = wr + (size_t)b * block_bytes;
-    prefetch_next8<16>(wr, row_bytes, b, nb);
+    prefetch_next<16>(wr, row_bytes, b, nb);
     const KQuantHeaders16 hd(base, row_bytes);
     __m512i mpair[4];
     hd.min_pairs(mpair);

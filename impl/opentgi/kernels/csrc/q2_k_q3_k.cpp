@@ -189,7 +189,7 @@ struct TileLowBit {
     }
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       __m256i bs[R];  // the activation rows' bsums, split (Q3_K: times 4)
       for (int r = 0; r < R; ++r) {
         bs[r] = split_bsums(a[r][b].bsums);
@@ -255,7 +255,7 @@ struct TileLowBit {
     const __m512i m3 = _mm512_set1_epi8(0x03), m4 = _mm512_set1_epi8(0x0F), bit2 = _mm512_set1_epi8(0x04);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       __m512i sw[4];  // the multipliers' bytes (Q3_K: sc - 32; Q2_K: sc), four sub-blocks a word
       __m512i mw[4];  // Q2_K: the minima's bytes, as sw
       __m512 d, dmin = _mm512_setzero_ps();

@@ -130,7 +130,7 @@ struct Tile32 {
     }
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ8_0);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       const __m256 dv = fp16_8(base, row_bytes);
       __m256i q[8];
       for (int c = 0; c < 8; ++c) q[c] = _mm256_loadu_si256((const __m256i*)(base + c * row_bytes + 2));
@@ -166,7 +166,7 @@ struct Tile32 {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       const __m512i head = header16(base, row_bytes);
       const __m512 dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as unsigned bytes
@@ -244,7 +244,7 @@ struct Tile32Wide {
     const __m256i off = _mm256_set1_epi16(Kind == 0 ? 8 : 0);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       __m256 dv, mv;
       if constexpr (Kind == 1) {
         __m256i w[4];  // d and m side by side: word 0 of every row
@@ -312,7 +312,7 @@ struct Tile32Wide {
     const __m512i pick0 = pair_pick<0, Kind == 2>(), pick1 = pair_pick<1, Kind == 2>();
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       const __m512i head = header16(base, row_bytes);
       const __m512 dv = fp16_lanes16<false>(head);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as bytes

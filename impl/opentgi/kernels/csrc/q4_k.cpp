@@ -147,7 +147,7 @@ struct TileQ4K {
     }
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       __m256 d, dmin;
       alignas(32) int16_t sc16[64];
       __m256i mins[4];
@@ -268,7 +268,7 @@ struct TileQ4KWide {
     alignas(64) int16_t w16[8 * QK_K];
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       __m256 d, dmin;
       alignas(32) int16_t sc16[64];
       __m256i mins[4];
@@ -318,7 +318,7 @@ struct TileQ4KWide {
     }
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       __m256 d, dmin;
       alignas(32) int16_t sc16[64];
       __m256i mins[4];
@@ -376,7 +376,7 @@ struct TileQ4KWide {
     const __m512i byte = _mm512_set1_epi32(0xFF);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       KQuantHeaders16 hd(base, row_bytes);
       const int8_t* ys[2 * R];  // row r's high bytes at 2r, low bytes at 2r + 1
       for (int r = 0; r < R; ++r) {

@@ -124,7 +124,7 @@ struct TileQ5 {
     const __m256i spread_hi = _mm256_add_epi8(spread_lo, _mm256_set1_epi8(2));
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       // the first 16 bytes of rows p (low half) and p + 4 (high half), transposed: words 0 and 1 of
       // row c in int32 lane c (d | m, qh for Q5_1; d | qh's low half, qh's high half | qs for Q5_0)
       __m256i w[4];
@@ -174,22 +174,18 @@ struct TileQ5 {
       a[r] = (const ActQ8*)(act + r * stride);
       acc[r] = mins[r] = _mm512_setzero_ps();
     }
-    const __m512i mask = _mm512_set1_epi8(0x0F), five = _mm512_set1_epi8(0x10);
+    const __m512i five = _mm512_set1_epi8(0x10);
     // byte k of word j: the word's byte 0 (then + g / 2), in each 128-bit lane
     const __m512i word = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       __m512i hw[4];  // the first 16 bytes: d (| m), qh
       words16(base, row_bytes, hw);
       const __m512 dv = fp16_lanes16<false>(hw[0]), mv = fp16_lanes16<true>(hw[0]);  // mv: Q5_1's m
       const __m512i qh = WithMin ? hw[1] : _mm512_or_si512(_mm512_srli_epi32(hw[0], 16), _mm512_slli_epi32(hw[1], 16));
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c
-      words16(base + qs_at, row_bytes, w);
-      for (int g = 0; g < 4; ++g) {
-        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
-        w[g] = _mm512_and_si512(w[g], mask);
-      }
+      nibbles16(base + qs_at, row_bytes, w);
       for (int g = 0; g < 8; ++g) {  // bit 4g + k of qh to byte k: qh's byte g / 2 in every byte, tested
         const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(word, _mm512_set1_epi8((char)(g / 2))));
         const __m512i bits = _mm512_set1_epi32((int)(0x08040201u << (4 * (g % 2))));

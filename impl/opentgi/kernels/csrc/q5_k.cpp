@@ -95,7 +95,7 @@ struct TileQ5K {
     const __m256i m4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ5_K);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       __m256 d, dmin;
       alignas(32) int16_t sc16[64];
       __m256i mins[4];

@@ -243,7 +243,7 @@ struct TileQ6K {
     } else {
       for (int b = 0; b < nb; ++b) {
         const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
-        prefetch_next8(wr, row_bytes, b, nb);
+        prefetch_next(wr, row_bytes, b, nb);
         const int8_t* ys[R];
         const int16_t* bs[R];
         for (int r = 0; r < R; ++r) {
@@ -275,7 +275,7 @@ struct TileQ6K {
     }
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
-      prefetch_next8<16>(wr, row_bytes, b, nb);
+      prefetch_next<16>(wr, row_bytes, b, nb);
       const Q6KHeaders16 hd(base, row_bytes);
       const int8_t* ys[R];
       const int16_t* bs[R];
@@ -386,7 +386,7 @@ struct TileQ6KWide {
     alignas(64) int16_t w16[8 * QK_K];
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
-      prefetch_next8(wr, row_bytes, b, nb);
+      prefetch_next(wr, row_bytes, b, nb);
       const __m256 d = fp16_8(base + offsetof(BlockQ6_K, d), row_bytes);
       for (int c = 0; c < 8; ++c) unpack_q6k16(*(const BlockQ6_K*)(base + c * row_bytes), w16 + c * QK_K);
       const int16_t* xs[R];

@@ -167,11 +167,11 @@ static inline __m256i pair_sums8(const __m256i* lo, const __m256i* hi, const int
   return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
 }
 
-// The next eight weight rows follow eight being computed: a few of their cache lines a block (of nb
-// in a row), so they are in L1 when their turn comes.
+// The next N weight rows follow the N being computed (at rows): a few of their cache lines a block
+// (of nb in a row), so they are in L1 when their turn comes.
 template <int N = 8>
-static inline void prefetch_next8(const uint8_t* rows8, size_t row_bytes, int b, int nb) {
-  const uint8_t* next = rows8 + N * row_bytes;
+static inline void prefetch_next(const uint8_t* rows, size_t row_bytes, int b, int nb) {
+  const uint8_t* next = rows + N * row_bytes;
   const int lines = (int)((N * row_bytes + 63) / 64), per_block = (lines + nb - 1) / nb;
   for (int i = 0; i < per_block; ++i) _mm_prefetch((const char*)next + 64 * (b * per_block + i), _MM_HINT_T0);
 }
@@ -334,21 +334,28 @@ static inline void words16(const uint8_t* base, size_t row_bytes, __m512i* t) {
   t[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+// Sixteen rows' 16 bytes of nibbles (at qs + c * row_bytes: low nibbles values 0..15, high ones
+// 16..31, ggml's order) as w[g], lane c holding values 4g .. 4g + 3 of row c, g < 8.
+static inline void nibbles16(const uint8_t* qs, size_t row_bytes, __m512i* w) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  words16(qs, row_bytes, w);
+  for (int g = 0; g < 4; ++g) {
+    w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
+    w[g] = _mm512_and_si512(w[g], mask);
+  }
+}
+
 // Sixteen rows' blocks of 32 (at base + c * row_bytes) of Q4_0 / Q4_1 / Q8_0 (Kind 0, 1, 2; IQ4_NL's
 // nibbles as Q4_0's): w[g] lane c holds values 4g .. 4g + 3 of row c as bytes (the nibbles, or
 // Q8_0's signed bytes), g < 8.
 template <int Kind>
 static inline void values16(const uint8_t* base, size_t row_bytes, __m512i* w) {
   constexpr int qs_at = Kind == 1 ? 4 : 2;
-  words16(base + qs_at, row_bytes, w);
   if constexpr (Kind == 2) {
+    words16(base + qs_at, row_bytes, w);
     words16(base + qs_at + 16, row_bytes, w + 4);
   } else {
-    const __m512i mask = _mm512_set1_epi8(0x0F);
-    for (int g = 0; g < 4; ++g) {
-      w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
-      w[g] = _mm512_and_si512(w[g], mask);
-    }
+    nibbles16(base + qs_at, row_bytes, w);
   }
 }
 
