@@ -3,7 +3,8 @@
 `load(mode)` builds or finds the library (build.py) and loads it into torch once per process,
 logging one line: what was built or loaded and how long it took, or why the torch path serves.
 `gguf_mm(x, blocks, qtype, out_features)` multiplies float32 or bfloat16 rows by a weight held as
-the GGUF's own blocks (uint8 [N, row bytes]); it is the torch op `opentgi::gguf_mm`, with a fake
+the GGUF's own blocks (uint8 [N, row bytes]; or dense rows of float32, float16 or bfloat16 values
+viewed as bytes: DENSE_TYPES); it is the torch op `opentgi::gguf_mm`, with a fake
 (meta) implementation registered so torch.compile and FX see it as one op. `moe_up` and `moe_down`
 (`opentgi::gguf_moe_up`, `opentgi::gguf_moe_down`) run a mixture of experts' projections for every
 token and every expert it was routed to in one call each; `moe_route` routes the tokens.
@@ -33,6 +34,10 @@ BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12
                14: ("Q6_K", 256, 210),
                6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 13: ("Q5_K", 256, 176), 10: ("Q2_K", 256, 84),
                11: ("Q3_K", 256, 110), 20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136)}
+# dense weights the same ops multiply (csrc/dense.cpp): GGML type id -> (name, values a group, bytes a
+# group), a row [K] of the dtype's values viewed as uint8 bytes; float32 activations, K % 16 == 0
+DENSE_TYPES = {0: ("F32", 16, 64), 1: ("F16", 16, 32), 30: ("BF16", 32, 64)}
+DENSE_TYPE_OF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
 @dataclass(frozen=True)

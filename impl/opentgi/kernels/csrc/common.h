@@ -74,7 +74,8 @@ struct ActQ16KBytes { int8_t hi[256], lo[256]; int16_t bsums_hi[16], bsums_lo[16
 
 // Weight types by GGML id (gguf's GGMLQuantizationType).
 enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
-             Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23 };
+             Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23,
+             F32 = 0, F16 = 1, BF16 = 30 };  // the dense types (dense.cpp)
 
 // bfloat16 is float32's upper half: exact
 static inline float bf16_to_fp32(uint16_t h) {

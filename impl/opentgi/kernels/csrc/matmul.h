@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -40,7 +41,10 @@ namespace opentgi {
   void matmul_q2_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q3_k_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_iq4_nl_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
-  void matmul_iq4_xs_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+  void matmul_iq4_xs_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_f32_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_f16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_bf16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 
 OPENTGI_DECLARE(scalar)
 #ifdef OPENTGI_WITH_AVX2
@@ -48,14 +52,16 @@ OPENTGI_DECLARE(avx2)
 #endif
 #ifdef OPENTGI_WITH_AVX512
 OPENTGI_DECLARE(avx512)
+MatmulFn matmul_bf16_dp_avx512();  // dense.cpp: nullptr where the CPU lacks AVX-512 BF16
 #endif
 
 namespace {
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
 
-// activation layouts (common.h)
-enum Act { ACT_Q8 = 0, ACT_Q8K = 1, ACT_Q16 = 2, ACT_Q16K = 3 };
+// activation layouts: common.h's blocks; for dense weights (dense.cpp) the row's float32 values
+// (ACT_F32), the same with each 32 values' evens and then odds (ACT_F32_PAIRS), or as bfloat16 (ACT_BF16)
+enum Act { ACT_Q8 = 0, ACT_Q8K = 1, ACT_Q16 = 2, ACT_Q16K = 3, ACT_F32 = 4, ACT_F32_PAIRS = 5, ACT_BF16 = 6 };
 
 struct Kernel {
   MatmulFn matmul;
@@ -71,13 +77,18 @@ static inline size_t act_bytes(int act, int64_t K) {
     case ACT_Q8K: return K / QK_K * sizeof(ActQ8K);
     case ACT_Q16: return K / QK * sizeof(ActQ16);
     case ACT_Q16K: return K / QK_K * (sizeof(ActQ16K) + sizeof(ActQ16KBytes));
+    case ACT_F32: case ACT_F32_PAIRS: return K * sizeof(float);
+    case ACT_BF16: return K * sizeof(uint16_t);
     default: return K / QK * sizeof(ActQ8);
   }
 }
 
 // The kernel for a GGML type on an ISA; `passes` 2 asks for ~16-bit activations: the wide kernel
-// (one pass of ActQ16 / ActQ16K) where the type has one, else two 8-bit passes.
-bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1) {
+// (one pass of ActQ16 / ActQ16K) where the type has one, else two 8-bit passes. Dense types (F32,
+// F16, BF16: dense.cpp) take the rows' values as they are, in one pass whatever `passes` asks;
+// BF16 weights by rows that hold bfloat16 values (`bf16_rows`) take AVX-512 BF16's dot products
+// where the CPU has them: the same bits as the FMAs' form (dense.cpp).
+bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool bf16_rows = false) {
 #define OPENTGI_PICK(fn) (isa == AVX512 ? AVX512_OR_NULL(fn) : isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
 #ifdef OPENTGI_WITH_AVX2
 #define AVX2_OR_NULL(fn) fn##_avx2
@@ -102,6 +113,17 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1) {
     case Q3_K: *k = {OPENTGI_PICK(matmul_q3_k), true, QK_K, 110}; break;
     case IQ4_NL: *k = {OPENTGI_PICK(matmul_iq4_nl), false, QK, 18}; break;
     case IQ4_XS: *k = {OPENTGI_PICK(matmul_iq4_xs), true, QK_K, 136}; break;
+    case F32: *k = {OPENTGI_PICK(matmul_f32), false, 16, 64, ACT_F32}; return k->matmul != nullptr;
+    case F16: *k = {OPENTGI_PICK(matmul_f16), false, 16, 32, ACT_F32}; return k->matmul != nullptr;
+    case BF16:
+      *k = {OPENTGI_PICK(matmul_bf16), false, 32, 64, ACT_F32_PAIRS};
+#ifdef OPENTGI_WITH_AVX512
+      if (isa == AVX512 && bf16_rows && matmul_bf16_dp_avx512() != nullptr) {
+        k->matmul = matmul_bf16_dp_avx512();
+        k->act = ACT_BF16;
+      }
+#endif
+      return k->matmul != nullptr;
     default: return false;
   }
   k->act = k->superblocks ? ACT_Q8K : ACT_Q8;
@@ -131,6 +153,24 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1) {
 // are the row's product to about 16 bits of each block's range; every block kernel is linear in
 // the activation's values, so no kernel changes, and a row's bits stay its own.
 void quantize_one(const float* row, int K, int act, int64_t isa, uint8_t* dst) {
+  if (act == ACT_F32) {
+    std::memcpy(dst, row, K * sizeof(float));
+    return;
+  }
+  if (act == ACT_F32_PAIRS) {  // each 32 values' evens, then odds
+    float* out = (float*)dst;
+    for (int c = 0; c < K; c += 32)
+      for (int j = 0; j < 16; ++j) {
+        out[c + j] = row[c + 2 * j];
+        out[c + 16 + j] = row[c + 2 * j + 1];
+      }
+    return;
+  }
+  if (act == ACT_BF16) {  // exact for rows that hold bfloat16 values (the only ones given this layout)
+    uint16_t* out = (uint16_t*)dst;
+    for (int i = 0; i < K; ++i) out[i] = bf16_store(row[i]);
+    return;
+  }
 #ifdef OPENTGI_WITH_AVX512
   if (isa == AVX512) {
     switch (act) {
@@ -205,10 +245,10 @@ struct Matmul {
 };
 
 Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int64_t isa, const char* op,
-                   int64_t passes = 1) {
+                   int64_t passes = 1, bool bf16_rows = false) {
   Matmul mm;
   TORCH_CHECK(passes == 1 || passes == 2, op, ": passes must be 1 or 2");
-  TORCH_CHECK(kernel_for(qtype, isa, &mm.k, passes), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
+  TORCH_CHECK(kernel_for(qtype, isa, &mm.k, passes, bf16_rows), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
   TORCH_CHECK(K % mm.k.block_values == 0, op, ": K=", K, " is not a multiple of ", mm.k.block_values);
   mm.N = N;
   mm.K = K;

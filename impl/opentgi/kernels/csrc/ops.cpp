@@ -28,7 +28,8 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
                    int64_t passes) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "gguf_mm: x must be a 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "gguf_mm: x float32 or bfloat16");
-  const Matmul mm = make_matmul(w, qtype, out_features, x.size(1), isa, "gguf_mm", passes);
+  const Matmul mm = make_matmul(w, qtype, out_features, x.size(1), isa, "gguf_mm", passes,
+                                x.scalar_type() == at::kBFloat16);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
   std::vector<uint8_t> act;

@@ -135,8 +135,12 @@ class PagedDecoder(nn.Module):
         float32 or bfloat16 run the dense linear layers through oneDNN (models/layers/linear.py).
         `batch_invariant`: linears and attention in the forms whose rows do not depend on the
         step's other rows (docs/determinism.md); quantized linears' kernels already are."""
+        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        native_kernels = getattr(backend, "name", None) == "native"  # the native kernels are loaded
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
+            if native_kernels:  # before fusing: a mixture of experts moves dense experts onto them
+                use_native(layer.feed_forward)
             layer.feed_forward.fuse_projections()
         section = mrope_section(self.config)
         self.rotary = [RotaryEmbedding(self.config, self.spec.device) if section is None
@@ -170,8 +174,7 @@ class PagedDecoder(nn.Module):
             self.logits_proj = RowTiledLinear(head_weight)  # shares the weight's storage
         if self.logits_proj is not None and not self.tie_word_embeddings:
             del self.lm_head
-        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
-        if getattr(backend, "name", None) == "native":  # the native kernels are loaded: fused layer ops
+        if native_kernels:  # fused layer ops
             use_native(self)
             self.native_stack = NativeDecodeStack.build(self)
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form

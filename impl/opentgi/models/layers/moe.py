@@ -24,6 +24,11 @@ projections and the weighted sum (opentgi.kernels.native's moe_up, moe_down): no
 experts, each token's row quantized once for its k experts, and the same bits the per-expert path
 gives (float32: the products, their rounding and the sum in expert order are the same arithmetic).
 
+Dense experts (bias-free float32, float16 or bfloat16 linears) join that path where the native
+kernels serve the model: `fuse_projections` puts each on the kernels' dense rows
+(`native_dense`: the same weight bytes, kernels/csrc/dense.cpp, sums in one fixed order), so a
+Qwen3-MoE or Mixtral checkpoint's experts run grouped too instead of a oneDNN call per expert.
+
 Where the native kernels serve the model (`native`, set by layers/norm.py's `use_native`), routing
 is one native op (`opentgi::moe_route`: the logits' sums in the kernel's own fixed order, the
 softmax's exp its own: other bits than torch's, within float rounding) and the activation is the
@@ -70,6 +75,21 @@ class RouterLogits(ForwardWithoutHooks, nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def native_dense(linear: nn.Module) -> nn.Module:
+    """A bias-free dense CPU nn.Linear of a dtype the native kernels multiply (kernels.native's
+    DENSE_TYPES) as a QuantizedLinear on them, holding the weight's own bytes; else `linear`."""
+    weight = getattr(linear, "weight", None)
+    qtype = None if weight is None else native.DENSE_TYPE_OF.get(weight.dtype)
+    if (type(linear) is not nn.Linear or linear.bias is not None or qtype is None or weight.device.type != "cpu"
+            or weight.shape[1] % native.DENSE_TYPES[qtype][1] or native.loaded() is None):
+        return linear
+    out_features, in_features = weight.shape
+    dense = QuantizedLinear(in_features, out_features)
+    dense.weight_format = GGUFBlockWeight(weight.detach().contiguous().view(torch.uint8).reshape(out_features, -1),
+                                          qtype, in_features)
+    return dense
 
 
 def _blocks_of(linears: list[nn.Module]) -> list[GGUFBlockWeight] | None:
@@ -134,6 +154,8 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
     def fuse_projections(self) -> None:
         for expert in self.experts:  # the grouped kernel takes each expert's gate and up as one weight
             expert.fuse_projections(copy_file_blocks=True)
+            if self.native:  # dense experts onto the native kernels (module docstring)
+                expert.gate_up_proj, expert.down_proj = native_dense(expert.gate_up_proj), native_dense(expert.down_proj)
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
         self.grouped = GroupedExperts.of(self.experts, self.experts[0].act_name, self.intermediate)

@@ -82,7 +82,10 @@ class GGUFBlockWeight:
     @property
     def description(self) -> str:
         path = native.loaded()
-        return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {path.isa if path else '?'})"
+        isa = path.isa if path else "?"
+        if self.qtype in native.DENSE_TYPES:
+            return f"{native.DENSE_TYPES[self.qtype][0]} rows (native {isa})"
+        return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {isa})"
 
     def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
         return all(o.qtype == self.qtype and o.in_features == self.in_features and o.passes == self.passes
