@@ -43,35 +43,54 @@ def test_a_fresh_cache_gets_a_whole_build(monkeypatch, tmp_path):
     assert not list(tmp_path.glob(".build-*"))
 
 
-def test_the_avx512_variant_is_built_and_run_exactly_where_the_cpu_has_it(kernels, monkeypatch):
+def test_the_optional_variants_are_built_and_run_exactly_where_the_cpu_has_them(kernels, monkeypatch):
     zen3 = "flags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
-    zen5 = "flags\t\t: fpu avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
+    zen5 = "flags\t\t: fpu avx2 fma f16c avx_vnni avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16\n"
     skylake_x = "flags\t\t: fpu avx2 fma f16c avx512f avx512dq avx512bw avx512vl\n"  # no VNNI
-    assert build.cpu_has(build.AVX512_CPU_FLAGS, zen5)
+    alder_lake = "flags\t\t: fpu avx2 fma f16c avx_vnni\n"
+    assert build.cpu_has(build.AVX512_CPU_FLAGS, zen5) and build.cpu_has(build.AVXVNNI_CPU_FLAGS, zen5)
     assert not build.cpu_has(build.AVX512_CPU_FLAGS, zen3) and not build.cpu_has(build.AVX512_CPU_FLAGS, skylake_x)
+    assert build.cpu_has(build.AVXVNNI_CPU_FLAGS, alder_lake) and not build.cpu_has(build.AVX512_CPU_FLAGS, alder_lake)
+    assert not build.cpu_has(build.AVXVNNI_CPU_FLAGS, zen3) and not build.cpu_has(build.AVXVNNI_CPU_FLAGS, skylake_x)
     monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(build, "cpu_has", lambda flags: False)
     assert build.variants() == ("scalar", "avx2")
-    monkeypatch.setattr(build, "cpu_has", lambda flags: True)
+    monkeypatch.setattr(build, "cpu_has", lambda flags: flags == build.AVXVNNI_CPU_FLAGS)
+    assert build.variants() == ("scalar", "avx2", "avxvnni")
+    monkeypatch.setattr(build, "cpu_has", lambda flags: flags == build.AVX512_CPU_FLAGS)
     assert build.variants() == ("scalar", "avx2", "avx512")
+    monkeypatch.setattr(build, "cpu_has", lambda flags: True)
+    assert build.variants() == ("scalar", "avx2", "avxvnni", "avx512")
+    assert set(build.X86_VARIANTS) == {("scalar", "avx2"), ("scalar", "avx2", "avxvnni"), ("scalar", "avx2", "avx512"),
+                                       ("scalar", "avx2", "avxvnni", "avx512")}
     monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
     assert build.variants() == ("scalar",)
     monkeypatch.undo()
-    # this host: the loaded library runs AVX-512 exactly where its CPU has it, and serves its best
-    has = build.cpu_has(build.AVX512_CPU_FLAGS) and build.platform.machine().lower() in ("x86_64", "amd64")
-    assert ("avx512" in native.supported_isas()) == has
+    # this host: the loaded library runs each optional variant exactly where its CPU has it, and serves its best
+    x86 = build.platform.machine().lower() in ("x86_64", "amd64")
+    assert ("avx512" in native.supported_isas()) == (x86 and build.cpu_has(build.AVX512_CPU_FLAGS))
+    assert ("avxvnni" in native.supported_isas()) == (x86 and build.cpu_has(build.AVXVNNI_CPU_FLAGS))
     assert kernels.isa == native.supported_isas()[-1]
 
 
-def test_a_library_built_on_a_cpu_of_the_other_kind_serves(kernels, monkeypatch, tmp_path):
-    """A Docker image's library, built on a CPU with AVX-512 or without (its ops check the CPU at run
-    time): found without compiling where it holds every variant this CPU runs; where it lacks this
-    CPU's best one, used only when the build here fails (a read-only cache), rather than no library."""
+def test_a_library_built_on_a_cpu_of_another_kind_serves(kernels, monkeypatch, tmp_path):
+    """A Docker image's library, built on a CPU with other optional variants (its ops check the CPU at
+    run time): found without compiling where it holds every variant this CPU runs; where it lacks
+    this CPU's best one, used only when the build here fails (a read-only cache), rather than no
+    library."""
     cxx = build.compiler()
-    two, three = build.X86_VARIANTS
-    monkeypatch.setattr(build, "variants", lambda: two)  # a CPU without AVX-512
+    two, vnni, three, four = (("scalar", "avx2"), ("scalar", "avx2", "avxvnni"), ("scalar", "avx2", "avx512"),
+                              ("scalar", "avx2", "avxvnni", "avx512"))
+    every = tmp_path / f"opentgi_kernels-{build.cache_key(cxx, four)}.so"
+    every.write_bytes(b"")
+    for isas in (two, vnni, three):  # CPUs without AVX-512 or AVX-VNNI or either
+        monkeypatch.setattr(build, "variants", lambda isas=isas: isas)
+        found = build.build(tmp_path)
+        assert found.cached and found.path == every and found.isas == four
+    every.unlink()
     with_avx512 = tmp_path / f"opentgi_kernels-{build.cache_key(cxx, three)}.so"
     with_avx512.write_bytes(b"")
+    monkeypatch.setattr(build, "variants", lambda: two)
     found = build.build(tmp_path)
     assert found.cached and found.path == with_avx512 and found.isas == three
     with_avx512.unlink()
@@ -88,6 +107,25 @@ def test_a_library_built_on_a_cpu_of_the_other_kind_serves(kernels, monkeypatch,
     without.unlink()
     with pytest.raises(build.BuildError, match="mavx512vnni"):
         build.build(tmp_path)
+
+
+def test_a_compiler_that_refuses_an_optional_variant_builds_the_rest(monkeypatch, tmp_path):
+    """GCC before 11 has no -mavxvnni: on a CPU with AVX-VNNI and AVX-512 the library is built
+    without the AVX-VNNI variant (its CPU then runs AVX-512's), not left unbuilt."""
+    monkeypatch.setattr(build, "variants", lambda: ("scalar", "avx2", "avxvnni", "avx512"))
+    compiled = []
+
+    def compile_without_avxvnni(jobs, parallel):
+        if any("-mavxvnni" in job for job in jobs):
+            raise build.BuildError("c++ failed on q4_k.cpp: error: unrecognized command-line option '-mavxvnni'")
+        for job in jobs:
+            compiled.append(job)
+            Path(job[job.index("-o") + 1]).write_bytes(b"")
+
+    monkeypatch.setattr(build, "_run_all", compile_without_avxvnni)
+    built = build.build(tmp_path)
+    assert not built.cached and built.isas == ("scalar", "avx2", "avx512") and built.path.is_file()
+    assert any("-mavx512vnni" in job for job in compiled)
 
 
 def test_the_cache_key_follows_the_sources_and_the_flags(kernels, monkeypatch):

@@ -1,9 +1,12 @@
 """Compiling csrc/ into one shared library of torch ops, once per machine, and loading it.
 
 The library is built with the machine's C++ compiler (`$CXX`, else `c++`): the kernel sources
-once per instruction set: a portable scalar variant and, on x86-64, an AVX2+FMA+F16C one and,
-where the CPU has AVX-512 F/BW/VL/DQ with VNNI, an AVX-512 one (the op picks per call, the loader
-picks the best the CPU has; every variant computes the same bits), plus ops.cpp, moe_ops.cpp and stack.cpp, the only sources that include
+once per instruction set: a portable scalar variant and, on x86-64, an AVX2+FMA+F16C one, where
+the CPU has AVX-VNNI an AVX2 one with its 256-bit dot products (`avxvnni`: Intel's cores without
+AVX-512), and where it has AVX-512 F/BW/VL/DQ with VNNI an AVX-512 one (the op picks per call, the
+loader picks the best the CPU has; every variant computes the same bits); a variant the compiler
+cannot build (no `-mavxvnni` before GCC 11) is left out with the rest built. Plus ops.cpp,
+moe_ops.cpp and stack.cpp, the only sources that include
 torch's headers (`<torch/library.h>`, `<ATen/Parallel.h>`: the ops run in torch's intra-op pool).
 Those three are compiled as one translation unit, started first: parsing torch's headers is most
 of their time, so once instead of three times halves the build. The rest are compiled side by side
@@ -30,14 +33,19 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 MATMUL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
                   "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp", "dense.cpp")
 KERNEL_SOURCES = (*MATMUL_SOURCES, "attention.cpp", "prompt_attention.cpp", "layer_ops.cpp")
-# the AVX-512 variant is the matmuls' alone: attention and the row ops run AVX2's on such a CPU
-ISA_SOURCES = {"avx512": MATMUL_SOURCES}
+# the AVX-VNNI and AVX-512 variants are the matmuls' alone: attention and the row ops run AVX2's there
+ISA_SOURCES = {"avxvnni": MATMUL_SOURCES, "avx512": MATMUL_SOURCES}
 COMMON_FLAGS = ("-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c"),
+             "avxvnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
              "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                         "-mavx512vnni")}
-AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # /proc/cpuinfo's names
-X86_VARIANTS = (("scalar", "avx2"), ("scalar", "avx2", "avx512"))  # what variants() builds on x86-64
+AVXVNNI_CPU_FLAGS = ("avx_vnni",)  # /proc/cpuinfo's names
+AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+OPTIONAL = ("avxvnni", "avx512")  # the variants only some x86-64 CPUs (and compilers) have
+# what variants() builds on x86-64: scalar and AVX2, with either, both or neither optional one
+X86_VARIANTS = (("scalar", "avx2"), ("scalar", "avx2", "avxvnni"), ("scalar", "avx2", "avx512"),
+                ("scalar", "avx2", "avxvnni", "avx512"))
 TORCH_SOURCES = ("ops.cpp", "moe_ops.cpp", "stack.cpp")  # the torch ops: one translation unit (torch's headers once)
 CACHE_ENV = "OPENTGI_KERNELS_CACHE"
 BUILD_TIMEOUT_S = 300
@@ -74,11 +82,12 @@ def compiler() -> str:
 
 def variants() -> tuple[str, ...]:
     """The variants to compile here: scalar everywhere; AVX2 on any x86-64 (a library built on one
-    host may be loaded on another; the op checks the CPU at run time); AVX-512 only where this CPU
-    has it, so a host compiles only what it can run and test."""
+    host may be loaded on another; the op checks the CPU at run time); AVX-VNNI and AVX-512 only
+    where this CPU has them, so a host compiles only what it can run and test."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ("scalar",)
-    return ("scalar", "avx2", "avx512") if cpu_has(AVX512_CPU_FLAGS) else ("scalar", "avx2")
+    return ("scalar", "avx2", *(["avxvnni"] if cpu_has(AVXVNNI_CPU_FLAGS) else []),
+            *(["avx512"] if cpu_has(AVX512_CPU_FLAGS) else []))
 
 
 def cpu_has(flags: tuple[str, ...], cpuinfo: str | None = None) -> bool:
@@ -139,24 +148,38 @@ def cache_key(cxx: str, isas: tuple[str, ...]) -> str:
 
 
 def build(directory: Path | None = None) -> Built:
-    """The library's path, compiled into `directory` (default `cache_dir()`) unless already there."""
+    """The library's path, compiled into `directory` (default `cache_dir()`) unless already there.
+    Where the compiler refuses an optional variant's flags, the variants without it are built."""
     start = time.perf_counter()
     cxx = compiler()
     isas = variants()
     directory = Path(directory) if directory is not None else cache_dir()
+    while True:
+        try:
+            return _build(cxx, isas, directory, start)
+        except BuildError as exc:
+            dropped = next((v for v in reversed(isas) if v in OPTIONAL
+                            and any(f in str(exc) for f in set(ISA_FLAGS[v]) - set(ISA_FLAGS["avx2"]))), None)
+            if dropped is None:
+                raise
+            isas = tuple(v for v in isas if v != dropped)
+
+
+def _build(cxx: str, isas: tuple[str, ...], directory: Path, start: float) -> Built:
     try:
         key = cache_key(cxx, isas)
-        # the other x86-64 variant set: a library built on a CPU with (or without) AVX-512, as a
+        # the other x86-64 variant sets: a library built on a CPU with other optional variants, as a
         # Docker image's is, whose ops check the CPU at run time
-        other = next((v for v in X86_VARIANTS if v != isas), None) if isas in X86_VARIANTS else None
-        other_target = directory / f"opentgi_kernels-{cache_key(cxx, other)}.so" if other else None
+        others = [(v, directory / f"opentgi_kernels-{cache_key(cxx, v)}.so")
+                  for v in X86_VARIANTS if v != isas] if isas in X86_VARIANTS else []
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"compiler {cxx} unusable: {exc}") from None
     target = directory / f"opentgi_kernels-{key}.so"
     if target.is_file():
         return Built(target, isas, time.perf_counter() - start, True)
-    if other_target is not None and len(other) > len(isas) and other_target.is_file():
-        return Built(other_target, other, time.perf_counter() - start, True)  # every variant this CPU runs
+    for other, other_target in others:
+        if set(other) > set(isas) and other_target.is_file():  # every variant this CPU runs
+            return Built(other_target, other, time.perf_counter() - start, True)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with _one_builder(directory / f".lock-{key}"):  # a second process waits, then finds the file
@@ -171,10 +194,11 @@ def build(directory: Path | None = None) -> Built:
                            *link_flags]], 1)
                 os.rename(linked, target)  # atomic: a reader never sees half a file
     except (BuildError, OSError):
-        # not built here (a read-only cache, a compiler without AVX-512): the library without this
-        # CPU's best variant serves with the rest rather than none
-        if other_target is not None and other_target.is_file():
-            return Built(other_target, other, time.perf_counter() - start, True)
+        # not built here (a read-only cache, a compiler without AVX-512): a library without this
+        # CPU's best variant serves with the rest rather than none (the one with the most variants)
+        for other, other_target in sorted(others, key=lambda found: -len(found[0])):
+            if other_target.is_file():
+                return Built(other_target, other, time.perf_counter() - start, True)
         raise
     return Built(target, isas, time.perf_counter() - start, False)
 

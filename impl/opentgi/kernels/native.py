@@ -28,7 +28,8 @@ from opentgi.kernels import build as build_mod
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "native", "torch")
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}  # ids the op takes; a higher id is a faster path
+# ids the op takes (csrc/matmul.h Isa), slowest first: the loader takes the last this CPU runs
+ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 3, "avx512": 2}
 # GGML type ids (gguf.GGMLQuantizationType) -> (name, values a block, bytes a block)
 BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
                14: ("Q6_K", 256, 210),

@@ -23,6 +23,13 @@
 #define OPENTGI_AVX512 1
 #include <immintrin.h>
 #define OPENTGI_ISA avx512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+// The AVX-VNNI variant: the AVX2 code with VNNI's 256-bit dot products where it sums bytes or int16
+// pairs (dot_u8_add, madd_add, tiles.h pair_sums8): the same integers, so the same bits.
+#define OPENTGI_AVX2 1
+#define OPENTGI_AVXVNNI 1
+#include <immintrin.h>
+#define OPENTGI_ISA avxvnni
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define OPENTGI_AVX2 1
 #include <immintrin.h>
@@ -178,11 +185,13 @@ static inline float hsum_ps(__m256 x) {
   return _mm_cvtss_f32(r);
 }
 // s + the int32 lanes of x * y in unsigned by signed bytes, four products a lane: VNNI's one
-// instruction in the AVX-512 variant, maddubs then madd by ones in AVX2's. The same integers
+// instruction in the AVX-512 and AVX-VNNI variants, maddubs then madd by ones in AVX2's. The same integers
 // wherever maddubs' pairs stay within int16 (every caller bounds them).
 static inline __m256i dot_u8_add(__m256i s, __m256i x, __m256i y) {
 #ifdef OPENTGI_AVX512
   return _mm256_dpbusd_epi32(s, x, y);
+#elif defined(OPENTGI_AVXVNNI)
+  return _mm256_dpbusd_avx_epi32(s, x, y);
 #else
   return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1)));
 #endif
@@ -191,6 +200,8 @@ static inline __m256i dot_u8_add(__m256i s, __m256i x, __m256i y) {
 static inline __m256i madd_add(__m256i s, __m256i x, __m256i y) {
 #ifdef OPENTGI_AVX512
   return _mm256_dpwssd_epi32(s, x, y);
+#elif defined(OPENTGI_AVXVNNI)
+  return _mm256_dpwssd_avx_epi32(s, x, y);
 #else
   return _mm256_add_epi32(s, _mm256_madd_epi16(x, y));
 #endif

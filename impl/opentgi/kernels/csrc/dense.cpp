@@ -272,7 +272,10 @@ void OPENTGI_FN(matmul_bf16)(const uint8_t* w, size_t rb, const uint8_t* act, si
 
 #if defined(OPENTGI_AVX512)
 // the BF16 instruction's form where this CPU has it, else nullptr (matmul.h falls back to the FMAs')
-MatmulFn matmul_bf16_dp_avx512() { return __builtin_cpu_supports("avx512bf16") ? matmul_dp : nullptr; }
+MatmulFn matmul_bf16_dp_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") ? matmul_dp : nullptr;
+}
 #endif
 
 }  // namespace opentgi

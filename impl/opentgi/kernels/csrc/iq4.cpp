@@ -218,7 +218,7 @@ struct TileIQ4XS {
         for (int j = 0; j < 8; ++j) {
           const __m256i qy = _mm256_loadu_si256((const __m256i*)(y.qs + 32 * j));
           const __m256i p = _mm256_maddubs_epi16(aq[j], _mm256_sign_epi8(qy, q[j]));
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(ls[j])));
+          sum = madd_add(sum, p, _mm256_set1_epi16(ls[j]));
         }
         total = hsum_i32(sum);
 #else

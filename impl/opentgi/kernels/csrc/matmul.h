@@ -50,6 +50,9 @@ OPENTGI_DECLARE(scalar)
 #ifdef OPENTGI_WITH_AVX2
 OPENTGI_DECLARE(avx2)
 #endif
+#ifdef OPENTGI_WITH_AVXVNNI
+OPENTGI_DECLARE(avxvnni)
+#endif
 #ifdef OPENTGI_WITH_AVX512
 OPENTGI_DECLARE(avx512)
 MatmulFn matmul_bf16_dp_avx512();  // dense.cpp: nullptr where the CPU lacks AVX-512 BF16
@@ -57,7 +60,9 @@ MatmulFn matmul_bf16_dp_avx512();  // dense.cpp: nullptr where the CPU lacks AVX
 
 namespace {
 
-enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+// ids the ops take (kernels/native.py ISAS); AVX-VNNI's is the newest, not a rank: `isa >= AVX2`
+// holds for every x86-64 variant (attention and the row ops run AVX2's code on all of them)
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVXVNNI = 3 };
 
 // activation layouts: common.h's blocks; for dense weights (dense.cpp) the row's float32 values
 // (ACT_F32), the same with each 32 values' evens and then odds (ACT_F32_PAIRS), or as bfloat16 (ACT_BF16)
@@ -89,11 +94,17 @@ static inline size_t act_bytes(int act, int64_t K) {
 // BF16 weights by rows that hold bfloat16 values (`bf16_rows`) take AVX-512 BF16's dot products
 // where the CPU has them: the same bits as the FMAs' form (dense.cpp).
 bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool bf16_rows = false) {
-#define OPENTGI_PICK(fn) (isa == AVX512 ? AVX512_OR_NULL(fn) : isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
+#define OPENTGI_PICK(fn) \
+  (isa == AVX512 ? AVX512_OR_NULL(fn) : isa == AVXVNNI ? AVXVNNI_OR_NULL(fn) : isa == AVX2 ? AVX2_OR_NULL(fn) : fn##_scalar)
 #ifdef OPENTGI_WITH_AVX2
 #define AVX2_OR_NULL(fn) fn##_avx2
 #else
 #define AVX2_OR_NULL(fn) nullptr
+#endif
+#ifdef OPENTGI_WITH_AVXVNNI
+#define AVXVNNI_OR_NULL(fn) fn##_avxvnni
+#else
+#define AVXVNNI_OR_NULL(fn) nullptr
 #endif
 #ifdef OPENTGI_WITH_AVX512
 #define AVX512_OR_NULL(fn) fn##_avx512
@@ -182,7 +193,7 @@ void quantize_one(const float* row, int K, int act, int64_t isa, uint8_t* dst) {
   }
 #endif
 #ifdef OPENTGI_WITH_AVX2
-  if (isa == AVX2) {
+  if (isa == AVX2 || isa == AVXVNNI) {  // the same quantizer (no dot products in it)
     switch (act) {
       case ACT_Q8K: quantize_q8k_avx2(row, K, (ActQ8K*)dst); return;
       case ACT_Q16: quantize_q16_avx2(row, K, (ActQ16*)dst); return;

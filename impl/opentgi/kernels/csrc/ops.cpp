@@ -181,6 +181,9 @@ AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k_cache, con
 #ifdef OPENTGI_WITH_AVX2
                   || isa == AVX2
 #endif
+#ifdef OPENTGI_WITH_AVXVNNI
+                  || isa == AVXVNNI
+#endif
 #ifdef OPENTGI_WITH_AVX512
                   || isa == AVX512
 #endif
@@ -254,6 +257,9 @@ void check_isa(int64_t isa, const char* op) {
   TORCH_CHECK(isa == SCALAR
 #ifdef OPENTGI_WITH_AVX2
                   || isa == AVX2
+#endif
+#ifdef OPENTGI_WITH_AVXVNNI
+                  || isa == AVXVNNI
 #endif
 #ifdef OPENTGI_WITH_AVX512
                   || isa == AVX512
@@ -375,6 +381,11 @@ std::vector<int64_t> isas() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     found.push_back(AVX2);
+#endif
+#ifdef OPENTGI_WITH_AVXVNNI
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")
+      && __builtin_cpu_supports("avxvnni"))
+    found.push_back(AVXVNNI);
 #endif
 #ifdef OPENTGI_WITH_AVX512
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")

@@ -146,7 +146,7 @@ struct TileLowBit {
         __m256i sum = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
           const __m256i p = _mm256_maddubs_epi16(q[c], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * c)));
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s[c]));
+          sum = madd_add(sum, p, s[c]);
         }
         total = hsum_i32(sum);
 #else

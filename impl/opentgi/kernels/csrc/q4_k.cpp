@@ -61,8 +61,8 @@ static inline void q4k_dots8(const uint8_t* base, size_t row_bytes, const int16_
       for (int j = 0; j < 4; ++j) {
         const __m256i pl = _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j)));
         const __m256i ph = _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i*)(yq + 64 * j + 32)));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+        sum = madd_add(sum, pl, _mm256_set1_epi16(sc[2 * j]));
+        sum = madd_add(sum, ph, _mm256_set1_epi16(sc[2 * j + 1]));
       }
       sums[i][c] = sum;
     }

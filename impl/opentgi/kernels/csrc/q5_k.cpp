@@ -57,7 +57,7 @@ struct TileQ5K {
         __m256i sum = _mm256_setzero_si256();
         for (int j = 0; j < 8; ++j) {
           const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * j)));
-          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+          sum = madd_add(sum, p, _mm256_set1_epi16(sc[j]));
         }
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -118,7 +118,7 @@ struct TileQ5K {
           __m256i sum = _mm256_setzero_si256();
           for (int j = 0; j < 8; ++j) {
             const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i*)(yq + 32 * j)));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[j])));
+            sum = madd_add(sum, p, _mm256_set1_epi16(sc[j]));
           }
           sums[r][c] = sum;
         }

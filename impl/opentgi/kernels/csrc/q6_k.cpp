@@ -63,7 +63,7 @@ static inline void q6k_dots1(const BlockQ6_K& x, const int8_t* const* ys, const 
     __m256i sum = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k) {
       const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(ys[i] + 32 * k)));
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, sc[k]));
+      sum = madd_add(sum, p, sc[k]);
     }
 #endif
     // - 32 * sum_k sc_k * bsum_k

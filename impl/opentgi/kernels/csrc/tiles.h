@@ -156,7 +156,7 @@ static inline __m256i pair_sums8(const __m256i* lo, const __m256i* hi, const int
   const __m256i ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)y));
   const __m256i yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(y + 16)));
   __m256i s[4];
-#ifdef OPENTGI_AVX512
+#if defined(OPENTGI_AVX512) || defined(OPENTGI_AVXVNNI)
   // the same lanes (bytes 4i .. 4i + 3 of lo and of hi), exact either way
   for (int p = 0; p < 4; ++p) s[p] = dot_u8_add(dot_u8_add(_mm256_setzero_si256(), lo[p], ylo), hi[p], yhi);
 #else
