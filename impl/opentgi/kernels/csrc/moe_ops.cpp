@@ -84,21 +84,10 @@ std::vector<const uint8_t*> expert_weights(at::TensorList w, int64_t N, int64_t 
 void run_grouped(const Kernel& k, const std::vector<const uint8_t*>& wp, int64_t row_bytes, const uint8_t* act,
                  size_t arb, const Grouped& g, int64_t N, int64_t K, int passes, float* y) {
   constexpr int64_t CHUNK = 64;
-  constexpr double READ_COST = 8;  // an item's weights to read, in rows' worth of products
   const int64_t chunks = (N + CHUNK - 1) / CHUNK;
   const int64_t items = (int64_t)g.expert.size() * chunks;
-  // each thread a run of items of about equal cost (an item's rows plus its weights' reading), not of
-  // equal count: the experts' row counts differ. Which thread computes an output never changes its bits.
-  std::vector<double> cost(items + 1, 0.0);
-  for (int64_t i = 0; i < items; ++i) cost[i + 1] = cost[i] + (double)g.count[i / chunks] * passes + READ_COST;
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  auto boundary = [&](int64_t t) {  // the first item whose midpoint lies in part t's share
-    int64_t i = 0;
-    while (i < items && (cost[i] + cost[i + 1]) * 0.5 < cost[items] * (double)t / (double)parts) ++i;
-    return i;
-  };
-  at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t i = boundary(t0); i < boundary(t1); ++i) {
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
       const int64_t u = i / chunks, n0 = i % chunks * CHUNK, n1 = std::min(N, n0 + CHUNK);
       k.matmul(wp[g.expert[u]], row_bytes, act + g.start[u] * passes * arb, arb, (int)(g.count[u] * passes), (int)n0,
                (int)n1, (int)K, y + g.start[u] * passes * N, (int)N);
