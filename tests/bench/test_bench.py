@@ -146,8 +146,15 @@ def test_engine_step_comparison_measures_each_engine_beside_llama(monkeypatch, c
     monkeypatch.setattr(architectures, "same_shape_model", lambda name, cache_dir: paths[name])
     args = argparse.Namespace(architectures="llama,qwen3_moe", concurrency="1,3", rounds=2, new_tokens=4,
                               server_arg=["--dtype", "float32"], num_threads=1, model_id=None)
+    loads = []
+
+    def own_thread(fn):  # the benchmark's loading thread (runner.py), here the calling one
+        loads.append(fn)
+        return fn()
+
     text = architectures.engine_step_comparison(args, ["Hello there", "def add(a, b):"], server_settings,
-                                                lambda threads: "test machine")
+                                                lambda threads: "test machine", own_thread)
+    assert len(loads) == 2  # each model loaded by `own_thread`, not on the engines' (serial) thread
     printed = capsys.readouterr().out
     for server in ("llama", "qwen3_moe"):
         for c in (1, 3):

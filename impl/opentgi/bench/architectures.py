@@ -114,10 +114,13 @@ def architecture_comparison(args, prompts: list[str], local_server, run_level, m
     return "\n".join(lines + table(names, levels, totals)) + "\n"
 
 
-def engine_step_comparison(args, prompts: list[str], server_settings, machine_line) -> str:
+def engine_step_comparison(args, prompts: list[str], server_settings, machine_line, own_thread) -> str:
     """`--engine-steps`: per architecture and level, the median decode step of its engine beside
     Llama's (bench/steps.py), both in this process, alternating which goes first per round.
-    Returns the markdown table (tokens/s a step allows, summed over rounds as medians' means)."""
+    Called on a thread that runs torch serially (the engines' loop, as the server's); each model is
+    loaded by `own_thread` (a thread of its own with the benchmark's torch threads), so that no
+    second team of torch threads competes with an engine's. Returns the markdown table (tokens/s a
+    step allows, summed over rounds as medians' means)."""
     from opentgi.bench import steps as bench_steps
     from opentgi.models.loader import load_model
 
@@ -131,7 +134,7 @@ def engine_step_comparison(args, prompts: list[str], server_settings, machine_li
         settings_args = argparse.Namespace(**vars(args))
         settings_args.model_id = str(same_shape_model(name, None))
         settings = server_settings(settings_args)
-        loaded = load_model(settings)
+        loaded = own_thread(lambda: load_model(settings))
         ids = [loaded.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return loaded, settings, ids
 

@@ -157,7 +157,9 @@ def main(argv=None) -> None:
         from opentgi.bench.architectures import architecture_comparison, engine_step_comparison
 
         if args.engine_steps:
-            text = own_thread(lambda: engine_step_comparison(args, prompts, server_settings, machine_line))
+            # on this (serial) thread, as the server runs its event loop: an engine's team of torch
+            # threads is then the only one (a loading thread's team ends with it)
+            text = engine_step_comparison(args, prompts, server_settings, machine_line, own_thread)
         else:
             text = own_thread(lambda: architecture_comparison(args, prompts, local_server, run_level, machine_line))
         return _report(text, args.output)
