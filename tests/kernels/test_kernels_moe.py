@@ -209,3 +209,24 @@ def test_native_routing_picks_the_torch_routes_experts_within_float_rounding(ker
     for t in (0, 8):
         alone = block.route(x[t:t + 1])
         assert torch.equal(alone[0], native_weights[t:t + 1]) and torch.equal(alone[1], native_experts[t:t + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gelu_tanh", [False, True])
+def test_the_activation_in_the_gate_up_call_gives_the_two_calls_bits(kernels, dtype, gelu_tanh):
+    """moe_up with its activation (SiLU or GELU-tanh and multiply, [T * k, N / 2]) against moe_up
+    then silu_mul / gelu_tanh_mul, on GGUF blocks and on dense bfloat16 rows, on every ISA."""
+    block = _block(kernels, dtype)
+    grouped = block.grouped
+    up = grouped.gate_up_format
+    x = _rows(13, dtype, seed=3)
+    weights, experts = block.route(x)
+    dense = [(torch.randn(2 * INTERMEDIATE, HIDDEN, generator=torch.Generator().manual_seed(e)) * 0.05)
+             .to(torch.bfloat16).view(torch.uint8).reshape(2 * INTERMEDIATE, -1) for e in range(EXPERTS)]
+    separate = native.gelu_tanh_mul if gelu_tanh else native.silu_mul
+    for blocks, qtype in ((grouped.gate_up, up.qtype), (dense, native.DENSE_TYPE_OF[torch.bfloat16])):
+        for isa in native.supported_isas():
+            two = separate(native.moe_up(x, blocks, qtype, experts, up.out_features, isa=isa), isa=isa)
+            one = native.moe_up(x, blocks, qtype, experts, up.out_features, isa=isa, gelu_tanh=gelu_tanh)
+            assert one.shape == (13 * 3, INTERMEDIATE) and one.dtype == dtype
+            assert torch.equal(one, two.reshape(13 * 3, INTERMEDIATE)), isa

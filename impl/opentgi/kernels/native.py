@@ -102,7 +102,9 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], out_features)
 
     @torch.library.register_fake("opentgi::gguf_moe_up")
-    def _(x, w, qtype, ids, out_features, isa, passes=1):
+    def _(x, w, qtype, ids, out_features, isa, passes=1, act=-1):
+        if act >= 0:
+            return x.new_empty(x.shape[0] * ids.shape[1], out_features // 2)
         return x.new_empty(x.shape[0], ids.shape[1], out_features)
 
     @torch.library.register_fake("opentgi::gguf_moe_down")
@@ -151,11 +153,14 @@ def gguf_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, out_features: int
 
 
 def moe_up(x: torch.Tensor, blocks: list[torch.Tensor], qtype: int, experts: torch.Tensor, out_features: int,
-           passes: int = 1, isa: str | None = None) -> torch.Tensor:
+           passes: int = 1, isa: str | None = None, gelu_tanh: bool | None = None) -> torch.Tensor:
     """Grouped experts: x [T, K] by expert experts[t, j]'s weight (`blocks[e]`, GGUF blocks of
     `qtype`, [N, row bytes]) for every (token t, slot j) in one call -> [T, k, N] in x's dtype; each
-    token's row quantized once for its k experts. A pair's bits are gguf_mm's for that row."""
-    return torch.ops.opentgi.gguf_moe_up(x, blocks, qtype, experts, out_features, _isa(isa), passes)
+    token's row quantized once for its k experts. A pair's bits are gguf_mm's for that row. With
+    `gelu_tanh` given (False: SiLU), act(gate) * up of each pair's row instead -> [T * k, N / 2]: the
+    bits of `silu_mul` / `gelu_tanh_mul` on the [T, k, N] result."""
+    act = -1 if gelu_tanh is None else int(gelu_tanh)
+    return torch.ops.opentgi.gguf_moe_up(x, blocks, qtype, experts, out_features, _isa(isa), passes, act)
 
 
 def moe_down(h: torch.Tensor, blocks: list[torch.Tensor], qtype: int, experts: torch.Tensor, weights: torch.Tensor,

@@ -31,7 +31,9 @@ namespace {
 // gguf_mm: a pair's product has gguf_mm's bits for that row, whatever the other rows, the experts
 // they chose or the thread count. The weighted sum runs as the per-expert path writes it: each
 // product y * w rounded to the output dtype, added in float32 from zero in expert order, rounded
-// once.
+// once. With `act` (RowAct) gguf_moe_up returns act(gate) * up [T * k, N / 2] instead, each pair's
+// row rounded to x's dtype and then through the row op the separate activation runs (act_row): the
+// same bits, without the [T, k, N] tensor and a second call.
 
 struct Grouped {
   std::vector<int64_t> order;  // sorted position -> pair (t * k + j)
@@ -125,7 +127,7 @@ MoeCall moe_call(const at::Tensor& x, at::TensorList w, int64_t qtype, int64_t N
 }  // namespace
 
 at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,
-                       int64_t out_features, int64_t isa, int64_t asked_passes) {
+                       int64_t out_features, int64_t isa, int64_t asked_passes, int64_t act) {
   const MoeCall c = moe_call(x, w, qtype, out_features, isa, asked_passes, "gguf_moe_up");
   const int64_t passes = c.k.passes;  // 1 where a wide kernel serves two
   const size_t rb = passes * c.arb;  // a row's activation rows
@@ -133,28 +135,39 @@ at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, con
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "gguf_moe_up: ids must be [tokens, k], a row per row of x");
   const Grouped g = group_pairs(ids, (int64_t)w.size(), "gguf_moe_up");
   const int64_t pairs = T * top;
-  at::Tensor out = at::empty({T, top, N}, x.options());
+  TORCH_CHECK(act < 0 || ((act == ACT_SILU || act == ACT_GELU_TANH) && N % 2 == 0),
+              "gguf_moe_up: act must be -1, or 0 (silu) or 1 (gelu_tanh) with an even out_features");
+  at::Tensor out = act < 0 ? at::empty({T, top, N}, x.options()) : at::empty({pairs, N / 2}, x.options());
   if (pairs == 0 || N == 0) return out;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  std::vector<uint8_t> act(T * rb), grouped(pairs * rb);
-  quantize_rows(xf.data_ptr<float>(), T, (int)c.K, c.k.act, isa, act.data(), c.arb, (int)passes);  // once a token
-  for (int64_t r = 0; r < pairs; ++r) std::memcpy(grouped.data() + r * rb, act.data() + g.order[r] / top * rb, rb);
+  std::vector<uint8_t> rows(T * rb), grouped(pairs * rb);
+  quantize_rows(xf.data_ptr<float>(), T, (int)c.K, c.k.act, isa, rows.data(), c.arb, (int)passes);  // once a token
+  for (int64_t r = 0; r < pairs; ++r) std::memcpy(grouped.data() + r * rb, rows.data() + g.order[r] / top * rb, rb);
   std::vector<float> y(pairs * passes * N);
   run_grouped(c.k, c.wp, c.row_bytes, grouped.data(), c.arb, g, N, c.K, (int)passes, y.data());
   std::vector<float> added(passes > 1 ? pairs * N : 0);
   if (passes > 1) add_passes(y.data(), pairs, N, (int)passes, added.data(), N);
   const float* ys = passes > 1 ? added.data() : y.data();  // [pairs, N] in sorted order
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int dtype = bf16 ? ROW_BF16 : ROW_F32;
+  const size_t es = x.element_size();
   char* op = (char*)out.data_ptr();
   at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
+    std::vector<uint16_t> row(act >= 0 && bf16 ? N : 0);
+    std::vector<float> buf(act >= 0 ? N / 2 + 8 : 0);
     for (int64_t p = p0; p < p1; ++p) {
       const float* src = ys + g.pos[p] * N;
-      if (!bf16) {
-        std::memcpy((float*)op + p * N, src, N * sizeof(float));
-      } else {
-        uint16_t* dst = (uint16_t*)op + p * N;
-        for (int64_t n = 0; n < N; ++n) dst[n] = bf16_store(src[n]);
+      if (act < 0) {  // the pair's row in x's dtype (bfloat16: rounded as bf16_store rounds)
+        kv_row(isa, op + p * N * es, bf16 ? KV_BF16 : KV_F32, src, ROW_F32, (int)N);
+        continue;
       }
+      const int64_t I = N / 2;
+      const void* rounded = src;
+      if (bf16) {
+        kv_row(isa, row.data(), KV_BF16, src, ROW_F32, (int)N);
+        rounded = row.data();
+      }
+      act_row(isa, (int)act, rounded, (const char*)rounded + I * es, (int)I, dtype, op + p * I * es, buf.data());
     }
   });
   return out;
@@ -287,8 +300,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(opentgi, m) {
-  m.def("gguf_moe_up(Tensor x, Tensor[] w, int qtype, Tensor ids, int out_features, int isa, int passes=1) "
-        "-> Tensor");
+  m.def("gguf_moe_up(Tensor x, Tensor[] w, int qtype, Tensor ids, int out_features, int isa, int passes=1, "
+        "int act=-1) -> Tensor");
   m.def("gguf_moe_down(Tensor h, Tensor[] w, int qtype, Tensor ids, Tensor weights, int out_features, int isa, "
         "int passes=1) -> Tensor");
   m.def("moe_route(Tensor x, Tensor w, int k, bool renormalize) -> (Tensor, Tensor)");

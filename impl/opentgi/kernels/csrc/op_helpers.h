@@ -36,7 +36,7 @@ void run_attention(const PagedAttention& a, int64_t rows, int64_t isa);
 
 // opentgi::gguf_moe_up, opentgi::gguf_moe_down (moe_ops.cpp: grouped experts)
 at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,
-                       int64_t out_features, int64_t isa, int64_t passes);
+                       int64_t out_features, int64_t isa, int64_t passes, int64_t act = -1);
 at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, const at::Tensor& ids,
                          const at::Tensor& weights, int64_t out_features, int64_t isa, int64_t passes);
 // one token's routing (opentgi::moe_route): x [hidden] of the row dtype, w float32 [E, hidden] ->

@@ -162,7 +162,7 @@ void check_norm(const at::Tensor& w, int64_t numel, at::ScalarType dt, const cha
 // the down call with the weighted sum
 void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_t top, bool renormalize, int64_t isa,
                     void* out) {
-  const int64_t T = x.size(0), hidden = x.size(1), E = ex.router.size(0), I = ex.up_n / 2;
+  const int64_t T = x.size(0), hidden = x.size(1), E = ex.router.size(0);
   const int dtype = row_dtype(x, "decode_stack");
   const size_t es = x.element_size();
   at::Tensor ids = at::empty({T, top}, x.options().dtype(at::kLong));
@@ -176,16 +176,8 @@ void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_
       route_row(xp + t * hidden * es, dtype, hidden, ex.router.data_ptr<float>(), E, top, renormalize, buf.data(),
                 ip + t * top, wp + t * top * es);
   });
-  const at::Tensor up = gguf_moe_up(x, ex.up, ex.up_qtype, ids, ex.up_n, isa, ex.up_passes);  // [T, k, 2I]
-  at::Tensor hid = at::empty({T * top, I}, x.options());
-  const char* up_p = (const char*)up.data_ptr();
-  char* hp = (char*)hid.data_ptr();
-  at::parallel_for(0, T * top, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(I + 8);
-    for (int64_t r = r0; r < r1; ++r)
-      act_row(isa, act_kind, up_p + r * 2 * I * es, up_p + (r * 2 + 1) * I * es, (int)I, dtype, hp + r * I * es,
-              buf.data());
-  });
+  // act(gate) * up [T * k, I], in the gate/up call
+  const at::Tensor hid = gguf_moe_up(x, ex.up, ex.up_qtype, ids, ex.up_n, isa, ex.up_passes, act_kind);
   const at::Tensor down = gguf_moe_down(hid, ex.down, ex.down_qtype, ids, weights, hidden, isa, ex.down_passes);
   std::memcpy(out, down.data_ptr(), T * hidden * es);
 }

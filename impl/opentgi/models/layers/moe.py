@@ -47,7 +47,7 @@ from torch import nn
 
 from opentgi.kernels import native
 from opentgi.models.base import ForwardWithoutHooks
-from opentgi.models.layers.elementwise import act_and_mul
+from opentgi.models.layers.elementwise import NATIVE_ACTIVATIONS, act_and_mul
 from opentgi.models.layers.mlp import GatedMLP
 from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
 from opentgi.models.quantization.linear import QuantizedLinear
@@ -127,9 +127,14 @@ class GroupedExperts:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                  use_native: bool = False) -> torch.Tensor:
         up, down = self.gate_up_format, self.down_format
-        gate_up = native.moe_up(x, self.gate_up, up.qtype, experts, up.out_features, up.passes)
-        # [T, k, intermediate], as the per-expert path's one pass (`use_native`: the native op, as there)
-        hidden = act_and_mul(gate_up, self.intermediate, self.act_name, use_native)
+        if use_native and self.act_name in NATIVE_ACTIVATIONS and x.dtype in (torch.float32, torch.bfloat16):
+            # the native activation in the gate/up call: [T * k, intermediate], the bits of the two calls below
+            hidden = native.moe_up(x, self.gate_up, up.qtype, experts, up.out_features, up.passes,
+                                   gelu_tanh=bool(NATIVE_ACTIVATIONS[self.act_name]))
+        else:
+            gate_up = native.moe_up(x, self.gate_up, up.qtype, experts, up.out_features, up.passes)
+            # [T, k, intermediate], as the per-expert path's one pass
+            hidden = act_and_mul(gate_up, self.intermediate, self.act_name, use_native)
         return native.moe_down(hidden.view(-1, self.intermediate), self.down, down.qtype, experts, weights,
                                down.out_features, down.passes)
 
