@@ -16,6 +16,7 @@ from opentgi.models.layers.moe import GroupedExperts, SparseMoE
 from opentgi.models.loader import load_model
 from opentgi.models.quantization.linear import QuantizedLinear
 from tests.helpers import tiny_models
+from tests.helpers.moe import per_expert
 from tests.helpers.paged import PagedRunner
 
 torch.set_num_threads(1)
@@ -120,14 +121,6 @@ def _dense_block(dtype: torch.dtype, top_k: int = 2) -> SparseMoE:
     return block
 
 
-def _per_expert(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    grouped, block.grouped = block.grouped, None
-    try:
-        return block(x)
-    finally:
-        block.grouped = grouped
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_experts_run_grouped_with_the_per_expert_paths_bits(kernels, dtype):
     """Dense experts become the kernels' dense rows (the same bytes): grouped, a token's bits
@@ -145,9 +138,9 @@ def test_dense_experts_run_grouped_with_the_per_expert_paths_bits(kernels, dtype
         got = block(x)
         for t in (0, 7, 20):
             assert torch.equal(block(x[t:t + 1]), got[t:t + 1])
-            assert torch.equal(_per_expert(block, x[t:t + 1]), got[t:t + 1])
+            assert torch.equal(per_expert(block, x[t:t + 1]), got[t:t + 1])
         if dtype == torch.float32:
-            assert torch.equal(_per_expert(block, x), got)
+            assert torch.equal(per_expert(block, x), got)
         torch.manual_seed(0)
         reference = SparseMoE(HIDDEN, INTERMEDIATE, EXPERTS, 2, True, "silu",
                               ("gate_proj", "up_proj", "down_proj")).to(dtype).eval()

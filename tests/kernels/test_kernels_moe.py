@@ -20,6 +20,7 @@ from opentgi.models.quantization.linear import QuantizedLinear
 from opentgi.models.registry import build_paged_model
 from tests.helpers import tiny_models
 from tests.helpers.gguf_blocks import random_blocks
+from tests.helpers.moe import per_expert
 from tests.helpers.paged import PagedRunner
 
 HIDDEN, INTERMEDIATE, EXPERTS = 256, 256, 8
@@ -53,14 +54,6 @@ def _rows(n: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _per_expert(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    grouped, block.grouped = block.grouped, None
-    try:
-        return block(x)
-    finally:
-        block.grouped = grouped
-
-
 @pytest.mark.parametrize(("qtype", "down_type", "passes"), [(Q.Q4_K, Q.Q6_K, 1), (Q.Q4_1, Q.Q8_0, 1),
                                                             (Q.Q4_K, Q.Q5_0, 2)])
 def test_grouped_experts_give_the_per_expert_loops_bits_in_float32(kernels, qtype, down_type, passes):
@@ -69,7 +62,7 @@ def test_grouped_experts_give_the_per_expert_loops_bits_in_float32(kernels, qtyp
     x = _rows(13, torch.float32)
     with torch.inference_mode():
         for rows in (x, x[:1], x[:2]):  # the batched loop, and a lone token's own path
-            assert torch.equal(block(rows), _per_expert(block, rows))
+            assert torch.equal(block(rows), per_expert(block, rows))
 
 
 @pytest.mark.parametrize("top_k", [2, 3])
@@ -81,9 +74,9 @@ def test_grouped_experts_in_bfloat16_stay_within_a_rounding_of_the_per_expert_lo
     block = _block(kernels, torch.bfloat16, top_k=top_k)
     x = _rows(11, torch.bfloat16)
     with torch.inference_mode():
-        got, want = block(x), _per_expert(block, x)
+        got, want = block(x), per_expert(block, x)
         for t in range(x.shape[0]):
-            assert torch.equal(got[t:t + 1], _per_expert(block, x[t:t + 1]))
+            assert torch.equal(got[t:t + 1], per_expert(block, x[t:t + 1]))
     scale = want.float().abs().amax(dim=-1, keepdim=True)
     assert ((got.float() - want.float()).abs() <= 2 ** -7 * scale).all()
 

@@ -20,7 +20,7 @@
 namespace opentgi {
 namespace {
 
-enum Form { W_F32, W_F16, W_BF16 };
+enum Form { W_F32, W_F16, W_BF16, W_BF16_DP };  // W_BF16_DP: BF16 weights by VDPBF16PS (tile_dp)
 constexpr int CHUNK[] = {16, 16, 32};      // values an accumulation step takes
 constexpr int ELEM_BYTES[] = {4, 2, 2};
 
@@ -209,27 +209,6 @@ void drive(const Run& run, int M, int n0, int n1) {
   for (; n < n1; ++n) strip(std::integral_constant<int, 1>{}, n);
 }
 
-template <int F>
-struct DenseRun {
-  const uint8_t* w;
-  size_t rb;
-  const float* x;
-  size_t xs;
-  int K;
-  float* out;
-  int ldo;
-  template <int R, int C, bool Ahead>
-  void tile(int m, int n) const {
-    tile_fma<F, R, C, Ahead>(w + n * rb, rb, x + m * xs, xs, K, out + (size_t)m * ldo + n, ldo);
-  }
-};
-
-template <int F>
-void matmul_dense(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1, int K,
-                  float* out, int ldo) {
-  drive(DenseRun<F>{w, rb, (const float*)act, arb / sizeof(float), K, out, ldo}, M, n0, n1);
-}
-
 #if defined(OPENTGI_AVX512)
 // BF16 rows by bfloat16 activations (ACT_BF16), VDPBF16PS: per 32 values, each lane's odd then even
 // product, as matmul_dense<W_BF16> orders them.
@@ -255,23 +234,42 @@ __attribute__((target("avx512bf16"))) void tile_dp(const uint8_t* w, size_t rb, 
   }
 }
 
-struct DotRun {
+#endif
+
+// One call's tiles for `drive`: rows m.. by outputs n.. in form F (x: F's activation layout)
+template <int F, typename X>
+struct Run {
   const uint8_t* w;
   size_t rb;
-  const uint16_t* x;
+  const X* x;
   size_t xs;
   int K;
   float* out;
   int ldo;
   template <int R, int C, bool Ahead>
   void tile(int m, int n) const {
-    tile_dp<R, C, Ahead>(w + n * rb, rb, x + m * xs, xs, K, out + (size_t)m * ldo + n, ldo);
+#if defined(OPENTGI_AVX512)
+    if constexpr (F == W_BF16_DP) {
+      tile_dp<R, C, Ahead>(w + n * rb, rb, x + m * xs, xs, K, out + (size_t)m * ldo + n, ldo);
+      return;
+    } else
+#endif
+    {
+      tile_fma<F, R, C, Ahead>(w + n * rb, rb, x + m * xs, xs, K, out + (size_t)m * ldo + n, ldo);
+    }
   }
 };
 
+template <int F>
+void matmul_dense(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1, int K,
+                  float* out, int ldo) {
+  drive(Run<F, float>{w, rb, (const float*)act, arb / sizeof(float), K, out, ldo}, M, n0, n1);
+}
+
+#if defined(OPENTGI_AVX512)
 __attribute__((target("avx512bf16"))) void matmul_dp(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb,
                                                      int M, int n0, int n1, int K, float* out, int ldo) {
-  drive(DotRun{w, rb, (const uint16_t*)act, arb / sizeof(uint16_t), K, out, ldo}, M, n0, n1);
+  drive(Run<W_BF16_DP, uint16_t>{w, rb, (const uint16_t*)act, arb / sizeof(uint16_t), K, out, ldo}, M, n0, n1);
 }
 #endif
 
