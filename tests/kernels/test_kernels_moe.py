@@ -223,3 +223,22 @@ def test_the_activation_in_the_gate_up_call_gives_the_two_calls_bits(kernels, dt
             one = native.moe_up(x, blocks, qtype, experts, up.out_features, isa=isa, gelu_tanh=gelu_tanh)
             assert one.shape == (13 * 3, INTERMEDIATE) and one.dtype == dtype
             assert torch.equal(one, two.reshape(13 * 3, INTERMEDIATE)), isa
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_down_call_and_its_weighted_sum_give_the_same_bits_on_every_isa(kernels, dtype):
+    """moe_down's products and their weighted sum (the row op's AVX2 and scalar forms) alike on
+    every instruction set, for GGUF blocks and dense bfloat16 rows."""
+    block = _block(kernels, dtype)
+    grouped = block.grouped
+    down = grouped.down_format
+    x = _rows(11, dtype, seed=4)
+    weights, experts = block.route(x)
+    h = torch.randn(11 * 3, INTERMEDIATE, generator=torch.Generator().manual_seed(5)).to(dtype)
+    dense = [(torch.randn(HIDDEN, INTERMEDIATE, generator=torch.Generator().manual_seed(e)) * 0.05)
+             .to(torch.bfloat16).view(torch.uint8).reshape(HIDDEN, -1) for e in range(EXPERTS)]
+    for blocks, qtype in ((grouped.down, down.qtype), (dense, native.DENSE_TYPE_OF[torch.bfloat16])):
+        results = [native.moe_down(h, blocks, qtype, experts, weights, HIDDEN, isa=isa)
+                   for isa in native.supported_isas()]
+        for isa, got in zip(native.supported_isas()[1:], results[1:], strict=True):
+            assert torch.equal(got, results[0]), isa

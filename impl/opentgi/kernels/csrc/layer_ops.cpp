@@ -123,6 +123,32 @@ void OPENTGI_FN(gelu_tanh_mul_row)(const void* gate, const void* up, int n, int 
   act_mul_row<gelu_tanh_inplace>(gate, up, n, dtype, out, buf);
 }
 
+#ifdef OPENTGI_AVX2
+// round_to(bfloat16) of eight floats: bf16_store's rounding (to nearest even, NaN kept quiet), widened back
+static inline __m256 round_bf16_8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+#endif
+
+void OPENTGI_FN(weighted_add_row)(float* acc, const float* y, float w, int n, int dtype) {
+  int i = 0;
+#ifdef OPENTGI_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(acc + i), v = _mm256_loadu_ps(y + i);
+    const __m256 p = dtype == ROW_BF16 ? round_bf16_8(_mm256_mul_ps(round_bf16_8(v), wv)) : _mm256_mul_ps(v, wv);
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(a, p));
+  }
+#endif
+  for (; i < n; ++i) acc[i] += round_to(round_to(y[i], dtype) * w, dtype);
+}
+
 void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtype, int n) {
   if ((kv_dtype == KV_F32 && dtype == ROW_F32) || (kv_dtype == KV_BF16 && dtype == ROW_BF16)) {
     std::memcpy(dst, src, (size_t)n * (dtype == ROW_F32 ? 4 : 2));

@@ -28,6 +28,12 @@ void silu_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void*
 void gelu_tanh_mul_row_scalar(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 void gelu_tanh_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 
+// acc[i] += y[i] * w for n float32 values (a routed expert's output weighted into its token's sum),
+// as torch computes it in the dtype: float32, y * w then the add; bfloat16, y rounded to bfloat16,
+// times w rounded to bfloat16, then added in float32. The same bits in both variants.
+void weighted_add_row_scalar(float* acc, const float* y, float w, int n, int dtype);
+void weighted_add_row_avx2(float* acc, const float* y, float w, int n, int dtype);
+
 // A token's keys or values (n values of the row dtype) stored into the KV cache's row in the
 // cache's dtype (attention.h's KvDtype): copied as they are where the dtypes agree, else rounded to
 // nearest even (float16: F16C's conversion in the AVX2 variant, the same bits in the scalar one), as

@@ -97,8 +97,6 @@ void run_grouped(const Kernel& k, const std::vector<const uint8_t*>& wp, int64_t
   });
 }
 
-static inline float round_bf16(float f) { return bf16_to_fp32(bf16_store(f)); }  // as torch rounds
-
 struct MoeCall {
   Kernel k;
   int64_t K, N, row_bytes;
@@ -209,19 +207,9 @@ at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, c
       for (int64_t j : slots) {
         const int64_t p = t * top + j;
         const float* src = ys + g.pos[p] * N;
-        const float wj = wt[p];
-        if (!bf16) {
-          for (int64_t n = 0; n < N; ++n) acc[n] += src[n] * wj;
-        } else {
-          for (int64_t n = 0; n < N; ++n) acc[n] += round_bf16(round_bf16(src[n]) * wj);
-        }
+        weighted_row(isa, acc.data(), src, wt[p], (int)N, bf16 ? ROW_BF16 : ROW_F32);
       }
-      if (!bf16) {
-        std::memcpy((float*)op + t * N, acc.data(), N * sizeof(float));
-      } else {
-        uint16_t* dst = (uint16_t*)op + t * N;
-        for (int64_t n = 0; n < N; ++n) dst[n] = bf16_store(acc[n]);
-      }
+      kv_row(isa, op + t * N * h.element_size(), bf16 ? KV_BF16 : KV_F32, acc.data(), ROW_F32, (int)N);
     }
   });
   return out;

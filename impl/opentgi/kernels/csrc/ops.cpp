@@ -286,6 +286,13 @@ void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int 
   silu_mul_row_scalar(gate, up, n, dtype, out, buf);
 }
 
+void weighted_row(int64_t isa, float* acc, const float* y, float w, int n, int dtype) {
+#ifdef OPENTGI_WITH_AVX2
+  if (isa >= AVX2) return weighted_add_row_avx2(acc, y, w, n, dtype);
+#endif
+  weighted_add_row_scalar(acc, y, w, n, dtype);
+}
+
 void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, int n) {
 #ifdef OPENTGI_WITH_AVX2
   if (isa >= AVX2) return kv_store_row_avx2(dst, kv_dtype, src, dtype, n);
