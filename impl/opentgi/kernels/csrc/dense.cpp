@@ -55,7 +55,11 @@ static inline void bf16_pairs(const uint8_t* p, Lanes* even, Lanes* odd) {  // 3
   even->v = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   odd->v = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
-constexpr int TILE_ROWS = 4, TILE_OUTS = 4, WIDE_ROWS = 2, WIDE_OUTS = 8;
+// tiles (rows x outputs) per form, as many sums as keep the multiply-adds busy without spilling
+struct Tiles {
+  int rows, outs, wide_rows, wide_outs;
+};
+constexpr Tiles tiles_for(int) { return {4, 4, 2, 8}; }
 #elif defined(OPENTGI_AVX2)
 struct Lanes {
   __m256 lo, hi;
@@ -79,7 +83,12 @@ static inline void bf16_pairs(const uint8_t* p, Lanes* even, Lanes* odd) {
   *even = {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
   *odd = {_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high))};
 }
-constexpr int TILE_ROWS = 2, TILE_OUTS = 1, WIDE_ROWS = 1, WIDE_OUTS = 2;
+// sixteen lanes are two registers: F32 / F16 weights 2 x 2 sums (8 registers), BF16's even and odd
+// halves take twice the weight registers, so 4 x 1
+struct Tiles {
+  int rows, outs, wide_rows, wide_outs;
+};
+constexpr Tiles tiles_for(int form) { return form == W_BF16 ? Tiles{4, 1, 1, 2} : Tiles{2, 2, 1, 4}; }
 #else
 struct Lanes {
   float v[16];
@@ -115,7 +124,10 @@ static inline void bf16_pairs(const uint8_t* p, Lanes* even, Lanes* odd) {
     odd->v[j] = bf16_to_fp32(half_at(p, 2 * j + 1));
   }
 }
-constexpr int TILE_ROWS = 1, TILE_OUTS = 1, WIDE_ROWS = 0, WIDE_OUTS = 1;
+struct Tiles {
+  int rows, outs, wide_rows, wide_outs;
+};
+constexpr Tiles tiles_for(int) { return {1, 1, 0, 1}; }
 #endif
 
 // A chunk of one weight row, widened once for every row of the tile
@@ -170,13 +182,15 @@ void tile_fma(const uint8_t* w, size_t rb, const float* x, size_t xs, int K, flo
   }
 }
 
-// Outputs [n0, n1) for rows [0, M), strip by strip of C outputs (WIDE_OUTS where the rows are at most
-// WIDE_ROWS: enough independent sums to keep the multiply-adds busy; else TILE_OUTS; the outputs
-// left one at a time), each strip's rows in tiles of TILE_ROWS and one tile of the rest.
+// Outputs [n0, n1) for rows [0, M), strip by strip of C outputs (the form's wide_outs where the
+// rows are at most wide_rows: enough independent sums to keep the multiply-adds busy; else its
+// outs; the outputs left one at a time), each strip's rows in tiles of its rows and one of the rest.
 // `run.template tile<R, C, Ahead>(m, n)`: rows m.., outputs n..; Ahead for a strip's first tile
 // (of several rows: measured 1.4-1.6x for the grouped experts' 16-64 rows from memory).
 template <typename Run>
 void drive(const Run& run, int M, int n0, int n1) {
+  constexpr Tiles t = tiles_for(Run::form);
+  constexpr int TILE_ROWS = t.rows, TILE_OUTS = t.outs, WIDE_ROWS = t.wide_rows, WIDE_OUTS = t.wide_outs;
   auto strip = [&](auto c_tag, int n) {
     constexpr int C = decltype(c_tag)::value;
     int m = 0;
@@ -239,6 +253,7 @@ __attribute__((target("avx512bf16"))) void tile_dp(const uint8_t* w, size_t rb, 
 // One call's tiles for `drive`: rows m.. by outputs n.. in form F (x: F's activation layout)
 template <int F, typename X>
 struct Run {
+  static constexpr int form = F == W_BF16_DP ? W_BF16 : F;
   const uint8_t* w;
   size_t rb;
   const X* x;
