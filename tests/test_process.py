@@ -34,7 +34,8 @@ def test_a_server_process_never_imports_scikit_learn_and_transformers_still_gene
         from transformers.utils import is_sklearn_available
         model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2)).eval()
-        tokens = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
+        # exactly 3 new tokens: the random model may pick its EOS id (2) first
+        tokens = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
         print(sys.modules.get("sklearn"), is_sklearn_available(), tokens.shape[1])
     """)
     assert out == "None False 6"
