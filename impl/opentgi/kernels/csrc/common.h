@@ -154,6 +154,16 @@ static inline float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
+// A tile's R activation rows (`stride` bytes apart from `act`) and its accumulators of each kind
+// (floats or vectors), zeroed: the start of every block family's tile of rows.
+template <typename A, int R, typename... V>
+static inline void start_tile(const uint8_t* act, size_t stride, const A* (&a)[R], V (&... acc)[R]) {
+  for (int r = 0; r < R; ++r) {
+    a[r] = (const A*)(act + r * stride);
+    ((acc[r] = V{}), ...);
+  }
+}
+
 // out[m * ldo + n] for rows m < M and outputs n0 <= n < n1; w: the weight's rows of blocks
 // (row_bytes each), act: M rows of activation blocks (act_row_bytes each).
 typedef void (*MatmulFn)(const uint8_t* w, size_t row_bytes, const uint8_t* act, size_t act_row_bytes,

@@ -47,10 +47,7 @@ struct TileIQ4NL {
     const BlockIQ4_NL* w = (const BlockIQ4_NL*)wr;
     const ActQ8* a[R];
     float acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc);
     const int nb = K / QK;
     int b = 0;
 #ifdef OPENTGI_AVX2
@@ -110,10 +107,7 @@ struct TileIQ4NL {
     const int nb = K / QK;
     const ActQ8* a[R];
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     const __m128i t = _mm_load_si128((const __m128i*)kvalues);
     const __m256i table = _mm256_set_m128i(t, t), mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; ++b) {
@@ -159,10 +153,7 @@ struct TileIQ4NL {
     const int nb = K / QK;
     const ActQ8* a[R];
     __m512 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = _mm512_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     const __m512i table = shifted_table();
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_NL);
@@ -190,10 +181,7 @@ struct TileIQ4XS {
     const BlockIQ4_XS* w = (const BlockIQ4_XS*)wr;
     const ActQ8K* a[R];
     float acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc);
     for (int b = 0; b < K / QK_K; ++b) {
       const BlockIQ4_XS& x = w[b];
       const float d = fp16_to_fp32(x.d);
@@ -248,10 +236,7 @@ struct TileIQ4XS {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     const __m128i t = _mm_load_si128((const __m128i*)kvalues);
     const __m256i table = _mm256_set_m128i(t, t), mask = _mm256_set1_epi8(0x0F);
     const __m256i k15 = _mm256_set1_epi32(15), k48 = _mm256_set1_epi32(48), k32 = _mm256_set1_epi32(32);
@@ -314,10 +299,7 @@ struct TileIQ4XS {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m512 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = _mm512_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     const __m512i table = shifted_table();
     const __m512i k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
     for (int b = 0; b < nb; ++b) {

@@ -124,15 +124,19 @@ void OPENTGI_FN(gelu_tanh_mul_row)(const void* gate, const void* up, int n, int 
 }
 
 #ifdef OPENTGI_AVX2
-// round_to(bfloat16) of eight floats: bf16_store's rounding (to nearest even, NaN kept quiet), widened back
-static inline __m256 round_bf16_8(__m256 v) {
+// eight floats rounded to bfloat16 as bf16_store rounds them (to nearest even, NaN kept quiet), the
+// bfloat16 bits in each lane's upper half (the lower half is not cleared)
+static inline __m256i bf16_rounded8(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
   const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
                                          _mm256_set1_epi32(0x7F800000));
-  const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+}
+// round_to(bfloat16) of eight floats
+static inline __m256 round_bf16_8(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded8(v), _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 #endif
 
@@ -167,15 +171,9 @@ void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtyp
   } else if (kv_dtype == KV_BF16) {
     uint16_t* out = (uint16_t*)dst;
 #ifdef OPENTGI_AVX2
-    if (dtype == ROW_F32) {  // bf16_store's bits, eight at a time: round to nearest even, NaN kept quiet
-      const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), quiet = _mm256_set1_epi32(0x40);
-      const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    if (dtype == ROW_F32) {  // bf16_store's bits, eight at a time
       for (; i + 8 <= n; i += 8) {
-        const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps((const float*)src + i));
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
-        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, lsb)), 16);
-        const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, abs_mask), inf);
-        const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(bits, 16), quiet), nan);
+        const __m256i r = _mm256_srli_epi32(bf16_rounded8(_mm256_loadu_ps((const float*)src + i)), 16);
         const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
         _mm_storeu_si128((__m128i*)(out + i), _mm256_castsi256_si128(packed));
       }

@@ -98,10 +98,7 @@ struct TileLowBit {
     const Block* w = (const Block*)wr;
     const ActQ8K* a[R];
     float acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = accm[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc, accm);
     for (int b = 0; b < K / QK_K; ++b) {
       const Block& x = w[b];
       const float d = fp16_to_fp32(x.d);
@@ -183,10 +180,7 @@ struct TileLowBit {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m256 acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = accm[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, accm);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
       prefetch_next(wr, row_bytes, b, nb);
@@ -248,10 +242,7 @@ struct TileLowBit {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m512 acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = accm[r] = _mm512_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, accm);
     const __m512i m3 = _mm512_set1_epi8(0x03), m4 = _mm512_set1_epi8(0x0F), bit2 = _mm512_set1_epi8(0x04);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);

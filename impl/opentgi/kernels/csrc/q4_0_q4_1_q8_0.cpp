@@ -124,10 +124,7 @@ struct Tile32 {
     const int nb = K / QK;
     const ActQ8* a[R];
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ8_0);
       prefetch_next(wr, row_bytes, b, nb);
@@ -159,10 +156,7 @@ struct Tile32 {
     const int nb = K / QK;
     const ActQ8* a[R];
     __m512 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = mins[r] = _mm512_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, mins);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
@@ -198,10 +192,7 @@ struct Tile32Wide {
     const Block* w = (const Block*)wr;
     const ActQ16* a[R];
     float acc[R], mins[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ16*)(act + r * stride);
-      acc[r] = mins[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc, mins);
     alignas(32) int16_t w16[QK];
     for (int b = 0; b < K / QK; ++b) {
       const float dw = fp16_to_fp32(w[b].d);

@@ -77,10 +77,7 @@ struct TileQ4K {
     const BlockQ4_K* w = (const BlockQ4_K*)wr;
     const ActQ8K* a[R];
     float acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = accm[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc, accm);
     for (int b = 0; b < K / QK_K; ++b) {
       const BlockQ4_K& x = w[b];
       const float d = fp16_to_fp32(x.d), dmin = fp16_to_fp32(x.dmin);
@@ -141,10 +138,7 @@ struct TileQ4K {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m256 acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = accm[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, accm);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
       prefetch_next(wr, row_bytes, b, nb);
@@ -223,10 +217,7 @@ struct TileQ4KWide {
     const BlockQ4_K* w = (const BlockQ4_K*)wr;
     const ActQ16K* a[R];
     float acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ16K*)(act + r * stride);
-      acc[r] = accm[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc, accm);
     alignas(32) int16_t w16[QK_K];
     for (int b = 0; b < K / QK_K; ++b) {
       const BlockQ4_K& x = w[b];
@@ -312,10 +303,7 @@ struct TileQ4KWide {
     const int nb = K / QK_K;
     const ActQ16K* a[R];
     __m256 acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ16K*)(act + r * stride);
-      acc[r] = accm[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, accm);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
       prefetch_next(wr, row_bytes, b, nb);

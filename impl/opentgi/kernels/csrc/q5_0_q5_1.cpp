@@ -54,10 +54,7 @@ struct TileQ5 {
     const Block* w = (const Block*)wr;
     const ActQ8* a[R];
     float acc[R], mins[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = mins[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc, mins);
     const int nb = K / QK;
     int b = 0;
 #ifdef OPENTGI_AVX2
@@ -112,10 +109,7 @@ struct TileQ5 {
     const int nb = K / QK;
     const ActQ8* a[R];
     __m256 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = mins[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, mins);
     const __m256i mask = _mm256_set1_epi8(0x0F), five = _mm256_set1_epi8(0x10);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // byte j: bit j % 8
     // bytes 0..7 of a half from qh byte 0 (values 0..7), 8..15 from byte 1; the high nibbles' from 2, 3
@@ -170,10 +164,7 @@ struct TileQ5 {
     const int nb = K / QK;
     const ActQ8* a[R];
     __m512 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8*)(act + r * stride);
-      acc[r] = mins[r] = _mm512_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, mins);
     const __m512i five = _mm512_set1_epi8(0x10);
     // byte k of word j: the word's byte 0 (then + g / 2), in each 128-bit lane
     const __m512i word = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));

@@ -20,10 +20,7 @@ struct TileQ5K {
     const BlockQ5_K* w = (const BlockQ5_K*)wr;
     const ActQ8K* a[R];
     float acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = accm[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc, accm);
     for (int b = 0; b < K / QK_K; ++b) {
       const BlockQ5_K& x = w[b];
       const float d = fp16_to_fp32(x.d), dmin = fp16_to_fp32(x.dmin);
@@ -88,10 +85,7 @@ struct TileQ5K {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m256 acc[R], accm[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = accm[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc, accm);
     const __m256i m4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ5_K);

@@ -153,10 +153,7 @@ struct TileQ6K {
     const BlockQ6_K* w = (const BlockQ6_K*)wr;
     const ActQ8K* a[R];
     float acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc);
     for (int b = 0; b < K / QK_K; ++b) {
       const BlockQ6_K& x = w[b];
       const float d = fp16_to_fp32(x.d);
@@ -219,10 +216,7 @@ struct TileQ6K {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     auto finish = [&](int b, __m256i (*sums)[8]) {
       const __m256 d = fp16_8(wr + (size_t)b * sizeof(BlockQ6_K) + offsetof(BlockQ6_K, d), row_bytes);
       for (int r = 0; r < R; ++r) {
@@ -269,10 +263,7 @@ struct TileQ6K {
     const int nb = K / QK_K;
     const ActQ8K* a[R];
     __m512 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ8K*)(act + r * stride);
-      acc[r] = _mm512_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(BlockQ6_K);
       prefetch_next<16>(wr, row_bytes, b, nb);
@@ -350,10 +341,7 @@ struct TileQ6KWide {
     const BlockQ6_K* w = (const BlockQ6_K*)wr;
     const ActQ16K* a[R];
     float acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ16K*)(act + r * stride);
-      acc[r] = 0.0f;
-    }
+    start_tile(act, stride, a, acc);
     alignas(32) int16_t w16[QK_K];
     for (int b = 0; b < K / QK_K; ++b) {
       const float d = fp16_to_fp32(w[b].d);
@@ -412,10 +400,7 @@ struct TileQ6KWide {
     const int nb = K / QK_K;
     const ActQ16K* a[R];
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActQ16K*)(act + r * stride);
-      acc[r] = _mm256_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     in_memory_order8<2 * R>(wr, row_bytes, sizeof(BlockQ6_K), nb, [&](const uint8_t* x, int b, __m256i (*sums)[8], int c) {
       const int8_t* ys[2 * R];  // row r's high bytes at 2r, low bytes at 2r + 1
       const int16_t* bs[2 * R];
