@@ -78,6 +78,10 @@ struct ActQ16 { float d; int32_t sum; int16_t qs[32]; };
 // the int16 form reads only its own cache lines).
 struct ActQ16K { float d; int32_t sums[8]; int16_t qs[256]; };
 struct ActQ16KBytes { int8_t hi[256], lo[256]; int16_t bsums_hi[16], bsums_lo[16]; };
+// A bfloat16 row as Q4_0 / Q4_1's bfloat16 kernels take it (q4_bf16.cpp): per block of 32, the values'
+// sum (float32, added in value order) and the values as bfloat16 in pairs, pair k holding values
+// 4 * (k / 2) + k % 2 and that + 2 (the even and odd halves of a 32-bit word).
+struct ActBF16 { float sum; uint16_t v[32]; };
 
 // Weight types by GGML id (gguf's GGMLQuantizationType).
 enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
@@ -174,6 +178,7 @@ void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out);
 void OPENTGI_FN(quantize_q8k)(const float* x, int K, ActQ8K* out);
 void OPENTGI_FN(quantize_q16)(const float* x, int K, ActQ16* out);
 void OPENTGI_FN(quantize_q16k)(const float* x, int K, ActQ16K* out);
+void OPENTGI_FN(quantize_bf16)(const float* x, int K, ActBF16* out);
 
 void OPENTGI_FN(matmul_q4_0)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
@@ -186,6 +191,9 @@ void OPENTGI_FN(matmul_q4_1_wide)(const uint8_t*, size_t, const uint8_t*, size_t
 void OPENTGI_FN(matmul_q8_0_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q6_k_wide)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+// Q4_0 / Q4_1 against bfloat16 rows (ActBF16)
+void OPENTGI_FN(matmul_q4_0_bf16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 
 #ifdef OPENTGI_AVX2
 static inline float hsum_ps(__m256 x) {

@@ -25,6 +25,9 @@ namespace opentgi {
   void quantize_q8k_##isa(const float*, int, ActQ8K*);                                               \
   void quantize_q16_##isa(const float*, int, ActQ16*);                                               \
   void quantize_q16k_##isa(const float*, int, ActQ16K*);                                             \
+  void quantize_bf16_##isa(const float*, int, ActBF16*);                                             \
+  void matmul_q4_0_bf16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_1_bf16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q8_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -65,8 +68,10 @@ namespace {
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVXVNNI = 3 };
 
 // activation layouts: common.h's blocks; for dense weights (dense.cpp) the row's float32 values
-// (ACT_F32), the same with each 32 values' evens and then odds (ACT_F32_PAIRS), or as bfloat16 (ACT_BF16)
-enum Act { ACT_Q8 = 0, ACT_Q8K = 1, ACT_Q16 = 2, ACT_Q16K = 3, ACT_F32 = 4, ACT_F32_PAIRS = 5, ACT_BF16 = 6 };
+// (ACT_F32), the same with each 32 values' evens and then odds (ACT_F32_PAIRS), or as bfloat16
+// (ACT_BF16); for Q4_0 / Q4_1 by bfloat16 rows, common.h ActBF16 (ACT_BF16_BLOCKS)
+enum Act { ACT_Q8 = 0, ACT_Q8K = 1, ACT_Q16 = 2, ACT_Q16K = 3, ACT_F32 = 4, ACT_F32_PAIRS = 5, ACT_BF16 = 6,
+           ACT_BF16_BLOCKS = 7 };
 
 struct Kernel {
   MatmulFn matmul;
@@ -84,8 +89,21 @@ static inline size_t act_bytes(int act, int64_t K) {
     case ACT_Q16K: return K / QK_K * (sizeof(ActQ16K) + sizeof(ActQ16KBytes));
     case ACT_F32: case ACT_F32_PAIRS: return K * sizeof(float);
     case ACT_BF16: return K * sizeof(uint16_t);
+    case ACT_BF16_BLOCKS: return K / QK * sizeof(ActBF16);
     default: return K / QK * sizeof(ActQ8);
   }
+}
+
+// Whether this CPU has AVX-512 BF16's dot products (and the library its AVX-512 variant): where it
+// does, `passes=2` on Q4_0 / Q4_1 by bfloat16 rows takes their bfloat16 kernels (q4_bf16.cpp) on every
+// ISA, one order of operations, instead of 16-bit activation blocks.
+static inline bool bf16_dots() {
+#ifdef OPENTGI_WITH_AVX512
+  static const bool has = matmul_bf16_dp_avx512() != nullptr;
+  return has;
+#else
+  return false;
+#endif
 }
 
 // The kernel for a GGML type on an ISA; `passes` 2 asks for ~16-bit activations: the wide kernel
@@ -154,6 +172,11 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
       k->act = k->superblocks ? ACT_Q16K : ACT_Q16;
       k->passes = 1;
     }
+    if (bf16_rows && bf16_dots() && (qtype == Q4_0 || qtype == Q4_1)) {  // the rows' own values, every ISA
+      k->matmul = qtype == Q4_0 ? OPENTGI_PICK(matmul_q4_0_bf16) : OPENTGI_PICK(matmul_q4_1_bf16);
+      k->act = ACT_BF16_BLOCKS;
+      k->passes = 1;
+    }
   }
   return k->matmul != nullptr;
 }
@@ -175,6 +198,10 @@ void quantize_one(const float* row, int K, int act, int64_t isa, uint8_t* dst) {
         out[c + j] = row[c + 2 * j];
         out[c + 16 + j] = row[c + 2 * j + 1];
       }
+    return;
+  }
+  if (act == ACT_BF16_BLOCKS) {  // the same conversion on every ISA (no products in it)
+    quantize_bf16_scalar(row, K, (ActBF16*)dst);
     return;
   }
   if (act == ACT_BF16) {  // exact for rows that hold bfloat16 values (the only ones given this layout)

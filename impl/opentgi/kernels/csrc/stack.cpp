@@ -120,7 +120,7 @@ std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef q
       for (int64_t part = 0; part < parts[4 * l + j]; ++part, ++next) {
         const int64_t n = weights[next].size(0);
         const int64_t k = j == 1 ? H * D : j == 3 ? projections[4 * l + 2].N / 2 : hidden;
-        p.parts.push_back(make_matmul(weights[next], qtypes[next], n, k, isa, op, passes[next]));
+        p.parts.push_back(make_matmul(weights[next], qtypes[next], n, k, isa, op, passes[next], dt == at::kBFloat16));
         p.N += n;
         p.K = k;
         const std::optional<at::Tensor> b = biases.get(next);
@@ -543,7 +543,8 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
   });
   if (!logits) return normed;
   Projection head;
-  head.parts.push_back(make_matmul(*a->head, a->head_qtype, a->head_n, n, a->isa, op, a->head_passes));
+  head.parts.push_back(
+      make_matmul(*a->head, a->head_qtype, a->head_n, n, a->isa, op, a->head_passes, dtype == ROW_BF16));
   head.biases.push_back(nullptr);
   head.N = a->head_n;
   head.K = n;
