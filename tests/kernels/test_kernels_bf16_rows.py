@@ -1,5 +1,5 @@
 """Q4_0 and Q4_1 by bfloat16 rows at ~16-bit precision (`passes=2`, the q/k/v and down projections):
-where the CPU has AVX-512 BF16, the rows' own values against the blocks (kernels/csrc/q4_bf16.cpp),
+where the CPU has AVX-512 BF16, the rows' own values against the blocks (kernels/csrc/blocks_bf16.cpp),
 one order of float32 operations on every instruction set; elsewhere the 16-bit activation blocks
 that float32 rows take."""
 

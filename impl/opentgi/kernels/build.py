@@ -31,7 +31,7 @@ from pathlib import Path
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
 MATMUL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
-                  "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp", "dense.cpp", "q4_bf16.cpp")
+                  "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp", "dense.cpp", "blocks_bf16.cpp")
 KERNEL_SOURCES = (*MATMUL_SOURCES, "attention.cpp", "prompt_attention.cpp", "layer_ops.cpp")
 # the AVX-VNNI and AVX-512 variants are the matmuls' alone: attention and the row ops run AVX2's there
 ISA_SOURCES = {"avxvnni": MATMUL_SOURCES, "avx512": MATMUL_SOURCES}

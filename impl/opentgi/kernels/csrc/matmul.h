@@ -95,8 +95,8 @@ static inline size_t act_bytes(int act, int64_t K) {
 }
 
 // Whether this CPU has AVX-512 BF16's dot products (and the library its AVX-512 variant): where it
-// does, `passes=2` on Q4_0 / Q4_1 by bfloat16 rows takes their bfloat16 kernels (q4_bf16.cpp) on every
-// ISA, one order of operations, instead of 16-bit activation blocks.
+// does, `passes=2` on Q4_0 and Q4_1 by bfloat16 rows takes their bfloat16 kernels (blocks_bf16.cpp)
+// on every ISA, one order of operations, instead of 16-bit activation blocks.
 static inline bool bf16_dots() {
 #ifdef OPENTGI_WITH_AVX512
   static const bool has = matmul_bf16_dp_avx512() != nullptr;
@@ -172,8 +172,16 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
       k->act = k->superblocks ? ACT_Q16K : ACT_Q16;
       k->passes = 1;
     }
-    if (bf16_rows && bf16_dots() && (qtype == Q4_0 || qtype == Q4_1)) {  // the rows' own values, every ISA
-      k->matmul = qtype == Q4_0 ? OPENTGI_PICK(matmul_q4_0_bf16) : OPENTGI_PICK(matmul_q4_1_bf16);
+    MatmulFn own = nullptr;  // the rows' own values (bfloat16 rows, AVX-512 BF16): every ISA
+    if (bf16_rows && bf16_dots()) {
+      switch (qtype) {
+        case Q4_0: own = OPENTGI_PICK(matmul_q4_0_bf16); break;
+        case Q4_1: own = OPENTGI_PICK(matmul_q4_1_bf16); break;
+        default: break;
+      }
+    }
+    if (own != nullptr) {
+      k->matmul = own;
       k->act = ACT_BF16_BLOCKS;
       k->passes = 1;
     }

@@ -1,16 +1,19 @@
 // Q4_0 and Q4_1 weights against bfloat16 activation rows (common.h ActBF16): the form `passes=2`
 // takes for rows that hold bfloat16 values where the CPU has AVX-512 BF16 (matmul.h kernel_for).
 // The rows' own values enter the products (ActQ16 would round each to 16 bits of its block's
-// range), and the weights' integers (Q4_0's q - 8, Q4_1's q) are exact in bfloat16.
+// range), and the weights' integers (Q4_0's q - 8, Q4_1's q) are exact in bfloat16. (The K-quants
+// keep their 16-bit activation blocks: their wide kernels were as fast from 16 rows and faster for
+// one to four, whose arithmetic a bfloat16 form would have to share.)
 //
-// One order per output on every ISA, whatever the rows, the tile or the thread: per block, two
-// float32 sums from zero, sum j taking the value pairs (ActBF16's words) k = j, j + 2, ..., j + 14
-// in turn, each pair's odd product then its even one by fused multiply-adds (AVX-512 BF16's
-// VDPBF16PS order: one instruction for sixteen outputs where the CPU has it, two fused
-// multiply-adds elsewhere); the block's term is d * (s0 + s1) (Q4_1: plus m * the block's
-// activation sum), and out adds the terms block by block from zero.
-// The two forms agree bit for bit except where a value or partial sum falls below float32's normal
-// range, which the instruction flushes to zero (dense.cpp's BF16 rule).
+// One order per output on every ISA, whatever the rows, the tile or the thread. A block's 32 values
+// (ActBF16's block) are summed as four float32 sums from zero, sum j taking the block's value pairs
+// (ActBF16's words) k = j, j + 4, j + 8, j + 12 in turn, each pair's second value's product then its
+// first's by fused multiply-adds (AVX-512 BF16's VDPBF16PS order: one instruction for sixteen
+// outputs where the CPU has it, two fused multiply-adds elsewhere), then (s0 + s1) + (s2 + s3).
+// Each block adds one term to the output, in block order from zero: Q4_0's d * sum, Q4_1's
+// d * sum + m * x_sum (x_sum: the block's values added in value order). The two forms agree bit for
+// bit except where a value or partial sum falls below float32's normal range, which the instruction
+// flushes to zero (dense.cpp's BF16 rule).
 #include <type_traits>
 
 #include "tiles.h"
@@ -18,7 +21,7 @@
 namespace opentgi {
 namespace {
 
-// the bfloat16 bits of a small integer (|n| < 128: exact)
+// the bfloat16 bits of a small integer (|n| < 256: exact)
 constexpr uint16_t bf16_of_int(int n) {
   if (n == 0) return 0;
   const uint16_t sign = n < 0 ? 0x8000 : 0;
@@ -28,13 +31,12 @@ constexpr uint16_t bf16_of_int(int n) {
   return (uint16_t)(sign | ((127 + e) << 7) | (((a - (1 << e)) << (7 - e)) & 0x7F));
 }
 
-// ActBF16's pair k: values lo(k) (the even, low half) and lo(k) + 2 (the odd, high half)
+// ActBF16's pair k: values lo(k) (the first, low half) and lo(k) + 2 (the second, high half)
 constexpr int pair_lo(int k) { return 4 * (k / 2) + (k & 1); }
 
 #ifdef OPENTGI_AVX512
 // acc + the sixteen lanes of w by the bfloat16 pair at p, broadcast (VDPBF16PS with the pair as its
-// broadcast memory operand: one instruction, where the intrinsic's form takes a second for the
-// broadcast, and these kernels issue little else)
+// broadcast memory operand: one instruction, where the intrinsics take a second for the broadcast)
 __attribute__((target("avx512bf16"))) static inline __m512 dp_pair(__m512 acc, __m512bh w, const uint16_t* p) {
   __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
   return acc;
@@ -68,17 +70,19 @@ struct TileBF16 {
           s[k % 4] = std::fma(wv[lo], bf16_to_fp32(y.v[2 * k]), s[k % 4]);
         }
         const float t = dw * ((s[0] + s[1]) + (s[2] + s[3]));
-        acc[r] += Kind == 1 ? t + fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * y.sum : t;
+        if constexpr (Kind == 1) acc[r] += t + fp16_to_fp32(w[b].m) * y.sum; else acc[r] += t;
       }
     }
     for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
   }
 
 #ifdef OPENTGI_AVX512
-  // Sixteen weight rows at once, row c's sums in float lane c: the nibbles (tiles.h values16) as
-  // bfloat16 by one permute each (a 16-bit lane's low byte, value 4g or 4g + 1, picks its entry;
-  // the pair's other value, 4g + 2 or 4g + 3, is that lane's high half), each activation pair
-  // broadcast; the weights unpacked once a block for a tile of up to `rows` activation rows.
+  // Sixteen weight rows at once, row c's sums in float lane c, run<R>'s arithmetic lane by lane: the
+  // nibbles (tiles.h values16) as bfloat16 by one permute each (a 16-bit lane's low byte, value 4g
+  // or 4g + 1, picks its entry; the pair's second value, 4g + 2 or 4g + 3, is that lane's high
+  // byte), each activation pair broadcast; the weights unpacked once a block for a tile of up to
+  // sixteen activation rows (the unpacking is a large share of the work: the more rows the better,
+  // up to what the registers hold).
   static constexpr int run16_from = 1;
   static constexpr int rows = 16;
   template <int R>
@@ -86,9 +90,11 @@ struct TileBF16 {
                                                           size_t stride, int K, float* out, int ldo) {
     const int nb = K / QK;
     const ActBF16* a[R];
-    for (int r = 0; r < R; ++r) a[r] = (const ActBF16*)(act + r * stride);
     __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      a[r] = (const ActBF16*)(act + r * stride);
+      acc[r] = _mm512_setzero_ps();
+    }
     alignas(64) uint16_t entries[32] = {};
     for (int q = 0; q < 16; ++q) entries[q] = bf16_of_int(q - OFF);
     const __m512i table = _mm512_load_si512(entries);
@@ -104,21 +110,14 @@ struct TileBF16 {
         wb[2 * g] = (__m512bh)_mm512_permutexvar_epi16(w[g], table);
         wb[2 * g + 1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w[g], 8), table);
       }
-      // two rows at a time, their products interleaved: eight sums in flight
-#pragma GCC unroll 8
-      for (int r0 = 0; r0 < R; r0 += 2) {
-        constexpr int P = R > 1 ? 2 : 1;
-        const int n = r0 + 1 < R ? P : 1;
-        __m512 s[2][4];
-        for (int i = 0; i < 2; ++i)
-          for (int j = 0; j < 4; ++j) s[i][j] = _mm512_setzero_ps();
-        for (int k = 0; k < 16; ++k)
-          for (int i = 0; i < n; ++i) s[i][k % 4] = dp_pair(s[i][k % 4], wb[k], a[r0 + i][b].v + 2 * k);
-        for (int i = 0; i < n; ++i) {
-          __m512 t = _mm512_mul_ps(dv, _mm512_add_ps(_mm512_add_ps(s[i][0], s[i][1]), _mm512_add_ps(s[i][2], s[i][3])));
-          if constexpr (Kind == 1) t = _mm512_add_ps(t, _mm512_mul_ps(mv, _mm512_set1_ps(a[r0 + i][b].sum)));
-          acc[r0 + i] = _mm512_add_ps(acc[r0 + i], t);
-        }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const ActBF16& y = a[r][b];
+        __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int k = 0; k < 16; ++k) s[k % 4] = dp_pair(s[k % 4], wb[k], y.v + 2 * k);
+        __m512 t = _mm512_mul_ps(dv, _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3])));
+        if constexpr (Kind == 1) t = _mm512_add_ps(t, _mm512_mul_ps(mv, _mm512_set1_ps(y.sum)));
+        acc[r] = _mm512_add_ps(acc[r], t);
       }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
