@@ -59,7 +59,11 @@ struct Tile32 {
   // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
   // by run<R>'s arithmetic (out[r * ldo + c]).
   static constexpr bool has_run8 = true;
+#ifdef OPENTGI_AVX512  // sixteen rows a tile where the accumulators fit in the registers (Q4_1's mins do not)
+  static constexpr int rows = Kind == 1 ? BYTE_TILE_ROWS : 2 * BYTE_TILE_ROWS;
+#else
   static constexpr int rows = BYTE_TILE_ROWS;
+#endif
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
