@@ -1,7 +1,8 @@
 // Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) and Q8_0 (w = d * q): blocks of 32 against ActQ8.
 // Every type, both paths: each block's integer sum is exact (Q4_0's as sum(q * x) - 8 * sum(x)),
-// and an output adds (d_w * d_x) * sum block by block, in block order (Q4_1's m * (d_x * sum(x))
-// added in a second float the same way, the two added at the end): AVX2 and scalar agree bit for
+// and an output adds (d_w * d_x) * sum block by block, in block order (Q4_1: that plus
+// m * (d_x * sum(x)), then added; its 16-bit form keeps the two in floats of their own, added at
+// the end): AVX2 and scalar agree bit for
 // bit, and AVX2 computes eight outputs at once (one float lane each) by exactly that arithmetic,
 // so a row gets the same bits alone or among others. Each also takes 16-bit activations
 // (Tile32Wide).
@@ -18,8 +19,6 @@ struct Tile32 {
     const int nb = K / QK;
     const ActQ8* a[R];
     for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
-    float mins[R];
-    for (int r = 0; r < R; ++r) mins[r] = 0.0f;
     float acc[R];
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     for (int b = 0; b < nb; ++b) {
@@ -48,19 +47,20 @@ struct Tile32 {
         for (int i = 0; i < QK; ++i) s += (int32_t)q[i] * y.qs[i];
 #endif
         if constexpr (Kind == 0) s -= 8 * y.sum;
-        acc[r] += (dw * y.d) * (float)s;
-        if constexpr (Kind == 1) mins[r] += fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * (y.d * (float)y.sum);
+        const float t = (dw * y.d) * (float)s;
+        if constexpr (Kind == 1) acc[r] += t + fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * (y.d * (float)y.sum);
+        else acc[r] += t;
       }
     }
-    for (int r = 0; r < R; ++r) out[r * ldo] = Kind == 1 ? acc[r] + mins[r] : acc[r];
+    for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
   }
 
 #ifdef OPENTGI_AVX2
   // Eight weight rows (row_bytes apart) at once against R activation rows, output c in float lane c
   // by run<R>'s arithmetic (out[r * ldo + c]).
   static constexpr bool has_run8 = true;
-#ifdef OPENTGI_AVX512  // sixteen rows a tile where the accumulators fit in the registers (Q4_1's mins do not)
-  static constexpr int rows = Kind == 1 ? BYTE_TILE_ROWS : 2 * BYTE_TILE_ROWS;
+#ifdef OPENTGI_AVX512  // sixteen rows a tile: their accumulators fit in the registers
+  static constexpr int rows = 2 * BYTE_TILE_ROWS;
 #else
   static constexpr int rows = BYTE_TILE_ROWS;
 #endif
@@ -80,8 +80,8 @@ struct Tile32 {
     const int nb = K / QK;
     const ActQ8* a[R];
     for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
-    __m256 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(0x0F);
     // the next eight rows follow these eight: a few of their cache lines a block, so they are in
     // L1 when their turn comes
@@ -112,12 +112,12 @@ struct Tile32 {
         const ActQ8& y = a[r][b];
         __m256i sum = pair_sums8(lo, hi, y.qs);
         if constexpr (Kind == 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * y.sum));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum)));
-        if constexpr (Kind == 1)
-          mins[r] = _mm256_add_ps(mins[r], _mm256_mul_ps(mv, _mm256_set1_ps(y.d * (float)y.sum)));
+        __m256 t = _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum));
+        if constexpr (Kind == 1) t = _mm256_add_ps(t, _mm256_mul_ps(mv, _mm256_set1_ps(y.d * (float)y.sum)));
+        acc[r] = _mm256_add_ps(acc[r], t);
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, Kind == 1 ? _mm256_add_ps(acc[r], mins[r]) : acc[r]);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
   }
 
   // Q8_0: each row's exact block sum (signed bytes, dot_i8's sign trick: |q| <= 128 unsigned, pairs
@@ -152,15 +152,16 @@ struct Tile32 {
   // Sixteen weight rows at once, row c's block sum formed in int32 lane c (VNNI: four products a
   // lane an instruction, the activations' four bytes broadcast), so no horizontal sums; then
   // run<R>'s float arithmetic lane by lane. Q8_0's signed weights enter as q + 128 (unsigned), the
-  // 128 * sum(y) taken off after: the same exact integer as the AVX2 form's.
-  static constexpr int run16_from = 2;
+  // 128 * sum(y) taken off after: the same exact integer as the AVX2 form's. From one row for Q4_1
+  // (measured faster than the eight-output form there), from two for the others.
+  static constexpr int run16_from = Kind == 1 ? 1 : 2;
   template <int R>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     const int nb = K / QK;
     const ActQ8* a[R];
-    __m512 acc[R], mins[R];
-    start_tile(act, stride, a, acc, mins);
+    __m512 acc[R];
+    start_tile(act, stride, a, acc);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block);
@@ -176,11 +177,12 @@ struct Tile32 {
         // Q4_0's -8 * sum(y) and Q8_0's -128 * sum(y) as the sum's start
         __m512i sum = Kind == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32((Kind == 0 ? -8 : -128) * y.sum);
         for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum)));
-        if constexpr (Kind == 1) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(mv, _mm512_set1_ps(y.d * (float)y.sum)));
+        __m512 t = _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum));
+        if constexpr (Kind == 1) t = _mm512_add_ps(t, _mm512_mul_ps(mv, _mm512_set1_ps(y.d * (float)y.sum)));
+        acc[r] = _mm512_add_ps(acc[r], t);
       }
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, Kind == 1 ? _mm512_add_ps(acc[r], mins[r]) : acc[r]);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
   }
 #endif
 #endif
