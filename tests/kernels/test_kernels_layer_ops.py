@@ -134,3 +134,19 @@ def test_gemma_and_per_head_norms_serve_natively_as_their_torch_forms(kernels, d
         torch.testing.assert_close(out, expected, **tol)
         assert torch.equal(out[:, :4], native.rms_norm(qk[:, :4], heads.weight[0], 1e-6))
         assert torch.equal(out[:, 4:], native.rms_norm(qk[:, 4:], heads.weight[4], 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_apply_rotary_bit_for_bit(kernels, dtype):
+    """The decode stack's RoPE (layer_ops.h rope_row): the torch composition's products rounded to the
+    dtype, then their sum, on every ISA; head sizes whose halves fill vectors (64, 128) and not (40)."""
+    from opentgi.models.layers.rotary import apply_rotary
+
+    for d in (40, 64, 128):
+        x = rows(7 * 3, d, 3, dtype).view(7, 3, d)
+        angles = torch.rand(7, d // 2, generator=torch.Generator().manual_seed(4)) * 6
+        cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+        sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)  # signed: the first half negated
+        expected = apply_rotary(x, cos[:, None, :], sin[:, None, :])
+        for isa in native.supported_isas():
+            assert torch.equal(native.rope(x, cos, sin, isa), expected), (d, isa)

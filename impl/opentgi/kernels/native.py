@@ -119,6 +119,10 @@ def _register_fake() -> None:
     def _(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("opentgi::rope")
+    def _(x, cos, sin, isa):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("opentgi::rms_norm")
     def _(x, weight, eps, isa):
         return torch.empty_like(x)
@@ -214,6 +218,13 @@ def _isa(isa: str | None) -> int:
     if path is None:
         raise KernelsUnavailable("the native kernels are not loaded (kernels.native.load)")
     return ISAS[isa or path.isa]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, isa: str | None = None) -> torch.Tensor:
+    """x [rows, heads, D] (float32 or bfloat16) rotated by halves with its rows' cos and signed sin
+    ([rows, D], x's dtype), as models/layers/rotary.py's apply_rotary rounds it: the decode stack's
+    RoPE (csrc/layer_ops.h rope_row)."""
+    return torch.ops.opentgi.rope(x, cos, signed_sin, _isa(isa))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, isa: str | None = None) -> torch.Tensor:

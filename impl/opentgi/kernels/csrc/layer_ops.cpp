@@ -153,6 +153,35 @@ void OPENTGI_FN(weighted_add_row)(float* acc, const float* y, float w, int n, in
   for (; i < n; ++i) acc[i] += round_to(round_to(y[i], dtype) * w, dtype);
 }
 
+void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
+  for (int i = 0; i < D; ++i) buf[i] = load(x, i, dtype);
+  const int half = D / 2;
+  int i = 0;
+#ifdef OPENTGI_AVX2
+  if (half % 8 == 0) {  // eight values a step, none of them straddling the halves
+    for (; i < D; i += 8) {
+      const __m256 h = _mm256_loadu_ps(buf + i), rot = _mm256_loadu_ps(buf + (i < half ? i + half : i - half));
+      __m256 c, s;
+      if (dtype == ROW_BF16) {
+        c = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)cos + i))), 16));
+        s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)sin + i))), 16));
+        const __m256 v = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(h, c)), round_bf16_8(_mm256_mul_ps(rot, s)));
+        const __m256i r = _mm256_srli_epi32(bf16_rounded8(v), 16);
+        _mm_storeu_si128((__m128i*)((uint16_t*)x + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)));
+      } else {
+        c = _mm256_loadu_ps((const float*)cos + i);
+        s = _mm256_loadu_ps((const float*)sin + i);
+        _mm256_storeu_ps((float*)x + i, _mm256_add_ps(_mm256_mul_ps(h, c), _mm256_mul_ps(rot, s)));
+      }
+    }
+  }
+#endif
+  for (; i < D; ++i) {
+    const float rot = buf[i < half ? i + half : i - half];
+    store(x, i, round_to(buf[i] * load(cos, i, dtype), dtype) + round_to(rot * load(sin, i, dtype), dtype), dtype);
+  }
+}
+
 void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtype, int n) {
   if ((kv_dtype == KV_F32 && dtype == ROW_F32) || (kv_dtype == KV_BF16 && dtype == ROW_BF16)) {
     std::memcpy(dst, src, (size_t)n * (dtype == ROW_F32 ? 4 : 2));

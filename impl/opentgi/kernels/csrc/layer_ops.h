@@ -28,6 +28,12 @@ void silu_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void*
 void gelu_tanh_mul_row_scalar(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 void gelu_tanh_mul_row_avx2(const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 
+// One head's D values (the row dtype, in place) rotated by halves as models/layers/rotary.py does:
+// x * cos + cat(x2, x1) * sin (sin signed: its first half negated), each product rounded to the
+// dtype, then their sum. cos, sin: D values of the dtype. buf: D floats.
+void rope_row_scalar(void* x, const void* cos, const void* sin, int D, int dtype, float* buf);
+void rope_row_avx2(void* x, const void* cos, const void* sin, int D, int dtype, float* buf);
+
 // acc[i] += y[i] * w for n float32 values (a routed expert's output weighted into its token's sum),
 // as torch computes it in the dtype: float32, y * w then the add; bfloat16, y rounded to bfloat16,
 // times w rounded to bfloat16, then added in float32. The same bits in both variants.

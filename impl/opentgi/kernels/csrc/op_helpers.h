@@ -25,6 +25,8 @@ void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const
 void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 // kv_store_row (layer_ops.h) on the ISA's variant
 void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, int n);
+// rope_row (layer_ops.h) on the ISA's variant; buf: D floats
+void rope(int64_t isa, void* x, const void* cos, const void* sin, int D, int dtype, float* buf);
 // weighted_add_row (layer_ops.h) on the ISA's variant
 void weighted_row(int64_t isa, float* acc, const float* y, float w, int n, int dtype);
 

@@ -293,6 +293,13 @@ void weighted_row(int64_t isa, float* acc, const float* y, float w, int n, int d
   weighted_add_row_scalar(acc, y, w, n, dtype);
 }
 
+void rope(int64_t isa, void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
+#ifdef OPENTGI_WITH_AVX2
+  if (isa >= AVX2) return rope_row_avx2(x, cos, sin, D, dtype, buf);
+#endif
+  rope_row_scalar(x, cos, sin, D, dtype, buf);
+}
+
 void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, int n) {
 #ifdef OPENTGI_WITH_AVX2
   if (isa >= AVX2) return kv_store_row_avx2(dst, kv_dtype, src, dtype, n);
@@ -382,6 +389,29 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up, int64_t isa) {
   return act_mul(gate_up, ACT_GELU_TANH, isa, "gelu_tanh_mul");
 }
 
+// x [rows, heads, D] rotated by its rows' cos and signed sin ([rows, D], x's dtype): rope_row per head
+at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t isa) {
+  check_isa(isa, "rope");
+  const int dtype = row_dtype(x, "rope");
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0)
+                  && cos.size(1) == x.size(2) && cos.scalar_type() == x.scalar_type()
+                  && sin.scalar_type() == x.scalar_type(),
+              "rope: x [rows, heads, D], cos and sin [rows, D] in x's dtype");
+  at::Tensor out = x.contiguous().clone();
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  const int64_t heads = x.size(1), D = x.size(2);
+  const size_t es = x.element_size();
+  char* op = (char*)out.data_ptr();
+  at::parallel_for(0, x.size(0), 4, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(D + 8);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        rope(isa, op + (size_t)(r * heads + h) * D * es, (const char*)c.data_ptr() + r * D * es,
+             (const char*)s.data_ptr() + r * D * es, (int)D, dtype, buf.data());
+  });
+  return out;
+}
+
 std::vector<int64_t> isas() {
   std::vector<int64_t> found = {SCALAR};
 #ifdef OPENTGI_WITH_AVX2
@@ -422,6 +452,7 @@ TORCH_LIBRARY(opentgi, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up, int isa) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
@@ -432,6 +463,7 @@ TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("gelu_tanh_mul", gelu_tanh_mul);
+  m.impl("rope", rope_op);
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CompositeExplicitAutograd, m) {

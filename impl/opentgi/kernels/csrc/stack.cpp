@@ -321,7 +321,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     const bool qkw_f32 = qkw != nullptr && qk_norms[l].scalar_type() == at::kFloat;
     const int64_t qkw_row = qkw == nullptr ? 0 : D * qk_norms[l].element_size();
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-      std::vector<float> head(D), buf(D + 8);
+      std::vector<float> buf(D + 8);
       for (int64_t t = r0; t < r1; ++t) {
         char* row = qkv.data() + t * qkv_n * es;
         const char* c = cp + t * D * es;
@@ -330,16 +330,9 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
           char* hd = row + j * D * es;
           if (qkw != nullptr)  // per head, q's heads with q_norm's weight, k's with k_norm's (HeadsNorm)
             norm_row(isa, hd, nullptr, nullptr, qkw + j * qkw_row, qkw_f32, (int)D, (float)eps, dtype, hd, buf.data());
-          // x * cos + cat(x2, x1) * signed sin (layers/rotary.py)
-          for (int64_t i = 0; i < D; ++i) head[i] = ld(hd, i, dtype);
-          for (int64_t i = 0; i < D; ++i) {
-            const float rot = head[i < D / 2 ? i + D / 2 : i - D / 2];
-            const float p = to_dtype(head[i] * ld(c, i, dtype), dtype);
-            const float q = to_dtype(rot * ld(s, i, dtype), dtype);
-            st(hd, i, p + q, dtype);
-          }
+          rope(isa, hd, c, s, (int)D, dtype, buf.data());  // x * cos + cat(x2, x1) * signed sin
         }
-        for (int64_t i = 0; i < H * D; ++i) qf[t * H * D + i] = ld(row, i, dtype);
+        kv_row(isa, qf.data() + t * H * D, KV_F32, row, dtype, (int)(H * D));
         if (sl[t] >= 0) {  // in the cache's dtype (float16 caches: rounded to nearest even)
           kv_row(isa, kc + sl[t] * slot_bytes, att.kv_dtype, row + H * D * es, dtype, (int)(KV * D));
           kv_row(isa, vc + sl[t] * slot_bytes, att.kv_dtype, row + (H + KV) * D * es, dtype, (int)(KV * D));
@@ -356,7 +349,11 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     att.q = qf.data();
     att.out = out.data();
     run_attention(att, T, isa);
-    for (int64_t i = 0; i < T * H * D; ++i) st(att_d.data(), i, out[i], dtype);
+    at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {  // in the row dtype, as st rounds
+      for (int64_t t = r0; t < r1; ++t)
+        kv_row(isa, att_d.data() + t * H * D * es, dtype == ROW_BF16 ? KV_BF16 : KV_F32, out.data() + t * H * D,
+               ROW_F32, (int)(H * D));
+    });
     linear_rows(mm[1], att_d.data(), T, dtype, isa, xf, of, act, o.data());
     if (sandwich) {
       norm_add(o.data(), norms[per * l + 1]);
