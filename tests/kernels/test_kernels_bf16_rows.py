@@ -47,8 +47,8 @@ def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 def _reference(raw: np.ndarray, qtype: Q, x: torch.Tensor) -> np.ndarray:
     """float32 outputs by the kernels' order: per block, four sums from zero, sum j taking pairs
     k = j, j + 4, ... (pair k: values 4 * (k // 2) + k % 2 and that + 2), the pair's second value's
-    product first; the block's term d * ((s0 + s1) + (s2 + s3)) (+ m * the values' sum, added in
-    value order); the terms added block by block."""
+    product first; the block's term d * ((s0 + s1) + (s2 + s3)) (+ m * the values' sum: values i and
+    i + 16 added, then folded by halves); the terms added block by block."""
     n, m, k = raw.shape[0], x.shape[0], x.shape[1]
     per = 20 if qtype == Q.Q4_1 else 18
     blocks = raw.reshape(n, k // 32, per)
@@ -60,9 +60,10 @@ def _reference(raw: np.ndarray, qtype: Q, x: torch.Tensor) -> np.ndarray:
     out = np.zeros((m, n), np.float32)
     for b in range(k // 32):
         xb = xv[:, 32 * b:32 * b + 32]
-        total = np.zeros(m, np.float32)
-        for i in range(32):
-            total = total + xb[:, i]
+        lanes = [xb[:, i] + xb[:, i + 16] for i in range(16)]  # the values' sum: quantize_bf16's tree
+        for w in (8, 4, 2, 1):
+            lanes = [lanes[i] + lanes[i + w] for i in range(w)]
+        total = lanes[0]
         s = [np.zeros((m, n), np.float32) for _ in range(4)]
         for pair in range(16):
             lo = 4 * (pair // 2) + pair % 2

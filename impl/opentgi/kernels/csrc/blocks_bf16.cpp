@@ -11,9 +11,9 @@
 // first's by fused multiply-adds (AVX-512 BF16's VDPBF16PS order: one instruction for sixteen
 // outputs where the CPU has it, two fused multiply-adds elsewhere), then (s0 + s1) + (s2 + s3).
 // Each block adds one term to the output, in block order from zero: Q4_0's d * sum, Q4_1's
-// d * sum + m * x_sum (x_sum: the block's values added in value order). The two forms agree bit for
-// bit except where a value or partial sum falls below float32's normal range, which the instruction
-// flushes to zero (dense.cpp's BF16 rule).
+// d * sum + m * x_sum (x_sum: the block's values added by quantize_bf16's tree). The two forms agree
+// bit for bit except where a value or partial sum falls below float32's normal range, which the
+// instruction flushes to zero (dense.cpp's BF16 rule).
 #include <type_traits>
 
 #include "tiles.h"
@@ -128,13 +128,16 @@ struct TileBF16 {
 }  // namespace
 
 // a row of K float32 values (each a bfloat16 value) as ActBF16 blocks: the values in pair order, and
-// each block's sum added in value order
+// each block's sum by one tree (values i and i + 16 added, then those sixteen folded by halves:
+// + 8, + 4, + 2, + 1), the same bits whatever vectors a variant's compiler forms it with
 void OPENTGI_FN(quantize_bf16)(const float* x, int K, ActBF16* out) {
   for (int b = 0; b < K / QK; ++b) {
     const float* v = x + b * QK;
-    float sum = 0.0f;
-    for (int i = 0; i < QK; ++i) sum += v[i];
-    out[b].sum = sum;
+    float l[16];
+    for (int i = 0; i < 16; ++i) l[i] = v[i] + v[i + 16];
+    for (int w = 8; w >= 1; w /= 2)
+      for (int i = 0; i < w; ++i) l[i] = l[i] + l[i + w];
+    out[b].sum = l[0];
     for (int k = 0; k < 16; ++k) {
       out[b].v[2 * k] = bf16_store(v[pair_lo(k)]);
       out[b].v[2 * k + 1] = bf16_store(v[pair_lo(k) + 2]);

@@ -79,9 +79,8 @@ struct ActQ16 { float d; int32_t sum; int16_t qs[32]; };
 struct ActQ16K { float d; int32_t sums[8]; int16_t qs[256]; };
 struct ActQ16KBytes { int8_t hi[256], lo[256]; int16_t bsums_hi[16], bsums_lo[16]; };
 // A bfloat16 row as the bfloat16 kernels of Q4_0 and Q4_1 take it (blocks_bf16.cpp): per block of
-// 32, the values'
-// sum (float32, added in value order) and the values as bfloat16 in pairs, pair k holding values
-// 4 * (k / 2) + k % 2 and that + 2 (the even and odd halves of a 32-bit word).
+// 32, the values' sum (float32, by quantize_bf16's tree) and the values as bfloat16 in pairs, pair k
+// holding values 4 * (k / 2) + k % 2 and that + 2 (the even and odd halves of a 32-bit word).
 struct ActBF16 { float sum; uint16_t v[32]; };
 
 // Weight types by GGML id (gguf's GGMLQuantizationType).

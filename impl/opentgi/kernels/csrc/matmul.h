@@ -208,9 +208,14 @@ void quantize_one(const float* row, int K, int act, int64_t isa, uint8_t* dst) {
       }
     return;
   }
-  if (act == ACT_BF16_BLOCKS) {  // the same conversion on every ISA (no products in it)
-    quantize_bf16_scalar(row, K, (ActBF16*)dst);
-    return;
+  if (act == ACT_BF16_BLOCKS) {  // the same bits from every variant (one order of adds)
+#ifdef OPENTGI_WITH_AVX512
+    if (isa == AVX512) return quantize_bf16_avx512(row, K, (ActBF16*)dst);
+#endif
+#ifdef OPENTGI_WITH_AVX2
+    if (isa == AVX2 || isa == AVXVNNI) return quantize_bf16_avx2(row, K, (ActBF16*)dst);
+#endif
+    return quantize_bf16_scalar(row, K, (ActBF16*)dst);
   }
   if (act == ACT_BF16) {  // exact for rows that hold bfloat16 values (the only ones given this layout)
     uint16_t* out = (uint16_t*)dst;
