@@ -185,7 +185,7 @@ static inline void prefetch_next(const uint8_t* rows, size_t row_bytes, int b, i
 // finish(b, sums) takes superblock b's lanes, in superblock order. The integers are the same
 // whatever the order they were formed in, and finish does the float arithmetic of the
 // superblock-by-superblock form in the same order: the same bits.
-constexpr int PREFETCH_AHEAD = 2048;
+constexpr int PREFETCH_AHEAD = 16384;
 template <int N, class Dots, class Finish>
 static inline void in_memory_order8(const uint8_t* rows8, size_t row_bytes, size_t block_bytes, int nb, Dots dots,
                                     Finish finish) {
