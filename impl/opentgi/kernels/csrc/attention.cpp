@@ -32,11 +32,23 @@ static inline __m256 load8(const void* row, int i) {
   return _mm256_cvtph_ps(h);
 }
 #endif
+#ifdef OPENTGI_AVX512
+// values i .. i + 15 of a cache row as float32
+template <int KV>
+static inline __m512 load16(const void* row, int i) {
+  if (KV == KV_F32) return _mm512_loadu_ps((const float*)row + i);
+  const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + i));
+  if (KV == KV_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+#endif
 
 // The logits of one query head against n key rows: out[j] = q . k[j] * scale (out has n rounded up
 // to 8 writable). In the AVX2 variant keys go 8 at a time (eight independent FMA chains), each
 // key's lanes summed by the same tree whatever its place among the 8 (a short last group repeats
-// its last key), so a logit's bits depend only on q, the key and D.
+// its last key), so a logit's bits depend only on q, the key and D. The AVX-512 variant's chains
+// take 16 dimensions a step, each folded to 8 lanes (lane i + lane i + 8) before a last 8-wide step
+// where D leaves one and the same tree: its own bits.
 template <int KV>
 static inline void logits_of(const float* q, const void* const* k, int n, int D, float scale, float* out) {
 #ifdef OPENTGI_AVX2
@@ -46,11 +58,26 @@ static inline void logits_of(const float* q, const void* const* k, int n, int D,
     const void* kr[8];
     for (int u = 0; u < 8; ++u) kr[u] = k[j + u < n ? j + u : n - 1];
     __m256 a[8];
+#ifdef OPENTGI_AVX512
+    const int wide = D / 16 * 16;
+    __m512 w[8];
+    for (int u = 0; u < 8; ++u) w[u] = _mm512_setzero_ps();
+    for (int i = 0; i < wide; i += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + i);
+      for (int u = 0; u < 8; ++u) w[u] = _mm512_fmadd_ps(qv, load16<KV>(kr[u], i), w[u]);
+    }
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_add_ps(_mm512_castps512_ps256(w[u]), _mm512_extractf32x8_ps(w[u], 1));
+    for (int i = wide; i < body; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8<KV>(kr[u], i), a[u]);
+    }
+#else
     for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
     for (int i = 0; i < body; i += 8) {
       const __m256 qv = _mm256_loadu_ps(q + i);
       for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8<KV>(kr[u], i), a[u]);
     }
+#endif
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
@@ -90,10 +117,29 @@ static inline void pv_chunk(float* acc, const float* p, const void* const* v, in
 }
 #endif
 
+#ifdef OPENTGI_AVX512
+// pv_chunk in 512-bit registers: each value's arithmetic as the 256-bit form's (the same bits)
+template <int W, int KV>
+static inline void pv_chunk16(float* acc, const float* p, const void* const* v, int n, int d) {
+  __m512 r[W];
+  for (int u = 0; u < W; ++u) r[u] = _mm512_loadu_ps(acc + d + 16 * u);
+  for (int j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int u = 0; u < W; ++u) r[u] = _mm512_fmadd_ps(pj, load16<KV>(v[j], d + 16 * u), r[u]);
+  }
+  for (int u = 0; u < W; ++u) _mm512_storeu_ps(acc + d + 16 * u, r[u]);
+}
+#endif
+
 // acc[d] += p[j] * v[j][d] for j = 0 .. n - 1 in order, each d on its own
 template <int KV>
 static inline void probs_times_values(float* acc, const float* p, const void* const* v, int n, int D) {
   int d = 0;
+#ifdef OPENTGI_AVX512
+  for (; d + 128 <= D; d += 128) pv_chunk16<8, KV>(acc, p, v, n, d);
+  for (; d + 64 <= D; d += 64) pv_chunk16<4, KV>(acc, p, v, n, d);
+  for (; d + 16 <= D; d += 16) pv_chunk16<1, KV>(acc, p, v, n, d);
+#endif
 #ifdef OPENTGI_AVX2
   for (; d + 64 <= D; d += 64) pv_chunk<8, KV>(acc, p, v, n, d);
   for (; d + 8 <= D; d += 8) pv_chunk<1, KV>(acc, p, v, n, d);

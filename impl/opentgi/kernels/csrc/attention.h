@@ -49,6 +49,7 @@ struct PagedAttention {
 // paged_attention_scratch(args) floats for the calling thread.
 void paged_attention_scalar(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch);
 void paged_attention_avx2(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch);
+void paged_attention_avx512(const PagedAttention& a, int64_t item0, int64_t item1, float* scratch);
 
 // The keys a row splits into: a split's bits depend on the row alone (its context and window), never
 // on the other rows or the threads.

@@ -64,7 +64,7 @@ MatmulFn matmul_bf16_dp_avx512();  // dense.cpp: nullptr where the CPU lacks AVX
 namespace {
 
 // ids the ops take (kernels/native.py ISAS); AVX-VNNI's is the newest, not a rank: `isa >= AVX2`
-// holds for every x86-64 variant (attention and the row ops run AVX2's code on all of them)
+// holds for every x86-64 variant (prompt attention and the row ops run AVX2's code on all of them)
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVXVNNI = 3 };
 
 // activation layouts: common.h's blocks; for dense weights (dense.cpp) the row's float32 values

@@ -95,7 +95,8 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
 // Each row's visible blocks in splits (attention.h), every (split, kv head chunk) a work item among
 // torch's intra-op threads; then each row of several splits gets its heads' splits combined in split
 // order: max of the running maxima, then the sums and accumulators rescaled and added, then divided.
-// (The AVX-512 variant holds the matmuls alone: here and in the row ops, an AVX-512 CPU runs AVX2's.)
+// (The AVX-512 variant holds the matmuls and this decode attention: prompt attention and the row ops
+// run AVX2's on an AVX-512 CPU.)
 void run_attention(const PagedAttention& args, int64_t rows, int64_t isa) {
   PagedAttention a = args;
   const int bs = a.block_size, per = a.kv_heads_per_item, chunks = a.num_kv_heads / per;
@@ -124,6 +125,12 @@ void run_attention(const PagedAttention& args, int64_t rows, int64_t isa) {
   const int64_t scratch = paged_attention_scratch(a);
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(scratch);
+#ifdef OPENTGI_WITH_AVX512
+    if (isa == AVX512) {
+      paged_attention_avx512(a, i0, i1, buf.data());
+      return;
+    }
+#endif
 #ifdef OPENTGI_WITH_AVX2
     if (isa >= AVX2) {
       paged_attention_avx2(a, i0, i1, buf.data());
