@@ -363,10 +363,12 @@ struct TileQ6KWide {
   template <int R>
   static inline void run8(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                           float* out, int ldo) {
+#ifndef OPENTGI_AVX512  // AVX-512's 16-bit products beat the byte halves for one and two rows too
     if constexpr (R <= 2) {
       run8_bytes<R>(wr, row_bytes, act, stride, K, out, ldo);
       return;
     }
+#endif
     const int nb = K / QK_K;
     const ActQ16K* a[R];
     alignas(32) float acc[R][8] = {};  // in memory: the registers go to the products
@@ -389,11 +391,11 @@ struct TileQ6KWide {
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, _mm256_load_ps(acc[r]));
   }
 
-  // One or two rows: the weights' 6-bit values against the activations' byte halves (hi, lo) as the
-  // 8-bit kernel multiplies them (the -32 offset by the halves' sums per 16), each half's total
-  // exact in int32 (< 2^29, as TileQ6K's), the superblock's total 128 * hi + lo exact until rounded
-  // once (exact_combine8): the same integer, so the same bits, as the int16 form. The weights are
-  // read in memory order (in_memory_order8).
+  // One or two rows on AVX2: the weights' 6-bit values against the activations' byte halves (hi,
+  // lo) as the 8-bit kernel multiplies them (the -32 offset by the halves' sums per 16), each half's
+  // total exact in int32 (< 2^29, as TileQ6K's), the superblock's total 128 * hi + lo exact until
+  // rounded once (exact_combine8): the same integer, so the same bits, as the int16 form. The
+  // weights are read in memory order (in_memory_order8).
   template <int R>
   static inline void run8_bytes(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                                 float* out, int ldo) {
