@@ -153,6 +153,14 @@ void OPENTGI_FN(weighted_add_row)(float* acc, const float* y, float w, int n, in
   for (; i < n; ++i) acc[i] += round_to(round_to(y[i], dtype) * w, dtype);
 }
 
+#ifdef OPENTGI_AVX2
+// bfloat16 values i .. i + 7 as floats (exact)
+static inline __m256 bf16x8(const void* p, int i) {
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
   for (int i = 0; i < D; ++i) buf[i] = load(x, i, dtype);
   const int half = D / 2;
@@ -161,16 +169,14 @@ void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int 
   if (half % 8 == 0) {  // eight values a step, none of them straddling the halves
     for (; i < D; i += 8) {
       const __m256 h = _mm256_loadu_ps(buf + i), rot = _mm256_loadu_ps(buf + (i < half ? i + half : i - half));
-      __m256 c, s;
       if (dtype == ROW_BF16) {
-        c = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)cos + i))), 16));
-        s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)sin + i))), 16));
+        const __m256 c = bf16x8(cos, i), s = bf16x8(sin, i);
         const __m256 v = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(h, c)), round_bf16_8(_mm256_mul_ps(rot, s)));
         const __m256i r = _mm256_srli_epi32(bf16_rounded8(v), 16);
-        _mm_storeu_si128((__m128i*)((uint16_t*)x + i), _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08)));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128((__m128i*)((uint16_t*)x + i), _mm256_castsi256_si128(packed));
       } else {
-        c = _mm256_loadu_ps((const float*)cos + i);
-        s = _mm256_loadu_ps((const float*)sin + i);
+        const __m256 c = _mm256_loadu_ps((const float*)cos + i), s = _mm256_loadu_ps((const float*)sin + i);
         _mm256_storeu_ps((float*)x + i, _mm256_add_ps(_mm256_mul_ps(h, c), _mm256_mul_ps(rot, s)));
       }
     }
