@@ -91,10 +91,7 @@ struct TileBF16 {
     const int nb = K / QK;
     const ActBF16* a[R];
     __m512 acc[R];
-    for (int r = 0; r < R; ++r) {
-      a[r] = (const ActBF16*)(act + r * stride);
-      acc[r] = _mm512_setzero_ps();
-    }
+    start_tile(act, stride, a, acc);
     alignas(64) uint16_t entries[32] = {};
     for (int q = 0; q < 16; ++q) entries[q] = bf16_of_int(q - OFF);
     const __m512i table = _mm512_load_si512(entries);

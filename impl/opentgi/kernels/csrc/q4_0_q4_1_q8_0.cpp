@@ -18,9 +18,8 @@ struct Tile32 {
     const Block* w = (const Block*)wr;
     const int nb = K / QK;
     const ActQ8* a[R];
-    for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
     float acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    start_tile(act, stride, a, acc);
     for (int b = 0; b < nb; ++b) {
       const float dw = fp16_to_fp32(w[b].d);
 #ifdef OPENTGI_AVX2
@@ -79,9 +78,8 @@ struct Tile32 {
     constexpr int qs_at = Kind == 1 ? 4 : 2;
     const int nb = K / QK;
     const ActQ8* a[R];
-    for (int r = 0; r < R; ++r) a[r] = (const ActQ8*)(act + r * stride);
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    start_tile(act, stride, a, acc);
     const __m256i mask = _mm256_set1_epi8(0x0F);
     // the next eight rows follow these eight: a few of their cache lines a block, so they are in
     // L1 when their turn comes
