@@ -26,11 +26,17 @@ from pathlib import Path
 
 import hypothesis
 import schemathesis
+import schemathesis.wfc.escalation  # noqa: F401  (see below)
 import yaml
 from schemathesis.config import SchemathesisConfig
 
 from opentgi.api.app import mounts_for
 from tests.helpers.hypothesis_profiles import examples, smoke
+
+# schemathesis imports `schemathesis.wfc.escalation` lazily, inside the first test's reauth check
+# while the live server's threads run, and pytest rewrites a plugin's modules as they are imported:
+# that compile has failed under CPython 3.11 with "AST constructor recursion depth mismatch"
+# (python/cpython#106905). Imported above, at collection, it is compiled once before any server runs.
 
 OPENAPI_DIR = Path(__file__).resolve().parents[1] / "openapi"
 SSE = "text/event-stream"
