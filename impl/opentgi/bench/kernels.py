@@ -3,7 +3,8 @@ with native bfloat16, float32 elsewhere: models/loader.py), so that the next cli
 (oneDNN's packed weights), int8 per channel, int4 groups of 32 (torch's kernel, in
 `int4.kernel_dtype`), and the native kernels on GGUF blocks of each type (opentgi.kernels) where
 they build (Q4_1, Q4_K and Q6_K also with `passes=2`, the ~16-bit activations q/k/v and down
-projections take), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
+projections take; Q6_K's also repacked by 16 rows, as a bfloat16 model serves it on CPUs with
+AVX-512 BF16), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
 and MLP shapes).
 
 `python -m opentgi.bench kernels [--threads N] [--repeats R] [--dtype float32|bfloat16] [--isas
@@ -97,6 +98,11 @@ def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: 
                     found[f"native {qtype.name} 2-pass{on}"] = (
                         lambda x, b=blocks, q=int(qtype), i=isa: native.gguf_mm(x, b, q, out_features, i, passes=2),
                         blocks.nbytes)
+                if qtype == Q.Q6_K and dtype == torch.bfloat16 and native.takes_q6_k_r16():  # as served there
+                    r16 = native.repack_q6_k_r16(blocks, in_features)
+                    found[f"native Q6_K 2-pass by 16 rows{on}"] = (
+                        lambda x, b=r16, i=isa: native.gguf_mm(x, b, native.Q6_K_R16, out_features, i, passes=2),
+                        r16.nbytes)
     return found
 
 

@@ -39,6 +39,9 @@ BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12
 # group), a row [K] of the dtype's values viewed as uint8 bytes; float32 activations, K % 16 == 0
 DENSE_TYPES = {0: ("F32", 16, 64), 1: ("F16", 16, 32), 30: ("BF16", 32, 64)}
 DENSE_TYPE_OF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+# Q6_K repacked by sixteen rows (csrc/q6k_r16.h, `repack_q6_k_r16`): not a GGML type; multiplied only
+# on CPUs with AVX-512 BF16, its rows' own bfloat16 values against the blocks (csrc/blocks_bf16.cpp)
+Q6_K_R16 = 1014
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,20 @@ def supported_isas() -> list[str]:
     return [name for name, i in ISAS.items() if i in ids]
 
 
+def takes_q6_k_r16() -> bool:
+    """Whether the loaded library multiplies Q6_K_R16 weights: its AVX-512 variant on a CPU with
+    AVX-512 BF16's dot products."""
+    path = loaded()
+    return (path is not None and path.name == "native" and path.isa == "avx512"
+            and build_mod.cpu_has(("avx512_bf16",)))
+
+
+def repack_q6_k_r16(blocks: torch.Tensor, in_features: int, back: bool = False) -> torch.Tensor:
+    """Q6_K rows [N, bytes a row] (N a multiple of 16) as Q6_K_R16's groups of sixteen rows, or
+    (`back`) those groups as rows: the same bytes, moved."""
+    return torch.ops.opentgi.repack_q6_k_r16(blocks, blocks.shape[0], in_features, back)
+
+
 def load(mode: str = "auto", directory: Path | None = None) -> KernelPath:
     """The path `mode` gives on this machine, the library built and loaded where it is native."""
     if mode not in MODES:
@@ -97,6 +114,10 @@ def load(mode: str = "auto", directory: Path | None = None) -> KernelPath:
 
 
 def _register_fake() -> None:
+    @torch.library.register_fake("opentgi::repack_q6_k_r16")
+    def _(w, N, K, back=False):
+        return torch.empty_like(w)
+
     @torch.library.register_fake("opentgi::gguf_mm")
     def _(x, w, qtype, out_features, isa, passes=1):
         return x.new_empty(x.shape[0], out_features)

@@ -1,9 +1,12 @@
-// Q4_0 and Q4_1 weights against bfloat16 activation rows (common.h ActBF16): the form `passes=2`
-// takes for rows that hold bfloat16 values where the CPU has AVX-512 BF16 (matmul.h kernel_for).
-// The rows' own values enter the products (ActQ16 would round each to 16 bits of its block's
-// range), and the weights' integers (Q4_0's q - 8, Q4_1's q) are exact in bfloat16. (The K-quants
-// keep their 16-bit activation blocks: their wide kernels were as fast from 16 rows and faster for
-// one to four, whose arithmetic a bfloat16 form would have to share.)
+// Q4_0, Q4_1 and Q6_K weights against bfloat16 activation rows (common.h ActBF16): the form
+// `passes=2` takes for rows that hold bfloat16 values where the CPU has AVX-512 BF16 (matmul.h
+// kernel_for). The rows' own values enter the products (ActQ16 would round each to 16 bits of its
+// block's range), and the weights' integers (Q4_0's q - 8, Q4_1's q, Q6_K's q - 32) are exact in
+// bfloat16. Q6_K takes it repacked by sixteen rows (Q6_K_R16, q6k_r16.h; models/quantization/
+// gguf_blocks.py repacks): in the file's layout, transposing sixteen rows' bytes a superblock left
+// its one-row form at 0.72x its 16-bit kernel. (Q4_K keeps its 16-bit activation blocks: its wide
+// kernel was as fast from 16 rows and faster for one to four, whose arithmetic a bfloat16 form would
+// have to share.)
 //
 // One order per output on every ISA, whatever the rows, the tile or the thread. A block's 32 values
 // (ActBF16's block) are summed as four float32 sums from zero, sum j taking the block's value pairs
@@ -14,7 +17,11 @@
 // d * sum + m * x_sum (x_sum: the block's values added by quantize_bf16's tree). The two forms agree
 // bit for bit except where a value or partial sum falls below float32's normal range, which the
 // instruction flushes to zero (dense.cpp's BF16 rule).
+#include <cstddef>
 #include <type_traits>
+#include <vector>
+
+#include "q6k_r16.h"
 
 #include "tiles.h"
 
@@ -122,6 +129,175 @@ struct TileBF16 {
 #endif
 };
 
+// q - 32 as bfloat16 for q = 0 .. 63 (the two 32-entry tables of a two-table permute)
+struct alignas(64) Q6KTable { uint16_t v[64]; };
+constexpr Q6KTable q6k_table() {
+  Q6KTable t{};
+  for (int q = 0; q < 64; ++q) t.v[q] = bf16_of_int(q - 32);
+  return t;
+}
+
+// The order of a superblock's sub-blocks in Q6_K's sums: those whose values share ql's and qh's
+// words in turn (the order the sixteen-row form unpacks them in).
+constexpr int Q6K_ORDER[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+
+// Q6_K (w = d * sc_j * (q - 32), sub-blocks j of 16 values, int8 sc_j) against ActBF16 rows: q - 32
+// is exact in bfloat16, sc_j and d enter in float32. Per output and superblock: sub-block j's sum s_j
+// from zero over its eight pairs in order (pairs 8 * (j % 2) .. + 7 of its 32-value block, each the
+// second value's product then the first's, as TileBF16's); T = fma(s_j, sc_j, T) from zero, j in
+// Q6K_ORDER; then the output adds d * T, superblock by superblock. This form reads the file's
+// layout, one output at a time.
+struct TileQ6KBF16 {
+  template <int R>
+  static inline void run(const uint8_t* wr, const uint8_t* act, size_t stride, int K, float* out, int ldo) {
+    const BlockQ6_K* w = (const BlockQ6_K*)wr;
+    const ActBF16* a[R];
+    float acc[R];
+    start_tile(act, stride, a, acc);
+    float wv[QK_K];
+    for (int b = 0; b < K / QK_K; ++b) {
+      const BlockQ6_K& x = w[b];
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = x.ql + 64 * h;
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t qh = x.qh[32 * h + l];
+          wv[128 * h + l] = (float)(((ql[l] & 0xF) | ((qh & 3) << 4)) - 32);
+          wv[128 * h + l + 32] = (float)(((ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4)) - 32);
+          wv[128 * h + l + 64] = (float)(((ql[l] >> 4) | (((qh >> 4) & 3) << 4)) - 32);
+          wv[128 * h + l + 96] = (float)(((ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4)) - 32);
+        }
+      }
+      const float dw = fp16_to_fp32(x.d);
+      for (int r = 0; r < R; ++r) {
+        float t = 0.0f;
+        for (int j : Q6K_ORDER) {
+          const ActBF16& y = a[r][8 * b + j / 2];
+          const float* v = wv + 32 * (j / 2);
+          float s = 0.0f;
+          for (int p = 0; p < 8; ++p) {
+            const int k = 8 * (j % 2) + p, lo = pair_lo(k);
+            s = std::fma(v[lo + 2], bf16_to_fp32(y.v[2 * k + 1]), s);
+            s = std::fma(v[lo], bf16_to_fp32(y.v[2 * k]), s);
+          }
+          t = std::fma(s, (float)x.scales[j], t);
+        }
+        acc[r] += dw * t;
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r * ldo] = acc[r];
+  }
+};
+
+#ifdef OPENTGI_AVX512
+// TileQ6KBF16's arithmetic for sixteen outputs at once, row c of a Q6_K_R16 group (q6k_r16.h) in
+// lane c: a superblock's vectors loaded whole, the 6-bit values assembled (the two bits above them
+// in each byte left as they come: the permute reads six), q - 32 as bfloat16 by one two-table permute
+// a pair vector, two sub-blocks at a time in Q6K_ORDER, their pairs taken by every activation row of
+// the tile as they come (two chains a row, interleaved; the rows' chains and the next sub-blocks'
+// unpacking overlap).
+struct TileQ6KR16 : TileQ6KBF16 {
+  static constexpr int run16_from = 1;
+  static constexpr int rows = 16;
+
+  // one superblock's sums of R activation rows (t[r]), fed two sub-blocks at a time (a function of
+  // its own, so that the dot products inline)
+  template <int R>
+  struct Rows {
+    const ActBF16* a[R];
+    int b;
+    __m512 t[R];
+    __attribute__((target("avx512bf16"))) inline void operator()(const int* j, const __m512bh (*pairs)[8],
+                                                                 const __m512* sc) {
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* y0 = a[r][8 * b + j[0] / 2].v + 16 * (j[0] % 2);
+        const uint16_t* y1 = a[r][8 * b + j[1] / 2].v + 16 * (j[1] % 2);
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int p = 0; p < 8; ++p) {
+          s0 = dp_pair(s0, pairs[0][p], y0 + 2 * p);
+          s1 = dp_pair(s1, pairs[1][p], y1 + 2 * p);
+        }
+        t[r] = _mm512_fmadd_ps(s1, sc[1], _mm512_fmadd_ps(s0, sc[0], t[r]));
+      }
+    }
+  };
+
+  // each(j, pairs, sc) for a superblock's 52 vectors at vecs, sub-blocks j[0], j[1] at a time in
+  // Q6K_ORDER: their eight pairs each (ActBF16's order, lane c: row c) and their scales as floats
+  template <class Each>
+  __attribute__((target("avx512bf16"))) static inline void unpack(const uint8_t* vecs, Each& each) {
+    static constexpr Q6KTable table = q6k_table();
+    const __m512i lo_table = _mm512_load_si512(table.v), hi_table = _mm512_load_si512(table.v + 32);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i* V = (const __m512i*)vecs;
+    __m512 sc[16];
+    for (int m = 0; m < 4; ++m) {
+      const __m512i w = _mm512_loadu_si512(V + m);
+      for (int i = 0; i < 4; ++i)
+        sc[4 * m + i] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * i), 24));
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int u = 0; u < 2; ++u) {
+        const __m512i* at = V + 4 + 12 * (2 * h + u);
+        __m512i l1[4], l2[4], hb[4];  // lane c: ql bytes 64h + 16u + 4g, 64h + 32 + 16u + 4g; qh 32h + 16u + 4g
+        for (int g = 0; g < 4; ++g) {
+          l1[g] = _mm512_loadu_si512(at + g);
+          l2[g] = _mm512_loadu_si512(at + 4 + g);
+          hb[g] = _mm512_loadu_si512(at + 8 + g);
+        }
+        for (int half = 0; half < 2; ++half) {  // sub-blocks two at a time: two chains a row
+          __m512bh pairs[2][8];
+          int j[2];
+          __m512 scs[2];
+#pragma GCC unroll 2
+          for (int i = 0; i < 2; ++i) {
+            const int part = 2 * half + i;  // sub-block 8h + 2 * part + u
+            for (int g = 0; g < 4; ++g) {  // lane c: values 4g .. 4g + 3 of the sub-block (low six bits)
+              __m512i q;  // low nibbles from ql (0xCA: m4 ? ql : qh's bits), bits 4-5 from qh
+              switch (part) {
+                case 0: q = _mm512_ternarylogic_epi32(m4, l1[g], _mm512_slli_epi16(hb[g], 4), 0xCA); break;
+                case 1: q = _mm512_ternarylogic_epi32(m4, l2[g], _mm512_slli_epi16(hb[g], 2), 0xCA); break;
+                case 2: q = _mm512_ternarylogic_epi32(m4, _mm512_srli_epi16(l1[g], 4), hb[g], 0xCA); break;
+                default: q = _mm512_ternarylogic_epi32(m4, _mm512_srli_epi16(l2[g], 4), _mm512_srli_epi16(hb[g], 2), 0xCA);
+              }
+              // a 16-bit lane's low byte picks its entry (values 4g, 4g + 2), then its high byte (4g + 1, 4g + 3)
+              pairs[i][2 * g] = (__m512bh)_mm512_permutex2var_epi16(lo_table, q, hi_table);
+              pairs[i][2 * g + 1] = (__m512bh)_mm512_permutex2var_epi16(lo_table, _mm512_srli_epi16(q, 8), hi_table);
+            }
+            j[i] = 8 * h + 2 * part + u;
+            scs[i] = sc[j[i]];
+          }
+          each(j, pairs, scs);
+        }
+      }
+    }
+  }
+
+  // rows against the sixteen outputs of the group at grp (16 * row_bytes bytes)
+  template <int R>
+  __attribute__((target("avx512bf16"))) static void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act,
+                                                          size_t stride, int K, float* out, int ldo) {
+    (void)row_bytes;
+    const int nb = K / QK_K;
+    alignas(64) float acc[R][16] = {};
+    Rows<R> rows;
+    for (int r = 0; r < R; ++r) rows.a[r] = (const ActBF16*)(act + r * stride);
+    const uint8_t* ds = grp + (size_t)nb * Q6K_R16_SUPER;
+    for (int b = 0; b < nb; ++b) {
+      const uint8_t* vecs = grp + (size_t)b * Q6K_R16_SUPER;
+      for (size_t l = 0; l < Q6K_R16_VECTORS; ++l)  // one stream: a superblock ahead
+        _mm_prefetch((const char*)vecs + Q6K_R16_SUPER + 64 * l, _MM_HINT_T0);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ds + 32 * b)));
+      rows.b = b;
+      for (int r = 0; r < R; ++r) rows.t[r] = _mm512_setzero_ps();
+      unpack(vecs, rows);
+      for (int r = 0; r < R; ++r)
+        _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_mul_ps(dv, rows.t[r])));
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_load_ps(acc[r]));
+  }
+};
+#endif
+
 }  // namespace
 
 // a row of K float32 values (each a bfloat16 value) as ActBF16 blocks: the values in pair order, and
@@ -149,6 +325,21 @@ void OPENTGI_FN(matmul_q4_0_bf16)(const uint8_t* w, size_t rb, const uint8_t* ac
 void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                   int n1, int K, float* out, int ldo) {
   drive<TileBF16<1>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+// Q6_K_R16 (q6k_r16.h) against bfloat16 rows: outputs n0 .. n1 - 1, whole groups of sixteen. Where
+// the variant has no sixteen-row form, each group's rows are put back in the file's layout and
+// taken one output at a time: the same arithmetic.
+void OPENTGI_FN(matmul_q6_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                 int n1, int K, float* out, int ldo) {
+#ifdef OPENTGI_AVX512
+  for (int n = n0; n + 16 <= n1; n += 16) rows_against<TileQ6KR16, 16>(w, rb, act, arb, M, n, K, out, ldo);
+#else
+  std::vector<uint8_t> rows(16 * rb);
+  for (int n = n0; n + 16 <= n1; n += 16) {
+    q6k_r16_group<true>(rows.data(), rb, K / QK_K, (uint8_t*)w + (size_t)n * rb);
+    drive<TileQ6KBF16>(rows.data(), rb, act, arb, M, 0, 16, K, out + n, ldo);
+  }
+#endif
 }
 
 }  // namespace opentgi

@@ -28,6 +28,7 @@ namespace opentgi {
   void quantize_bf16_##isa(const float*, int, ActBF16*);                                             \
   void matmul_q4_0_bf16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_bf16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q6_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q8_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -79,6 +80,7 @@ struct Kernel {
   int block_values, block_bytes;
   int act = ACT_Q8;  // the activations' layout
   int passes = 1;    // activation rows an input row: 2 for two 8-bit passes
+  int unit = 8;      // outputs a thread takes at a time (Q6_K_R16: its groups of sixteen)
 };
 
 // a row of K values in activation layout `act`, in bytes
@@ -96,7 +98,8 @@ static inline size_t act_bytes(int act, int64_t K) {
 
 // Whether this CPU has AVX-512 BF16's dot products (and the library its AVX-512 variant): where it
 // does, `passes=2` on Q4_0 and Q4_1 by bfloat16 rows takes their bfloat16 kernels (blocks_bf16.cpp)
-// on every ISA, one order of operations, instead of 16-bit activation blocks.
+// on every ISA, one order of operations, instead of 16-bit activation blocks; so does Q6_K repacked
+// (Q6_K_R16), the only form that layout has.
 static inline bool bf16_dots() {
 #ifdef OPENTGI_WITH_AVX512
   static const bool has = matmul_bf16_dp_avx512() != nullptr;
@@ -129,6 +132,11 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
 #else
 #define AVX512_OR_NULL(fn) nullptr
 #endif
+  if (qtype == Q6_K_R16) {  // repacked for bfloat16 rows only (q6k_r16.h; native.py repack_q6_k_r16)
+    if (!bf16_dots()) return false;  // (float32 rows, never given it, would be rounded to bfloat16)
+    *k = {OPENTGI_PICK(matmul_q6_k_r16), true, QK_K, 210, ACT_BF16_BLOCKS, 1, 16};
+    return k->matmul != nullptr;
+  }
   switch (qtype) {
     case Q4_0: *k = {OPENTGI_PICK(matmul_q4_0), false, QK, 18}; break;
     case Q4_1: *k = {OPENTGI_PICK(matmul_q4_1), false, QK, 20}; break;
@@ -301,6 +309,7 @@ Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int
   TORCH_CHECK(passes == 1 || passes == 2, op, ": passes must be 1 or 2");
   TORCH_CHECK(kernel_for(qtype, isa, &mm.k, passes, bf16_rows), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
   TORCH_CHECK(K % mm.k.block_values == 0, op, ": K=", K, " is not a multiple of ", mm.k.block_values);
+  TORCH_CHECK(mm.k.unit != 16 || N % 16 == 0, op, ": a Q6_K_R16 weight holds whole groups of 16 rows, not ", N);
   mm.N = N;
   mm.K = K;
   mm.passes = mm.k.passes;
@@ -339,16 +348,18 @@ void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float*
   std::vector<float> y(passes > 1 ? M * passes * mm.N : 0);
   float* dst = passes > 1 ? y.data() : out;
   const int64_t stride = passes > 1 ? mm.N : ldo;
-  at::parallel_for(0, mm.N, 8, [&](int64_t n0, int64_t n1) {
-    mm.k.matmul(mm.w, mm.row_bytes, ap, mm.act_row_bytes, (int)(M * passes), (int)n0, (int)n1, (int)mm.K, dst,
-                (int)stride);
+  const int64_t unit = mm.k.unit;
+  at::parallel_for(0, (mm.N + unit - 1) / unit, 1, [&](int64_t u0, int64_t u1) {
+    mm.k.matmul(mm.w, mm.row_bytes, ap, mm.act_row_bytes, (int)(M * passes), (int)(u0 * unit),
+                (int)std::min(u1 * unit, mm.N), (int)mm.K, dst, (int)stride);
   });
   if (passes > 1) add_passes(y.data(), M, mm.N, passes, out, ldo);
 }
 
 // Weights side by side over one input (q, k, v; gate, up), out [M, sum of N] float32 (rows ldo
 // apart): the input quantized once per activation layout the parts need, and one parallel region
-// over the parts' groups of 8 outputs, so each part's outputs come out as run_matmul's, bit for bit.
+// over the parts' groups of outputs (Kernel::unit), so each part's outputs come out as run_matmul's,
+// bit for bit.
 void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, int64_t isa, float* out,
                  std::vector<uint8_t>& act, int64_t ldo) {
   if (M == 0 || parts.empty()) return;
@@ -386,7 +397,7 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
   for (size_t j = 0; j < parts.size(); ++j) {
     ys[j] = ytotal;
     if (parts[j].passes > 1) ytotal += (size_t)M * parts[j].passes * parts[j].N;
-    group0[j + 1] = group0[j] + (parts[j].N + 7) / 8;
+    group0[j + 1] = group0[j] + (parts[j].N + parts[j].k.unit - 1) / parts[j].k.unit;
     if (j > 0) off[j] = off[j - 1] + parts[j - 1].N;
   }
   std::vector<float> y(ytotal);
@@ -395,7 +406,7 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
       const int64_t a = std::max(g0, group0[j]), b = std::min(g1, group0[j + 1]);
       if (a >= b) continue;
       const Matmul& mm = parts[j];
-      const int64_t n0 = (a - group0[j]) * 8, n1 = std::min<int64_t>((b - group0[j]) * 8, mm.N);
+      const int64_t n0 = (a - group0[j]) * mm.k.unit, n1 = std::min<int64_t>((b - group0[j]) * mm.k.unit, mm.N);
       float* dst = mm.passes > 1 ? y.data() + ys[j] : out + off[j];
       const int64_t stride = mm.passes > 1 ? mm.N : ldo;
       mm.k.matmul(mm.w, mm.row_bytes, act.data() + at[j], mm.act_row_bytes, (int)(M * mm.passes), (int)n0, (int)n1,

@@ -12,6 +12,8 @@ or on the thread count.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import re
 import warnings
 from dataclasses import dataclass
@@ -85,6 +87,8 @@ class GGUFBlockWeight:
         isa = path.isa if path else "?"
         if self.qtype in native.DENSE_TYPES:
             return f"{native.DENSE_TYPES[self.qtype][0]} rows (native {isa})"
+        if self.qtype == native.Q6_K_R16:
+            return f"Q6_K blocks by 16 rows (native {isa})"
         return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {isa})"
 
     def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
@@ -101,6 +105,39 @@ class GGUFBlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return native.gguf_mm(x, self.blocks, self.qtype, self.out_features, passes=self.passes)
+
+
+def repack_for_bfloat16_rows(layers: nn.Module, dtype: torch.dtype) -> int:
+    """Q6_K weights at `passes=2` (v and down of a Q4_K_M file) repacked by sixteen rows
+    (kernels.native.Q6_K_R16: the same bytes, moved) where the model runs in bfloat16 on a CPU with
+    AVX-512 BF16: their rows' own bfloat16 values against the blocks, the form `passes=2` takes on
+    Q4_0 and Q4_1 there, reads the repacked groups whole where the file's layout would need a
+    transposition of sixteen rows a superblock (docs/quantization.md). Routed experts keep the
+    file's layout (their grouped kernels read it). The file's pages under a repacked weight are
+    released from the process. Returns the bytes repacked."""
+    if dtype != torch.bfloat16 or not native.takes_q6_k_r16():
+        return 0
+    repacked = 0
+    for name, module in layers.named_modules():
+        fmt = getattr(module, "weight_format", None)
+        if (type(fmt) is not GGUFBlockWeight or fmt.qtype != GGMLQuantizationType.Q6_K or fmt.passes != 2
+                or fmt.out_features % 16 or ".experts." in f".{name}."):
+            continue
+        blocks = native.repack_q6_k_r16(fmt.blocks, fmt.in_features)
+        if fmt.mapped:
+            _release_pages(fmt.blocks)
+        fmt.blocks, fmt.qtype, fmt.mapped = blocks, native.Q6_K_R16, False
+        repacked += blocks.nbytes
+    return repacked
+
+
+def _release_pages(view: torch.Tensor) -> None:
+    """Unmap the whole pages under `view` (a view of the file's read-only memory map) from this
+    process: the page cache keeps them, and reading them again maps them again."""
+    start, end = view.data_ptr(), view.data_ptr() + view.nbytes
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
 class GGUFEmbedding(ForwardWithoutHooks, nn.Module):

@@ -1,0 +1,233 @@
+"""Q6_K repacked by sixteen rows (kernels.native.Q6_K_R16, kernels/csrc/q6k_r16.h): the same bytes
+moved, multiplied by bfloat16 rows in one order of float32 operations on every instruction set
+where the CPU has AVX-512 BF16; models/quantization/gguf_blocks.py repacks a bfloat16 model's
+`passes=2` Q6_K weights there and nowhere else."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import dequantize
+from torch import nn
+
+from opentgi.kernels import native
+from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, repack_for_bfloat16_rows
+from opentgi.models.quantization.linear import QuantizedLinear
+from tests.helpers.gguf_blocks import random_blocks
+
+torch.set_num_threads(1)
+
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)  # blocks_bf16.cpp Q6K_ORDER
+COUNTS = (1, 2, 3, 5, 8, 9, 15, 16, 17, 33)
+
+
+def _layout(raw: np.ndarray) -> np.ndarray:
+    """q6k_r16.h's layout, written from its description: per group of sixteen rows and superblock
+    b, 52 vectors of sixteen 4-byte words (row c's in lane c): scales 4m..4m+3; then per (h, v), ql
+    bytes 64h + 16v + 4i, 64h + 32 + 16v + 4i and qh bytes 32h + 16v + 4i (i < 4); then the d's."""
+    n, nb = raw.shape[0], raw.shape[1] // 210
+    blocks = raw.reshape(n // 16, 16, nb, 210)
+    sources = [192 + 4 * m for m in range(4)]
+    for h in range(2):
+        for v in range(2):
+            sources += [64 * h + 16 * v + 4 * i for i in range(4)]
+            sources += [64 * h + 32 + 16 * v + 4 * i for i in range(4)]
+            sources += [128 + 32 * h + 16 * v + 4 * i for i in range(4)]
+    vectors = np.stack([blocks[..., s:s + 4] for s in sources], axis=2)  # [groups, 16 rows, 52, nb, 4]
+    vectors = vectors.transpose(0, 3, 2, 1, 4).reshape(n // 16, nb * 52 * 64)
+    ds = blocks[..., 208:210].transpose(0, 2, 1, 3).reshape(n // 16, nb * 32)
+    return np.concatenate([vectors, ds], axis=1).reshape(n, -1)
+
+
+def _values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q - 32 [n, nb, 256] as float32, the int8 scales [n, nb, 16] and d [n, nb] of Q6_K blocks."""
+    n, nb = raw.shape[0], raw.shape[1] // 210
+    b = raw.reshape(n, nb, 210)
+    ql, qh = b[..., :128].astype(np.int32), b[..., 128:192].astype(np.int32)
+    q = np.zeros((n, nb, 256), np.int32)
+    for h in range(2):
+        lo, hi, bits = ql[..., 64 * h:64 * h + 32], ql[..., 64 * h + 32:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        q[..., 128 * h:128 * h + 32] = (lo & 0xF) | ((bits & 3) << 4)
+        q[..., 128 * h + 32:128 * h + 64] = (hi & 0xF) | (((bits >> 2) & 3) << 4)
+        q[..., 128 * h + 64:128 * h + 96] = (lo >> 4) | (((bits >> 4) & 3) << 4)
+        q[..., 128 * h + 96:128 * h + 128] = (hi >> 4) | (((bits >> 6) & 3) << 4)
+    scales = b[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    return (q - 32).astype(np.float32), scales, d
+
+
+def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add: the product exact in float64 (a bfloat16 value by a small integer,
+    or a float32 by an int8), the sum too for these magnitudes, then rounded once."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def _reference(raw: np.ndarray, x: torch.Tensor) -> np.ndarray:
+    """float32 outputs by the kernels' order: per superblock, sub-block j's sum from zero over its
+    eight pairs (pair k of its 32-value block: values 4 * (k // 2) + k % 2 and that + 2, the second
+    value's product first), T = fma(s_j, sc_j, T) over j in ORDER, then out + d * T."""
+    wv, scales, d = _values(raw)
+    xv = x.float().numpy()
+    m, n = xv.shape[0], raw.shape[0]
+    out = np.zeros((m, n), np.float32)
+    for b in range(raw.shape[1] // 210):
+        t = np.zeros((m, n), np.float32)
+        for j in ORDER:
+            s = np.zeros((m, n), np.float32)
+            for p in range(8):
+                k = 8 * (j % 2) + p
+                lo = 32 * (j // 2) + 4 * (k // 2) + k % 2
+                for v in (lo + 2, lo):
+                    s = _fma(xv[:, 256 * b + v][:, None], wv[None, :, b, v], s)
+            t = _fma(s, scales[None, :, b, j], t)
+        out = out + d[None, :, b] * t
+    return out
+
+
+def _mm(x: torch.Tensor, blocks: torch.Tensor, n: int, isa: str | None = None) -> torch.Tensor:
+    return native.gguf_mm(x, blocks, native.Q6_K_R16, n, isa, passes=2)
+
+
+def _repacked(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    raw = random_blocks(Q.Q6_K, n, k, seed=seed)
+    return raw, native.repack_q6_k_r16(torch.from_numpy(raw), k)
+
+
+def test_the_repack_moves_the_file_bytes_as_its_layout_says_and_back(kernels):
+    raw, r16 = _repacked(48, 512, seed=1)
+    assert r16.dtype == torch.uint8 and r16.shape == raw.shape
+    assert np.array_equal(r16.numpy(), _layout(raw))
+    assert torch.equal(native.repack_q6_k_r16(r16, 512, back=True), torch.from_numpy(raw))
+
+
+def test_the_repack_refuses_shapes_it_cannot_group(kernels):
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        native.repack_q6_k_r16(torch.from_numpy(random_blocks(Q.Q6_K, 24, 256)), 256)
+    with pytest.raises(RuntimeError, match="rows of 420 bytes"):
+        native.repack_q6_k_r16(torch.from_numpy(random_blocks(Q.Q6_K, 16, 256)), 512)
+
+
+def _copy_value(raw: np.ndarray, src: int, dst: int, scale_too: bool = False) -> None:
+    """Value `dst` of every row's first superblock set to value `src`'s 6-bit q (and, scale_too,
+    dst's sub-block scale to src's): the two weights alike, so that equal and opposite rows there
+    cancel in the exact sum."""
+    b = raw.reshape(raw.shape[0], -1, 210)[:, 0]
+
+    def fields(v: int) -> tuple[int, int, int]:  # ql byte and nibble shift, qh byte and bit shift
+        h, r = divmod(v, 128)
+        part, low = divmod(r, 32)
+        return 64 * h + 32 * (part % 2) + low, 4 * (part // 2), 2 * part, 128 + 32 * h + low
+
+    ql_s, nib_s, bit_s, qh_s = fields(src)
+    ql_d, nib_d, bit_d, qh_d = fields(dst)
+    low = (b[:, ql_s] >> nib_s) & 0xF
+    high = (b[:, qh_s] >> bit_s) & 3
+    b[:, ql_d] = (b[:, ql_d] & (0xF0 >> nib_d)) | (low << nib_d)
+    b[:, qh_d] = (b[:, qh_d] & ~np.uint8(3 << bit_d)) | (high << bit_d)
+    if scale_too:
+        b[:, 192 + dst // 16] = b[:, 192 + src // 16]
+
+
+@pytest.mark.parametrize("cols", [(34, 35), (37, 21)], ids=["pairs", "sub-blocks"])
+def test_repacked_q6_k_follows_one_order_of_operations_on_every_instruction_set(kernels, cols):
+    """Rows of small values but for +-2**16 at `cols`, whose weights are alike: the big products
+    cancel in the exact sum and leave their float32 rounding, which the order decides and the small
+    total leaves visible in bfloat16. "pairs": sub-block 2's pairs 0 and 1 (their second values);
+    "sub-blocks": sub-blocks 2 and 1, whose places in the superblock's order differ."""
+    raw = random_blocks(Q.Q6_K, 48, 512, seed=2)
+    _copy_value(raw, cols[0], cols[1], scale_too=True)
+    r16 = native.repack_q6_k_r16(torch.from_numpy(raw), 512)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3)) / 16
+    x[:, cols[0]], x[:, cols[1]] = 2.0 ** 16, -(2.0 ** 16)
+    x = x.bfloat16()
+    if not native.takes_q6_k_r16():  # no AVX-512 BF16: no kernel takes the layout (none is made)
+        with pytest.raises(RuntimeError, match="no kernel"):
+            _mm(x, r16, 48)
+        return
+    want = torch.from_numpy(_reference(raw, x)).bfloat16()
+    for isa in native.supported_isas():
+        got = _mm(x, r16, 48, isa)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want), (isa, int((got != want).sum()))
+
+
+def test_a_row_keeps_its_bits_whatever_shares_its_step_and_the_thread_count(kernels):
+    if not native.takes_q6_k_r16():
+        assert repack_for_bfloat16_rows(nn.Module(), torch.bfloat16) == 0
+        return
+    _, r16 = _repacked(64, 256, seed=4)  # four groups: split among threads a group at a time
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        for isa in native.supported_isas():
+            whole = _mm(x, r16, 64, isa)
+            for count in COUNTS:
+                for start in range(0, 40 - count + 1, max(count, 7)):
+                    assert torch.equal(_mm(x[start:start + count], r16, 64, isa), whole[start:start + count]), \
+                        (isa, count, start)
+            for count in range(2, max(2, os.cpu_count() or 1) + 2):
+                torch.set_num_threads(count)
+                assert torch.equal(_mm(x, r16, 64, isa), whole), (isa, count)
+            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_repacked_q6_k_meets_the_exact_product_to_float32_rounding(kernels):
+    """Heavy-tailed rows (a gated MLP's down input) against float64: the rows' own bfloat16 values
+    meet the exact product but for float32 rounding, then the output's bfloat16 rounding."""
+    if not native.takes_q6_k_r16():
+        return
+    raw, r16 = _repacked(32, 1024, seed=6)
+    w = torch.from_numpy(dequantize(raw, Q.Q6_K).astype(np.float64)).reshape(32, 1024)
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(24, 1024, generator=g) * torch.exp(2 * torch.randn(24, 1024, generator=g))).bfloat16()
+    exact = x.double() @ w.T
+    slack = (1024 / 16 + 32) * 2.0 ** -24 * (x.double().abs() @ w.abs().T)
+    low, high = (exact - slack).float().bfloat16().double(), (exact + slack).float().bfloat16().double()
+    got = _mm(x, r16, 32).double()
+    assert ((got >= low) & (got <= high)).all()
+
+
+def _linear(raw: np.ndarray, k: int, passes: int, mapped: bool = False) -> QuantizedLinear:
+    linear = QuantizedLinear(k, raw.shape[0])
+    linear.weight_format = GGUFBlockWeight(torch.from_numpy(raw), int(Q.Q6_K), k, passes=passes, mapped=mapped)
+    return linear
+
+
+def test_a_bfloat16_model_repacks_its_two_pass_q6_k_weights_and_keeps_the_file_intact(kernels, tmp_path):
+    """Down (passes=2, from the file's memory map) is repacked and its pages released, the file's
+    bytes untouched; an expert's down, a one-pass weight and one of 24 rows keep the file's layout.
+    Elsewhere (float32, or a CPU without AVX-512 BF16) nothing changes."""
+    raw = random_blocks(Q.Q6_K, 32, 512, seed=8)
+    path = tmp_path / "blocks.bin"
+    raw.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r").reshape(32, -1)
+    with warnings.catch_warnings():  # the map is read-only, as the loader's
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.from_numpy(mapped)
+    layers = nn.Module()
+    layers.down_proj = _linear(raw, 512, passes=2)
+    layers.down_proj.weight_format = GGUFBlockWeight(view, int(Q.Q6_K), 512, passes=2, mapped=True)
+    layers.experts = nn.ModuleList([nn.Module()])
+    layers.experts[0].down_proj = _linear(raw.copy(), 512, passes=2)
+    layers.o_proj = _linear(raw.copy(), 512, passes=1)
+    layers.v_proj = _linear(random_blocks(Q.Q6_K, 24, 512, seed=9), 512, passes=2)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(10)).bfloat16()
+    assert repack_for_bfloat16_rows(layers, torch.float32) == 0
+    repacked = repack_for_bfloat16_rows(layers, torch.bfloat16)
+    kept = [layers.experts[0].down_proj, layers.o_proj, layers.v_proj]
+    assert all(m.weight_format.qtype == Q.Q6_K for m in kept)
+    if not native.takes_q6_k_r16():
+        assert repacked == 0 and layers.down_proj.weight_format.qtype == Q.Q6_K
+        return
+    fmt = layers.down_proj.weight_format
+    assert repacked == raw.nbytes and fmt.qtype == native.Q6_K_R16 and not fmt.mapped
+    assert np.array_equal(np.asarray(mapped), raw) and np.array_equal(np.fromfile(path, np.uint8), raw.reshape(-1))
+    assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(raw, x)).bfloat16())
+    assert "Q6_K blocks by 16 rows" in fmt.description
