@@ -275,9 +275,10 @@ def moe_table(results) -> str:
 BANDWIDTH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
-def measure_bandwidth(megabytes: int, repeats: int):
-    """(streaming GB/s, [(kernel, GB/s)]): each block type at one row over weights of `megabytes`
-    in all, met in turn as a model's layers are; the best of `repeats` sweeps."""
+def measure_bandwidth(megabytes: int, repeats: int, dtype: torch.dtype = torch.float32):
+    """(streaming GB/s, [(kernel, GB/s)]): each block type at one row (in `dtype`, as served) over
+    weights of `megabytes` in all, met in turn as a model's layers are; the best of `repeats`
+    sweeps. Q6_K's `passes=2` also repacked by 16 rows where a bfloat16 model takes that form."""
     from gguf import GGMLQuantizationType as Q
 
     from opentgi.kernels import native
@@ -292,23 +293,28 @@ def measure_bandwidth(megabytes: int, repeats: int):
     stream = total / best / 1e9
     del flat
     out_features, in_features = SHAPES[1]
-    x = torch.randn(1, in_features)
+    x = torch.randn(1, in_features).to(dtype)
     results = []
     for name in BANDWIDTH_TYPES:
         qtype = int(Q[name])
         first = torch.from_numpy(_gguf_blocks(Q[name], out_features, in_features))
         weights = [first] + [first.clone() for _ in range(max(1, total // first.nbytes) - 1)]
-        for passes in (1, 2) if name in ("Q4_1", "Q4_K", "Q6_K") else (1,):
-            native.gguf_mm(x, weights[0], qtype, out_features, passes=passes)
+        forms = [(qtype, 1, weights, "")]
+        if name in ("Q4_1", "Q4_K", "Q6_K"):
+            forms.append((qtype, 2, weights, " 2-pass"))
+        if name == "Q6_K" and dtype == torch.bfloat16 and native.takes_q6_k_r16():
+            forms.append((native.Q6_K_R16, 2, [native.repack_q6_k_r16(w, in_features) for w in weights],
+                          " 2-pass by 16 rows"))
+        for form, passes, held, suffix in forms:
+            native.gguf_mm(x, held[0], form, out_features, passes=passes)
             best = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
-                for w in weights:
-                    native.gguf_mm(x, w, qtype, out_features, passes=passes)
+                for w in held:
+                    native.gguf_mm(x, w, form, out_features, passes=passes)
                 best = min(best, time.perf_counter() - start)
-            label = f"native {name}" + (" 2-pass" if passes == 2 else "")
-            results.append((label, len(weights) * first.nbytes / best / 1e9))
-        del weights
+            results.append((f"native {name}{suffix}", len(held) * first.nbytes / best / 1e9))
+        del weights, forms
     return stream, results
 
 
@@ -351,7 +357,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--attention, --moe and --bandwidth need the native kernels: {path.describe()}")
     if args.bandwidth:
         print(f"one row's weight reads over {args.megabytes} MB of weights, best of {args.repeats} sweeps")
-        print(bandwidth_table(*measure_bandwidth(args.megabytes, args.repeats)))
+        print(bandwidth_table(*measure_bandwidth(args.megabytes, args.repeats, dtype)))
     elif args.moe:
         print(f"MoE block: hidden {MOE_HIDDEN}, intermediate {MOE_INTERMEDIATE}, top {MOE_TOP_K} of {args.experts} "
               "experts, Q4_K gate/up, Q6_K down")
