@@ -3,8 +3,8 @@ with native bfloat16, float32 elsewhere: models/loader.py), so that the next cli
 (oneDNN's packed weights), int8 per channel, int4 groups of 32 (torch's kernel, in
 `int4.kernel_dtype`), and the native kernels on GGUF blocks of each type (opentgi.kernels) where
 they build (Q4_1, Q4_K and Q6_K also with `passes=2`, the ~16-bit activations q/k/v and down
-projections take; Q6_K's also repacked by 16 rows, as a bfloat16 model serves it on CPUs with
-AVX-512 BF16), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
+projections take; Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so:
+models/quantization/gguf_blocks.py), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
 and MLP shapes).
 
 `python -m opentgi.bench kernels [--threads N] [--repeats R] [--dtype float32|bfloat16] [--isas
@@ -98,11 +98,11 @@ def kernels(out_features: int, in_features: int, dtype: torch.dtype, native_ok: 
                     found[f"native {qtype.name} 2-pass{on}"] = (
                         lambda x, b=blocks, q=int(qtype), i=isa: native.gguf_mm(x, b, q, out_features, i, passes=2),
                         blocks.nbytes)
-                if qtype == Q.Q6_K and dtype == torch.bfloat16 and native.takes_q6_k_r16():  # as served there
-                    r16 = native.repack_q6_k_r16(blocks, in_features)
-                    found[f"native Q6_K 2-pass by 16 rows{on}"] = (
-                        lambda x, b=r16, i=isa: native.gguf_mm(x, b, native.Q6_K_R16, out_features, i, passes=2),
-                        r16.nbytes)
+                for passes in _by_16_rows(qtype, dtype):  # as served there
+                    r16 = native.repack_by_16_rows(blocks, qtype, in_features)
+                    found[f"native {qtype.name}{' 2-pass' if passes == 2 else ''} by 16 rows{on}"] = (
+                        lambda x, b=r16, q=native.BY_16_ROWS[int(qtype)], i=isa, p=passes:
+                            native.gguf_mm(x, b, q, out_features, i, passes=p), r16.nbytes)
     return found
 
 
@@ -275,10 +275,25 @@ def moe_table(results) -> str:
 BANDWIDTH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
+def _by_16_rows(qtype, dtype: torch.dtype) -> tuple[int, ...]:
+    """The activation passes at which a model served here holds `qtype` repacked by 16 rows
+    (models/quantization/gguf_blocks.py repack_by_16_rows)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from opentgi.kernels import native
+
+    path = native.loaded()
+    if path is None or path.name != "native" or path.isa != "avx512":
+        return ()
+    if qtype == Q.Q4_K:
+        return (1, 2)
+    return (2,) if qtype == Q.Q6_K and dtype == torch.bfloat16 and native.takes_q6_k_r16() else ()
+
+
 def measure_bandwidth(megabytes: int, repeats: int, dtype: torch.dtype = torch.float32):
     """(streaming GB/s, [(kernel, GB/s)]): each block type at one row (in `dtype`, as served) over
     weights of `megabytes` in all, met in turn as a model's layers are; the best of `repeats`
-    sweeps. Q6_K's `passes=2` also repacked by 16 rows where a bfloat16 model takes that form."""
+    sweeps. Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so."""
     from gguf import GGMLQuantizationType as Q
 
     from opentgi.kernels import native
@@ -302,9 +317,10 @@ def measure_bandwidth(megabytes: int, repeats: int, dtype: torch.dtype = torch.f
         forms = [(qtype, 1, weights, "")]
         if name in ("Q4_1", "Q4_K", "Q6_K"):
             forms.append((qtype, 2, weights, " 2-pass"))
-        if name == "Q6_K" and dtype == torch.bfloat16 and native.takes_q6_k_r16():
-            forms.append((native.Q6_K_R16, 2, [native.repack_q6_k_r16(w, in_features) for w in weights],
-                          " 2-pass by 16 rows"))
+        for passes in _by_16_rows(Q[name], dtype):
+            forms.append((native.BY_16_ROWS[qtype], passes, [native.repack_by_16_rows(w, qtype, in_features)
+                                                           for w in weights],
+                          f"{' 2-pass' if passes == 2 else ''} by 16 rows"))
         for form, passes, held, suffix in forms:
             native.gguf_mm(x, held[0], form, out_features, passes=passes)
             best = float("inf")

@@ -2,7 +2,7 @@
 // `passes=2` takes for rows that hold bfloat16 values where the CPU has AVX-512 BF16 (matmul.h
 // kernel_for). The rows' own values enter the products (ActQ16 would round each to 16 bits of its
 // block's range), and the weights' integers (Q4_0's q - 8, Q4_1's q, Q6_K's q - 32) are exact in
-// bfloat16. Q6_K takes it repacked by sixteen rows (Q6_K_R16, q6k_r16.h; models/quantization/
+// bfloat16. Q6_K takes it repacked by sixteen rows (Q6_K_R16, r16.h; models/quantization/
 // gguf_blocks.py repacks): in the file's layout, transposing sixteen rows' bytes a superblock left
 // its one-row form at 0.72x its 16-bit kernel. (Q4_K keeps its 16-bit activation blocks: its wide
 // kernel was as fast from 16 rows and faster for one to four, whose arithmetic a bfloat16 form would
@@ -21,7 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "q6k_r16.h"
+#include "r16.h"
 
 #include "tiles.h"
 
@@ -189,7 +189,7 @@ struct TileQ6KBF16 {
 };
 
 #ifdef OPENTGI_AVX512
-// TileQ6KBF16's arithmetic for sixteen outputs at once, row c of a Q6_K_R16 group (q6k_r16.h) in
+// TileQ6KBF16's arithmetic for sixteen outputs at once, row c of a Q6_K_R16 group (r16.h) in
 // lane c: a superblock's vectors loaded whole, the 6-bit values assembled (the two bits above them
 // in each byte left as they come: the permute reads six), q - 32 as bfloat16 by one two-table permute
 // a pair vector, two sub-blocks at a time in Q6K_ORDER, their pairs taken by every activation row of
@@ -326,7 +326,7 @@ void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t* w, size_t rb, const uint8_t* ac
                                   int n1, int K, float* out, int ldo) {
   drive<TileBF16<1>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
 }
-// Q6_K_R16 (q6k_r16.h) against bfloat16 rows: outputs n0 .. n1 - 1, whole groups of sixteen. Where
+// Q6_K_R16 (r16.h) against bfloat16 rows: outputs n0 .. n1 - 1, whole groups of sixteen. Where
 // the variant has no sixteen-row form, each group's rows are put back in the file's layout and
 // taken one output at a time: the same arithmetic.
 void OPENTGI_FN(matmul_q6_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,

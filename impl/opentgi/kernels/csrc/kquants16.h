@@ -7,16 +7,31 @@
 namespace opentgi {
 
 #ifdef OPENTGI_AVX512
+// The prefetches of sixteen rows' superblock b (at base; nb a row): the next sixteen rows' a few lines
+// a superblock (prefetch_next), or (S = 16, the rows repacked: one stream) the next superblock's
+// block_bytes * 16.
+template <int S>
+static inline void prefetch_blocks16(const uint8_t* rows, size_t row_bytes, const uint8_t* base, size_t block_bytes,
+                                     int b, int nb) {
+  if constexpr (S == 16) {
+    for (size_t l = 0; l < block_bytes / 4; ++l) _mm_prefetch((const char*)base + 16 * block_bytes + 64 * l, _MM_HINT_T0);
+  } else {
+    prefetch_next<16>(rows, row_bytes, b, nb);
+  }
+}
+
 // Sixteen Q4_K / Q5_K superblocks' headers (d, dmin, then the 12 bytes of 6-bit scales and mins, at
 // base + c * row_bytes), row c in lane c: d and dmin, the scales as int32 (sc[j]: sub-block j), the
 // mins' bytes (mn_lo: sub-blocks 0..3, mn_hi: 4..7; byte k of a lane is sub-block k's), by
 // get_scale_min_k4 on 32-bit words (kquant_headers8's).
+// S = 16: the rows repacked (r16.h, words16).
+template <int S = 1>
 struct KQuantHeaders16 {
   __m512 d, dmin;
   __m512i sc[8], mn_lo, mn_hi;
   KQuantHeaders16(const uint8_t* base, size_t row_bytes) {
     __m512i words[4];  // d|dmin, then the scales' and mins' three words
-    words16(base, row_bytes, words);
+    words16<S>(base, row_bytes, words);
     d = fp16_lanes16<false>(words[0]);
     dmin = fp16_lanes16<true>(words[0]);
     const __m512i u0 = words[1], u1 = words[2], u2 = words[3];
@@ -61,21 +76,21 @@ static inline __m512i kquant_mins16(const __m512i* mpair, const int16_t* bsums) 
 // 32j + l's), rows row_bytes apart. The rows' bytes are transposed 16 at a time (words16: w[g]
 // lane c holds values 32j + 4g .. + 3 of row c), then each sub-block's dot by VNNI against the
 // stream's four bytes broadcast, times its scale: no horizontal sums.
-template <int N, bool Fifth>
+template <int N, bool Fifth, int S = 1>
 static inline void kquant_totals16(const uint8_t* qs, const uint8_t* qh, size_t row_bytes, const __m512i* sc,
                                    const int8_t* const* ys, __m512i* total) {
   static_assert(N <= 8, "every sum in registers");
   const __m512i mask = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   alignas(64) __m512i hb[Fifth ? 8 : 1];  // Q5_K: the fifth bits' bytes, transposed as the nibbles
   if constexpr (Fifth) {
-    words16(qh, row_bytes, hb);
-    words16(qh + 16, row_bytes, hb + 4);
+    words16<S>(qh, row_bytes, hb);
+    words16<S>(qh + 16 * S, row_bytes, hb + 4);
   }
   for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_si512();
   for (int h = 0; h < 4; ++h) {  // 32 bytes of nibbles: sub-blocks 2h (low) and 2h + 1 (high)
     __m512i t[8];
-    words16(qs + 32 * h, row_bytes, t);
-    words16(qs + 32 * h + 16, row_bytes, t + 4);
+    words16<S>(qs + 32 * h * S, row_bytes, t);
+    words16<S>(qs + (32 * h + 16) * S, row_bytes, t + 4);
     for (int half = 0; half < 2; ++half) {
       const int j = 2 * h + half;
       __m512i w[8];
@@ -100,7 +115,7 @@ static inline void kquant_totals16(const uint8_t* qs, const uint8_t* qh, size_t 
 // per superblock the exact totals (kquant_totals16) and mins (kquant_mins16), then the
 // eight-output forms' two float products, acc - accm at the end. Blocks of block_bytes; qs_at,
 // qh_at: the nibbles' and the fifth bits' offsets in a block.
-template <int R, bool Fifth>
+template <int R, bool Fifth, int S = 1>
 static inline void kquant_run16(const uint8_t* wr, size_t row_bytes, size_t block_bytes, size_t qs_at, size_t qh_at,
                                 const uint8_t* act, size_t stride, int K, float* out, int ldo) {
   const int nb = K / QK_K;
@@ -108,15 +123,15 @@ static inline void kquant_run16(const uint8_t* wr, size_t row_bytes, size_t bloc
   alignas(64) float acc[R][16] = {}, accm[R][16] = {};  // in memory: the registers go to the products
   for (int r = 0; r < R; ++r) a[r] = (const ActQ8K*)(act + r * stride);
   for (int b = 0; b < nb; ++b) {
-    const uint8_t* base = wr + (size_t)b * block_bytes;
-    prefetch_next<16>(wr, row_bytes, b, nb);
-    const KQuantHeaders16 hd(base, row_bytes);
+    const uint8_t* base = wr + (size_t)b * block_bytes * S;
+    prefetch_blocks16<S>(wr, row_bytes, base, block_bytes, b, nb);
+    const KQuantHeaders16<S> hd(base, row_bytes);
     __m512i mpair[4];
     hd.min_pairs(mpair);
     const int8_t* ys[R];
     for (int r = 0; r < R; ++r) ys[r] = a[r][b].qs;
     __m512i total[R];
-    kquant_totals16<R, Fifth>(base + qs_at, base + qh_at, row_bytes, hd.sc, ys, total);
+    kquant_totals16<R, Fifth, S>(base + qs_at * S, base + qh_at * S, row_bytes, hd.sc, ys, total);
     for (int r = 0; r < R; ++r) {
       const ActQ8K& y = a[r][b];
       const __m512i mn = kquant_mins16(mpair, y.bsums);

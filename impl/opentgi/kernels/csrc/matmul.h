@@ -29,6 +29,8 @@ namespace opentgi {
   void matmul_q4_0_bf16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_bf16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q6_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_k_wide_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q8_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -80,7 +82,7 @@ struct Kernel {
   int block_values, block_bytes;
   int act = ACT_Q8;  // the activations' layout
   int passes = 1;    // activation rows an input row: 2 for two 8-bit passes
-  int unit = 8;      // outputs a thread takes at a time (Q6_K_R16: its groups of sixteen)
+  int unit = 8;      // outputs a thread takes at a time (repacked weights: their groups of sixteen)
 };
 
 // a row of K values in activation layout `act`, in bytes
@@ -132,7 +134,15 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
 #else
 #define AVX512_OR_NULL(fn) nullptr
 #endif
-  if (qtype == Q6_K_R16) {  // repacked for bfloat16 rows only (q6k_r16.h; native.py repack_q6_k_r16)
+  if (qtype == Q4_K_R16) {  // repacked (r16.h; native.py repack_by_16_rows): Q4_K's kernels on the groups
+    *k = {OPENTGI_PICK(matmul_q4_k_r16), true, QK_K, 144, ACT_Q8K, 1, 16};
+    if (passes == 2) {
+      k->matmul = OPENTGI_PICK(matmul_q4_k_wide_r16);
+      k->act = ACT_Q16K;
+    }
+    return k->matmul != nullptr;
+  }
+  if (qtype == Q6_K_R16) {  // repacked for bfloat16 rows only (r16.h; native.py repack_by_16_rows)
     if (!bf16_dots()) return false;  // (float32 rows, never given it, would be rounded to bfloat16)
     *k = {OPENTGI_PICK(matmul_q6_k_r16), true, QK_K, 210, ACT_BF16_BLOCKS, 1, 16};
     return k->matmul != nullptr;
@@ -309,7 +319,7 @@ Matmul make_matmul(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, int
   TORCH_CHECK(passes == 1 || passes == 2, op, ": passes must be 1 or 2");
   TORCH_CHECK(kernel_for(qtype, isa, &mm.k, passes, bf16_rows), op, ": no kernel for GGML type ", qtype, " on ISA ", isa);
   TORCH_CHECK(K % mm.k.block_values == 0, op, ": K=", K, " is not a multiple of ", mm.k.block_values);
-  TORCH_CHECK(mm.k.unit != 16 || N % 16 == 0, op, ": a Q6_K_R16 weight holds whole groups of 16 rows, not ", N);
+  TORCH_CHECK(mm.k.unit != 16 || N % 16 == 0, op, ": a weight repacked by 16 rows holds whole groups of 16, not ", N);
   mm.N = N;
   mm.K = K;
   mm.passes = mm.k.passes;

@@ -20,7 +20,7 @@
 #include "common.h"
 #include "matmul.h"
 #include "op_helpers.h"
-#include "q6k_r16.h"
+#include "r16.h"
 
 namespace opentgi {
 namespace {
@@ -38,22 +38,31 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// Q6_K rows [N, row bytes] into Q6_K_R16's groups of sixteen (q6k_r16.h), or (back) those groups
-// into rows: the same bytes, moved
-at::Tensor repack_q6_k_r16(const at::Tensor& w, int64_t N, int64_t K, bool back) {
-  TORCH_CHECK(K > 0 && K % QK_K == 0 && N > 0 && N % 16 == 0, "repack_q6_k_r16: N must be a multiple of 16 and K of ",
+// Q4_K or Q6_K rows [N, row bytes] into their groups of sixteen (r16.h: Q4_K_R16, Q6_K_R16), or (back)
+// those groups into rows: the same bytes, moved
+at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool back) {
+  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K, "repack_by_16_rows: GGML type ", qtype, " is not Q4_K or Q6_K");
+  TORCH_CHECK(K > 0 && K % QK_K == 0 && N > 0 && N % 16 == 0, "repack_by_16_rows: N must be a multiple of 16 and K of ",
               QK_K, ", not ", N, " and ", K);
-  const int64_t row_bytes = K / QK_K * (int64_t)sizeof(BlockQ6_K);
+  const int64_t block_bytes = qtype == Q4_K ? (int64_t)sizeof(BlockQ4_K) : (int64_t)sizeof(BlockQ6_K);
+  const int64_t row_bytes = K / QK_K * block_bytes;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
-              "repack_q6_k_r16: w must be contiguous uint8 holding ", N, " rows of ", row_bytes, " bytes");
+              "repack_by_16_rows: w must be contiguous uint8 holding ", N, " rows of ", row_bytes, " bytes");
   at::Tensor out = at::empty({N, row_bytes}, w.options());
   uint8_t* src = (uint8_t*)w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  const int nb = (int)(K / QK_K);
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const size_t at = (size_t)g * 16 * row_bytes;
-      if (back) q6k_r16_group<true>(dst + at, row_bytes, (int)(K / QK_K), src + at);
-      else q6k_r16_group<false>(src + at, row_bytes, (int)(K / QK_K), dst + at);
+      if (qtype == Q4_K) {
+        if (back) r16_words<true>(dst + at, row_bytes, nb, block_bytes, src + at);
+        else r16_words<false>(src + at, row_bytes, nb, block_bytes, dst + at);
+      } else if (back) {
+        q6k_r16_group<true>(dst + at, row_bytes, nb, src + at);
+      } else {
+        q6k_r16_group<false>(src + at, row_bytes, nb, dst + at);
+      }
     }
   });
   return out;
@@ -482,7 +491,7 @@ TORCH_LIBRARY(opentgi, m) {
   m.def("silu_mul(Tensor gate_up, int isa) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up, int isa) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, int isa) -> Tensor");
-  m.def("repack_q6_k_r16(Tensor w, int N, int K, bool back=False) -> Tensor");
+  m.def("repack_by_16_rows(Tensor w, int qtype, int N, int K, bool back=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
@@ -494,7 +503,7 @@ TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("silu_mul", silu_mul);
   m.impl("gelu_tanh_mul", gelu_tanh_mul);
   m.impl("rope", rope_op);
-  m.impl("repack_q6_k_r16", repack_q6_k_r16);
+  m.impl("repack_by_16_rows", repack_by_16_rows);
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CompositeExplicitAutograd, m) {

@@ -5,8 +5,10 @@
 // arithmetic, the scale and min unpacking, float16 scales and mins sums shared by the eight.
 // The wide form (TileQ4KWide) takes 16-bit activations the same way.
 #include <cstddef>
+#include <vector>
 
 #include "kquants16.h"
+#include "r16.h"
 
 namespace opentgi {
 namespace {
@@ -169,6 +171,12 @@ struct TileQ4K {
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     kquant_run16<R, false>(wr, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out, ldo);
+  }
+  template <int R>
+  static inline void run16_r16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                               float* out, int ldo) {
+    kquant_run16<R, false, 16>(grp, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out,
+                               ldo);
   }
 #endif
 #endif
@@ -343,18 +351,19 @@ struct TileQ4KWide {
   // (hi, lo) as TileQ4K::run16 forms them (kquant_totals16), the total 128 * hi + lo exact until
   // rounded once; the mins term sum_j m_j * sums_j exact in int32 (< 2^28): run8's integers and
   // float arithmetic lane by lane.
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     if constexpr (R > 4) {  // four rows (eight byte streams) at a time, the sums in registers
-      run16<4>(wr, row_bytes, act, stride, K, out, ldo);
-      run16<R - 4>(wr, row_bytes, act + 4 * stride, stride, K, out + 4 * ldo, ldo);
+      run16<4, S>(wr, row_bytes, act, stride, K, out, ldo);
+      run16<R - 4, S>(wr, row_bytes, act + 4 * stride, stride, K, out + 4 * ldo, ldo);
     } else {
-      run16_rows<R>(wr, row_bytes, act, stride, K, out, ldo);
+      run16_rows<R, S>(wr, row_bytes, act, stride, K, out, ldo);
     }
   }
-  template <int R>
+  template <int R, int S>
   static inline void run16_rows(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                                 float* out, int ldo) {
     const int nb = K / QK_K;
@@ -363,9 +372,9 @@ struct TileQ4KWide {
     for (int r = 0; r < R; ++r) a[r] = (const ActQ16K*)(act + r * stride);
     const __m512i byte = _mm512_set1_epi32(0xFF);
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K);
-      prefetch_next<16>(wr, row_bytes, b, nb);
-      KQuantHeaders16 hd(base, row_bytes);
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockQ4_K) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(BlockQ4_K), b, nb);
+      KQuantHeaders16<S> hd(base, row_bytes);
       const int8_t* ys[2 * R];  // row r's high bytes at 2r, low bytes at 2r + 1
       for (int r = 0; r < R; ++r) {
         const ActQ16KBytes& yb = ((const ActQ16KBytes*)(a[r] + nb))[b];
@@ -373,7 +382,7 @@ struct TileQ4KWide {
         ys[2 * r + 1] = yb.lo;
       }
       __m512i total[2 * R];
-      kquant_totals16<2 * R, false>(base + offsetof(BlockQ4_K, qs), nullptr, row_bytes, hd.sc, ys, total);
+      kquant_totals16<2 * R, false, S>(base + offsetof(BlockQ4_K, qs) * S, nullptr, row_bytes, hd.sc, ys, total);
       __m512i mn[8];  // row c's min of sub-block j in lane c
       for (int j = 0; j < 4; ++j) {
         mn[j] = _mm512_and_si512(_mm512_srli_epi32(hd.mn_lo, 8 * j), byte);
@@ -397,6 +406,43 @@ struct TileQ4KWide {
 #endif
 };
 
+#ifdef OPENTGI_AVX512
+// Q4_K_R16 (r16.h): the sixteen-output forms on the repacked groups, from one row on (the same
+// integers and float arithmetic as the file's layout gives, so the same bits)
+struct TileQ4KR16 : TileQ4K {
+  template <int R>
+  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                           float* out, int ldo) {
+    TileQ4K::run16_r16<R>(grp, row_bytes, act, stride, K, out, ldo);
+  }
+};
+struct TileQ4KWideR16 : TileQ4KWide {
+  template <int R>
+  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K,
+                           float* out, int ldo) {
+    TileQ4KWide::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
+  }
+};
+#endif
+
+// Outputs n0 .. n1 - 1 (whole groups of sixteen) of a Q4_K_R16 weight: the sixteen-output forms where
+// the variant has them, else each group put back in the file's layout and driven as Q4_K: the same bits.
+template <class Tile, class TileR16>
+static void drive_r16(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1, int K,
+                      float* out, int ldo) {
+#ifdef OPENTGI_AVX512
+  (void)sizeof(Tile);
+  for (int n = n0; n + 16 <= n1; n += 16) rows_against<TileR16, 16>(w, rb, act, arb, M, n, K, out, ldo);
+#else
+  (void)sizeof(TileR16);
+  std::vector<uint8_t> rows(16 * rb);
+  for (int n = n0; n + 16 <= n1; n += 16) {
+    r16_words<true>(rows.data(), rb, K / QK_K, sizeof(BlockQ4_K), (uint8_t*)w + (size_t)n * rb);
+    drive<Tile>(rows.data(), rb, act, arb, M, 0, 16, K, out + n, ldo);
+  }
+#endif
+}
+
 }  // namespace
 
 void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
@@ -407,6 +453,24 @@ void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t* w, size_t rb, const uint8_t* ac
 void OPENTGI_FN(matmul_q4_k)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                              int K, float* out, int ldo) {
   drive<TileQ4K>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+}
+
+void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+#ifdef OPENTGI_AVX512
+  drive_r16<TileQ4K, TileQ4KR16>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+#else
+  drive_r16<TileQ4K, TileQ4K>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+#endif
+}
+
+void OPENTGI_FN(matmul_q4_k_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                      int n1, int K, float* out, int ldo) {
+#ifdef OPENTGI_AVX512
+  drive_r16<TileQ4KWide, TileQ4KWideR16>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+#else
+  drive_r16<TileQ4KWide, TileQ4KWide>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+#endif
 }
 
 }  // namespace opentgi

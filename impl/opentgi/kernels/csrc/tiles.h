@@ -317,8 +317,14 @@ static inline __m512i join256(__m256i lo, __m256i hi) { return _mm512_inserti64x
 
 // Sixteen rows' 16 bytes (at base + c * row_bytes) as four vectors of one 32-bit word a row: t[g]'s
 // lane c holds bytes 4g .. 4g + 3 of row c (loaded four rows a vector, then a 4x4 transpose of
-// words in each 128-bit lane).
+// words in each 128-bit lane). S = 16: the sixteen rows repacked (r16.h), those four vectors as they
+// lie at base (a row's byte offset o within its block at 16 * o in its group).
+template <int S = 1>
 static inline void words16(const uint8_t* base, size_t row_bytes, __m512i* t) {
+  if constexpr (S == 16) {
+    for (int g = 0; g < 4; ++g) t[g] = _mm512_loadu_si512((const void*)(base + 64 * g));
+    return;
+  }
   __m512i a[4];  // a[j]'s 128-bit lane q: row j + 4q
   for (int j = 0; j < 4; ++j) {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(base + j * row_bytes)));

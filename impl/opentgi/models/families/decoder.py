@@ -37,7 +37,7 @@ from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.layers.norm import add_and_norm, make_norm, use_native
 from opentgi.models.layers.rotary import MRotaryEmbedding, RotaryEmbedding, local_rope_config, mrope_section
-from opentgi.models.quantization.gguf_blocks import repack_for_bfloat16_rows
+from opentgi.models.quantization.gguf_blocks import repack_by_16_rows
 from opentgi.models.quantization.prompt_copy import add_prompt_copies
 
 log = logging.getLogger(__name__)
@@ -176,9 +176,9 @@ class PagedDecoder(nn.Module):
         if self.logits_proj is not None and not self.tie_word_embeddings:
             del self.lm_head
         if native_kernels:  # fused layer ops
-            repacked = repack_for_bfloat16_rows(self.model.layers, self.spec.dtype)
+            repacked = repack_by_16_rows(self.model.layers, self.spec.dtype)
             if repacked:
-                log.info("kernels: %.0f MiB of Q6_K weights repacked by 16 rows for bfloat16 rows", repacked / 2**20)
+                log.info("kernels: %.0f MiB of Q4_K/Q6_K weights repacked by 16 rows", repacked / 2**20)
             use_native(self)
             self.native_stack = NativeDecodeStack.build(self)
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form

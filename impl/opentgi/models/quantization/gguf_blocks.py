@@ -87,8 +87,9 @@ class GGUFBlockWeight:
         isa = path.isa if path else "?"
         if self.qtype in native.DENSE_TYPES:
             return f"{native.DENSE_TYPES[self.qtype][0]} rows (native {isa})"
-        if self.qtype == native.Q6_K_R16:
-            return f"Q6_K blocks by 16 rows (native {isa})"
+        if self.qtype in (native.Q4_K_R16, native.Q6_K_R16):
+            name = "Q4_K" if self.qtype == native.Q4_K_R16 else "Q6_K"
+            return f"{name} blocks by 16 rows (native {isa})"
         return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {isa})"
 
     def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
@@ -107,26 +108,31 @@ class GGUFBlockWeight:
         return native.gguf_mm(x, self.blocks, self.qtype, self.out_features, passes=self.passes)
 
 
-def repack_for_bfloat16_rows(layers: nn.Module, dtype: torch.dtype) -> int:
-    """Q6_K weights at `passes=2` (v and down of a Q4_K_M file) repacked by sixteen rows
-    (kernels.native.Q6_K_R16: the same bytes, moved) where the model runs in bfloat16 on a CPU with
-    AVX-512 BF16: their rows' own bfloat16 values against the blocks, the form `passes=2` takes on
-    Q4_0 and Q4_1 there, reads the repacked groups whole where the file's layout would need a
-    transposition of sixteen rows a superblock (docs/quantization.md). Routed experts keep the
-    file's layout (their grouped kernels read it). The file's pages under a repacked weight are
-    released from the process. Returns the bytes repacked."""
-    if dtype != torch.bfloat16 or not native.takes_q6_k_r16():
+def repack_by_16_rows(layers: nn.Module, dtype: torch.dtype) -> int:
+    """Q4_K and Q6_K weights repacked by sixteen rows (kernels.native.BY_16_ROWS: the same bytes,
+    moved), so that the kernels' sixteen-output forms read their vectors whole instead of
+    transposing sixteen rows' bytes a block (docs/quantization.md): Q4_K wherever the AVX-512
+    variant runs (its kernels on the groups give the file's layout's bits); Q6_K at `passes=2` (v
+    and down of a Q4_K_M file) where the model runs in bfloat16 on a CPU with AVX-512 BF16, for the
+    rows' own bfloat16 values against the blocks. Routed experts keep the file's layout (their
+    grouped kernels read it). The file's pages under a repacked weight are released from the
+    process. Returns the bytes repacked."""
+    path = native.loaded()
+    if path is None or path.name != "native" or path.isa != "avx512":
         return 0
+    wanted = {GGMLQuantizationType.Q4_K: (1, 2)}
+    if dtype == torch.bfloat16 and native.takes_q6_k_r16():
+        wanted[GGMLQuantizationType.Q6_K] = (2,)
     repacked = 0
     for name, module in layers.named_modules():
         fmt = getattr(module, "weight_format", None)
-        if (type(fmt) is not GGUFBlockWeight or fmt.qtype != GGMLQuantizationType.Q6_K or fmt.passes != 2
+        if (type(fmt) is not GGUFBlockWeight or fmt.passes not in wanted.get(fmt.qtype, ())
                 or fmt.out_features % 16 or ".experts." in f".{name}."):
             continue
-        blocks = native.repack_q6_k_r16(fmt.blocks, fmt.in_features)
+        blocks = native.repack_by_16_rows(fmt.blocks, fmt.qtype, fmt.in_features)
         if fmt.mapped:
             _release_pages(fmt.blocks)
-        fmt.blocks, fmt.qtype, fmt.mapped = blocks, native.Q6_K_R16, False
+        fmt.blocks, fmt.qtype, fmt.mapped = blocks, native.BY_16_ROWS[fmt.qtype], False
         repacked += blocks.nbytes
     return repacked
 

@@ -1,7 +1,9 @@
-"""Q6_K repacked by sixteen rows (kernels.native.Q6_K_R16, kernels/csrc/q6k_r16.h): the same bytes
-moved, multiplied by bfloat16 rows in one order of float32 operations on every instruction set
-where the CPU has AVX-512 BF16; models/quantization/gguf_blocks.py repacks a bfloat16 model's
-`passes=2` Q6_K weights there and nowhere else."""
+"""Q4_K and Q6_K repacked by sixteen rows (kernels.native.BY_16_ROWS, kernels/csrc/r16.h): the same
+bytes moved. Q4_K_R16 takes Q4_K's kernels, the same bits for every row count and thread count;
+Q6_K_R16 is multiplied by bfloat16 rows in one order of float32 operations on every instruction
+set where the CPU has AVX-512 BF16. models/quantization/gguf_blocks.py repacks Q4_K wherever the
+AVX-512 variant runs and a bfloat16 model's `passes=2` Q6_K weights where the CPU has AVX-512 BF16,
+and nowhere else."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from gguf import dequantize
 from torch import nn
 
 from opentgi.kernels import native
-from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, repack_for_bfloat16_rows
+from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, repack_by_16_rows
 from opentgi.models.quantization.linear import QuantizedLinear
 from tests.helpers.gguf_blocks import random_blocks
 
@@ -26,8 +28,16 @@ ORDER = (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)  # blocks_bf16.cp
 COUNTS = (1, 2, 3, 5, 8, 9, 15, 16, 17, 33)
 
 
+def _words(raw: np.ndarray, block: int) -> np.ndarray:
+    """r16.h's Q4_K layout, from its description: block b of a group of sixteen rows as its words,
+    word v of row c at b * 16 * block + 64 * v + 4 * c."""
+    n, nb = raw.shape[0], raw.shape[1] // block
+    words = raw.reshape(n // 16, 16, nb, block // 4, 4).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(words).reshape(n, -1)
+
+
 def _layout(raw: np.ndarray) -> np.ndarray:
-    """q6k_r16.h's layout, written from its description: per group of sixteen rows and superblock
+    """r16.h's Q6_K layout, written from its description: per group of sixteen rows and superblock
     b, 52 vectors of sixteen 4-byte words (row c's in lane c): scales 4m..4m+3; then per (h, v), ql
     bytes 64h + 16v + 4i, 64h + 32 + 16v + 4i and qh bytes 32h + 16v + 4i (i < 4); then the d's."""
     n, nb = raw.shape[0], raw.shape[1] // 210
@@ -95,21 +105,52 @@ def _mm(x: torch.Tensor, blocks: torch.Tensor, n: int, isa: str | None = None) -
 
 def _repacked(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     raw = random_blocks(Q.Q6_K, n, k, seed=seed)
-    return raw, native.repack_q6_k_r16(torch.from_numpy(raw), k)
+    return raw, native.repack_by_16_rows(torch.from_numpy(raw), Q.Q6_K, k)
 
 
-def test_the_repack_moves_the_file_bytes_as_its_layout_says_and_back(kernels):
-    raw, r16 = _repacked(48, 512, seed=1)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_the_repack_moves_the_file_bytes_as_its_layout_says_and_back(kernels, qtype):
+    raw = random_blocks(qtype, 48, 512, seed=1)
+    r16 = native.repack_by_16_rows(torch.from_numpy(raw), qtype, 512)
     assert r16.dtype == torch.uint8 and r16.shape == raw.shape
-    assert np.array_equal(r16.numpy(), _layout(raw))
-    assert torch.equal(native.repack_q6_k_r16(r16, 512, back=True), torch.from_numpy(raw))
+    assert np.array_equal(r16.numpy(), _words(raw, 144) if qtype == Q.Q4_K else _layout(raw))
+    assert torch.equal(native.repack_by_16_rows(r16, qtype, 512, back=True), torch.from_numpy(raw))
 
 
-def test_the_repack_refuses_shapes_it_cannot_group(kernels):
+def test_the_repack_refuses_shapes_and_types_it_cannot_group(kernels):
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        native.repack_q6_k_r16(torch.from_numpy(random_blocks(Q.Q6_K, 24, 256)), 256)
+        native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 24, 256)), Q.Q6_K, 256)
     with pytest.raises(RuntimeError, match="rows of 420 bytes"):
-        native.repack_q6_k_r16(torch.from_numpy(random_blocks(Q.Q6_K, 16, 256)), 512)
+        native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 16, 256)), Q.Q6_K, 512)
+    with pytest.raises(RuntimeError, match="not Q4_K or Q6_K"):
+        native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q4_0, 16, 256)), Q.Q4_0, 256)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_q4_k_by_16_rows_gives_the_file_layouts_bits_on_every_instruction_set(kernels, passes):
+    """Q4_K's kernels on the repacked groups: the same integers and float arithmetic as on the file's
+    rows, for any row count (one row too, which the file's layout takes eight outputs at a time),
+    float32 and bfloat16 rows, and thread count."""
+    raw = random_blocks(Q.Q4_K, 64, 512, seed=11)
+    blocks = torch.from_numpy(raw)
+    r16 = native.repack_by_16_rows(blocks, Q.Q4_K, 512)
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.randn(40, 512, generator=gen) * torch.rand(40, 1, generator=gen).mul(4).exp()
+    threads = torch.get_num_threads()
+    try:
+        for isa in native.supported_isas():
+            for x in (rows, rows.bfloat16()):
+                for count in COUNTS:
+                    want = native.gguf_mm(x[:count], blocks, int(Q.Q4_K), 64, isa, passes=passes)
+                    got = native.gguf_mm(x[:count], r16, native.Q4_K_R16, 64, isa, passes=passes)
+                    assert torch.equal(got, want), (isa, x.dtype, count)
+            for count in range(2, max(2, os.cpu_count() or 1) + 2):
+                torch.set_num_threads(count)
+                assert torch.equal(native.gguf_mm(rows, r16, native.Q4_K_R16, 64, isa, passes=passes),
+                                   native.gguf_mm(rows, blocks, int(Q.Q4_K), 64, isa, passes=passes)), (isa, count)
+            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _copy_value(raw: np.ndarray, src: int, dst: int, scale_too: bool = False) -> None:
@@ -141,7 +182,7 @@ def test_repacked_q6_k_follows_one_order_of_operations_on_every_instruction_set(
     "sub-blocks": sub-blocks 2 and 1, whose places in the superblock's order differ."""
     raw = random_blocks(Q.Q6_K, 48, 512, seed=2)
     _copy_value(raw, cols[0], cols[1], scale_too=True)
-    r16 = native.repack_q6_k_r16(torch.from_numpy(raw), 512)
+    r16 = native.repack_by_16_rows(torch.from_numpy(raw), Q.Q6_K, 512)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3)) / 16
     x[:, cols[0]], x[:, cols[1]] = 2.0 ** 16, -(2.0 ** 16)
     x = x.bfloat16()
@@ -156,12 +197,13 @@ def test_repacked_q6_k_follows_one_order_of_operations_on_every_instruction_set(
         assert torch.equal(got, want), (isa, int((got != want).sum()))
 
 
-def test_a_row_keeps_its_bits_whatever_shares_its_step_and_the_thread_count(kernels):
-    if not native.takes_q6_k_r16():
-        assert repack_for_bfloat16_rows(nn.Module(), torch.bfloat16) == 0
-        return
+def test_a_q6_k_row_keeps_its_bits_whatever_shares_its_step_and_the_thread_count(kernels):
     _, r16 = _repacked(64, 256, seed=4)  # four groups: split among threads a group at a time
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    if not native.takes_q6_k_r16():
+        with pytest.raises(RuntimeError, match="no kernel"):
+            _mm(x, r16, 64)
+        return
     threads = torch.get_num_threads()
     try:
         for isa in native.supported_isas():
@@ -194,40 +236,58 @@ def test_repacked_q6_k_meets_the_exact_product_to_float32_rounding(kernels):
     assert ((got >= low) & (got <= high)).all()
 
 
-def _linear(raw: np.ndarray, k: int, passes: int, mapped: bool = False) -> QuantizedLinear:
+def _linear(raw: np.ndarray, qtype: Q, k: int, passes: int) -> QuantizedLinear:
     linear = QuantizedLinear(k, raw.shape[0])
-    linear.weight_format = GGUFBlockWeight(torch.from_numpy(raw), int(Q.Q6_K), k, passes=passes, mapped=mapped)
+    linear.weight_format = GGUFBlockWeight(torch.from_numpy(raw), int(qtype), k, passes=passes)
     return linear
 
 
-def test_a_bfloat16_model_repacks_its_two_pass_q6_k_weights_and_keeps_the_file_intact(kernels, tmp_path):
-    """Down (passes=2, from the file's memory map) is repacked and its pages released, the file's
-    bytes untouched; an expert's down, a one-pass weight and one of 24 rows keep the file's layout.
-    Elsewhere (float32, or a CPU without AVX-512 BF16) nothing changes."""
-    raw = random_blocks(Q.Q6_K, 32, 512, seed=8)
-    path = tmp_path / "blocks.bin"
+def _mapped(raw: np.ndarray, path) -> tuple[np.memmap, torch.Tensor]:
     raw.tofile(path)
-    mapped = np.memmap(path, dtype=np.uint8, mode="r").reshape(32, -1)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r").reshape(raw.shape[0], -1)
     with warnings.catch_warnings():  # the map is read-only, as the loader's
         warnings.simplefilter("ignore", UserWarning)
-        view = torch.from_numpy(mapped)
+        return mapped, torch.from_numpy(mapped)
+
+
+def test_a_model_repacks_its_q4_k_and_bfloat16_q6_k_weights_and_keeps_the_file_intact(kernels, tmp_path):
+    """Where the AVX-512 variant runs: Q4_K (from the file's memory map: its pages released, the
+    file's bytes untouched) is repacked in any dtype, with the same outputs; the two-pass Q6_K down
+    only for a bfloat16 model on a CPU with AVX-512 BF16. An expert's weights, a one-pass Q6_K and
+    a weight of 24 rows keep the file's layout. Elsewhere nothing changes."""
+    q4k, q6k = random_blocks(Q.Q4_K, 32, 512, seed=8), random_blocks(Q.Q6_K, 32, 512, seed=9)
+    mapped, view = _mapped(q4k, tmp_path / "q4k.bin")
     layers = nn.Module()
-    layers.down_proj = _linear(raw, 512, passes=2)
-    layers.down_proj.weight_format = GGUFBlockWeight(view, int(Q.Q6_K), 512, passes=2, mapped=True)
+    layers.gate_proj = _linear(q4k, Q.Q4_K, 512, passes=1)
+    layers.gate_proj.weight_format = GGUFBlockWeight(view, int(Q.Q4_K), 512, passes=1, mapped=True)
+    layers.down_proj = _linear(q6k, Q.Q6_K, 512, passes=2)
     layers.experts = nn.ModuleList([nn.Module()])
-    layers.experts[0].down_proj = _linear(raw.copy(), 512, passes=2)
-    layers.o_proj = _linear(raw.copy(), 512, passes=1)
-    layers.v_proj = _linear(random_blocks(Q.Q6_K, 24, 512, seed=9), 512, passes=2)
+    layers.experts[0].up_proj = _linear(q4k.copy(), Q.Q4_K, 512, passes=1)
+    layers.o_proj = _linear(q6k.copy(), Q.Q6_K, 512, passes=1)
+    layers.v_proj = _linear(random_blocks(Q.Q4_K, 24, 512, seed=10), Q.Q4_K, 512, passes=2)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(10)).bfloat16()
-    assert repack_for_bfloat16_rows(layers, torch.float32) == 0
-    repacked = repack_for_bfloat16_rows(layers, torch.bfloat16)
-    kept = [layers.experts[0].down_proj, layers.o_proj, layers.v_proj]
-    assert all(m.weight_format.qtype == Q.Q6_K for m in kept)
-    if not native.takes_q6_k_r16():
-        assert repacked == 0 and layers.down_proj.weight_format.qtype == Q.Q6_K
-        return
-    fmt = layers.down_proj.weight_format
-    assert repacked == raw.nbytes and fmt.qtype == native.Q6_K_R16 and not fmt.mapped
-    assert np.array_equal(np.asarray(mapped), raw) and np.array_equal(np.fromfile(path, np.uint8), raw.reshape(-1))
-    assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(raw, x)).bfloat16())
-    assert "Q6_K blocks by 16 rows" in fmt.description
+    before = layers.gate_proj(x)
+    avx512 = native.loaded().isa == "avx512"
+    repacked = repack_by_16_rows(layers, torch.bfloat16)
+    kept = [layers.experts[0].up_proj, layers.o_proj, layers.v_proj]
+    assert [m.weight_format.qtype for m in kept] == [Q.Q4_K, Q.Q6_K, Q.Q4_K]
+    gate = layers.gate_proj.weight_format
+    assert gate.qtype == (native.Q4_K_R16 if avx512 else Q.Q4_K) and gate.mapped == (not avx512)
+    assert torch.equal(layers.gate_proj(x), before)
+    assert np.array_equal(np.asarray(mapped), q4k) and np.array_equal(np.fromfile(tmp_path / "q4k.bin", np.uint8),
+                                                                        q4k.reshape(-1))
+    down = layers.down_proj.weight_format
+    assert down.qtype == (native.Q6_K_R16 if native.takes_q6_k_r16() else Q.Q6_K)
+    assert repacked == (q4k.nbytes if avx512 else 0) + (q6k.nbytes if native.takes_q6_k_r16() else 0)
+    if native.takes_q6_k_r16():
+        assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(q6k, x)).bfloat16())
+        assert "Q6_K blocks by 16 rows" in down.description
+    if avx512:
+        assert "Q4_K blocks by 16 rows" in gate.description
+
+
+def test_a_float32_model_keeps_its_q6_k_in_the_file_layout(kernels):
+    layers = nn.Module()
+    layers.down_proj = _linear(random_blocks(Q.Q6_K, 32, 512, seed=13), Q.Q6_K, 512, passes=2)
+    assert repack_by_16_rows(layers, torch.float32) == 0
+    assert layers.down_proj.weight_format.qtype == Q.Q6_K
