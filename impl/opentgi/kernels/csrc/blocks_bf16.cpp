@@ -18,6 +18,7 @@
 // bit for bit except where a value or partial sum falls below float32's normal range, which the
 // instruction flushes to zero (dense.cpp's BF16 rule).
 #include <cstddef>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -326,6 +327,26 @@ void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t* w, size_t rb, const uint8_t* ac
                                   int n1, int K, float* out, int ldo) {
   drive<TileBF16<1>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
 }
+// Sixteen rows of nb Q6_K superblocks into their Q6_K_R16 group (r16.h q6k_r16_group): on AVX-512
+// each run of four words by the kernels' own transposition (words16)
+void OPENTGI_FN(repack_q6_k16)(const uint8_t* rows, size_t row_bytes, int nb, uint8_t* group) {
+#ifdef OPENTGI_AVX512
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* block = rows + (size_t)b * sizeof(BlockQ6_K);
+    uint8_t* vecs = group + (size_t)b * Q6K_R16_SUPER;
+    for (int v = 0; v < (int)Q6K_R16_VECTORS; v += 4) {  // words v .. v + 3: 16 bytes of each row
+      __m512i t[4];
+      words16(block + q6k_r16_source(v), row_bytes, t);
+      for (int g = 0; g < 4; ++g) _mm512_storeu_si512((void*)(vecs + 64 * (v + g)), t[g]);
+    }
+    uint8_t* d = group + (size_t)nb * Q6K_R16_SUPER + 32 * b;
+    for (int c = 0; c < 16; ++c) std::memcpy(d + 2 * c, block + c * row_bytes + offsetof(BlockQ6_K, d), 2);
+  }
+#else
+  q6k_r16_group<false>((uint8_t*)rows, row_bytes, nb, group);
+#endif
+}
+
 // Q6_K_R16 (r16.h) against bfloat16 rows: outputs n0 .. n1 - 1, whole groups of sixteen. Where
 // the variant has no sixteen-row form, each group's rows are put back in the file's layout and
 // taken one output at a time: the same arithmetic.

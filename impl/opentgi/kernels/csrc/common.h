@@ -195,6 +195,8 @@ void OPENTGI_FN(matmul_q6_k_wide)(const uint8_t*, size_t, const uint8_t*, size_t
 // Q4_K repacked by sixteen rows (r16.h), against ActQ8K and wide activations
 void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_k_wide_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, size_t block_bytes, uint8_t* group);
+void OPENTGI_FN(repack_q6_k16)(const uint8_t* rows, size_t row_bytes, int nb, uint8_t* group);
 // Q4_0 / Q4_1 / Q6_K_R16 against bfloat16 rows (ActBF16)
 void OPENTGI_FN(matmul_q4_0_bf16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);

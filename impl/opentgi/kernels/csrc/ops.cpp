@@ -38,6 +38,8 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+std::vector<int64_t> isas();  // the ISA variants this CPU runs (below)
+
 // Q4_K or Q6_K rows [N, row bytes] into their groups of sixteen (r16.h: Q4_K_R16, Q6_K_R16), or (back)
 // those groups into rows: the same bytes, moved
 at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool back) {
@@ -52,16 +54,25 @@ at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int6
   uint8_t* src = (uint8_t*)w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int nb = (int)(K / QK_K);
+  auto words = repack_words16_scalar;  // forward: the AVX-512 variant's transposition where it runs
+  auto q6k = repack_q6_k16_scalar;
+#ifdef OPENTGI_WITH_AVX512
+  const std::vector<int64_t> found = isas();
+  if (std::find(found.begin(), found.end(), (int64_t)AVX512) != found.end()) {
+    words = repack_words16_avx512;
+    q6k = repack_q6_k16_avx512;
+  }
+#endif
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const size_t at = (size_t)g * 16 * row_bytes;
       if (qtype == Q4_K) {
         if (back) r16_words<true>(dst + at, row_bytes, nb, block_bytes, src + at);
-        else r16_words<false>(src + at, row_bytes, nb, block_bytes, dst + at);
+        else words(src + at, row_bytes, nb, block_bytes, dst + at);
       } else if (back) {
         q6k_r16_group<true>(dst + at, row_bytes, nb, src + at);
       } else {
-        q6k_r16_group<false>(src + at, row_bytes, nb, dst + at);
+        q6k(src + at, row_bytes, nb, dst + at);
       }
     }
   });

@@ -455,6 +455,24 @@ void OPENTGI_FN(matmul_q4_k)(const uint8_t* w, size_t rb, const uint8_t* act, si
   drive<TileQ4K>(w, rb, act, arb, M, n0, n1, K, out, ldo);
 }
 
+// Sixteen rows of nb blocks (block_bytes a multiple of 16) into their group (r16.h r16_words): on
+// AVX-512 sixteen words at once by the kernels' own transposition (words16)
+void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, size_t block_bytes, uint8_t* group) {
+#ifdef OPENTGI_AVX512
+  for (int b = 0; b < nb; ++b) {
+    const uint8_t* block = rows + (size_t)b * block_bytes;
+    uint8_t* vecs = group + (size_t)b * 16 * block_bytes;
+    for (size_t at = 0; at < block_bytes; at += 16) {
+      __m512i t[4];
+      words16(block + at, row_bytes, t);
+      for (int g = 0; g < 4; ++g) _mm512_storeu_si512((void*)(vecs + 16 * at + 64 * g), t[g]);
+    }
+  }
+#else
+  r16_words<false>((uint8_t*)rows, row_bytes, nb, block_bytes, group);
+#endif
+}
+
 void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                  int K, float* out, int ldo) {
 #ifdef OPENTGI_AVX512
