@@ -108,12 +108,13 @@ def _repacked(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     return raw, native.repack_by_16_rows(torch.from_numpy(raw), Q.Q6_K, k)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_the_repack_moves_the_file_bytes_as_its_layout_says_and_back(kernels, qtype):
     raw = random_blocks(qtype, 48, 512, seed=1)
     r16 = native.repack_by_16_rows(torch.from_numpy(raw), qtype, 512)
     assert r16.dtype == torch.uint8 and r16.shape == raw.shape
-    assert np.array_equal(r16.numpy(), _words(raw, 144) if qtype == Q.Q4_K else _layout(raw))
+    want = {Q.Q4_1: lambda: _words(raw, 20), Q.Q4_K: lambda: _words(raw, 144), Q.Q6_K: lambda: _layout(raw)}[qtype]()
+    assert np.array_equal(r16.numpy(), want)
     assert torch.equal(native.repack_by_16_rows(r16, qtype, 512, back=True), torch.from_numpy(raw))
 
 
@@ -122,33 +123,40 @@ def test_the_repack_refuses_shapes_and_types_it_cannot_group(kernels):
         native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 24, 256)), Q.Q6_K, 256)
     with pytest.raises(RuntimeError, match="rows of 420 bytes"):
         native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 16, 256)), Q.Q6_K, 512)
-    with pytest.raises(RuntimeError, match="not Q4_K or Q6_K"):
+    with pytest.raises(RuntimeError, match="not Q4_1, Q4_K or Q6_K"):
         native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q4_0, 16, 256)), Q.Q4_0, 256)
 
 
 @pytest.mark.parametrize("passes", [1, 2])
-def test_q4_k_by_16_rows_gives_the_file_layouts_bits_on_every_instruction_set(kernels, passes):
-    """Q4_K's kernels on the repacked groups: the same integers and float arithmetic as on the file's
-    rows, for any row count (one row too, which the file's layout takes eight outputs at a time),
-    float32 and bfloat16 rows, and thread count."""
-    raw = random_blocks(Q.Q4_K, 64, 512, seed=11)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_q4_1_and_q4_k_by_16_rows_give_the_file_layouts_bits_on_every_instruction_set(kernels, qtype, passes):
+    """Their kernels on the repacked groups: the same integers and float arithmetic as on the file's
+    rows, for any row count (one row too, which the file's layout may take eight outputs at a time),
+    float32 and bfloat16 rows, and thread count. Q4_1's `passes=2` exists by bfloat16 rows on a CPU
+    with AVX-512 BF16 only (its 16-bit activation blocks keep the file's layout)."""
+    raw = random_blocks(qtype, 64, 512, seed=11)
     blocks = torch.from_numpy(raw)
-    r16 = native.repack_by_16_rows(blocks, Q.Q4_K, 512)
+    r16 = native.repack_by_16_rows(blocks, qtype, 512)
     gen = torch.Generator().manual_seed(12)
     rows = torch.randn(40, 512, generator=gen) * torch.rand(40, 1, generator=gen).mul(4).exp()
+    taken = [rows, rows.bfloat16()]
+    if qtype == Q.Q4_1 and passes == 2:
+        with pytest.raises(RuntimeError, match="no kernel"):
+            native.gguf_mm(rows, r16, native.BY_16_ROWS[int(qtype)], 64, passes=2)
+        taken = [rows.bfloat16()] if native.takes_q6_k_r16() else []
     threads = torch.get_num_threads()
     try:
         for isa in native.supported_isas():
-            for x in (rows, rows.bfloat16()):
+            for x in taken:
                 for count in COUNTS:
-                    want = native.gguf_mm(x[:count], blocks, int(Q.Q4_K), 64, isa, passes=passes)
-                    got = native.gguf_mm(x[:count], r16, native.Q4_K_R16, 64, isa, passes=passes)
+                    want = native.gguf_mm(x[:count], blocks, int(qtype), 64, isa, passes=passes)
+                    got = native.gguf_mm(x[:count], r16, native.BY_16_ROWS[int(qtype)], 64, isa, passes=passes)
                     assert torch.equal(got, want), (isa, x.dtype, count)
-            for count in range(2, max(2, os.cpu_count() or 1) + 2):
-                torch.set_num_threads(count)
-                assert torch.equal(native.gguf_mm(rows, r16, native.Q4_K_R16, 64, isa, passes=passes),
-                                   native.gguf_mm(rows, blocks, int(Q.Q4_K), 64, isa, passes=passes)), (isa, count)
-            torch.set_num_threads(threads)
+                for count in range(2, max(2, os.cpu_count() or 1) + 2):
+                    torch.set_num_threads(count)
+                    assert torch.equal(native.gguf_mm(x, r16, native.BY_16_ROWS[int(qtype)], 64, isa, passes=passes),
+                                       native.gguf_mm(x, blocks, int(qtype), 64, isa, passes=passes)), (isa, count)
+                torch.set_num_threads(threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -250,10 +258,11 @@ def _mapped(raw: np.ndarray, path) -> tuple[np.memmap, torch.Tensor]:
         return mapped, torch.from_numpy(mapped)
 
 
-def test_a_model_repacks_its_q4_k_and_bfloat16_q6_k_weights_and_keeps_the_file_intact(kernels, tmp_path):
+def test_a_model_repacks_its_q4_k_q4_1_and_bfloat16_q6_k_weights_and_keeps_the_file_intact(kernels, tmp_path):
     """Where the AVX-512 variant runs: Q4_K (from the file's memory map: its pages released, the
-    file's bytes untouched) is repacked in any dtype, with the same outputs; the two-pass Q6_K down
-    only for a bfloat16 model on a CPU with AVX-512 BF16. An expert's weights, a one-pass Q6_K and
+    file's bytes untouched) and Q4_1 are repacked, with the same outputs (Q4_1's two-pass weight
+    where its bfloat16-row kernel takes it); the two-pass Q6_K down only for a bfloat16 model on a
+    CPU with AVX-512 BF16. An expert's weights, a one-pass Q6_K and
     a weight of 24 rows keep the file's layout. Elsewhere nothing changes."""
     q4k, q6k = random_blocks(Q.Q4_K, 32, 512, seed=8), random_blocks(Q.Q6_K, 32, 512, seed=9)
     mapped, view = _mapped(q4k, tmp_path / "q4k.bin")
@@ -265,20 +274,26 @@ def test_a_model_repacks_its_q4_k_and_bfloat16_q6_k_weights_and_keeps_the_file_i
     layers.experts[0].up_proj = _linear(q4k.copy(), Q.Q4_K, 512, passes=1)
     layers.o_proj = _linear(q6k.copy(), Q.Q6_K, 512, passes=1)
     layers.v_proj = _linear(random_blocks(Q.Q4_K, 24, 512, seed=10), Q.Q4_K, 512, passes=2)
+    q41 = random_blocks(Q.Q4_1, 32, 512, seed=14)
+    layers.up_proj, layers.k_proj = _linear(q41, Q.Q4_1, 512, passes=1), _linear(q41.copy(), Q.Q4_1, 512, passes=2)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(10)).bfloat16()
-    before = layers.gate_proj(x)
+    before = [layers.gate_proj(x), layers.up_proj(x), layers.k_proj(x)]
     avx512 = native.loaded().isa == "avx512"
     repacked = repack_by_16_rows(layers, torch.bfloat16)
     kept = [layers.experts[0].up_proj, layers.o_proj, layers.v_proj]
     assert [m.weight_format.qtype for m in kept] == [Q.Q4_K, Q.Q6_K, Q.Q4_K]
     gate = layers.gate_proj.weight_format
     assert gate.qtype == (native.Q4_K_R16 if avx512 else Q.Q4_K) and gate.mapped == (not avx512)
-    assert torch.equal(layers.gate_proj(x), before)
+    assert all(torch.equal(m(x), b) for m, b in zip((layers.gate_proj, layers.up_proj, layers.k_proj), before))
+    assert layers.up_proj.weight_format.qtype == (native.Q4_1_R16 if avx512 else Q.Q4_1)
+    two_pass_q41 = avx512 and native.takes_q6_k_r16()  # its bfloat16-row kernel
+    assert layers.k_proj.weight_format.qtype == (native.Q4_1_R16 if two_pass_q41 else Q.Q4_1)
     assert np.array_equal(np.asarray(mapped), q4k) and np.array_equal(np.fromfile(tmp_path / "q4k.bin", np.uint8),
                                                                         q4k.reshape(-1))
     down = layers.down_proj.weight_format
     assert down.qtype == (native.Q6_K_R16 if native.takes_q6_k_r16() else Q.Q6_K)
-    assert repacked == (q4k.nbytes if avx512 else 0) + (q6k.nbytes if native.takes_q6_k_r16() else 0)
+    assert repacked == ((q4k.nbytes + q41.nbytes if avx512 else 0) + (q41.nbytes if two_pass_q41 else 0)
+                        + (q6k.nbytes if native.takes_q6_k_r16() else 0))
     if native.takes_q6_k_r16():
         assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(q6k, x)).bfloat16())
         assert "Q6_K blocks by 16 rows" in down.description

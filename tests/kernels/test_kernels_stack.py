@@ -217,9 +217,9 @@ def test_a_projection_of_another_format_gets_no_stack(float32_model):
 def test_projections_side_by_side_stay_the_files_pages(float32_model):
     """q/k/v and gate/up of a GGUF are not copied into one weight: gate, up and v stay views of the
     file (q and k are the file's rows reordered for RoPE by halves: their own copies), or where the
-    AVX-512 variant runs, Q4_K's own groups of 16 rows (gguf_blocks.repack_by_16_rows)."""
+    AVX-512 variant runs, their own groups of 16 rows (gguf_blocks.repack_by_16_rows)."""
     def held(fmt) -> bool:
-        return fmt.mapped or (fmt.qtype == native.Q4_K_R16 and native.loaded().isa == "avx512")
+        return fmt.mapped or (fmt.qtype in native.BY_16_ROWS.values() and native.loaded().isa == "avx512")
 
     for layer in float32_model.model.layers:
         qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj

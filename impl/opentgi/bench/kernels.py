@@ -3,7 +3,7 @@ with native bfloat16, float32 elsewhere: models/loader.py), so that the next cli
 (oneDNN's packed weights), int8 per channel, int4 groups of 32 (torch's kernel, in
 `int4.kernel_dtype`), and the native kernels on GGUF blocks of each type (opentgi.kernels) where
 they build (Q4_1, Q4_K and Q6_K also with `passes=2`, the ~16-bit activations q/k/v and down
-projections take; Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so:
+projections take; Q4_1, Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so:
 models/quantization/gguf_blocks.py), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
 and MLP shapes).
 
@@ -285,15 +285,18 @@ def _by_16_rows(qtype, dtype: torch.dtype) -> tuple[int, ...]:
     path = native.loaded()
     if path is None or path.name != "native" or path.isa != "avx512":
         return ()
+    bf16_rows = dtype == torch.bfloat16 and native.takes_q6_k_r16()
     if qtype == Q.Q4_K:
         return (1, 2)
-    return (2,) if qtype == Q.Q6_K and dtype == torch.bfloat16 and native.takes_q6_k_r16() else ()
+    if qtype == Q.Q4_1:
+        return (1, 2) if bf16_rows else (1,)
+    return (2,) if qtype == Q.Q6_K and bf16_rows else ()
 
 
 def measure_bandwidth(megabytes: int, repeats: int, dtype: torch.dtype = torch.float32):
     """(streaming GB/s, [(kernel, GB/s)]): each block type at one row (in `dtype`, as served) over
     weights of `megabytes` in all, met in turn as a model's layers are; the best of `repeats`
-    sweeps. Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so."""
+    sweeps. Q4_1, Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so."""
     from gguf import GGMLQuantizationType as Q
 
     from opentgi.kernels import native

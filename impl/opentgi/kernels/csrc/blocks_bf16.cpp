@@ -91,9 +91,10 @@ struct TileBF16 {
   // byte), each activation pair broadcast; the weights unpacked once a block for a tile of up to
   // sixteen activation rows (the unpacking is a large share of the work: the more rows the better,
   // up to what the registers hold).
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 1;
   static constexpr int rows = 16;
-  template <int R>
+  template <int R, int S = 1>
   __attribute__((target("avx512bf16"))) static void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act,
                                                           size_t stride, int K, float* out, int ldo) {
     const int nb = K / QK;
@@ -104,12 +105,12 @@ struct TileBF16 {
     for (int q = 0; q < 16; ++q) entries[q] = bf16_of_int(q - OFF);
     const __m512i table = _mm512_load_si512(entries);
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next<16>(wr, row_bytes, b, nb);
-      const __m512i head = header16(base, row_bytes);
+      const uint8_t* base = wr + (size_t)b * sizeof(Block) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(Block), b, nb);
+      const __m512i head = header16<S>(base, row_bytes);
       const __m512 dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as bytes
-      values16<Kind>(base, row_bytes, w);
+      values16<Kind, S>(base, row_bytes, w);
       __m512bh wb[16];  // pair k of ActBF16's order, row c in lane c
       for (int g = 0; g < 8; ++g) {
         wb[2 * g] = (__m512bh)_mm512_permutexvar_epi16(w[g], table);
@@ -129,6 +130,19 @@ struct TileBF16 {
   }
 #endif
 };
+
+#ifdef OPENTGI_AVX512
+// Q4_1_R16 (r16.h): the sixteen-output form on the repacked groups (the file layout's bits)
+struct TileBF16Q41R16 : TileBF16<1> {
+  template <int R>
+  __attribute__((target("avx512bf16"))) static void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act,
+                                                          size_t stride, int K, float* out, int ldo) {
+    TileBF16<1>::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
+  }
+};
+#else
+using TileBF16Q41R16 = TileBF16<1>;
+#endif
 
 // q - 32 as bfloat16 for q = 0 .. 63 (the two 32-entry tables of a two-table permute)
 struct alignas(64) Q6KTable { uint16_t v[64]; };
@@ -327,6 +341,11 @@ void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t* w, size_t rb, const uint8_t* ac
                                   int n1, int K, float* out, int ldo) {
   drive<TileBF16<1>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
 }
+void OPENTGI_FN(matmul_q4_1_bf16_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                      int n1, int K, float* out, int ldo) {
+  drive_r16<TileBF16<1>, TileBF16Q41R16>(w, rb, sizeof(BlockQ4_1), act, arb, M, n0, n1, K, out, ldo);
+}
+
 // Sixteen rows of nb Q6_K superblocks into their Q6_K_R16 group (r16.h q6k_r16_group): on AVX-512
 // each run of four words by the kernels' own transposition (words16)
 void OPENTGI_FN(repack_q6_k16)(const uint8_t* rows, size_t row_bytes, int nb, uint8_t* group) {

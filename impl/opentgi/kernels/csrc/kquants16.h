@@ -7,19 +7,6 @@
 namespace opentgi {
 
 #ifdef OPENTGI_AVX512
-// The prefetches of sixteen rows' superblock b (at base; nb a row): the next sixteen rows' a few lines
-// a superblock (prefetch_next), or (S = 16, the rows repacked: one stream) the next superblock's
-// block_bytes * 16.
-template <int S>
-static inline void prefetch_blocks16(const uint8_t* rows, size_t row_bytes, const uint8_t* base, size_t block_bytes,
-                                     int b, int nb) {
-  if constexpr (S == 16) {
-    for (size_t l = 0; l < block_bytes / 4; ++l) _mm_prefetch((const char*)base + 16 * block_bytes + 64 * l, _MM_HINT_T0);
-  } else {
-    prefetch_next<16>(rows, row_bytes, b, nb);
-  }
-}
-
 // Sixteen Q4_K / Q5_K superblocks' headers (d, dmin, then the 12 bytes of 6-bit scales and mins, at
 // base + c * row_bytes), row c in lane c: d and dmin, the scales as int32 (sc[j]: sub-block j), the
 // mins' bytes (mn_lo: sub-blocks 0..3, mn_hi: 4..7; byte k of a lane is sub-block k's), by

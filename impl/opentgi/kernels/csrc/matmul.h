@@ -32,6 +32,8 @@ namespace opentgi {
   void matmul_q4_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void repack_words16_##isa(const uint8_t*, size_t, int, size_t, uint8_t*); \
   void repack_q6_k16_##isa(const uint8_t*, size_t, int, uint8_t*); \
+  void matmul_q4_1_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_1_bf16_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_k_wide_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -136,6 +138,15 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
 #else
 #define AVX512_OR_NULL(fn) nullptr
 #endif
+  if (qtype == Q4_1_R16) {  // repacked (r16.h): 8-bit rows, or bfloat16 rows at passes=2 (their kernel)
+    *k = {OPENTGI_PICK(matmul_q4_1_r16), false, QK, 20, ACT_Q8, 1, 16};
+    if (passes == 2) {
+      if (!bf16_rows || !bf16_dots()) return false;
+      k->matmul = OPENTGI_PICK(matmul_q4_1_bf16_r16);
+      k->act = ACT_BF16_BLOCKS;
+    }
+    return k->matmul != nullptr;
+  }
   if (qtype == Q4_K_R16) {  // repacked (r16.h; native.py repack_by_16_rows): Q4_K's kernels on the groups
     *k = {OPENTGI_PICK(matmul_q4_k_r16), true, QK_K, 144, ACT_Q8K, 1, 16};
     if (passes == 2) {

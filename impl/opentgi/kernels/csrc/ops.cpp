@@ -40,20 +40,23 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
 
 std::vector<int64_t> isas();  // the ISA variants this CPU runs (below)
 
-// Q4_K or Q6_K rows [N, row bytes] into their groups of sixteen (r16.h: Q4_K_R16, Q6_K_R16), or (back)
+// Q4_1, Q4_K or Q6_K rows [N, row bytes] into their groups of sixteen (r16.h: *_R16), or (back)
 // those groups into rows: the same bytes, moved
 at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool back) {
-  TORCH_CHECK(qtype == Q4_K || qtype == Q6_K, "repack_by_16_rows: GGML type ", qtype, " is not Q4_K or Q6_K");
-  TORCH_CHECK(K > 0 && K % QK_K == 0 && N > 0 && N % 16 == 0, "repack_by_16_rows: N must be a multiple of 16 and K of ",
-              QK_K, ", not ", N, " and ", K);
-  const int64_t block_bytes = qtype == Q4_K ? (int64_t)sizeof(BlockQ4_K) : (int64_t)sizeof(BlockQ6_K);
-  const int64_t row_bytes = K / QK_K * block_bytes;
+  TORCH_CHECK(qtype == Q4_1 || qtype == Q4_K || qtype == Q6_K, "repack_by_16_rows: GGML type ", qtype,
+              " is not Q4_1, Q4_K or Q6_K");
+  const int64_t values = qtype == Q4_1 ? QK : QK_K;
+  TORCH_CHECK(K > 0 && K % values == 0 && N > 0 && N % 16 == 0, "repack_by_16_rows: N must be a multiple of 16 and K of ",
+              values, ", not ", N, " and ", K);
+  const int64_t block_bytes = qtype == Q4_1 ? (int64_t)sizeof(BlockQ4_1)
+                              : qtype == Q4_K ? (int64_t)sizeof(BlockQ4_K) : (int64_t)sizeof(BlockQ6_K);
+  const int64_t row_bytes = K / values * block_bytes;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
               "repack_by_16_rows: w must be contiguous uint8 holding ", N, " rows of ", row_bytes, " bytes");
   at::Tensor out = at::empty({N, row_bytes}, w.options());
   uint8_t* src = (uint8_t*)w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int nb = (int)(K / QK_K);
+  const int nb = (int)(K / values);
   auto words = repack_words16_scalar;  // forward: the AVX-512 variant's transposition where it runs
   auto q6k = repack_q6_k16_scalar;
 #ifdef OPENTGI_WITH_AVX512
@@ -66,9 +69,10 @@ at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int6
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const size_t at = (size_t)g * 16 * row_bytes;
-      if (qtype == Q4_K) {
+      if (qtype != Q6_K) {  // whole words (Q4_1's 20-byte blocks word by word)
         if (back) r16_words<true>(dst + at, row_bytes, nb, block_bytes, src + at);
-        else words(src + at, row_bytes, nb, block_bytes, dst + at);
+        else if (block_bytes % 16 == 0) words(src + at, row_bytes, nb, block_bytes, dst + at);
+        else r16_words<false>(src + at, row_bytes, nb, block_bytes, dst + at);
       } else if (back) {
         q6k_r16_group<true>(dst + at, row_bytes, nb, src + at);
       } else {

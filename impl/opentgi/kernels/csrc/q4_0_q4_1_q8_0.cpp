@@ -152,8 +152,9 @@ struct Tile32 {
   // run<R>'s float arithmetic lane by lane. Q8_0's signed weights enter as q + 128 (unsigned), the
   // 128 * sum(y) taken off after: the same exact integer as the AVX2 form's. From one row for Q4_1
   // (measured faster than the eight-output form there), from two for the others.
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = Kind == 1 ? 1 : 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     const int nb = K / QK;
@@ -162,12 +163,12 @@ struct Tile32 {
     start_tile(act, stride, a, acc);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next<16>(wr, row_bytes, b, nb);
-      const __m512i head = header16(base, row_bytes);
+      const uint8_t* base = wr + (size_t)b * sizeof(Block) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(Block), b, nb);
+      const __m512i head = header16<S>(base, row_bytes);
       const __m512 dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as unsigned bytes
-      values16<Kind>(base, row_bytes, w);
+      values16<Kind, S>(base, row_bytes, w);
       if constexpr (Kind == 2)
         for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(w[g], flip);
       for (int r = 0; r < R; ++r) {
@@ -345,7 +346,25 @@ struct Tile32Wide {
 #endif
 };
 
+#ifdef OPENTGI_AVX512
+// Q4_1_R16 (r16.h): the sixteen-output form on the repacked groups (the file layout's bits)
+struct Tile32Q41R16 : Tile32<BlockQ4_1, 1> {
+  template <int R>
+  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K, float* out,
+                           int ldo) {
+    Tile32<BlockQ4_1, 1>::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
+  }
+};
+#else
+using Tile32Q41R16 = Tile32<BlockQ4_1, 1>;
+#endif
+
 }  // namespace
+
+void OPENTGI_FN(matmul_q4_1_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+  drive_r16<Tile32<BlockQ4_1, 1>, Tile32Q41R16>(w, rb, sizeof(BlockQ4_1), act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_q4_0_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                   int n1, int K, float* out, int ldo) {

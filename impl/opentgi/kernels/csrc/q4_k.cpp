@@ -425,24 +425,6 @@ struct TileQ4KWideR16 : TileQ4KWide {
 };
 #endif
 
-// Outputs n0 .. n1 - 1 (whole groups of sixteen) of a Q4_K_R16 weight: the sixteen-output forms where
-// the variant has them, else each group put back in the file's layout and driven as Q4_K: the same bits.
-template <class Tile, class TileR16>
-static void drive_r16(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1, int K,
-                      float* out, int ldo) {
-#ifdef OPENTGI_AVX512
-  (void)sizeof(Tile);
-  for (int n = n0; n + 16 <= n1; n += 16) rows_against<TileR16, 16>(w, rb, act, arb, M, n, K, out, ldo);
-#else
-  (void)sizeof(TileR16);
-  std::vector<uint8_t> rows(16 * rb);
-  for (int n = n0; n + 16 <= n1; n += 16) {
-    r16_words<true>(rows.data(), rb, K / QK_K, sizeof(BlockQ4_K), (uint8_t*)w + (size_t)n * rb);
-    drive<Tile>(rows.data(), rb, act, arb, M, 0, 16, K, out + n, ldo);
-  }
-#endif
-}
-
 }  // namespace
 
 void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
@@ -476,18 +458,18 @@ void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, s
 void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                  int K, float* out, int ldo) {
 #ifdef OPENTGI_AVX512
-  drive_r16<TileQ4K, TileQ4KR16>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<TileQ4K, TileQ4KR16>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
 #else
-  drive_r16<TileQ4K, TileQ4K>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<TileQ4K, TileQ4K>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
 #endif
 }
 
 void OPENTGI_FN(matmul_q4_k_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                       int n1, int K, float* out, int ldo) {
 #ifdef OPENTGI_AVX512
-  drive_r16<TileQ4KWide, TileQ4KWideR16>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<TileQ4KWide, TileQ4KWideR16>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
 #else
-  drive_r16<TileQ4KWide, TileQ4KWide>(w, rb, act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<TileQ4KWide, TileQ4KWide>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
 #endif
 }
 

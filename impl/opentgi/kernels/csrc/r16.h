@@ -1,11 +1,12 @@
-// Weights repacked by sixteen rows (types Q4_K_R16, Q6_K_R16): the same bytes as sixteen rows of the
+// Weights repacked by sixteen rows (types Q4_1_R16, Q4_K_R16, Q6_K_R16): the same bytes as sixteen rows of the
 // file's blocks, each 4-byte word moved so that the kernels' sixteen-output forms (row c in lane c)
 // load their vectors whole instead of transposing sixteen rows' bytes a block. Rows 16g .. 16g + 15 of
 // a weight (nb blocks a row) take the group's 16 * row_bytes bytes, the same place as in the file.
 //
-// Q4_K_R16 (blocks of 144 bytes, 36 words): block b's 36 vectors of 64 bytes at b * 16 * 144, vector
-// v's lane c (4 bytes) row 16g + c's word v (r16_words): a row's byte offset o within its block lies
-// at 16 * o in the group, so the kernels read it with their offsets scaled by 16 (tiles.h words16).
+// Q4_1_R16 and Q4_K_R16 (blocks of a whole number of words: 20 and 144 bytes): block b's vectors of
+// 64 bytes at b * 16 * block bytes, vector v's lane c (4 bytes) row 16g + c's word v (r16_words): a
+// row's byte offset o within its block lies at 16 * o in the group, so the kernels read it with
+// their offsets scaled by 16 (tiles.h words16, header16).
 //
 // Q6_K_R16 (blocks of 210 bytes, whose float16 d breaks the words): for each superblock b, 52 vectors
 // of 64 bytes at b * 3328, lane c of each (4 bytes) row 16g + c's word:

@@ -3,7 +3,10 @@
 // weight's blocks loaded, or unpacked, once per tile); Tile::run<R> computes R rows, each by the
 // same instructions as alone. Also the small helpers several families share.
 #pragma once
+#include <vector>
+
 #include "common.h"
+#include "r16.h"
 
 namespace opentgi {
 
@@ -120,6 +123,24 @@ static inline void drive(const uint8_t* w, size_t row_bytes, const uint8_t* act,
   }
 }
 
+// Outputs n0 .. n1 - 1 (whole groups of sixteen) of a weight repacked by sixteen rows (r16.h, blocks of
+// block_bytes): TileR16's sixteen-output form where the variant has it (AVX-512), else each group put
+// back in the file's layout and driven as Tile: the same bits.
+template <class Tile, class TileR16>
+static void drive_r16(const uint8_t* w, size_t rb, size_t block_bytes, const uint8_t* act, size_t arb, int M, int n0,
+                      int n1, int K, float* out, int ldo) {
+#ifdef OPENTGI_AVX512
+  (void)block_bytes;
+  for (int n = n0; n + 16 <= n1; n += 16) rows_against<TileR16, 16>(w, rb, act, arb, M, n, K, out, ldo);
+#else
+  std::vector<uint8_t> rows(16 * rb);
+  for (int n = n0; n + 16 <= n1; n += 16) {
+    r16_words<true>(rows.data(), rb, (int)(rb / block_bytes), block_bytes, (uint8_t*)w + (size_t)n * rb);
+    drive<Tile>(rows.data(), rb, act, arb, M, 0, 16, K, out + n, ldo);
+  }
+#endif
+}
+
 // a K-quant's 6-bit scales and mins of its 8 sub-blocks (ggml's get_scale_min_k4)
 static inline void scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   for (int j = 0; j < 8; ++j) {
@@ -175,6 +196,22 @@ static inline void prefetch_next(const uint8_t* rows, size_t row_bytes, int b, i
   const int lines = (int)((N * row_bytes + 63) / 64), per_block = (lines + nb - 1) / nb;
   for (int i = 0; i < per_block; ++i) _mm_prefetch((const char*)next + 64 * (b * per_block + i), _MM_HINT_T0);
 }
+
+#ifdef OPENTGI_AVX512
+// The prefetches of sixteen rows' block b (at base; nb a row): the next sixteen rows' a few lines a
+// block (prefetch_next), or (S = 16, the rows repacked: one stream) a block's 16 * block_bytes,
+// R16_AHEAD bytes ahead.
+constexpr size_t R16_AHEAD = 4096;
+template <int S>
+static inline void prefetch_blocks16(const uint8_t* rows, size_t row_bytes, const uint8_t* base, size_t block_bytes,
+                                     int b, int nb) {
+  if constexpr (S == 16) {
+    for (size_t l = 0; l < block_bytes / 4; ++l) _mm_prefetch((const char*)base + R16_AHEAD + 64 * l, _MM_HINT_T0);
+  } else {
+    prefetch_next<16>(rows, row_bytes, b, nb);
+  }
+}
+#endif
 
 // One or two activation rows pass over each weight once, so their eight-output forms are bound by
 // how fast the weights arrive: in_memory_order8 reads the eight rows in memory order (row c's
@@ -342,9 +379,10 @@ static inline void words16(const uint8_t* base, size_t row_bytes, __m512i* t) {
 
 // Sixteen rows' 16 bytes of nibbles (at qs + c * row_bytes: low nibbles values 0..15, high ones
 // 16..31, ggml's order) as w[g], lane c holding values 4g .. 4g + 3 of row c, g < 8.
+template <int S = 1>
 static inline void nibbles16(const uint8_t* qs, size_t row_bytes, __m512i* w) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  words16(qs, row_bytes, w);
+  words16<S>(qs, row_bytes, w);
   for (int g = 0; g < 4; ++g) {
     w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(w[g], 4), mask);
     w[g] = _mm512_and_si512(w[g], mask);
@@ -354,20 +392,22 @@ static inline void nibbles16(const uint8_t* qs, size_t row_bytes, __m512i* w) {
 // Sixteen rows' blocks of 32 (at base + c * row_bytes) of Q4_0 / Q4_1 / Q8_0 (Kind 0, 1, 2; IQ4_NL's
 // nibbles as Q4_0's): w[g] lane c holds values 4g .. 4g + 3 of row c as bytes (the nibbles, or
 // Q8_0's signed bytes), g < 8.
-template <int Kind>
+template <int Kind, int S = 1>
 static inline void values16(const uint8_t* base, size_t row_bytes, __m512i* w) {
   constexpr int qs_at = Kind == 1 ? 4 : 2;
   if constexpr (Kind == 2) {
-    words16(base + qs_at, row_bytes, w);
-    words16(base + qs_at + 16, row_bytes, w + 4);
+    words16<S>(base + qs_at * S, row_bytes, w);
+    words16<S>(base + (qs_at + 16) * S, row_bytes, w + 4);
   } else {
-    nibbles16(base + qs_at, row_bytes, w);
+    nibbles16<S>(base + qs_at * S, row_bytes, w);
   }
 }
 
 // Sixteen rows' first 32-bit word (at base + c * row_bytes), row c in lane c (four loads a 128-bit
-// lane: a gather measured slower on AMD).
+// lane: a gather measured slower on AMD); S = 16: the rows repacked, the vector at base.
+template <int S = 1>
 static inline __m512i header16(const uint8_t* base, size_t row_bytes) {
+  if constexpr (S == 16) return _mm512_loadu_si512((const void*)base);
   __m128i q[4];
   for (int k = 0; k < 4; ++k) {
     const uint8_t* p = base + 4 * k * row_bytes;

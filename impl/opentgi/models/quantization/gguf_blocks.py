@@ -87,8 +87,8 @@ class GGUFBlockWeight:
         isa = path.isa if path else "?"
         if self.qtype in native.DENSE_TYPES:
             return f"{native.DENSE_TYPES[self.qtype][0]} rows (native {isa})"
-        if self.qtype in (native.Q4_K_R16, native.Q6_K_R16):
-            name = "Q4_K" if self.qtype == native.Q4_K_R16 else "Q6_K"
+        if self.qtype in native.BY_16_ROWS.values():
+            name = {native.Q4_1_R16: "Q4_1", native.Q4_K_R16: "Q4_K", native.Q6_K_R16: "Q6_K"}[self.qtype]
             return f"{name} blocks by 16 rows (native {isa})"
         return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {isa})"
 
@@ -109,19 +109,21 @@ class GGUFBlockWeight:
 
 
 def repack_by_16_rows(layers: nn.Module, dtype: torch.dtype) -> int:
-    """Q4_K and Q6_K weights repacked by sixteen rows (kernels.native.BY_16_ROWS: the same bytes,
-    moved), so that the kernels' sixteen-output forms read their vectors whole instead of
-    transposing sixteen rows' bytes a block (docs/quantization.md): Q4_K wherever the AVX-512
-    variant runs (its kernels on the groups give the file's layout's bits); Q6_K at `passes=2` (v
-    and down of a Q4_K_M file) where the model runs in bfloat16 on a CPU with AVX-512 BF16, for the
-    rows' own bfloat16 values against the blocks. Routed experts keep the file's layout (their
+    """Q4_1, Q4_K and Q6_K weights repacked by sixteen rows (kernels.native.BY_16_ROWS: the same
+    bytes, moved), so that the kernels' sixteen-output forms read their vectors whole instead of
+    transposing sixteen rows' bytes a block (docs/quantization.md): Q4_K and Q4_1 wherever the
+    AVX-512 variant runs (their kernels on the groups give the file's layout's bits; Q4_1 at
+    `passes=2` where its bfloat16-row kernel takes it); Q6_K at `passes=2` (v and down of a Q4_K_M
+    file) where the model runs in bfloat16 on a CPU with AVX-512 BF16, for the rows' own bfloat16
+    values against the blocks. Routed experts keep the file's layout (their
     grouped kernels read it). The file's pages under a repacked weight are released from the
     process. Returns the bytes repacked."""
     path = native.loaded()
     if path is None or path.name != "native" or path.isa != "avx512":
         return 0
-    wanted = {GGMLQuantizationType.Q4_K: (1, 2)}
-    if dtype == torch.bfloat16 and native.takes_q6_k_r16():
+    bf16_rows = dtype == torch.bfloat16 and native.takes_q6_k_r16()  # AVX-512 BF16's row kernels
+    wanted = {GGMLQuantizationType.Q4_K: (1, 2), GGMLQuantizationType.Q4_1: (1, 2) if bf16_rows else (1,)}
+    if bf16_rows:
         wanted[GGMLQuantizationType.Q6_K] = (2,)
     repacked = 0
     for name, module in layers.named_modules():
