@@ -172,16 +172,8 @@ struct TileQ6KBF16 {
     float wv[QK_K];
     for (int b = 0; b < K / QK_K; ++b) {
       const BlockQ6_K& x = w[b];
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* ql = x.ql + 64 * h;
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t qh = x.qh[32 * h + l];
-          wv[128 * h + l] = (float)(((ql[l] & 0xF) | ((qh & 3) << 4)) - 32);
-          wv[128 * h + l + 32] = (float)(((ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4)) - 32);
-          wv[128 * h + l + 64] = (float)(((ql[l] >> 4) | (((qh >> 4) & 3) << 4)) - 32);
-          wv[128 * h + l + 96] = (float)(((ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4)) - 32);
-        }
-      }
+      q6k_unpack(x, wv);
+      for (float& v : wv) v -= 32.0f;  // exact: small integers
       const float dw = fp16_to_fp32(x.d);
       for (int r = 0; r < R; ++r) {
         float t = 0.0f;

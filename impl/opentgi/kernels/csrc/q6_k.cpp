@@ -162,16 +162,7 @@ struct TileQ6K {
       for (int h = 0; h < 2; ++h) q6k_values(x, h, q + 4 * h);
 #else
       uint8_t q[256];
-      for (int h = 0; h < 2; ++h) {
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t* ql = x.ql + 64 * h;
-          const uint8_t qh = x.qh[32 * h + l];
-          q[128 * h + l] = (ql[l] & 0xF) | ((qh & 3) << 4);
-          q[128 * h + l + 32] = (ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4);
-          q[128 * h + l + 64] = (ql[l] >> 4) | (((qh >> 4) & 3) << 4);
-          q[128 * h + l + 96] = (ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4);
-        }
-      }
+      q6k_unpack(x, q);
 #endif
       for (int r = 0; r < R; ++r) {
         const ActQ8K& y = a[r][b];
@@ -321,16 +312,7 @@ static inline void unpack_q6k16(const BlockQ6_K& x, int16_t* w16) {
     }
   }
 #else
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* ql = x.ql + 64 * h;
-    for (int l = 0; l < 32; ++l) {
-      const uint8_t qh = x.qh[32 * h + l];
-      w16[128 * h + l] = (int16_t)((ql[l] & 0xF) | ((qh & 3) << 4));
-      w16[128 * h + l + 32] = (int16_t)((ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4));
-      w16[128 * h + l + 64] = (int16_t)((ql[l] >> 4) | (((qh >> 4) & 3) << 4));
-      w16[128 * h + l + 96] = (int16_t)((ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4));
-    }
-  }
+  q6k_unpack(x, w16);
   for (int i = 0; i < QK_K; ++i) w16[i] = (int16_t)((w16[i] - 32) * x.scales[i / 16]);
 #endif
 }

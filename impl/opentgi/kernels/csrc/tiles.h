@@ -141,6 +141,21 @@ static void drive_r16(const uint8_t* w, size_t rb, size_t block_bytes, const uin
 #endif
 }
 
+// Q6_K superblock x's 256 values q (0..63, before the -32 offset), in ggml's order, as T
+template <class T>
+static inline void q6k_unpack(const BlockQ6_K& x, T* q) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = x.ql + 64 * h;
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t qh = x.qh[32 * h + l];
+      q[128 * h + l] = (T)((ql[l] & 0xF) | ((qh & 3) << 4));
+      q[128 * h + l + 32] = (T)((ql[l + 32] & 0xF) | (((qh >> 2) & 3) << 4));
+      q[128 * h + l + 64] = (T)((ql[l] >> 4) | (((qh >> 4) & 3) << 4));
+      q[128 * h + l + 96] = (T)((ql[l + 32] >> 4) | (((qh >> 6) & 3) << 4));
+    }
+  }
+}
+
 // a K-quant's 6-bit scales and mins of its 8 sub-blocks (ggml's get_scale_min_k4)
 static inline void scales_mins(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   for (int j = 0; j < 8; ++j) {
