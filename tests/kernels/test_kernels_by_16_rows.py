@@ -143,7 +143,7 @@ def test_q4_1_and_q4_k_by_16_rows_give_the_file_layouts_bits_on_every_instructio
     if qtype == Q.Q4_1 and passes == 2:
         with pytest.raises(RuntimeError, match="no kernel"):
             native.gguf_mm(rows, r16, native.BY_16_ROWS[int(qtype)], 64, passes=2)
-        taken = [rows.bfloat16()] if native.takes_q6_k_r16() else []
+        taken = [rows.bfloat16()] if native.takes_bf16_rows() else []
     threads = torch.get_num_threads()
     try:
         for isa in native.supported_isas():
@@ -194,7 +194,7 @@ def test_repacked_q6_k_follows_one_order_of_operations_on_every_instruction_set(
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(3)) / 16
     x[:, cols[0]], x[:, cols[1]] = 2.0 ** 16, -(2.0 ** 16)
     x = x.bfloat16()
-    if not native.takes_q6_k_r16():  # no AVX-512 BF16: no kernel takes the layout (none is made)
+    if not native.takes_bf16_rows():  # no AVX-512 BF16: no kernel takes the layout (none is made)
         with pytest.raises(RuntimeError, match="no kernel"):
             _mm(x, r16, 48)
         return
@@ -208,7 +208,7 @@ def test_repacked_q6_k_follows_one_order_of_operations_on_every_instruction_set(
 def test_a_q6_k_row_keeps_its_bits_whatever_shares_its_step_and_the_thread_count(kernels):
     _, r16 = _repacked(64, 256, seed=4)  # four groups: split among threads a group at a time
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
-    if not native.takes_q6_k_r16():
+    if not native.takes_bf16_rows():
         with pytest.raises(RuntimeError, match="no kernel"):
             _mm(x, r16, 64)
         return
@@ -231,7 +231,7 @@ def test_a_q6_k_row_keeps_its_bits_whatever_shares_its_step_and_the_thread_count
 def test_repacked_q6_k_meets_the_exact_product_to_float32_rounding(kernels):
     """Heavy-tailed rows (a gated MLP's down input) against float64: the rows' own bfloat16 values
     meet the exact product but for float32 rounding, then the output's bfloat16 rounding."""
-    if not native.takes_q6_k_r16():
+    if not native.takes_bf16_rows():
         return
     raw, r16 = _repacked(32, 1024, seed=6)
     w = torch.from_numpy(dequantize(raw, Q.Q6_K).astype(np.float64)).reshape(32, 1024)
@@ -286,15 +286,15 @@ def test_a_model_repacks_its_q4_k_q4_1_and_bfloat16_q6_k_weights_and_keeps_the_f
     assert gate.qtype == (native.Q4_K_R16 if avx512 else Q.Q4_K) and gate.mapped == (not avx512)
     assert all(torch.equal(m(x), b) for m, b in zip((layers.gate_proj, layers.up_proj, layers.k_proj), before))
     assert layers.up_proj.weight_format.qtype == (native.Q4_1_R16 if avx512 else Q.Q4_1)
-    two_pass_q41 = avx512 and native.takes_q6_k_r16()  # its bfloat16-row kernel
+    two_pass_q41 = avx512 and native.takes_bf16_rows()  # its bfloat16-row kernel
     assert layers.k_proj.weight_format.qtype == (native.Q4_1_R16 if two_pass_q41 else Q.Q4_1)
     assert np.array_equal(np.asarray(mapped), q4k) and np.array_equal(np.fromfile(tmp_path / "q4k.bin", np.uint8),
                                                                         q4k.reshape(-1))
     down = layers.down_proj.weight_format
-    assert down.qtype == (native.Q6_K_R16 if native.takes_q6_k_r16() else Q.Q6_K)
+    assert down.qtype == (native.Q6_K_R16 if native.takes_bf16_rows() else Q.Q6_K)
     assert repacked == ((q4k.nbytes + q41.nbytes if avx512 else 0) + (q41.nbytes if two_pass_q41 else 0)
-                        + (q6k.nbytes if native.takes_q6_k_r16() else 0))
-    if native.takes_q6_k_r16():
+                        + (q6k.nbytes if native.takes_bf16_rows() else 0))
+    if native.takes_bf16_rows():
         assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(q6k, x)).bfloat16())
         assert "Q6_K blocks by 16 rows" in down.description
     if avx512:

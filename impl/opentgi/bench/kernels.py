@@ -285,7 +285,7 @@ def _by_16_rows(qtype, dtype: torch.dtype) -> tuple[int, ...]:
     path = native.loaded()
     if path is None or path.name != "native" or path.isa != "avx512":
         return ()
-    bf16_rows = dtype == torch.bfloat16 and native.takes_q6_k_r16()
+    bf16_rows = dtype == torch.bfloat16 and native.takes_bf16_rows()
     if qtype == Q.Q4_K:
         return (1, 2)
     if qtype == Q.Q4_1:

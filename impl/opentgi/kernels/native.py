@@ -76,9 +76,10 @@ def supported_isas() -> list[str]:
     return [name for name, i in ISAS.items() if i in ids]
 
 
-def takes_q6_k_r16() -> bool:
-    """Whether the loaded library multiplies Q6_K_R16 weights: its AVX-512 variant on a CPU with
-    AVX-512 BF16's dot products."""
+def takes_bf16_rows() -> bool:
+    """Whether the loaded library's bfloat16-row kernels run here (csrc/blocks_bf16.cpp: Q4_0/Q4_1
+    and the Q4_1_R16/Q6_K_R16 weights at `passes=2`): its AVX-512 variant on a CPU with AVX-512
+    BF16's dot products."""
     path = loaded()
     return (path is not None and path.name == "native" and path.isa == "avx512"
             and build_mod.cpu_has(("avx512_bf16",)))

@@ -20,9 +20,6 @@
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
-#include <vector>
-
-#include "r16.h"
 
 #include "tiles.h"
 
@@ -283,7 +280,6 @@ struct TileQ6KR16 : TileQ6KBF16 {
   template <int R>
   __attribute__((target("avx512bf16"))) static void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act,
                                                           size_t stride, int K, float* out, int ldo) {
-    (void)row_bytes;
     const int nb = K / QK_K;
     alignas(64) float acc[R][16] = {};
     Rows<R> rows;
@@ -291,8 +287,7 @@ struct TileQ6KR16 : TileQ6KBF16 {
     const uint8_t* ds = grp + (size_t)nb * Q6K_R16_SUPER;
     for (int b = 0; b < nb; ++b) {
       const uint8_t* vecs = grp + (size_t)b * Q6K_R16_SUPER;
-      for (size_t l = 0; l < Q6K_R16_VECTORS; ++l)  // one stream: a superblock ahead
-        _mm_prefetch((const char*)vecs + Q6K_R16_SUPER + 64 * l, _MM_HINT_T0);
+      prefetch_blocks16<16>(grp, row_bytes, vecs, Q6K_R16_SUPER / 16, b, nb);
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(ds + 32 * b)));
       rows.b = b;
       for (int r = 0; r < R; ++r) rows.t[r] = _mm512_setzero_ps();
@@ -303,6 +298,8 @@ struct TileQ6KR16 : TileQ6KBF16 {
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, _mm512_load_ps(acc[r]));
   }
 };
+#else
+using TileQ6KR16 = TileQ6KBF16;
 #endif
 
 }  // namespace
@@ -358,20 +355,10 @@ void OPENTGI_FN(repack_q6_k16)(const uint8_t* rows, size_t row_bytes, int nb, ui
 #endif
 }
 
-// Q6_K_R16 (r16.h) against bfloat16 rows: outputs n0 .. n1 - 1, whole groups of sixteen. Where
-// the variant has no sixteen-row form, each group's rows are put back in the file's layout and
-// taken one output at a time: the same arithmetic.
+// Q6_K_R16 (r16.h) against bfloat16 rows: outputs n0 .. n1 - 1, whole groups of sixteen
 void OPENTGI_FN(matmul_q6_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                  int n1, int K, float* out, int ldo) {
-#ifdef OPENTGI_AVX512
-  for (int n = n0; n + 16 <= n1; n += 16) rows_against<TileQ6KR16, 16>(w, rb, act, arb, M, n, K, out, ldo);
-#else
-  std::vector<uint8_t> rows(16 * rb);
-  for (int n = n0; n + 16 <= n1; n += 16) {
-    q6k_r16_group<true>(rows.data(), rb, K / QK_K, (uint8_t*)w + (size_t)n * rb);
-    drive<TileQ6KBF16>(rows.data(), rb, act, arb, M, 0, 16, K, out + n, ldo);
-  }
-#endif
+  drive_r16<TileQ6KBF16, TileQ6KR16>(w, rb, sizeof(BlockQ6_K), act, arb, M, n0, n1, K, out, ldo);
 }
 
 }  // namespace opentgi

@@ -69,15 +69,10 @@ at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int6
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const size_t at = (size_t)g * 16 * row_bytes;
-      if (qtype != Q6_K) {  // whole words (Q4_1's 20-byte blocks word by word)
-        if (back) r16_words<true>(dst + at, row_bytes, nb, block_bytes, src + at);
-        else if (block_bytes % 16 == 0) words(src + at, row_bytes, nb, block_bytes, dst + at);
-        else r16_words<false>(src + at, row_bytes, nb, block_bytes, dst + at);
-      } else if (back) {
-        q6k_r16_group<true>(dst + at, row_bytes, nb, src + at);
-      } else {
-        q6k(src + at, row_bytes, nb, dst + at);
-      }
+      if (back) r16_group<true>(dst + at, row_bytes, nb, block_bytes, src + at);
+      else if (qtype == Q6_K) q6k(src + at, row_bytes, nb, dst + at);
+      else if (block_bytes % 16 == 0) words(src + at, row_bytes, nb, block_bytes, dst + at);
+      else r16_group<false>(src + at, row_bytes, nb, block_bytes, dst + at);  // Q4_1: word by word
     }
   });
   return out;

@@ -5,10 +5,8 @@
 // arithmetic, the scale and min unpacking, float16 scales and mins sums shared by the eight.
 // The wide form (TileQ4KWide) takes 16-bit activations the same way.
 #include <cstddef>
-#include <vector>
 
 #include "kquants16.h"
-#include "r16.h"
 
 namespace opentgi {
 namespace {
@@ -171,12 +169,6 @@ struct TileQ4K {
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     kquant_run16<R, false>(wr, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out, ldo);
-  }
-  template <int R>
-  static inline void run16_r16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K,
-                               float* out, int ldo) {
-    kquant_run16<R, false, 16>(grp, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out,
-                               ldo);
   }
 #endif
 #endif
@@ -413,7 +405,8 @@ struct TileQ4KR16 : TileQ4K {
   template <int R>
   static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
-    TileQ4K::run16_r16<R>(grp, row_bytes, act, stride, K, out, ldo);
+    kquant_run16<R, false, 16>(grp, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out,
+                               ldo);
   }
 };
 struct TileQ4KWideR16 : TileQ4KWide {
@@ -423,6 +416,9 @@ struct TileQ4KWideR16 : TileQ4KWide {
     TileQ4KWide::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
   }
 };
+#else
+using TileQ4KR16 = TileQ4K;
+using TileQ4KWideR16 = TileQ4KWide;
 #endif
 
 }  // namespace
@@ -457,20 +453,12 @@ void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, s
 
 void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                  int K, float* out, int ldo) {
-#ifdef OPENTGI_AVX512
   drive_r16<TileQ4K, TileQ4KR16>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
-#else
-  drive_r16<TileQ4K, TileQ4K>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
-#endif
 }
 
 void OPENTGI_FN(matmul_q4_k_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                       int n1, int K, float* out, int ldo) {
-#ifdef OPENTGI_AVX512
   drive_r16<TileQ4KWide, TileQ4KWideR16>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
-#else
-  drive_r16<TileQ4KWide, TileQ4KWide>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
-#endif
 }
 
 }  // namespace opentgi

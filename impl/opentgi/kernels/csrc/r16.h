@@ -10,6 +10,10 @@
 //
 // Q6_K_R16 (blocks of 210 bytes, whose float16 d breaks the words): for each superblock b, 52 vectors
 // of 64 bytes at b * 3328, lane c of each (4 bytes) row 16g + c's word:
+//   vectors 0..3: scales 4m .. 4m + 3 (m = 0..3);
+//   then for (h, v) = (0, 0), (0, 1), (1, 0), (1, 1), at 4 + 12 * (2h + v): ql bytes 64h + 16v + 4i
+//   (i = 0..3), ql bytes 64h + 32 + 16v + 4i, qh bytes 32h + 16v + 4i (q6k_r16_source);
+// then, after every superblock's vectors, each superblock's sixteen float16 d (32 bytes).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -58,6 +62,14 @@ static inline void q6k_r16_group(uint8_t* rows, size_t row_bytes, int nb, uint8_
       if constexpr (Back) std::memcpy(block + offsetof(BlockQ6_K, d), d, 2);
       else std::memcpy(d, block + offsetof(BlockQ6_K, d), 2);
     }
+}
+
+// sixteen rows of nb blocks of block_bytes into their group, or (Back) the group into the rows, in
+// the layout of the blocks' type: Q6_K's (210-byte blocks) or whole words
+template <bool Back>
+static inline void r16_group(uint8_t* rows, size_t row_bytes, int nb, size_t block_bytes, uint8_t* group) {
+  if (block_bytes == sizeof(BlockQ6_K)) q6k_r16_group<Back>(rows, row_bytes, nb, group);
+  else r16_words<Back>(rows, row_bytes, nb, block_bytes, group);
 }
 
 }  // namespace opentgi

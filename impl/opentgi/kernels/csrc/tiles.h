@@ -135,7 +135,7 @@ static void drive_r16(const uint8_t* w, size_t rb, size_t block_bytes, const uin
 #else
   std::vector<uint8_t> rows(16 * rb);
   for (int n = n0; n + 16 <= n1; n += 16) {
-    r16_words<true>(rows.data(), rb, (int)(rb / block_bytes), block_bytes, (uint8_t*)w + (size_t)n * rb);
+    r16_group<true>(rows.data(), rb, (int)(rb / block_bytes), block_bytes, (uint8_t*)w + (size_t)n * rb);
     drive<Tile>(rows.data(), rb, act, arb, M, 0, 16, K, out + n, ldo);
   }
 #endif

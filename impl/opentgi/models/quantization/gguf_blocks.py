@@ -87,9 +87,9 @@ class GGUFBlockWeight:
         isa = path.isa if path else "?"
         if self.qtype in native.DENSE_TYPES:
             return f"{native.DENSE_TYPES[self.qtype][0]} rows (native {isa})"
-        if self.qtype in native.BY_16_ROWS.values():
-            name = {native.Q4_1_R16: "Q4_1", native.Q4_K_R16: "Q4_K", native.Q6_K_R16: "Q6_K"}[self.qtype]
-            return f"{name} blocks by 16 rows (native {isa})"
+        for file_type, repacked in native.BY_16_ROWS.items():
+            if self.qtype == repacked:
+                return f"{native.BLOCK_TYPES[file_type][0]} blocks by 16 rows (native {isa})"
         return f"{native.BLOCK_TYPES[self.qtype][0]} blocks (native {isa})"
 
     def can_cat(self, others: list[GGUFBlockWeight]) -> bool:
@@ -121,7 +121,7 @@ def repack_by_16_rows(layers: nn.Module, dtype: torch.dtype) -> int:
     path = native.loaded()
     if path is None or path.name != "native" or path.isa != "avx512":
         return 0
-    bf16_rows = dtype == torch.bfloat16 and native.takes_q6_k_r16()  # AVX-512 BF16's row kernels
+    bf16_rows = dtype == torch.bfloat16 and native.takes_bf16_rows()
     wanted = {GGMLQuantizationType.Q4_K: (1, 2), GGMLQuantizationType.Q4_1: (1, 2) if bf16_rows else (1,)}
     if bf16_rows:
         wanted[GGMLQuantizationType.Q6_K] = (2,)
