@@ -2,6 +2,7 @@
 // reads each of the row's key and value rows once, in place in the cache, a tile of blocks at a time.
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 
 #include "attention.h"
@@ -43,63 +44,79 @@ static inline __m512 load16(const void* row, int i) {
 }
 #endif
 
-// The logits of one query head against n key rows: out[j] = q . k[j] * scale (out has n rounded up
-// to 8 writable). In the AVX2 variant keys go 8 at a time (eight independent FMA chains), each
-// key's lanes summed by the same tree whatever its place among the 8 (a short last group repeats
-// its last key), so a logit's bits depend only on q, the key and D. The AVX-512 variant's chains
-// take 16 dimensions a step, each folded to 8 lanes (lane i + lane i + 8) before a last 8-wide step
-// where D leaves one and the same tree: its own bits.
-template <int KV>
-static inline void logits_of(const float* q, const void* const* k, int n, int D, float scale, float* out) {
+// The logits of NG query heads (q + g * D) against the same n key rows: out[g * ostride + j] =
+// q_g . k[j] * scale (each out row has n rounded up to 8 writable). In the AVX2 variant keys go 8
+// at a time (eight independent FMA chains a head), each key's lanes summed by the same tree
+// whatever its place among the 8 (a short last group repeats its last key), so a logit's bits
+// depend only on q, the key and D, never on NG (a key's values are loaded once for the NG heads).
+// The AVX-512 variant's chains take 16 dimensions a step, each folded to 8 lanes (lane i + lane
+// i + 8) before a last 8-wide step where D leaves one and the same tree: its own bits.
+template <int KV, int NG>
+static inline void logits_of(const float* q, const void* const* k, int n, int D, float scale, float* out,
+                             int ostride) {
 #ifdef OPENTGI_AVX2
   const int body = D / 8 * 8;
   const __m256 sv = _mm256_set1_ps(scale);
   for (int j = 0; j < n; j += 8) {
     const void* kr[8];
     for (int u = 0; u < 8; ++u) kr[u] = k[j + u < n ? j + u : n - 1];
-    __m256 a[8];
+    __m256 a[NG][8];
 #ifdef OPENTGI_AVX512
     const int wide = D / 16 * 16;
-    __m512 w[8];
-    for (int u = 0; u < 8; ++u) w[u] = _mm512_setzero_ps();
+    __m512 w[NG][8];
+    for (int g = 0; g < NG; ++g)
+      for (int u = 0; u < 8; ++u) w[g][u] = _mm512_setzero_ps();
     for (int i = 0; i < wide; i += 16) {
-      const __m512 qv = _mm512_loadu_ps(q + i);
-      for (int u = 0; u < 8; ++u) w[u] = _mm512_fmadd_ps(qv, load16<KV>(kr[u], i), w[u]);
+      __m512 qv[NG];
+      for (int g = 0; g < NG; ++g) qv[g] = _mm512_loadu_ps(q + g * D + i);
+      for (int u = 0; u < 8; ++u) {
+        const __m512 kv = load16<KV>(kr[u], i);
+        for (int g = 0; g < NG; ++g) w[g][u] = _mm512_fmadd_ps(qv[g], kv, w[g][u]);
+      }
     }
-    for (int u = 0; u < 8; ++u) a[u] = _mm256_add_ps(_mm512_castps512_ps256(w[u]), _mm512_extractf32x8_ps(w[u], 1));
-    for (int i = wide; i < body; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8<KV>(kr[u], i), a[u]);
-    }
-#else
-    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-    for (int i = 0; i < body; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, load8<KV>(kr[u], i), a[u]);
-    }
-#endif
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-    if (body < D) {
-      float tail[8];
-      _mm256_storeu_ps(tail, sums);
+    for (int g = 0; g < NG; ++g)
       for (int u = 0; u < 8; ++u)
-        for (int i = body; i < D; ++i) tail[u] += q[i] * load1<KV>(kr[u], i);
-      sums = _mm256_loadu_ps(tail);
+        a[g][u] = _mm256_add_ps(_mm512_castps512_ps256(w[g][u]), _mm512_extractf32x8_ps(w[g][u], 1));
+    for (int i = wide; i < body; i += 8)
+      for (int u = 0; u < 8; ++u) {
+        const __m256 kv = load8<KV>(kr[u], i);
+        for (int g = 0; g < NG; ++g) a[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, a[g][u]);
+      }
+#else
+    for (int g = 0; g < NG; ++g)
+      for (int u = 0; u < 8; ++u) a[g][u] = _mm256_setzero_ps();
+    for (int i = 0; i < body; i += 8)
+      for (int u = 0; u < 8; ++u) {
+        const __m256 kv = load8<KV>(kr[u], i);
+        for (int g = 0; g < NG; ++g) a[g][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, a[g][u]);
+      }
+#endif
+    for (int g = 0; g < NG; ++g) {
+      const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+      const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[g][4], a[g][5]), _mm256_hadd_ps(a[g][6], a[g][7]));
+      __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+      if (body < D) {
+        float tail[8];
+        _mm256_storeu_ps(tail, sums);
+        for (int u = 0; u < 8; ++u)
+          for (int i = body; i < D; ++i) tail[u] += q[g * D + i] * load1<KV>(kr[u], i);
+        sums = _mm256_loadu_ps(tail);
+      }
+      _mm256_storeu_ps(out + g * ostride + j, _mm256_mul_ps(sums, sv));
     }
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(sums, sv));
   }
 #else
-  for (int j = 0; j < n; ++j) {
-    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int i = 0;
-    for (; i + 4 <= D; i += 4)
-      for (int u = 0; u < 4; ++u) p[u] += q[i + u] * load1<KV>(k[j], i + u);
-    float sum = (p[0] + p[1]) + (p[2] + p[3]);
-    for (; i < D; ++i) sum += q[i] * load1<KV>(k[j], i);
-    out[j] = sum * scale;
-  }
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < n; ++j) {
+      const float* qg = q + g * D;
+      float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      int i = 0;
+      for (; i + 4 <= D; i += 4)
+        for (int u = 0; u < 4; ++u) p[u] += qg[i + u] * load1<KV>(k[j], i + u);
+      float sum = (p[0] + p[1]) + (p[2] + p[3]);
+      for (; i < D; ++i) sum += qg[i] * load1<KV>(k[j], i);
+      out[g * ostride + j] = sum * scale;
+    }
 #endif
 }
 
@@ -118,34 +135,79 @@ static inline void pv_chunk(float* acc, const float* p, const void* const* v, in
 #endif
 
 #ifdef OPENTGI_AVX512
-// pv_chunk in 512-bit registers: each value's arithmetic as the 256-bit form's (the same bits)
-template <int W, int KV>
-static inline void pv_chunk16(float* acc, const float* p, const void* const* v, int n, int d) {
-  __m512 r[W];
-  for (int u = 0; u < W; ++u) r[u] = _mm512_loadu_ps(acc + d + 16 * u);
+// pv_chunk in 512-bit registers for NG heads (acc + g * D, probabilities p + g * pstride) over the
+// same value rows, each value loaded once for them: each value's arithmetic as the 256-bit form's
+// (the same bits)
+template <int NG, int W, int KV>
+static inline void pv_chunk16(float* acc, const float* p, int pstride, const void* const* v, int n, int D, int d) {
+  __m512 r[NG][W];
+  for (int g = 0; g < NG; ++g)
+    for (int u = 0; u < W; ++u) r[g][u] = _mm512_loadu_ps(acc + g * D + d + 16 * u);
   for (int j = 0; j < n; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int u = 0; u < W; ++u) r[u] = _mm512_fmadd_ps(pj, load16<KV>(v[j], d + 16 * u), r[u]);
+    __m512 pj[NG];
+    for (int g = 0; g < NG; ++g) pj[g] = _mm512_set1_ps(p[g * pstride + j]);
+    for (int u = 0; u < W; ++u) {
+      const __m512 vv = load16<KV>(v[j], d + 16 * u);
+      for (int g = 0; g < NG; ++g) r[g][u] = _mm512_fmadd_ps(pj[g], vv, r[g][u]);
+    }
   }
-  for (int u = 0; u < W; ++u) _mm512_storeu_ps(acc + d + 16 * u, r[u]);
+  for (int g = 0; g < NG; ++g)
+    for (int u = 0; u < W; ++u) _mm512_storeu_ps(acc + g * D + d + 16 * u, r[g][u]);
 }
 #endif
 
-// acc[d] += p[j] * v[j][d] for j = 0 .. n - 1 in order, each d on its own
-template <int KV>
-static inline void probs_times_values(float* acc, const float* p, const void* const* v, int n, int D) {
+// acc[g * D + d] += p[g * pstride + j] * v[j][d] for j = 0 .. n - 1 in order, each (head, d) on its
+// own, for NG heads over the same value rows
+template <int NG, int KV>
+static inline void probs_times_values(float* acc, const float* p, int pstride, const void* const* v, int n, int D) {
   int d = 0;
 #ifdef OPENTGI_AVX512
-  for (; d + 128 <= D; d += 128) pv_chunk16<8, KV>(acc, p, v, n, d);
-  for (; d + 64 <= D; d += 64) pv_chunk16<4, KV>(acc, p, v, n, d);
-  for (; d + 16 <= D; d += 16) pv_chunk16<1, KV>(acc, p, v, n, d);
+  for (; d + 128 <= D; d += 128) pv_chunk16<NG, 8, KV>(acc, p, pstride, v, n, D, d);
+  for (; d + 64 <= D; d += 64) pv_chunk16<NG, 4, KV>(acc, p, pstride, v, n, D, d);
+  for (; d + 16 <= D; d += 16) pv_chunk16<NG, 1, KV>(acc, p, pstride, v, n, D, d);
 #endif
+  for (int g = 0; g < NG; ++g) {
+    float* ag = acc + g * D;
+    const float* pg = p + g * pstride;
+    int e = d;
 #ifdef OPENTGI_AVX2
-  for (; d + 64 <= D; d += 64) pv_chunk<8, KV>(acc, p, v, n, d);
-  for (; d + 8 <= D; d += 8) pv_chunk<1, KV>(acc, p, v, n, d);
+    for (; e + 64 <= D; e += 64) pv_chunk<8, KV>(ag, pg, v, n, e);
+    for (; e + 8 <= D; e += 8) pv_chunk<1, KV>(ag, pg, v, n, e);
 #endif
-  for (; d < D; ++d)
-    for (int j = 0; j < n; ++j) acc[d] += p[j] * load1<KV>(v[j], d);
+    for (; e < D; ++e)
+      for (int j = 0; j < n; ++j) ag[e] += pg[j] * load1<KV>(v[j], e);
+  }
+}
+
+// A kv head's G query heads (q + g * D, acc + g * D, logits + g * stride), their logits and their
+// probabilities times the values, by groups of heads sharing each key's and value's loads: three
+// where AVX-512's registers hold them, else one.
+#ifdef OPENTGI_AVX512
+constexpr int HEAD_GROUP = 3;
+#else
+constexpr int HEAD_GROUP = 1;
+#endif
+
+template <int KV>
+static inline void logits_of_heads(const float* q, int G, const void* const* k, int n, int D, float scale,
+                                   float* logits, int stride) {
+  int g = 0;
+  for (; g + HEAD_GROUP <= G; g += HEAD_GROUP)
+    logits_of<KV, HEAD_GROUP>(q + (int64_t)g * D, k, n, D, scale, logits + g * stride, stride);
+  if (HEAD_GROUP > 2)
+    for (; g + 2 <= G; g += 2) logits_of<KV, 2>(q + (int64_t)g * D, k, n, D, scale, logits + g * stride, stride);
+  for (; g < G; ++g) logits_of<KV, 1>(q + (int64_t)g * D, k, n, D, scale, logits + g * stride, stride);
+}
+
+template <int KV>
+static inline void values_of_heads(float* acc, int G, const float* p, int stride, const void* const* v, int n,
+                                   int D) {
+  int g = 0;
+  for (; g + HEAD_GROUP <= G; g += HEAD_GROUP)
+    probs_times_values<HEAD_GROUP, KV>(acc + (int64_t)g * D, p + g * stride, stride, v, n, D);
+  if (HEAD_GROUP > 2)
+    for (; g + 2 <= G; g += 2) probs_times_values<2, KV>(acc + (int64_t)g * D, p + g * stride, stride, v, n, D);
+  for (; g < G; ++g) probs_times_values<1, KV>(acc + (int64_t)g * D, p + g * stride, stride, v, n, D);
 }
 
 // the largest and the sum of s[0 .. n) (AVX2: 8 lanes, then across them)
@@ -185,14 +247,28 @@ static inline void scale_by(float* acc, float s, int D) {
 }
 
 
-// One cache row (a position's kv head), keys and values, towards the cache: the blocks of a table
-// lie anywhere in the pool, and no hardware prefetcher guesses the jump to the next one.
-static inline void prefetch_row(const PagedAttention& a, int64_t row, size_t elem) {
-  const size_t bytes = (size_t)a.head_dim * elem, offset = (size_t)row * bytes;
-  for (size_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch((const char*)a.k_cache + offset + b);
-    __builtin_prefetch((const char*)a.v_cache + offset + b);
+// A tile's keys and values (every kv head's, positions lo .. ctx - 1 of blocks first .. stop - 1),
+// a load a cache line, before its arithmetic starts. The blocks lie anywhere in the pool; the dot
+// products' chains, waiting on each line as they reach it, keep few of them in flight, where a loop
+// of loads alone keeps the memory system busy (a 64-row step's attention on caches larger than the
+// last-level cache took 0.72x the time; prefetch instructions, ahead of the arithmetic or a tile
+// ahead, gained nothing or lost). Every kv head's rows: a token's lie side by side, so a block's
+// visible tokens are one run of bytes, and an item of one kv head leaves the others' in the cache
+// for the items of the same tile that follow it.
+static inline void touch_tile(const PagedAttention& a, const int32_t* table, int first, int stop, int lo, int ctx,
+                              size_t elem) {
+  const int bs = a.block_size;
+  const size_t row = (size_t)a.num_kv_heads * a.head_dim * elem;  // a token's keys (or values)
+  uint64_t sum = 0;
+  for (int blk = first; blk < stop; ++blk) {
+    const int t0 = lo > blk * bs ? lo - blk * bs : 0, t1 = ctx < (blk + 1) * bs ? ctx - blk * bs : bs;
+    const size_t offset = ((size_t)table[blk] * bs + t0) * row, bytes = (size_t)(t1 - t0) * row;
+    for (const void* cache : {a.k_cache, a.v_cache}) {  // each line the run overlaps
+      const uintptr_t begin = (uintptr_t)cache + offset, end = begin + bytes;
+      for (uintptr_t line = begin & ~(uintptr_t)63; line < end; line += 64) sum += *(const uint8_t*)line;
+    }
   }
+  __asm__ volatile("" : : "r"(sum));  // the loads stay: their sum is "used"
 }
 
 template <int KV>
@@ -225,7 +301,8 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
     }
     std::memset(acc, 0, sizeof(float) * per * G * D);
     for (int tb = first; tb < stop; tb += tile) {  // a tile: `tile` blocks, one softmax update
-      const int te = tb + tile < stop ? tb + tile : stop, ne = te + tile < stop ? te + tile : stop;
+      const int te = tb + tile < stop ? tb + tile : stop;
+      touch_tile(a, table, tb, te, lo, ctx, elem);
       for (int h = h0; h < h1; ++h) {  // each kv head on its own: its numbers never see the others
         int n = 0;
         for (int blk = tb; blk < te; ++blk) {
@@ -237,12 +314,10 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
             vp[n] = (const char*)a.v_cache + (row + (int64_t)j * Hkv) * D * elem;
           }
         }
-        for (int blk = te; blk < ne; ++blk)  // the next tile's rows of this head, while this one computes
-          for (int t = 0; t < bs; ++t) prefetch_row(a, ((int64_t)table[blk] * bs + t) * Hkv + h, elem);
         const int i0 = (h - h0) * G;  // the head's query heads within the item
+        logits_of_heads<KV>(q + (int64_t)i0 * D, G, kp, n, D, a.scale, logits, stride);
         for (int g = 0; g < G; ++g) {
           float* s = logits + g * stride;
-          logits_of<KV>(q + (int64_t)(i0 + g) * D, kp, n, D, a.scale, s);
           if (a.softcap > 0.0f)
             for (int j = 0; j < n; ++j) s[j] = a.softcap * std::tanh(s[j] / a.softcap);
           const float mb = max_of(s, n);
@@ -254,8 +329,8 @@ void attend(const PagedAttention& a, int64_t item0, int64_t item1, float* scratc
           }
           exp_shifted(s, n, m[i0 + g]);
           l[i0 + g] += sum_of(s, n);
-          probs_times_values<KV>(acc + (int64_t)(i0 + g) * D, s, vp, n, D);
         }
+        values_of_heads<KV>(acc + (int64_t)i0 * D, G, logits, stride, vp, n, D);
       }
     }
     if (a.unit_parts[unit] > 1) {  // the split's own numbers, for combine_splits
