@@ -251,13 +251,14 @@ def test_bandwidth_mode_sets_each_block_type_beside_the_streaming_read():
     torch.set_num_threads(1)
     stream, results = bench_kernels.measure_bandwidth(megabytes=8, repeats=1)
     names = [name for name, _ in results]
-    # Q4_1 and Q4_K also as served where the AVX-512 variant runs: repacked by 16 rows (float32 rows
-    # here: not Q4_1's two-pass form, nor Q6_K)
+    # Q4_1, Q8_0 and Q4_K also as served where the AVX-512 variant runs: repacked by 16 rows (float32
+    # rows here: not Q4_1's two-pass form, nor Q6_K)
     avx512 = native.loaded().isa == "avx512"
     q41 = ["native Q4_1 by 16 rows"] if avx512 else []
+    q80 = ["native Q8_0 by 16 rows"] if avx512 else []
     q4k = ["native Q4_K by 16 rows", "native Q4_K 2-pass by 16 rows"] if avx512 else []
     assert names == ["native Q4_0", "native Q4_1", "native Q4_1 2-pass", *q41, "native Q5_0", "native Q5_1",
-                     "native Q8_0", "native Q2_K", "native Q3_K", "native Q4_K", "native Q4_K 2-pass", *q4k,
+                     "native Q8_0", *q80, "native Q2_K", "native Q3_K", "native Q4_K", "native Q4_K 2-pass", *q4k,
                      "native Q5_K", "native Q6_K", "native Q6_K 2-pass", "native IQ4_NL", "native IQ4_XS"]
     assert stream > 0 and all(gbs > 0 for _, gbs in results)
     table = bench_kernels.bandwidth_table(stream, results)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from opentgi.config import Settings
+from opentgi.kernels import native
 from opentgi.models.loader import load_model
 from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, GGUFEmbedding
 from opentgi.models.quantization.linear import QuantizedLinear
@@ -35,6 +37,19 @@ def torch_model(tiny_gguf, tmp_path_factory):
                                cache_dir=str(tmp_path_factory.mktemp("cache"))))
 
 
+def _assert_head_is_the_embeddings_blocks(head: QuantizedLinear, embedding: GGUFEmbedding) -> None:
+    """A tied head multiplies the embedding's own blocks: where the AVX-512 variant runs, those bytes
+    repacked by sixteen rows (the same bytes, moved: gguf_blocks.py repack_by_16_rows), else the
+    embedding's blocks themselves (one set of blocks)."""
+    fmt = head.weight_format
+    if native.loaded().isa == "avx512":
+        assert fmt.qtype == native.Q8_0_R16 and "by 16 rows" in fmt.description
+        back = native.repack_by_16_rows(fmt.blocks, GGMLQuantizationType.Q8_0, fmt.in_features, back=True)
+        assert torch.equal(back, embedding.gguf_blocks)
+    else:
+        assert embedding.gguf_blocks.data_ptr() == fmt.blocks.data_ptr()
+
+
 def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_model):
     assert native_model.kernels == f"native ({native_model.kernels[8:-1]})"
     layer = native_model.model.model.layers[0]
@@ -46,10 +61,10 @@ def test_the_projections_and_the_tied_head_multiply_the_files_blocks(native_mode
     assert layer.mlp.down_proj.weight_format.description.startswith("Q5_K blocks")
     head = native_model.model.logits_proj
     assert isinstance(head, QuantizedLinear) and head.weight_format.description.startswith("Q8_0 blocks")
-    assert head.weight_format.blocks.shape == (49152, 256 // 32 * 34)  # the embedding's bytes, no copy
+    assert head.weight_format.blocks.shape == (49152, 256 // 32 * 34)  # the embedding's bytes
     embedding = native_model.model.model.embed_tokens
     assert isinstance(embedding, GGUFEmbedding)
-    assert embedding.gguf_blocks.data_ptr() == head.weight_format.blocks.data_ptr()  # one set of blocks
+    _assert_head_is_the_embeddings_blocks(head, embedding)
     resident = native_model.model.resident
     assert "Q8_0 blocks (embedding) 13 MiB" in resident and "float32 0 MiB" in resident  # norms only
 
@@ -68,7 +83,7 @@ def test_quantize_takes_the_layers_and_leaves_the_embedding_and_head_on_the_file
     assert isinstance(head, QuantizedLinear) and head.weight_format.description.startswith("Q8_0 blocks")
     embedding = loaded.model.model.embed_tokens
     assert isinstance(embedding, GGUFEmbedding)
-    assert embedding.gguf_blocks.data_ptr() == head.weight_format.blocks.data_ptr()
+    _assert_head_is_the_embeddings_blocks(head, embedding)
     assert "Q8_0 blocks (embedding) 13 MiB" in loaded.model.resident
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and "packed" in p.name]
     tok, model = loaded.tokenizer, loaded.model  # the blocks' head keeps a row's bits batch-free

@@ -277,20 +277,10 @@ BANDWIDTH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K
 
 def _by_16_rows(qtype, dtype: torch.dtype) -> tuple[int, ...]:
     """The activation passes at which a model served here holds `qtype` repacked by 16 rows
-    (models/quantization/gguf_blocks.py repack_by_16_rows)."""
-    from gguf import GGMLQuantizationType as Q
+    (models/quantization/gguf_blocks.py passes_by_16_rows)."""
+    from opentgi.models.quantization.gguf_blocks import passes_by_16_rows
 
-    from opentgi.kernels import native
-
-    path = native.loaded()
-    if path is None or path.name != "native" or path.isa != "avx512":
-        return ()
-    bf16_rows = dtype == torch.bfloat16 and native.takes_bf16_rows()
-    if qtype == Q.Q4_K:
-        return (1, 2)
-    if qtype == Q.Q4_1:
-        return (1, 2) if bf16_rows else (1,)
-    return (2,) if qtype == Q.Q6_K and bf16_rows else ()
+    return passes_by_16_rows(dtype).get(int(qtype), ())
 
 
 def measure_bandwidth(megabytes: int, repeats: int, dtype: torch.dtype = torch.float32):

@@ -39,12 +39,12 @@ BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12
 # group), a row [K] of the dtype's values viewed as uint8 bytes; float32 activations, K % 16 == 0
 DENSE_TYPES = {0: ("F32", 16, 64), 1: ("F16", 16, 32), 30: ("BF16", 32, 64)}
 DENSE_TYPE_OF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
-# Q4_1, Q4_K and Q6_K repacked by sixteen rows (csrc/r16.h, `repack_by_16_rows`): not GGML types.
-# Q4_1_R16 and Q4_K_R16 take their type's kernels (the same bits), on any ISA (Q4_1's `passes=2` only
-# by bfloat16 rows on CPUs with AVX-512 BF16); Q6_K_R16 only that, the rows' own values against the
-# blocks (csrc/blocks_bf16.cpp)
-Q4_1_R16, Q4_K_R16, Q6_K_R16 = 1003, 1012, 1014
-BY_16_ROWS = {3: Q4_1_R16, 12: Q4_K_R16, 14: Q6_K_R16}  # GGML type -> its repacked type
+# Q4_1, Q8_0, Q4_K and Q6_K repacked by sixteen rows (csrc/r16.h, `repack_by_16_rows`): not GGML
+# types. Q4_1_R16, Q8_0_R16 and Q4_K_R16 take their type's kernels (the same bits), on any ISA
+# (Q4_1's `passes=2` only by bfloat16 rows on CPUs with AVX-512 BF16; Q8_0's `passes=1` only);
+# Q6_K_R16 only that, the rows' own values against the blocks (csrc/blocks_bf16.cpp)
+Q4_1_R16, Q8_0_R16, Q4_K_R16, Q6_K_R16 = 1003, 1008, 1012, 1014
+BY_16_ROWS = {3: Q4_1_R16, 8: Q8_0_R16, 12: Q4_K_R16, 14: Q6_K_R16}  # GGML type -> its repacked type
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def takes_bf16_rows() -> bool:
 
 
 def repack_by_16_rows(blocks: torch.Tensor, qtype: int, in_features: int, back: bool = False) -> torch.Tensor:
-    """Q4_1, Q4_K or Q6_K rows [N, bytes a row] (N a multiple of 16) as their groups of sixteen rows
+    """Q4_1, Q8_0, Q4_K or Q6_K rows [N, bytes a row] (N a multiple of 16) as their groups of sixteen rows
     (`BY_16_ROWS`), or (`back`) those groups as rows: the same bytes, moved."""
     return torch.ops.opentgi.repack_by_16_rows(blocks, int(qtype), blocks.shape[0], in_features, back)
 

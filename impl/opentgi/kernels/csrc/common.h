@@ -87,7 +87,7 @@ struct ActBF16 { float sum; uint16_t v[32]; };
 enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
              Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23,
              F32 = 0, F16 = 1, BF16 = 30,  // the dense types (dense.cpp)
-             Q4_1_R16 = 1003, Q4_K_R16 = 1012, Q6_K_R16 = 1014 };  // not GGML's: repacked by 16 rows (r16.h)
+             Q4_1_R16 = 1003, Q8_0_R16 = 1008, Q4_K_R16 = 1012, Q6_K_R16 = 1014 };  // not GGML's: repacked by 16 rows (r16.h)
 
 // bfloat16 is float32's upper half: exact
 static inline float bf16_to_fp32(uint16_t h) {
@@ -200,6 +200,8 @@ void OPENTGI_FN(repack_q6_k16)(const uint8_t* rows, size_t row_bytes, int nb, ui
 // Q4_1 repacked by sixteen rows (r16.h), against ActQ8 and bfloat16 rows
 void OPENTGI_FN(matmul_q4_1_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1_bf16_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+// Q8_0 repacked by sixteen rows (r16.h), against ActQ8
+void OPENTGI_FN(matmul_q8_0_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 // Q4_0 / Q4_1 / Q6_K_R16 against bfloat16 rows (ActBF16)
 void OPENTGI_FN(matmul_q4_0_bf16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);

@@ -34,6 +34,7 @@ namespace opentgi {
   void repack_q6_k16_##isa(const uint8_t*, size_t, int, uint8_t*); \
   void matmul_q4_1_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_bf16_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q8_0_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_k_wide_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_wide_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -145,6 +146,11 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
       k->matmul = OPENTGI_PICK(matmul_q4_1_bf16_r16);
       k->act = ACT_BF16_BLOCKS;
     }
+    return k->matmul != nullptr;
+  }
+  if (qtype == Q8_0_R16) {  // repacked (r16.h): 8-bit rows (the one form `passes=1` takes)
+    if (passes != 1) return false;
+    *k = {OPENTGI_PICK(matmul_q8_0_r16), false, QK, 34, ACT_Q8, 1, 16};
     return k->matmul != nullptr;
   }
   if (qtype == Q4_K_R16) {  // repacked (r16.h; native.py repack_by_16_rows): Q4_K's kernels on the groups

@@ -221,7 +221,7 @@ template <int S>
 static inline void prefetch_blocks16(const uint8_t* rows, size_t row_bytes, const uint8_t* base, size_t block_bytes,
                                      int b, int nb) {
   if constexpr (S == 16) {
-    for (size_t l = 0; l < block_bytes / 4; ++l) _mm_prefetch((const char*)base + R16_AHEAD + 64 * l, _MM_HINT_T0);
+    for (size_t l = 0; l < (16 * block_bytes + 63) / 64; ++l) _mm_prefetch((const char*)base + R16_AHEAD + 64 * l, _MM_HINT_T0);
   } else {
     prefetch_next<16>(rows, row_bytes, b, nb);
   }

@@ -177,8 +177,11 @@ class PagedDecoder(nn.Module):
             del self.lm_head
         if native_kernels:  # fused layer ops
             repacked = repack_by_16_rows(self.model.layers, self.spec.dtype)
+            head = self.logits_proj if self.logits_proj is not None else getattr(self, "lm_head", None)
+            if isinstance(head, nn.Module):  # a GGUF head (a tied one: the embedding's blocks)
+                repacked += repack_by_16_rows(head, self.spec.dtype)
             if repacked:
-                log.info("kernels: %.0f MiB of Q4_1/Q4_K/Q6_K weights repacked by 16 rows", repacked / 2**20)
+                log.info("kernels: %.0f MiB of Q4_1/Q8_0/Q4_K/Q6_K weights repacked by 16 rows", repacked / 2**20)
             use_native(self)
             self.native_stack = NativeDecodeStack.build(self)
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form

@@ -108,25 +108,34 @@ class GGUFBlockWeight:
         return native.gguf_mm(x, self.blocks, self.qtype, self.out_features, passes=self.passes)
 
 
-def repack_by_16_rows(layers: nn.Module, dtype: torch.dtype) -> int:
-    """Q4_1, Q4_K and Q6_K weights repacked by sixteen rows (kernels.native.BY_16_ROWS: the same
-    bytes, moved), so that the kernels' sixteen-output forms read their vectors whole instead of
-    transposing sixteen rows' bytes a block (docs/quantization.md): Q4_K and Q4_1 wherever the
-    AVX-512 variant runs (their kernels on the groups give the file's layout's bits; Q4_1 at
-    `passes=2` where its bfloat16-row kernel takes it); Q6_K at `passes=2` (v and down of a Q4_K_M
-    file) where the model runs in bfloat16 on a CPU with AVX-512 BF16, for the rows' own bfloat16
-    values against the blocks. Routed experts keep the file's layout (their
-    grouped kernels read it). The file's pages under a repacked weight are released from the
-    process. Returns the bytes repacked."""
+def passes_by_16_rows(dtype: torch.dtype) -> dict[int, tuple[int, ...]]:
+    """GGML type -> the activation passes at which a model served here in `dtype` holds that type
+    repacked by sixteen rows (kernels.native.BY_16_ROWS: the same bytes, moved), so that the
+    kernels' sixteen-output forms read their vectors whole instead of transposing sixteen rows'
+    bytes a block (docs/quantization.md). Where the AVX-512 variant runs: Q4_K, Q8_0 and Q4_1 (their
+    kernels on the groups give the file's layout's bits; Q4_1 at `passes=2` where its bfloat16-row
+    kernel takes it); Q6_K at `passes=2` (v and down of a Q4_K_M file) where the model runs in
+    bfloat16 on a CPU with AVX-512 BF16, for the rows' own bfloat16 values against the blocks."""
     path = native.loaded()
     if path is None or path.name != "native" or path.isa != "avx512":
-        return 0
+        return {}
     bf16_rows = dtype == torch.bfloat16 and native.takes_bf16_rows()
-    wanted = {GGMLQuantizationType.Q4_K: (1, 2), GGMLQuantizationType.Q4_1: (1, 2) if bf16_rows else (1,)}
+    wanted = {GGMLQuantizationType.Q4_K: (1, 2), GGMLQuantizationType.Q8_0: (1,),
+              GGMLQuantizationType.Q4_1: (1, 2) if bf16_rows else (1,)}
     if bf16_rows:
         wanted[GGMLQuantizationType.Q6_K] = (2,)
+    return wanted
+
+
+def repack_by_16_rows(modules: nn.Module, dtype: torch.dtype) -> int:
+    """The weights under `modules` (a model's layers, its LM head) that `passes_by_16_rows` names,
+    repacked by sixteen rows. Routed experts keep the file's layout (their grouped kernels read
+    it). The file's pages under a repacked weight are released from the process (a tied head's
+    are the embedding's too: the rows it looks up are mapped again as it reads them). Returns the
+    bytes repacked."""
+    wanted = passes_by_16_rows(dtype)
     repacked = 0
-    for name, module in layers.named_modules():
+    for name, module in modules.named_modules():
         fmt = getattr(module, "weight_format", None)
         if (type(fmt) is not GGUFBlockWeight or fmt.passes not in wanted.get(fmt.qtype, ())
                 or fmt.out_features % 16 or ".experts." in f".{name}."):
