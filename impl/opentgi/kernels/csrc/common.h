@@ -57,7 +57,7 @@ static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml layout
 
 // Activations, per row: blocks of 32 int8 with their float scale and the exact sum of the
 // quantized values (Q4_1's minimum term), or superblocks of 256 with sums per 16 (K-quants).
-struct ActQ8 { float d; int32_t sum; int8_t qs[32]; };
+struct ActQ8 { float d; int32_t sum; float ds; int8_t qs[32]; };  // ds = d * (float)sum
 struct ActQ8K { float d; int8_t qs[256]; int16_t bsums[16]; };
 
 // Wide (16-bit) activations, the form `passes=2` asks for where a block type has a wide kernel:

@@ -47,7 +47,7 @@ struct Tile32 {
 #endif
         if constexpr (Kind == 0) s -= 8 * y.sum;
         const float t = (dw * y.d) * (float)s;
-        if constexpr (Kind == 1) acc[r] += t + fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * (y.d * (float)y.sum);
+        if constexpr (Kind == 1) acc[r] += t + fp16_to_fp32(((const BlockQ4_1*)w)[b].m) * y.ds;
         else acc[r] += t;
       }
     }
@@ -111,7 +111,7 @@ struct Tile32 {
         __m256i sum = pair_sums8(lo, hi, y.qs);
         if constexpr (Kind == 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * y.sum));
         __m256 t = _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum));
-        if constexpr (Kind == 1) t = _mm256_add_ps(t, _mm256_mul_ps(mv, _mm256_set1_ps(y.d * (float)y.sum)));
+        if constexpr (Kind == 1) t = _mm256_add_ps(t, _mm256_mul_ps(mv, _mm256_set1_ps(y.ds)));
         acc[r] = _mm256_add_ps(acc[r], t);
       }
     }
@@ -182,7 +182,7 @@ struct Tile32 {
         __m512i sum = Kind == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32((Kind == 0 ? -8 : -128) * y.sum);
         for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
         __m512 t = _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum));
-        if constexpr (Kind == 1) t = _mm512_add_ps(t, _mm512_mul_ps(mv, _mm512_set1_ps(y.d * (float)y.sum)));
+        if constexpr (Kind == 1) t = _mm512_add_ps(t, _mm512_mul_ps(mv, _mm512_set1_ps(y.ds)));
         acc[r] = _mm512_add_ps(acc[r], t);
       }
     }

@@ -32,7 +32,7 @@ struct TileQ5 {
   static inline void step(const Block& x, float dw, const ActQ8& y, int32_t s, float& acc, float& mins) {
     if constexpr (!WithMin) s -= 16 * y.sum;
     acc += (dw * y.d) * (float)s;
-    if constexpr (WithMin) mins += fp16_to_fp32(((const BlockQ5_1&)x).m) * (y.d * (float)y.sum);
+    if constexpr (WithMin) mins += fp16_to_fp32(((const BlockQ5_1&)x).m) * y.ds;
   }
 #ifdef OPENTGI_AVX2
   static inline __m256i unpack(const Block& x) {
@@ -144,7 +144,7 @@ struct TileQ5 {
         if constexpr (!WithMin) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * y.sum));
         acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_mul_ps(dv, _mm256_set1_ps(y.d)), _mm256_cvtepi32_ps(sum)));
         if constexpr (WithMin)
-          mins[r] = _mm256_add_ps(mins[r], _mm256_mul_ps(mv, _mm256_set1_ps(y.d * (float)y.sum)));
+          mins[r] = _mm256_add_ps(mins[r], _mm256_mul_ps(mv, _mm256_set1_ps(y.ds)));
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, WithMin ? _mm256_add_ps(acc[r], mins[r]) : acc[r]);
@@ -187,7 +187,7 @@ struct TileQ5 {
         __m512i sum = WithMin ? _mm512_setzero_si512() : _mm512_set1_epi32(-16 * y.sum);
         for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
         acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum)));
-        if constexpr (WithMin) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(mv, _mm512_set1_ps(y.d * (float)y.sum)));
+        if constexpr (WithMin) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(mv, _mm512_set1_ps(y.ds)));
       }
     }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * ldo, WithMin ? _mm512_add_ps(acc[r], mins[r]) : acc[r]);

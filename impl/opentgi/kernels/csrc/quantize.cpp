@@ -49,7 +49,7 @@ static inline void quantize_q8_block16(const float* v, ActQ8* out) {
   const __m512 aa = _mm512_abs_ps(a), ab = _mm512_abs_ps(b);
   const __m512 top = _mm512_set1_ps(FLT_MAX);
   if ((_mm512_cmp_ps_mask(aa, top, _CMP_LE_OQ) & _mm512_cmp_ps_mask(ab, top, _CMP_LE_OQ)) != 0xFFFF) {
-    out->d = NAN;  // NaN or Inf in the block: zero values (the scalar loop's, times a zero reciprocal)
+    out->d = out->ds = NAN;  // NaN or Inf in the block: zero values (the scalar loop's, times a zero reciprocal)
     out->sum = 0;
     std::memset(out->qs, 0, QK);
     return;
@@ -64,6 +64,7 @@ static inline void quantize_q8_block16(const float* v, ActQ8* out) {
   _mm_storeu_si128((__m128i*)out->qs, _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128((__m128i*)(out->qs + 16), _mm512_cvtepi32_epi8(qb));
   out->sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  out->ds = out->d * (float)out->sum;
 }
 #endif
 
@@ -82,6 +83,7 @@ void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out) {
       sum += out[b].qs[i];
     }
     out[b].sum = sum;
+    out[b].ds = out[b].d * (float)sum;
   }
 }
 
