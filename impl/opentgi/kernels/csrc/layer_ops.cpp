@@ -25,6 +25,34 @@ static inline void store(void* p, int64_t i, float f, int dtype) {
   if (dtype == ROW_BF16) ((uint16_t*)p)[i] = bf16_store(f); else ((float*)p)[i] = f;
 }
 
+#ifdef OPENTGI_AVX2
+// eight floats rounded to bfloat16 as bf16_store rounds them (to nearest even, NaN kept quiet), the
+// bfloat16 bits in each lane's upper half (the lower half is not cleared)
+static inline __m256i bf16_rounded8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+}
+// round_to(bfloat16) of eight floats
+static inline __m256 round_bf16_8(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded8(v), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+// bfloat16 values i .. i + 7 as floats (exact)
+static inline __m256 bf16x8(const void* p, int i) {
+  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// bf16_store of eight floats into p[i .. i + 7]
+static inline void store_bf16_8(void* p, int i, __m256 v) {
+  const __m256i r = _mm256_srli_epi32(bf16_rounded8(v), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128((__m128i*)((uint16_t*)p + i), _mm256_castsi256_si128(packed));
+}
+#endif
+
 // sum of squares of n floats, in one fixed order for a given n
 static inline float sum_squares(const float* x, int n) {
   int i = 0;
@@ -88,17 +116,39 @@ static inline void gelu_tanh_inplace(float* g, int n) {
 
 template <void (*ACT)(float*, int)>
 static inline void act_mul_row(const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
-  for (int i = 0; i < n; ++i) buf[i] = load(gate, i, dtype);
-  for (int i = n; i < (n + 7) / 8 * 8; ++i) buf[i] = 0.0f;
+  int i = 0;
+#ifdef OPENTGI_AVX2
+  if (dtype == ROW_BF16)  // the loops below, eight values a step (the same conversions and products)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, bf16x8(gate, i));
+#endif
+  for (; i < n; ++i) buf[i] = load(gate, i, dtype);
+  for (i = n; i < (n + 7) / 8 * 8; ++i) buf[i] = 0.0f;
   ACT(buf, n);
-  for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i], dtype) * load(up, i, dtype), dtype);
+  i = 0;
+#ifdef OPENTGI_AVX2
+  if (dtype == ROW_BF16)
+    for (; i + 8 <= n; i += 8) store_bf16_8(out, i, _mm256_mul_ps(round_bf16_8(_mm256_loadu_ps(buf + i)), bf16x8(up, i)));
+#endif
+  for (; i < n; ++i) store(out, i, round_to(buf[i], dtype) * load(up, i, dtype), dtype);
 }
 
 }  // namespace
 
 void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, const void* weight, bool weight_f32,
                               int n, float eps, int dtype, void* out, float* buf) {
-  for (int i = 0; i < n; ++i) {
+  int i = 0;
+#ifdef OPENTGI_AVX2
+  if (dtype == ROW_BF16)  // the loops below, eight values a step (the same sums, roundings and products)
+    for (; i + 8 <= n; i += 8) {
+      __m256 v = bf16x8(x, i);
+      if (residual != nullptr) {
+        v = round_bf16_8(_mm256_add_ps(v, bf16x8(residual, i)));
+        store_bf16_8(sum, i, v);
+      }
+      _mm256_storeu_ps(buf + i, v);
+    }
+#endif
+  for (; i < n; ++i) {
     float v = load(x, i, dtype);
     if (residual != nullptr) {
       v = round_to(v + load(residual, i, dtype), dtype);  // the residual stream, in its own dtype
@@ -107,11 +157,24 @@ void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, co
     buf[i] = v;
   }
   const float rstd = 1.0f / std::sqrt(sum_squares(buf, n) / (float)n + eps);
+  i = 0;
   if (weight_f32) {
     const float* w = (const float*)weight;
-    for (int i = 0; i < n; ++i) store(out, i, buf[i] * rstd * w[i], dtype);
+#ifdef OPENTGI_AVX2
+    if (dtype == ROW_BF16)
+      for (; i + 8 <= n; i += 8)
+        store_bf16_8(out, i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(buf + i), _mm256_set1_ps(rstd)),
+                                           _mm256_loadu_ps(w + i)));
+#endif
+    for (; i < n; ++i) store(out, i, buf[i] * rstd * w[i], dtype);
   } else {
-    for (int i = 0; i < n; ++i) store(out, i, round_to(buf[i] * rstd, dtype) * load(weight, i, dtype), dtype);
+#ifdef OPENTGI_AVX2
+    if (dtype == ROW_BF16)
+      for (; i + 8 <= n; i += 8)
+        store_bf16_8(out, i, _mm256_mul_ps(round_bf16_8(_mm256_mul_ps(_mm256_loadu_ps(buf + i), _mm256_set1_ps(rstd))),
+                                           bf16x8(weight, i)));
+#endif
+    for (; i < n; ++i) store(out, i, round_to(buf[i] * rstd, dtype) * load(weight, i, dtype), dtype);
   }
 }
 
@@ -123,22 +186,6 @@ void OPENTGI_FN(gelu_tanh_mul_row)(const void* gate, const void* up, int n, int 
   act_mul_row<gelu_tanh_inplace>(gate, up, n, dtype, out, buf);
 }
 
-#ifdef OPENTGI_AVX2
-// eight floats rounded to bfloat16 as bf16_store rounds them (to nearest even, NaN kept quiet), the
-// bfloat16 bits in each lane's upper half (the lower half is not cleared)
-static inline __m256i bf16_rounded8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
-  return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
-}
-// round_to(bfloat16) of eight floats
-static inline __m256 round_bf16_8(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded8(v), _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-#endif
 
 void OPENTGI_FN(weighted_add_row)(float* acc, const float* y, float w, int n, int dtype) {
   int i = 0;
@@ -153,13 +200,6 @@ void OPENTGI_FN(weighted_add_row)(float* acc, const float* y, float w, int n, in
   for (; i < n; ++i) acc[i] += round_to(round_to(y[i], dtype) * w, dtype);
 }
 
-#ifdef OPENTGI_AVX2
-// bfloat16 values i .. i + 7 as floats (exact)
-static inline __m256 bf16x8(const void* p, int i) {
-  const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#endif
 
 void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
   for (int i = 0; i < D; ++i) buf[i] = load(x, i, dtype);
@@ -171,10 +211,7 @@ void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int 
       const __m256 h = _mm256_loadu_ps(buf + i), rot = _mm256_loadu_ps(buf + (i < half ? i + half : i - half));
       if (dtype == ROW_BF16) {
         const __m256 c = bf16x8(cos, i), s = bf16x8(sin, i);
-        const __m256 v = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(h, c)), round_bf16_8(_mm256_mul_ps(rot, s)));
-        const __m256i r = _mm256_srli_epi32(bf16_rounded8(v), 16);
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-        _mm_storeu_si128((__m128i*)((uint16_t*)x + i), _mm256_castsi256_si128(packed));
+        store_bf16_8(x, i, _mm256_add_ps(round_bf16_8(_mm256_mul_ps(h, c)), round_bf16_8(_mm256_mul_ps(rot, s))));
       } else {
         const __m256 c = _mm256_loadu_ps((const float*)cos + i), s = _mm256_loadu_ps((const float*)sin + i);
         _mm256_storeu_ps((float*)x + i, _mm256_add_ps(_mm256_mul_ps(h, c), _mm256_mul_ps(rot, s)));
@@ -207,11 +244,7 @@ void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtyp
     uint16_t* out = (uint16_t*)dst;
 #ifdef OPENTGI_AVX2
     if (dtype == ROW_F32) {  // bf16_store's bits, eight at a time
-      for (; i + 8 <= n; i += 8) {
-        const __m256i r = _mm256_srli_epi32(bf16_rounded8(_mm256_loadu_ps((const float*)src + i)), 16);
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-        _mm_storeu_si128((__m128i*)(out + i), _mm256_castsi256_si128(packed));
-      }
+      for (; i + 8 <= n; i += 8) store_bf16_8(out, i, _mm256_loadu_ps((const float*)src + i));
     }
 #endif
     for (; i < n; ++i) out[i] = bf16_store(load(src, i, dtype));
