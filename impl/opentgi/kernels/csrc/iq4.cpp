@@ -165,7 +165,7 @@ struct TileIQ4NL {
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
         __m512i sum = _mm512_set1_epi32(-128 * y.sum);
-        for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
+        for (int g = 0; g < 8; ++g) sum = dpbusd_word(sum, w[g], y.qs + 4 * g);
         acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum)));
       }
     }
@@ -322,7 +322,7 @@ struct TileIQ4XS {
           const ActQ8K& y = a[r][b];
           const int8_t* yq = y.qs + 32 * j;
           __m512i dot = _mm512_set1_epi32(-128 * (y.bsums[2 * j] + y.bsums[2 * j + 1]));
-          for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, w[g], word_all(yq + 4 * g));
+          for (int g = 0; g < 8; ++g) dot = dpbusd_word(dot, w[g], yq + 4 * g);
           total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(dot, ls));
         }
       }

@@ -52,7 +52,7 @@ static inline __m512i kquant_mins16(const __m512i* mpair, const int16_t* bsums) 
   const __m256i p = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)bsums), _mm256_set1_epi16(1));
   _mm_store_si128((__m128i*)pairs, _mm_packs_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
   __m512i mn = _mm512_setzero_si512();
-  for (int k = 0; k < 4; ++k) mn = _mm512_dpwssd_epi32(mn, mpair[k], word_all(pairs + 2 * k));
+  for (int k = 0; k < 4; ++k) mn = dpwssd_word(mn, mpair[k], pairs + 2 * k);
   return mn;
 }
 
@@ -91,7 +91,7 @@ static inline void kquant_totals16(const uint8_t* qs, const uint8_t* qh, size_t 
       for (int i = 0; i < N; ++i) {
         const int8_t* yq = ys[i] + 32 * j;
         __m512i dot = _mm512_setzero_si512();
-        for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, w[g], word_all(yq + 4 * g));
+        for (int g = 0; g < 8; ++g) dot = dpbusd_word(dot, w[g], yq + 4 * g);
         total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(dot, sc[j]));
       }
     }

@@ -292,7 +292,7 @@ struct TileLowBit {
       for (int r = 0; r < R; ++r) {
         const int16_t* bs = a[r][b].bsums;
         __m512i o = _mm512_setzero_si512();  // Q3_K: sum_k sc_k * bsum_k; Q2_K: sum_k m_k * bsum_k
-        for (int i = 0; i < 8; ++i) o = _mm512_dpwssd_epi32(o, Q3 ? pairs[i] : mpairs[i], word_all(bs + 2 * i));
+        for (int i = 0; i < 8; ++i) o = dpwssd_word(o, Q3 ? pairs[i] : mpairs[i], bs + 2 * i);
         offset[r] = o;
         total[r] = Q3 ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(o, 2)) : _mm512_setzero_si512();
       }
@@ -315,7 +315,7 @@ struct TileLowBit {
             for (int r = 0; r < R; ++r) {
               const int8_t* yq = a[r][b].qs + 16 * k;
               __m512i dot = _mm512_setzero_si512();
-              for (int g = 0; g < 4; ++g) dot = _mm512_dpbusd_epi32(dot, w[g], word_all(yq + 4 * g));
+              for (int g = 0; g < 4; ++g) dot = dpbusd_word(dot, w[g], yq + 4 * g);
               total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(dot, sc[k]));
             }
           }

@@ -176,11 +176,12 @@ struct Tile32 {
       values16<Kind, S>(base, row_bytes, w);
       if constexpr (Kind == 2)
         for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(w[g], flip);
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
         // Q4_0's -8 * sum(y) and Q8_0's -128 * sum(y) as the sum's start
         __m512i sum = Kind == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32((Kind == 0 ? -8 : -128) * y.sum);
-        for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
+        for (int g = 0; g < 8; ++g) sum = dpbusd_word(sum, w[g], y.qs + 4 * g);
         __m512 t = _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum));
         if constexpr (Kind == 1) t = _mm512_add_ps(t, _mm512_mul_ps(mv, _mm512_set1_ps(y.ds)));
         acc[r] = _mm512_add_ps(acc[r], t);
@@ -333,7 +334,7 @@ struct Tile32Wide {
       for (int r = 0; r < R; ++r) {
         const ActQ16& y = a[r][b];
         __m512i sum = _mm512_setzero_si512();
-        for (int k = 0; k < 16; ++k) sum = _mm512_dpwssd_epi32(sum, w16[k], word_all(y.qs + 2 * k));
+        for (int k = 0; k < 16; ++k) sum = dpwssd_word(sum, w16[k], y.qs + 2 * k);
         const __m512 dy = _mm512_mul_ps(dv, _mm512_set1_ps(y.d));
         _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_mul_ps(dy, _mm512_cvtepi32_ps(sum))));
         if constexpr (Kind == 1) {

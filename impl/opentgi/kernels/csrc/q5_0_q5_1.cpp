@@ -185,7 +185,7 @@ struct TileQ5 {
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
         __m512i sum = WithMin ? _mm512_setzero_si512() : _mm512_set1_epi32(-16 * y.sum);
-        for (int g = 0; g < 8; ++g) sum = _mm512_dpbusd_epi32(sum, w[g], word_all(y.qs + 4 * g));
+        for (int g = 0; g < 8; ++g) sum = dpbusd_word(sum, w[g], y.qs + 4 * g);
         acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_set1_ps(y.d)), _mm512_cvtepi32_ps(sum)));
         if constexpr (WithMin) mins[r] = _mm512_add_ps(mins[r], _mm512_mul_ps(mv, _mm512_set1_ps(y.ds)));
       }

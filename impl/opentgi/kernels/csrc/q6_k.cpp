@@ -132,7 +132,7 @@ static inline void q6k_totals16(const uint8_t* base, size_t row_bytes, const Q6K
         for (int i = 0; i < N; ++i) {
           const int8_t* yq = ys[i] + 16 * k;
           __m512i dot = _mm512_setzero_si512();
-          for (int g = 0; g < 4; ++g) dot = _mm512_dpbusd_epi32(dot, w[g], word_all(yq + 4 * g));
+          for (int g = 0; g < 4; ++g) dot = dpbusd_word(dot, w[g], yq + 4 * g);
           total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(dot, hd.sc[k]));
         }
       }
@@ -140,7 +140,7 @@ static inline void q6k_totals16(const uint8_t* base, size_t row_bytes, const Q6K
   }
   for (int i = 0; i < N; ++i) {
     __m512i offset = _mm512_setzero_si512();
-    for (int m = 0; m < 8; ++m) offset = _mm512_dpwssd_epi32(offset, hd.pairs[m], word_all(bs[i] + 2 * m));
+    for (int m = 0; m < 8; ++m) offset = dpwssd_word(offset, hd.pairs[m], bs[i] + 2 * m);
     total[i] = _mm512_sub_epi32(total[i], _mm512_slli_epi32(offset, 5));
   }
 }

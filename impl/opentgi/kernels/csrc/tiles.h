@@ -467,11 +467,16 @@ static inline __m512 exact_combine16(__m512i hi, __m512i lo) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(a)), _mm512_cvtpd_ps(b), 1);
 }
 
-// The 32-bit word at p, in every lane.
-static inline __m512i word_all(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+// acc + VNNI's products of w's lanes with the four bytes (VPDPBUSD) or two int16 (VPDPWSSD) at p,
+// broadcast: p as the instruction's broadcast memory operand, one instruction where the intrinsics
+// take a second for the broadcast (which the compiler does not fold)
+static inline __m512i dpbusd_word(__m512i acc, __m512i w, const void* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
+  return acc;
+}
+static inline __m512i dpwssd_word(__m512i acc, __m512i w, const void* p) {
+  __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)p));
+  return acc;
 }
 
 #endif
