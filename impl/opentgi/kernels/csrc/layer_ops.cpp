@@ -202,9 +202,14 @@ void OPENTGI_FN(weighted_add_row)(float* acc, const float* y, float w, int n, in
 
 
 void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
-  for (int i = 0; i < D; ++i) buf[i] = load(x, i, dtype);
-  const int half = D / 2;
   int i = 0;
+#ifdef OPENTGI_AVX2
+  if (dtype == ROW_BF16)
+    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(buf + i, bf16x8(x, i));
+#endif
+  for (; i < D; ++i) buf[i] = load(x, i, dtype);
+  const int half = D / 2;
+  i = 0;
 #ifdef OPENTGI_AVX2
   if (half % 8 == 0) {  // eight values a step, none of them straddling the halves
     for (; i < D; i += 8) {
