@@ -27,8 +27,10 @@ class PagedRunner:
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 
-    def step(self, new_tokens: dict[int, list[int]]) -> torch.Tensor:
-        """Feed each sequence its new tokens; return the hidden state of each one's last token."""
+    def step(self, new_tokens: dict[int, list[int]], prompt: dict[int, int] | None = None) -> torch.Tensor:
+        """Feed each sequence its new tokens; return the hidden state of each one's last token.
+        `prompt`: how many of a sequence's new tokens are prompt tokens (the metadata's
+        prompt_new_tokens; none told without it)."""
         ids, positions, slots, q_lens, ctx = [], [], [], [], []
         for seq, tokens in new_tokens.items():
             table = self.tables.setdefault(seq, [])
@@ -52,7 +54,8 @@ class PagedRunner:
             cu_seqlens_k=torch.tensor([0] + ctx).cumsum(0).to(torch.int32),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(ctx),
             context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=tables,
-            decode_only=all(n == 1 for n in q_lens))
+            decode_only=all(n == 1 for n in q_lens),
+            prompt_new_tokens=None if prompt is None else [prompt.get(seq, 0) for seq in new_tokens])
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv_caches)
         return hidden[(cu_q[1:] - 1).long()]
 

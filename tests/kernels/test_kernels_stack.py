@@ -3,8 +3,9 @@ and the KV cache it leaves are the module-by-module step's bit for bit, in float
 for one row and for several rows of several tokens, with q/k/v biases, with projections of one
 block type and of several side by side, and for Qwen3's, Gemma 2/3's and Qwen3-MoE's and Mixtral's
 layers (`--quantize int8`: q/k norms, sandwich norms, GeGLU, soft-capping, windows, two RoPE tables,
-routed experts beside dense layers); steps it does not take (prompt tokens, replaced projections)
-go through the modules."""
+routed experts beside dense layers), and steps with prompt tokens in their own form (the prompt
+attention kernel for them, the decode one beside them); steps it does not take (replaced
+projections) go through the modules."""
 
 from __future__ import annotations
 
@@ -74,10 +75,11 @@ class CountingStack:
         return out
 
 
-def run_both(model, steps: list[dict[int, list[int]]], kv_dtype: torch.dtype | None = None):
+def run_both(model, steps: list[dict[int, list[int]]], kv_dtype: torch.dtype | None = None,
+             prompts: list[dict[int, int] | None] | None = None):
     fused, modules = PagedRunner(Toggled(model, True), kv_dtype), PagedRunner(Toggled(model, False), kv_dtype)
-    for new_tokens in steps:
-        a, b = fused.step(new_tokens), modules.step(new_tokens)
+    for new_tokens, prompt in zip(steps, prompts or [None] * len(steps), strict=True):
+        a, b = fused.step(new_tokens, prompt), modules.step(new_tokens, prompt)
         assert torch.equal(a, b)
     for (ka, va), (kb, vb) in zip(fused.kv_caches, modules.kv_caches, strict=True):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
@@ -117,6 +119,37 @@ def test_decode_steps_equal_the_modules_bit_for_bit(request, float32_model, unif
     finally:
         model.native_stack = stack
     # PagedRunner tells no prompt tokens: every token in the decode row's form, every step the stack's
+    assert counting.taken == [True] * len(steps)
+
+
+@pytest.mark.parametrize("file, dtype", [("uniform", "float32"), ("mixed", "bfloat16"), ("gemma3", "bfloat16"),
+                                         ("qwen3_moe", "bfloat16")])
+def test_steps_with_prompt_tokens_in_their_own_form_equal_the_modules_bit_for_bit(request, float32_model,
+                                                                                   tmp_path_factory, file, dtype):
+    """With the prompt form (batch invariance's, where the start-up probe passes it), a step's
+    prompt tokens take the prompt attention kernel and its generated tokens the decode one: the
+    stack takes such steps (a prompt alone, prompts beside decode rows, a prompt's chunk after its
+    cached part, one-token prompts), each form's rows gathered, with the modules' bits."""
+    if file == "mixed":
+        model = request.getfixturevalue("mixed_bf16_model")
+    elif file != "uniform":
+        model = load(tiny_models.tiny_family_path(file), dtype, tmp_path_factory, quantize="int8")
+    else:
+        model = float32_model
+    stack = model.native_stack
+    backend = stack.backend
+    assert backend.batch_invariant
+    counting = model.native_stack = CountingStack(stack)
+    steps = [{0: list(range(5, 40))}, {0: [11], 1: list(range(100, 117)), 2: [7]},
+             {0: [12], 1: [13], 2: [8, 9, 10], 3: list(range(60, 90))}, {1: [15], 2: [18], 3: list(range(90, 99))},
+             {0: [20], 3: [21], 4: [5]}]
+    prompts = [{0: 35}, {1: 17, 2: 1}, {2: 3, 3: 30}, {3: 9}, {4: 1}]
+    form, backend.prompt_form = backend.prompt_form, True
+    try:
+        run_both(model, steps, prompts=prompts)
+    finally:
+        backend.prompt_form = form
+        model.native_stack = stack
     assert counting.taken == [True] * len(steps)
 
 
@@ -163,7 +196,7 @@ def test_biases_are_added_as_the_modules_add_them(float32_model):
         model.native_stack = NativeDecodeStack.build(model)
 
 
-def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model):
+def test_a_replaced_projection_takes_the_modules_and_a_prompt_step_the_stack(float32_model):
     model = float32_model
     stack = model.native_stack
     runner = PagedRunner(model)
@@ -180,8 +213,9 @@ def test_a_replaced_projection_or_a_prompt_step_takes_the_modules(float32_model)
 
     assert stack(h, positions, meta(None), runner.kv_caches) is not None
     form, stack.backend.prompt_form = stack.backend.prompt_form, True  # prompt tokens in their own form
-    try:
-        assert stack(h, positions, meta([1]), runner.kv_caches) is None
+    try:  # the stack takes them (its rows in both forms), but not with the LM head: their logits are few
+        assert stack(h, positions, meta([1]), runner.kv_caches) is not None
+        assert stack(h, positions, meta([1]), runner.kv_caches, logits=True) is None
     finally:
         stack.backend.prompt_form = form
     assert stack.embedding is not None  # the file's Q8_0 embedding: token ids are looked up in the call

@@ -37,6 +37,10 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
                               int64_t window, double scale, double softcap, const char* op);
 // every row of `a` on torch's intra-op threads, each work item whole on one thread
 void run_attention(const PagedAttention& a, int64_t rows, int64_t isa);
+// prompt rows' attention (attention.h: the prompt form) over rows 0 .. rows - 1 of a
+void run_prompt_attention(const PagedAttention& a, int64_t rows, int64_t isa);
+// rows of both forms (prompt[t]: row t's is the prompt form; the rest decode rows), each by its kernel
+void run_attention_forms(const PagedAttention& a, const bool* prompt, int64_t rows, int64_t isa);
 
 // opentgi::gguf_moe_up, opentgi::gguf_moe_down (moe_ops.cpp: grouped experts)
 at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -260,17 +261,55 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 // opentgi::prompt_attention (attention.h): paged_attention's arguments and result, prompt rows in
-// their own form; rows cut into tiles (runs of one sequence at consecutive contexts), work items
-// (a tile's kv head) split among torch's intra-op threads, each computed whole by one thread.
+// their own form (run_prompt_attention).
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
                             double scale, int64_t window, double softcap, int64_t isa) {
   AttentionCall c = attention_call(q, k_cache, v_cache, block_tables, seq, ctx, scale, window, softcap, isa,
                                    "prompt_attention");
   const int64_t rows = q.size(0);
-  at::Tensor& out = c.out;
-  PagedAttention& a = c.a;
-  if (rows == 0) return out.to(q.scalar_type());
+  if (rows == 0) return c.out.to(q.scalar_type());
+  run_prompt_attention(c.a, rows, isa);
+  return q.scalar_type() == at::kFloat ? c.out : c.out.to(q.scalar_type());
+}
+
+}  // namespace
+
+// Each form's rows gathered in step order with their tables and contexts, attended by its kernel
+// (as the modules' NativeAttentionBackend calls the two on these rows), the outputs scattered back.
+void run_attention_forms(const PagedAttention& all, const bool* prompt, int64_t rows, int64_t isa) {
+  const int64_t width = (int64_t)all.num_heads * all.head_dim;
+  for (const bool form : {false, true}) {
+    std::vector<int64_t> taken;
+    std::vector<int32_t> seq, ctx;
+    for (int64_t t = 0; t < rows; ++t)
+      if (prompt[t] == form) {
+        taken.push_back(t);
+        seq.push_back(all.seq[t]);
+        ctx.push_back(all.ctx[t]);
+      }
+    const int64_t n = (int64_t)taken.size();
+    if (n == 0) continue;
+    std::vector<float> q(n * width), out(n * width);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(q.data() + i * width, all.q + taken[i] * width, width * sizeof(float));
+    PagedAttention a = all;
+    a.seq = seq.data();
+    a.ctx = ctx.data();
+    a.q = q.data();
+    a.out = out.data();
+    if (form) {
+      run_prompt_attention(a, n, isa);
+    } else {
+      a.kv_heads_per_item = n >= 2 * at::get_num_threads() ? a.num_kv_heads : 1;
+      run_attention(a, n, isa);
+    }
+    for (int64_t i = 0; i < n; ++i) std::memcpy(all.out + taken[i] * width, out.data() + i * width, width * sizeof(float));
+  }
+}
+
+// Rows cut into tiles (runs of one sequence at consecutive contexts), work items (a tile's kv head)
+// split among torch's intra-op threads, each computed whole by one thread.
+void run_prompt_attention(const PagedAttention& a, int64_t rows, int64_t isa) {
   std::vector<int32_t> tiles;
   for (int64_t r = 0; r < rows;) {
     int64_t n = 1;
@@ -290,10 +329,7 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 #endif
     prompt_attention_scalar(a, tiles.data(), i0, i1, buf.data());
   });
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
-
-}  // namespace
 
 int row_dtype(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), op,

@@ -1,5 +1,6 @@
-// opentgi::decode_stack_run: a step's decoder layers, every row a decode row, in one call, registered
-// into the opentgi library ops.cpp defines. The layer is models/families/decoder.py's:
+// opentgi::decode_stack_run: a step's decoder layers in one call, every row a decode row or, beside
+// them, prompt rows in their own attention form, registered into the opentgi library ops.cpp
+// defines. The layer is models/families/decoder.py's:
 //   norm, one qkv matmul (+ bias), q and k normed per head (Qwen3, Gemma 3), RoPE by halves on q
 //   and k (the layer's table: Gemma 3's local layers have their own), k and v stored in the paged
 //   cache, paged attention (the layer's window; soft-capped logits: Gemma 2), o (+ bias), then
@@ -192,7 +193,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
                         double softcap, int64_t act_kind, double eps,
                         const c10::List<std::optional<at::Tensor>>& routers, at::TensorList expert_weights,
                         at::IntArrayRef expert_types, int64_t top_k, bool renormalize, int64_t isa,
-                        Prepared* prepared) {
+                        Prepared* prepared, const std::optional<at::Tensor>& prompt = std::nullopt) {
   const char* op = "decode_stack";
   check_isa(isa, op);
   const int dtype = row_dtype(h_in, op);
@@ -268,6 +269,12 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   // every block any layer reads (windows only narrow what a row reads), checked once
   PagedAttention att = attention_args(k_caches[0], v_caches[0], block_tables, seq, ctx, T, H, D, 0, scale, softcap, op);
   TORCH_CHECK(k_caches[0].size(2) == KV, op, ": the caches hold ", k_caches[0].size(2), " kv heads, not ", KV);
+  const bool* prompt_rows = nullptr;  // rows of the prompt form (prompt_attention), the rest decode rows
+  if (prompt.has_value() && prompt->defined()) {
+    TORCH_CHECK(prompt->scalar_type() == at::kBool && prompt->is_contiguous() && prompt->numel() == T, op,
+                ": prompt rows a bool [rows]");
+    prompt_rows = prompt->data_ptr<bool>();
+  }
   const int64_t cache_slots = k_caches[0].size(0) * k_caches[0].size(1);
   const int64_t slot_bytes = KV * D * k_caches[0].element_size();  // a token's row, in the cache's dtype
   const int64_t* sl = slots.data_ptr<int64_t>();
@@ -348,7 +355,8 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     att.window = windows[l] > 0 ? (int)windows[l] : 0;
     att.q = qf.data();
     att.out = out.data();
-    run_attention(att, T, isa);
+    if (prompt_rows == nullptr) run_attention(att, T, isa);
+    else run_attention_forms(att, prompt_rows, T, isa);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {  // in the row dtype, as st rounds
       for (int64_t t = r0; t < r1; ++t)
         kv_row(isa, att_d.data() + t * H * D * es, dtype == ROW_BF16 ? KV_BF16 : KV_F32, out.data() + t * H * D,
@@ -509,7 +517,7 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
                             const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
                             const at::Tensor& slots, const std::optional<at::Tensor>& tails,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
-                            bool logits) {
+                            bool logits, const std::optional<at::Tensor>& prompt) {
   const char* op = "decode_stack_run";
   TORCH_CHECK((h.dim() == 2 || (h.dim() == 1 && a->embedding.has_value())) && positions.numel() == h.size(0), op,
               ": h [rows, hidden] (or token ids [rows] with a Q8_0 embedding in args) and a position a row");
@@ -521,7 +529,7 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
                                 a->qk_norms, a->k_caches, a->v_caches, slots, tails, block_tables, seq, ctx,
                                 a->num_heads, a->num_kv_heads, a->scale, a->windows, a->softcap, a->act, a->eps,
                                 a->routers, a->expert_weights, a->expert_types, a->top_k, a->renormalize, a->isa,
-                                &a->prepared);
+                                &a->prepared, prompt);
   if (!a->final_norm.has_value()) return out;
   const at::Tensor& w = *a->final_norm;
   const int64_t T = out.size(0), n = out.size(1);
@@ -558,7 +566,7 @@ TORCH_LIBRARY_FRAGMENT(opentgi, m) {
   m.class_<DecodeStackArgs>("DecodeStackArgs").def(torch::init(&make_stack_args));
   m.def("decode_stack_run(__torch__.torch.classes.opentgi.DecodeStackArgs args, Tensor h, Tensor positions, "
         "Tensor[] cos_tables, Tensor[] sin_tables, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, "
-        "Tensor ctx, bool logits=False) -> Tensor");
+        "Tensor ctx, bool logits=False, Tensor? prompt=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {

@@ -34,7 +34,7 @@ from torch import nn
 
 from opentgi.kernels import native
 from opentgi.models.attention.metadata import AttentionMetadata
-from opentgi.models.attention.torch_plan import make_plan
+from opentgi.models.attention.torch_plan import NativeRows, make_plan
 from opentgi.models.layers.elementwise import NATIVE_ACTIVATIONS
 from opentgi.models.layers.mlp import GatedMLP
 from opentgi.models.layers.moe import RouterLogits, SparseMoE
@@ -291,7 +291,11 @@ class NativeDecodeStack:
             backend = self.backend
             plan = meta.scratch[key] = make_plan(meta, kv_caches[0][0].shape[1], window, self.dtype, group,
                                                  backend.batch_invariant, backend.prompt_form, native=True)
-        rows = plan.native
+        rows, prompt = plan.native, None
+        if plan.native_prompt is not None:  # prompt tokens in their own form beside decode rows
+            if logits:
+                return None
+            rows, prompt = self._both_forms(meta, plan)
         if rows is None or not rows.in_order:
             return None
         args = self._args(kv_caches, native.ISAS[self.backend.isa or native.loaded().isa])
@@ -300,5 +304,22 @@ class NativeDecodeStack:
         # the op's C++ entry (`_op`): the packet's own call first walks the arguments for fake
         # script objects (torch.compile's), which a step never passes
         out = getattr(op, "_op", op)(args, h, positions, [cos for cos, _ in tables], [sin for _, sin in tables],
-                                     meta.slot_mapping, plan.tails, rows.block_tables, rows.seq, rows.ctx, logits)
+                                     meta.slot_mapping, plan.tails, rows.block_tables, rows.seq, rows.ctx, logits,
+                                     prompt)
         return out if self.final_weight is not None else self.final_norm(out)
+
+    @staticmethod
+    def _both_forms(meta: AttentionMetadata, plan) -> tuple[NativeRows | None, torch.Tensor | None]:
+        """Every token of a step with prompt tokens as one list of rows in step order (each row's
+        table and context, as both native forms take them) and a bool [rows], True for the prompt
+        form's; (None, None) where some token is left to the torch forms."""
+        forms = [r for r in (plan.native, plan.native_prompt) if r is not None]
+        total = int(meta.cu_seqlens_q[-1])
+        if sum(int(r.tokens.numel()) for r in forms) != total:
+            return None, None
+        tokens = torch.cat([r.tokens for r in forms])
+        seq, ctx = torch.empty(total, dtype=torch.int32), torch.empty(total, dtype=torch.int32)
+        seq[tokens], ctx[tokens] = torch.cat([r.seq for r in forms]), torch.cat([r.ctx for r in forms])
+        prompt = torch.zeros(total, dtype=torch.bool)
+        prompt[plan.native_prompt.tokens] = True
+        return NativeRows(torch.arange(total), seq, ctx, plan.native_prompt.block_tables, True), prompt
