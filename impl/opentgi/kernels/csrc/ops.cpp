@@ -81,6 +81,12 @@ at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int6
 
 }  // namespace
 
+// a row's kv heads in one item where the rows alone keep the threads busy (a block read once for
+// all its kv heads), else one item per (row, kv head): the same bits either way (attention.h)
+static int kv_heads_per_item(int64_t rows, int64_t kv_heads) {
+  return rows >= 2 * at::get_num_threads() ? (int)kv_heads : 1;
+}
+
 PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
                               const at::Tensor& seq, const at::Tensor& ctx, int64_t rows, int64_t heads, int64_t D,
                               int64_t window, double scale, double softcap, const char* op) {
@@ -128,9 +134,7 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
   a.window = window > 0 ? (int)window : 0;
   a.scale = (float)scale;
   a.softcap = softcap > 0 ? (float)softcap : 0.0f;
-  // a row's kv heads in one item where the rows alone keep the threads busy (a block read once
-  // for all its kv heads), else one item per (row, kv head): the same bits either way (attention.h)
-  a.kv_heads_per_item = rows >= 2 * at::get_num_threads() ? (int)kv_heads : 1;
+  a.kv_heads_per_item = kv_heads_per_item(rows, kv_heads);
   return a;
 }
 
@@ -300,7 +304,7 @@ void run_attention_forms(const PagedAttention& all, const bool* prompt, int64_t 
     if (form) {
       run_prompt_attention(a, n, isa);
     } else {
-      a.kv_heads_per_item = n >= 2 * at::get_num_threads() ? a.num_kv_heads : 1;
+      a.kv_heads_per_item = kv_heads_per_item(n, a.num_kv_heads);
       run_attention(a, n, isa);
     }
     for (int64_t i = 0; i < n; ++i) std::memcpy(all.out + taken[i] * width, out.data() + i * width, width * sizeof(float));
