@@ -155,6 +155,32 @@ def test_nan_and_inf_scales_or_inputs_never_crash(kernels, qtype):
         assert got[0][fine].isfinite().all() and got[3][fine].isfinite().all()
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_activation_blocks_come_out_alike_on_every_instruction_set_at_their_edges(kernels, qtype, passes):
+    """The rows' quantization (8-bit blocks; at passes=2 16-bit ones, or bfloat16 blocks for
+    bfloat16 rows where the CPU takes them) gives every ISA the same bits for blocks of zeros, with a
+    NaN, an Inf or a subnormal, near float32's top, and of products halfway between integers
+    (rounded to even), in float32 and bfloat16 rows."""
+    k = 1024
+    raw = random_blocks(qtype, 32, k, seed=21)
+    x = rows(6, k, seed=22)
+    x[0, :32] = 0
+    x[1, 37] = float("nan")
+    x[2, 70] = float("inf")
+    x[3, 96:128] = 1e-3
+    x[3, 100] = 1e-40
+    x[4, 200:232] = 1e38
+    x[5, 64:96] = torch.tensor([127.0] + [i + 0.5 for i in range(-15, 16)])  # amax 127: the products as they are
+    for row_dtype in (torch.float32, torch.bfloat16):
+        xx = x.to(row_dtype)
+        got = [mm(xx, raw, qtype, isa, passes) for isa in native.supported_isas()]
+        bits = torch.int32 if got[0].dtype == torch.float32 else torch.int16
+        for other in got[1:]:
+            assert torch.equal(other.view(bits), got[0].view(bits)), (row_dtype, passes)
+        assert not got[0][[1, 2]].isfinite().any() and got[0][[0, 3, 5]].isfinite().all()
+
+
 def test_shapes_the_kernel_cannot_take_are_refused(kernels):
     raw = random_blocks(Q.Q4_K, 4, 256)
     with pytest.raises(RuntimeError, match="multiple of 256"):

@@ -308,35 +308,19 @@ using TileQ6KR16 = TileQ6KBF16;
 // each block's sum by one tree (values i and i + 16 added, then those sixteen folded by halves:
 // + 8, + 4, + 2, + 1), the same bits whatever vectors a variant's compiler forms it with
 void OPENTGI_FN(quantize_bf16)(const float* x, int K, ActBF16* out) {
-#ifdef OPENTGI_AVX512
-  // the loop below, sixteen values an instruction: the same tree of adds (halves, then quarters,
-  // ...), bf16_store's rounding (to nearest even, NaN kept quiet), each group of four values in
-  // pair order (0, 2, 1, 3)
-  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
-  const auto rounded = [](__m512 f) {
-    const __m512i bits = _mm512_castps_si512(f);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                  _mm512_set1_epi32(0x7F800000));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-  };
   for (int b = 0; b < K / QK; ++b) {
     const float* v = x + b * QK;
-    const __m512 a = _mm512_loadu_ps(v), c = _mm512_loadu_ps(v + 16);
-    const __m512 l16 = _mm512_add_ps(a, c);
-    const __m256 l8 = _mm256_add_ps(_mm512_castps512_ps256(l16), _mm512_extractf32x8_ps(l16, 1));
+#ifdef OPENTGI_AVX2
+    // the scalar loops' arithmetic eight values a step: the same tree of adds (halves, quarters,
+    // ...), bf16_store's rounding, each group of four values in pair order (0, 2, 1, 3)
+    const __m256 lo = _mm256_add_ps(_mm256_loadu_ps(v), _mm256_loadu_ps(v + 16));
+    const __m256 l8 = _mm256_add_ps(lo, _mm256_add_ps(_mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 24)));
     const __m128 l4 = _mm_add_ps(_mm256_castps256_ps128(l8), _mm256_extractf128_ps(l8, 1));
     const __m128 l2 = _mm_add_ps(l4, _mm_movehl_ps(l4, l4));
     out[b].sum = _mm_cvtss_f32(_mm_add_ss(l2, _mm_shuffle_ps(l2, l2, 1)));
-    _mm256_storeu_si256((__m256i*)out[b].v, rounded(_mm512_permutexvar_ps(order, a)));
-    _mm256_storeu_si256((__m256i*)(out[b].v + 16), rounded(_mm512_permutexvar_ps(order, c)));
-  }
-  return;
-#endif
-  for (int b = 0; b < K / QK; ++b) {
-    const float* v = x + b * QK;
+    const __m256i order = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
+    for (int i = 0; i < QK; i += 8) store_bf16_8(out[b].v, i, _mm256_permutevar8x32_ps(_mm256_loadu_ps(v + i), order));
+#else
     float l[16];
     for (int i = 0; i < 16; ++i) l[i] = v[i] + v[i + 16];
     for (int w = 8; w >= 1; w /= 2)
@@ -346,6 +330,7 @@ void OPENTGI_FN(quantize_bf16)(const float* x, int K, ActBF16* out) {
       out[b].v[2 * k] = bf16_store(v[pair_lo(k)]);
       out[b].v[2 * k + 1] = bf16_store(v[pair_lo(k) + 2]);
     }
+#endif
   }
 }
 

@@ -208,6 +208,22 @@ void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t*, size_t, const uint8_t*, size_t
 void OPENTGI_FN(matmul_q6_k_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 
 #ifdef OPENTGI_AVX2
+// eight floats rounded to bfloat16 as bf16_store rounds them (to nearest even, NaN kept quiet), the
+// bfloat16 bits in each lane's upper half (the lower half is not cleared)
+static inline __m256i bf16_rounded8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+}
+// bf16_store of eight floats into p[i .. i + 7]
+static inline void store_bf16_8(void* p, int i, __m256 v) {
+  const __m256i r = _mm256_srli_epi32(bf16_rounded8(v), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128((__m128i*)((uint16_t*)p + i), _mm256_castsi256_si128(packed));
+}
 static inline float hsum_ps(__m256 x) {
   __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));

@@ -26,16 +26,6 @@ static inline void store(void* p, int64_t i, float f, int dtype) {
 }
 
 #ifdef OPENTGI_AVX2
-// eight floats rounded to bfloat16 as bf16_store rounds them (to nearest even, NaN kept quiet), the
-// bfloat16 bits in each lane's upper half (the lower half is not cleared)
-static inline __m256i bf16_rounded8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)),
-                                         _mm256_set1_epi32(0x7F800000));
-  return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
-}
 // round_to(bfloat16) of eight floats
 static inline __m256 round_bf16_8(__m256 v) {
   return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded8(v), _mm256_set1_epi32((int)0xFFFF0000u)));
@@ -44,12 +34,6 @@ static inline __m256 round_bf16_8(__m256 v) {
 static inline __m256 bf16x8(const void* p, int i) {
   const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-// bf16_store of eight floats into p[i .. i + 7]
-static inline void store_bf16_8(void* p, int i, __m256 v) {
-  const __m256i r = _mm256_srli_epi32(bf16_rounded8(v), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128((__m128i*)((uint16_t*)p + i), _mm256_castsi256_si128(packed));
 }
 #endif
 

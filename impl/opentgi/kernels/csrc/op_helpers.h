@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "attention.h"
 #include "layer_ops.h"
@@ -39,8 +40,15 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
 void run_attention(const PagedAttention& a, int64_t rows, int64_t isa);
 // prompt rows' attention (attention.h: the prompt form) over rows 0 .. rows - 1 of a
 void run_prompt_attention(const PagedAttention& a, int64_t rows, int64_t isa);
-// rows of both forms (prompt[t]: row t's is the prompt form; the rest decode rows), each by its kernel
-void run_attention_forms(const PagedAttention& a, const bool* prompt, int64_t rows, int64_t isa);
+// A step's rows by attention form (form 1: prompt[t] set, the prompt form; form 0: decode rows), each
+// form's rows in step order with their tables and contexts: made once a step, used by every layer
+struct AttentionForms {
+  std::vector<int64_t> rows[2];
+  std::vector<int32_t> seq[2], ctx[2];
+};
+AttentionForms attention_forms(const bool* prompt, const PagedAttention& a, int64_t rows);
+// each form's rows of `a` gathered, attended by its kernel, and scattered back
+void run_attention_forms(const PagedAttention& a, const AttentionForms& forms, int64_t isa);
 
 // opentgi::gguf_moe_up, opentgi::gguf_moe_down (moe_ops.cpp: grouped experts)
 at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, const at::Tensor& ids,

@@ -13,7 +13,6 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
-#include <initializer_list>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -279,29 +278,32 @@ at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 }  // namespace
 
-// Each form's rows gathered in step order with their tables and contexts, attended by its kernel
-// (as the modules' NativeAttentionBackend calls the two on these rows), the outputs scattered back.
-void run_attention_forms(const PagedAttention& all, const bool* prompt, int64_t rows, int64_t isa) {
+AttentionForms attention_forms(const bool* prompt, const PagedAttention& a, int64_t rows) {
+  AttentionForms f;
+  for (int64_t t = 0; t < rows; ++t) {
+    const int form = prompt[t] ? 1 : 0;
+    f.rows[form].push_back(t);
+    f.seq[form].push_back(a.seq[t]);
+    f.ctx[form].push_back(a.ctx[t]);
+  }
+  return f;
+}
+
+// as the modules' NativeAttentionBackend calls the two kernels on these rows
+void run_attention_forms(const PagedAttention& all, const AttentionForms& forms, int64_t isa) {
   const int64_t width = (int64_t)all.num_heads * all.head_dim;
-  for (const bool form : {false, true}) {
-    std::vector<int64_t> taken;
-    std::vector<int32_t> seq, ctx;
-    for (int64_t t = 0; t < rows; ++t)
-      if (prompt[t] == form) {
-        taken.push_back(t);
-        seq.push_back(all.seq[t]);
-        ctx.push_back(all.ctx[t]);
-      }
+  for (int form = 0; form < 2; ++form) {
+    const std::vector<int64_t>& taken = forms.rows[form];
     const int64_t n = (int64_t)taken.size();
     if (n == 0) continue;
     std::vector<float> q(n * width), out(n * width);
     for (int64_t i = 0; i < n; ++i) std::memcpy(q.data() + i * width, all.q + taken[i] * width, width * sizeof(float));
     PagedAttention a = all;
-    a.seq = seq.data();
-    a.ctx = ctx.data();
+    a.seq = forms.seq[form].data();
+    a.ctx = forms.ctx[form].data();
     a.q = q.data();
     a.out = out.data();
-    if (form) {
+    if (form == 1) {
       run_prompt_attention(a, n, isa);
     } else {
       a.kv_heads_per_item = kv_heads_per_item(n, a.num_kv_heads);

@@ -69,11 +69,10 @@ static inline void quantize_q8_block16(const float* v, ActQ8* out) {
 #endif
 
 void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out) {
-#ifdef OPENTGI_AVX512
-  for (int b = 0; b < K / QK; ++b) quantize_q8_block16(x + b * QK, out + b);
-  return;
-#endif
   for (int b = 0; b < K / QK; ++b) {
+#ifdef OPENTGI_AVX512
+    quantize_q8_block16(x + b * QK, out + b);
+#else
     const float* v = x + b * QK;
     float inv;
     out[b].d = block_scale(v, QK, &inv);
@@ -84,6 +83,7 @@ void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out) {
     }
     out[b].sum = sum;
     out[b].ds = out[b].d * (float)sum;
+#endif
   }
 }
 

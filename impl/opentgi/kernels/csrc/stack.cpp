@@ -269,11 +269,11 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   // every block any layer reads (windows only narrow what a row reads), checked once
   PagedAttention att = attention_args(k_caches[0], v_caches[0], block_tables, seq, ctx, T, H, D, 0, scale, softcap, op);
   TORCH_CHECK(k_caches[0].size(2) == KV, op, ": the caches hold ", k_caches[0].size(2), " kv heads, not ", KV);
-  const bool* prompt_rows = nullptr;  // rows of the prompt form (prompt_attention), the rest decode rows
+  std::optional<AttentionForms> forms;  // with prompt rows: each row's attention form
   if (prompt.has_value() && prompt->defined()) {
     TORCH_CHECK(prompt->scalar_type() == at::kBool && prompt->is_contiguous() && prompt->numel() == T, op,
                 ": prompt rows a bool [rows]");
-    prompt_rows = prompt->data_ptr<bool>();
+    forms = attention_forms(prompt->data_ptr<bool>(), att, T);
   }
   const int64_t cache_slots = k_caches[0].size(0) * k_caches[0].size(1);
   const int64_t slot_bytes = KV * D * k_caches[0].element_size();  // a token's row, in the cache's dtype
@@ -355,8 +355,8 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     att.window = windows[l] > 0 ? (int)windows[l] : 0;
     att.q = qf.data();
     att.out = out.data();
-    if (prompt_rows == nullptr) run_attention(att, T, isa);
-    else run_attention_forms(att, prompt_rows, T, isa);
+    if (forms.has_value()) run_attention_forms(att, *forms, isa);
+    else run_attention(att, T, isa);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {  // in the row dtype, as st rounds
       for (int64_t t = r0; t < r1; ++t)
         kv_row(isa, att_d.data() + t * H * D * es, dtype == ROW_BF16 ? KV_BF16 : KV_F32, out.data() + t * H * D,
