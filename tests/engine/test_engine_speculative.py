@@ -144,7 +144,7 @@ class RuleRunner:
     def free(self, seq):
         pass
 
-    def execute(self, seqs, num_new_tokens, sample_rows, logit_rows=(), score_rows=()):
+    def execute(self, seqs, num_new_tokens, sample_rows, logit_rows=(), score_rows=(), greedy_vocab=0):
         from opentgi.engine.execution.model_runner import StepOutput
 
         chosen = []

@@ -150,3 +150,27 @@ def test_rope_equals_apply_rotary_bit_for_bit(kernels, dtype):
         expected = apply_rotary(x, cos[:, None, :], sin[:, None, :])
         for isa in native.supported_isas():
             assert torch.equal(native.rope(x, cos, sin, isa), expected), (d, isa)
+
+
+def test_argmax_rows_is_numpys_argmax_of_the_rounded_row(kernels):
+    g = torch.Generator().manual_seed(7)
+    for size in (1, 7, 8, 13, 64, 577):
+        x = torch.randn(12, size, generator=g)
+        x[1] = 2.5  # every value the largest: the first
+        x[2] = float("-inf")
+        x[3, size // 2:] = x[3].max() + 1  # ties from the middle on, in the vectors and the tail
+        x[4, -1] = float("inf")
+        x[5, size // 3] = float("nan")  # the first NaN wins, wherever it lies
+        x[5, -1] = float("nan")
+        x[6, -1] = float("nan")
+        x[7, 0] = 1e30  # the largest first
+        x[8] = x[8].max() - x[8] * 1e-5  # distinct in float32, ties once rounded to bfloat16
+        x[9, :] = float("nan")
+        for n in {size, max(1, size - 3)}:
+            for bf16 in (False, True):
+                seen = (x.to(torch.bfloat16).float() if bf16 else x)[:, :n].numpy()
+                expected = seen.argmax(axis=-1).tolist()
+                for isa in native.supported_isas():
+                    assert native.argmax_rows(x, n, bf16, isa).tolist() == expected, (size, n, bf16, isa)
+    with pytest.raises(RuntimeError, match="1 <= n <= N"):
+        native.argmax_rows(torch.zeros(2, 4), 5, False)

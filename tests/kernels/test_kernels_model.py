@@ -1,20 +1,24 @@
 """A GGUF served on the native kernels (`--kernels native`): its projections and its tied head
 multiply the file's own blocks, its embedding looks rows up in them, the model computes what the
-torch path computes up to the activations' 8-bit rounding, and a sequence's logits are the same
-bits alone or in a batch."""
+torch path computes up to the activations' 8-bit rounding, a sequence's logits are the same
+bits alone or in a batch, and greedy rows without logprobs get the stack's argmax."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 
 from opentgi.config import Settings
+from opentgi.engine.request import GenerationRequest, SamplingParams, StoppingParams
 from opentgi.kernels import native
 from opentgi.models.loader import load_model
 from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, GGUFEmbedding
 from opentgi.models.quantization.linear import QuantizedLinear
 from tests.helpers import tiny_models
+from tests.helpers.engine import generate, running
 from tests.helpers.paged import PagedRunner
 
 torch.set_num_threads(1)
@@ -120,3 +124,28 @@ def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(native_model):
         first = model.compute_logits(alone.step({0: [token]}))
         batch = model.compute_logits(together.step({0: [token], 1: [token + 1], 2: [token + 2]}))
         assert torch.equal(first[0], batch[0])
+
+
+def test_greedy_rows_without_logprobs_take_the_stacks_argmax_and_the_same_tokens(native_model):
+    """A step whose rows want only their greedy tokens gets them from the decode stack's call
+    (StepOutput.sample_tokens, no logits); the tokens are those the logits give."""
+    prompt = native_model.tokenizer("Once upon a time")["input_ids"]
+
+    async def tokens(needs_logprobs: bool) -> tuple[list[int], int]:
+        async with running(native_model) as engine:
+            execute, argmaxed = engine.runner.execute, []
+
+            def spy(*args, **kwargs):
+                out = execute(*args, **kwargs)
+                argmaxed.append(out.sample_tokens is not None)
+                return out
+
+            engine.runner.execute = spy
+            result = await generate(engine, GenerationRequest(
+                prompt, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True),
+                needs_logprobs=needs_logprobs))
+            return result.sequences[0].token_ids, sum(argmaxed)
+
+    (with_logprobs, none), (without, taken) = asyncio.run(tokens(True)), asyncio.run(tokens(False))
+    assert without == with_logprobs and len(without) == 12
+    assert none == 0 and taken == 11  # every decode step; the prompt's step goes through the modules

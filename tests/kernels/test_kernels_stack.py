@@ -178,6 +178,30 @@ def test_logits_of_the_stacks_call_equal_the_heads_of_the_modules(request, dtype
         assert torch.equal(a, b)
 
 
+class GreedyAndLogits:
+    """The stack's call for the greedy tokens, checked against numpy's argmax of the same step's
+    logits (the step run twice: the second writes the cache slots the first wrote, alike)."""
+
+    def __init__(self, model, vocab: int):
+        self.model, self.vocab, self.spec = model, vocab, model.spec
+
+    def __call__(self, *args):
+        tokens = self.model.decode_logits(*args, greedy=self.vocab)
+        logits = self.model.decode_logits(*args)
+        assert tokens.dtype == torch.int64
+        assert tokens.tolist() == logits[:, :self.vocab].numpy().argmax(axis=-1).tolist()
+        return logits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_of_the_stacks_call_are_the_argmax_of_its_logits(request, dtype):
+    model = request.getfixturevalue("float32_model" if dtype == "float32" else "mixed_bf16_model")
+    for vocab in (model.config.vocab_size, model.config.vocab_size - 7):  # the sampler's, below the head's
+        runner = PagedRunner(GreedyAndLogits(model, vocab))
+        for new_tokens in [{0: [5], 1: [3]}, {0: [9], 1: [10]}, {1: [12]}]:
+            runner.step(new_tokens)
+
+
 def test_biases_are_added_as_the_modules_add_them(float32_model):
     model = float32_model
     gen = torch.Generator().manual_seed(0)

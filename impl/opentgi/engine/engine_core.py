@@ -22,7 +22,7 @@ from opentgi.engine.events import PrefillToken
 from opentgi.engine.observer import EngineObserver
 from opentgi.engine.output.output_processor import OutputProcessor
 from opentgi.engine.request import FinishReason
-from opentgi.engine.sampling.sampler import Sampler
+from opentgi.engine.sampling.sampler import Sampler, SamplerOutput
 from opentgi.engine.sampling.speculative import verify
 from opentgi.engine.scheduling.request_state import Delivery, RequestState
 from opentgi.engine.scheduling.scheduler import Scheduler, SchedulerOutput
@@ -122,7 +122,7 @@ class EngineCore:
         deliveries: dict[str, Delivery] = {}
         try:
             result = self.runner.execute(out.seqs, out.num_new_tokens, plan.sample_rows, plan.logit_rows,
-                                         plan.score_rows)
+                                         plan.score_rows, greedy_vocab=self._greedy_vocab(out, plan))
             tokens = self._sample(out, plan, result)
             plan.timings.forward_done()
             self.scheduler.update_from_output(out, tokens.token_ids)
@@ -160,6 +160,16 @@ class EngineCore:
         if preempted:
             self.observer.on_preemption(len(preempted))
 
+    def _greedy_vocab(self, out: SchedulerOutput, plan: StepPlan) -> int:
+        """The vocabulary size where each sampled row's token is the argmax of its logits and
+        nothing else of them is used (no drafts, processors or logprobs): the runner may then
+        return the tokens alone. Else 0."""
+        sampled = [out.seqs[r] for r in plan.sample_rows]
+        if not sampled or any(s.draft_token_ids for s in sampled):
+            return 0
+        batch = self.sampler.batch_for(sampled)
+        return self.sampler.vocab_size if batch.plain_greedy and not batch.any_logprobs else 0
+
     def _sample(self, out: SchedulerOutput, plan: StepPlan, result) -> RowTokens:
         """The chosen tokens of each scheduled row ([] for rows that sample nothing this step)."""
         tokens = RowTokens.empty(len(out.seqs))
@@ -175,7 +185,10 @@ class EngineCore:
             self.observer.on_speculation(draft_tokens=[len(d) for d in drafts],
                                          accepted_tokens=[len(t) - 1 for t in vout.token_ids])
             return tokens
-        sout = self.sampler.sample(sampled, result.sample_logits)
+        if result.sample_tokens is not None:  # the runner's argmax (_greedy_vocab): the whole answer
+            sout = SamplerOutput(result.sample_tokens, [None] * len(sampled), [None] * len(sampled))
+        else:
+            sout = self.sampler.sample(sampled, result.sample_logits)
         if self.scheduler.proposer is not None:  # TGI records every generation's skipped tokens
             self.observer.on_speculation(draft_tokens=[0] * len(sampled), accepted_tokens=[0] * len(sampled))
         for i, row in enumerate(plan.sample_rows):

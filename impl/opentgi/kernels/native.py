@@ -164,6 +164,10 @@ def _register_fake() -> None:
     def _(gate_up, isa):
         return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
+    @torch.library.register_fake("opentgi::argmax_rows")
+    def _(x, n, bf16, isa):
+        return x.new_empty(x.shape[0], dtype=torch.long)
+
     @torch.library.register_fake("opentgi::moe_route")
     def _(x, w, k, renormalize):
         return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
@@ -274,3 +278,10 @@ def silu_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
 def gelu_tanh_mul(gate_up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """gelu(gate, approximate="tanh") * up, gate and up the two halves of gate_up's last dim (GeGLU)."""
     return torch.ops.opentgi.gelu_tanh_mul(gate_up, _isa(isa))
+
+
+def argmax_rows(x: torch.Tensor, n: int, bf16: bool, isa: str | None = None) -> torch.Tensor:
+    """int64 [rows]: each row of float32 x's argmax over its first n values as rounded to bfloat16
+    (bf16) or as they are, numpy's (the first of equal largest; the first NaN where there is one):
+    the greedy tokens the decode stack gives instead of its logits."""
+    return torch.ops.opentgi.argmax_rows(x, int(n), bool(bf16), _isa(isa))

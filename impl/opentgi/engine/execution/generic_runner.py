@@ -50,7 +50,8 @@ class GenericRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
-                logit_rows: list[int] = (), score_rows: list[int] = ()) -> StepOutput:
+                logit_rows: list[int] = (), score_rows: list[int] = (), greedy_vocab: int = 0) -> StepOutput:
+        # greedy_vocab: transformers' models return logits, whatever the rows want of them
         out = StepOutput(sample_logits=None)
         sample_set = set(sample_rows)
         logit_set = set(logit_rows)

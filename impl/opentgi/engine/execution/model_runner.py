@@ -35,6 +35,9 @@ from opentgi.models.layers.row_kinds import RowKinds, step_row_kinds
 class StepOutput:
     # [sum of k, vocab]: the last k new positions of each sample row in order, k = 1 + its drafts
     sample_logits: torch.Tensor | None
+    # each sample row's greedy token instead of its logits, where the step asked for them alone
+    # (execute's greedy_vocab) and the model could give them
+    sample_tokens: list[int] | None = None
     position_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> [n_new, vocab]
     scores: dict[int, float] = field(default_factory=dict)  # row -> reward model score
 
@@ -202,7 +205,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int], sample_rows: list[int],
-                logit_rows: list[int] = (), score_rows: list[int] = ()) -> StepOutput:
+                logit_rows: list[int] = (), score_rows: list[int] = (), greedy_vocab: int = 0) -> StepOutput:
+        """The step's outputs. greedy_vocab > 0: every sample row wants only the argmax of its
+        first greedy_vocab logits, which may come back as sample_tokens instead of the logits."""
         input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)
         extra = {}
         if self.vision is not None and any(s.request.images for s in seqs):
@@ -220,8 +225,10 @@ class ModelRunner:
         if (decode_logits is not None and sample_rows and not logit_rows and not score_rows and not extra
                 and self.lora is None and (prompt_new is None or not any(prompt_new))
                 and sample_positions(seqs, sample_rows, cu_q) == list(range(cu_q[-1]))):
-            # every row sampled in order: its logits in one call where the model has it
-            logits = in_mode(decode_logits)(input_ids, positions, attn, self.kv_caches)
+            # every row sampled in order: its logits (or greedy tokens) in one call where the model has it
+            logits = in_mode(decode_logits)(input_ids, positions, attn, self.kv_caches, greedy=greedy_vocab)
+            if logits is not None and greedy_vocab:
+                return StepOutput(sample_logits=None, sample_tokens=logits.tolist())
             if logits is not None:
                 return StepOutput(sample_logits=logits)
         forward = in_mode(self.model.forward)

@@ -44,7 +44,8 @@ class ShardedModelRunner(ModelRunner):
 
     # --- the driver (rank 0) ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, seqs, num_new_tokens, sample_rows, logit_rows=(), score_rows=()) -> StepOutput:
+    def execute(self, seqs, num_new_tokens, sample_rows, logit_rows=(), score_rows=(), greedy_vocab=0) -> StepOutput:
+        # greedy_vocab: the ranks return logits, whatever the rows want of them
         if self.failure is not None:
             raise RuntimeError(self.failure)
         input_ids, positions, attn, cu_q = self.prepare(seqs, num_new_tokens)

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 // The AVX-512 variant is the AVX2 code (OPENTGI_AVX2 holds in both) compiled with AVX-512's
 // encodings (32 vector registers) plus, under OPENTGI_AVX512, wider or fused forms of the same
@@ -43,6 +44,25 @@
 #define OPENTGI_FN(name) OPENTGI_CAT(name, OPENTGI_ISA)
 
 namespace opentgi {
+
+// Working memory that grows to the largest size asked of it and is never cleared, for buffers whose
+// every element is written before it is read (a std::vector zeroes what it grows by, every time it
+// grows again after a smaller size).
+template <class T>
+class Scratch {
+ public:
+  T* get(size_t n) {
+    if (n > size_) {
+      data_.reset(new T[n]);
+      size_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<T[]> data_;
+  size_t size_ = 0;
+};
 
 constexpr int QK = 32;     // values in a Q4_0 / Q4_1 / Q8_0 block
 constexpr int QK_K = 256;  // values in a K-quant superblock

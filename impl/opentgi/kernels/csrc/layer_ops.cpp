@@ -4,6 +4,7 @@
 // row (and the ISA).
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "attention.h"
 #include "common.h"
@@ -212,6 +213,45 @@ void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int 
     const float rot = buf[i < half ? i + half : i - half];
     store(x, i, round_to(buf[i] * load(cos, i, dtype), dtype) + round_to(rot * load(sin, i, dtype), dtype), dtype);
   }
+}
+
+int64_t OPENTGI_FN(argmax_row)(const float* x, int n, int dtype) {
+  int i = 0;
+  int64_t best = 0;
+  float top = -std::numeric_limits<float>::infinity();
+#ifdef OPENTGI_AVX2
+  if (n >= 8) {  // lane j: the first index of its largest among i = j mod 8 (strictly larger replaces)
+    __m256 lane_top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
+    __m256i lane_at = _mm256_setzero_si256(), at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (; i + 8 <= n; i += 8) {
+      __m256 v = _mm256_loadu_ps(x + i);
+      if (dtype == ROW_BF16) v = round_bf16_8(v);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 up = _mm256_cmp_ps(v, lane_top, _CMP_GT_OQ);
+      lane_top = _mm256_blendv_ps(lane_top, v, up);
+      lane_at = _mm256_blendv_epi8(lane_at, at, _mm256_castps_si256(up));
+      at = _mm256_add_epi32(at, step);
+    }
+    if (_mm256_movemask_ps(nan) != 0) {  // the first NaN, in order
+      for (int j = 0; j < i; ++j)
+        if (std::isnan(round_to(x[j], dtype))) return j;
+    }
+    alignas(32) float tops[8];
+    alignas(32) int32_t ats[8];
+    _mm256_store_ps(tops, lane_top);
+    _mm256_store_si256((__m256i*)ats, lane_at);
+    best = ats[0], top = tops[0];
+    for (int j = 1; j < 8; ++j)
+      if (tops[j] > top || (tops[j] == top && ats[j] < best)) best = ats[j], top = tops[j];
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = round_to(x[i], dtype);
+    if (std::isnan(v)) return i;
+    if (v > top || i == 0) best = i, top = v;
+  }
+  return best;
 }
 
 void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtype, int n) {

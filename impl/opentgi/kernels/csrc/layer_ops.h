@@ -47,4 +47,10 @@ void weighted_add_row_avx2(float* acc, const float* y, float w, int n, int dtype
 void kv_store_row_scalar(void* dst, int kv_dtype, const void* src, int dtype, int n);
 void kv_store_row_avx2(void* dst, int kv_dtype, const void* src, int dtype, int n);
 
+// The first index of the largest of n float32 values as rounded to the row dtype (a row of logits
+// as the LM head returns them), or of the first NaN where there is one: numpy's argmax of the
+// rounded row. The same index in both variants.
+int64_t argmax_row_scalar(const float* x, int n, int dtype);
+int64_t argmax_row_avx2(const float* x, int n, int dtype);
+
 }  // namespace opentgi

@@ -366,14 +366,13 @@ void add_passes(const float* y, int64_t M, int64_t N, int passes, float* out, in
 
 // out [M, N] float32 (rows ldo apart, N by default) = x [M, K] float32 @ W.T: rows quantized,
 // outputs split among the threads
-void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float* out, std::vector<uint8_t>& act,
+void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float* out, Scratch<uint8_t>& act,
                 int64_t ldo = 0) {
   if (M == 0 || mm.N == 0) return;
   if (ldo == 0) ldo = mm.N;
   const int passes = mm.passes;
-  act.resize(M * passes * mm.act_row_bytes);
-  quantize_rows(x, M, (int)mm.K, mm.k.act, isa, act.data(), mm.act_row_bytes, passes);
-  const uint8_t* ap = act.data();
+  uint8_t* ap = act.get(M * passes * mm.act_row_bytes);
+  quantize_rows(x, M, (int)mm.K, mm.k.act, isa, ap, mm.act_row_bytes, passes);
   std::vector<float> y(passes > 1 ? M * passes * mm.N : 0);
   float* dst = passes > 1 ? y.data() : out;
   const int64_t stride = passes > 1 ? mm.N : ldo;
@@ -390,7 +389,7 @@ void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float*
 // over the parts' groups of outputs (Kernel::unit), so each part's outputs come out as run_matmul's,
 // bit for bit.
 void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, int64_t isa, float* out,
-                 std::vector<uint8_t>& act, int64_t ldo) {
+                 Scratch<uint8_t>& act, int64_t ldo) {
   if (M == 0 || parts.empty()) return;
   if (parts.size() == 1) {
     run_matmul(parts[0], x, M, isa, out, act, ldo);
@@ -411,13 +410,12 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
       total += (size_t)M * parts[j].passes * parts[j].act_row_bytes;
     }
   }
-  act.resize(total);
+  uint8_t* ap = act.get(total);
   for (size_t j = 0; j < parts.size(); ++j) {
     bool first = true;
     for (size_t k = 0; k < j; ++k) first = first && at[k] != at[j];
     if (first)
-      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, act.data() + at[j], parts[j].act_row_bytes,
-                    parts[j].passes);
+      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, ap + at[j], parts[j].act_row_bytes, parts[j].passes);
   }
   // two-pass parts' products per pass, added after
   std::vector<size_t> ys(parts.size());
@@ -438,7 +436,7 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
       const int64_t n0 = (a - group0[j]) * mm.k.unit, n1 = std::min<int64_t>((b - group0[j]) * mm.k.unit, mm.N);
       float* dst = mm.passes > 1 ? y.data() + ys[j] : out + off[j];
       const int64_t stride = mm.passes > 1 ? mm.N : ldo;
-      mm.k.matmul(mm.w, mm.row_bytes, act.data() + at[j], mm.act_row_bytes, (int)(M * mm.passes), (int)n0, (int)n1,
+      mm.k.matmul(mm.w, mm.row_bytes, ap + at[j], mm.act_row_bytes, (int)(M * mm.passes), (int)n0, (int)n1,
                   (int)mm.K, dst, (int)stride);
     }
   });

@@ -26,6 +26,10 @@ void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const
 void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int dtype, void* out, float* buf);
 // kv_store_row (layer_ops.h) on the ISA's variant
 void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, int n);
+// argmax_row (layer_ops.h) on the ISA's variant
+int64_t argmax_of(int64_t isa, const float* x, int n, int dtype);
+// each row's argmax_of over its first n values (rows of N float32 values), among the threads
+void argmax_rows(int64_t isa, const float* x, int64_t M, int64_t N, int64_t n, int dtype, int64_t* out);
 // rope_row (layer_ops.h) on the ISA's variant; buf: D floats
 void rope(int64_t isa, void* x, const void* cos, const void* sin, int D, int dtype, float* buf);
 // weighted_add_row (layer_ops.h) on the ISA's variant

@@ -33,7 +33,7 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
                                 x.scalar_type() == at::kBFloat16);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
-  std::vector<uint8_t> act;
+  Scratch<uint8_t> act;
   run_matmul(mm, xf.data_ptr<float>(), x.size(0), isa, out.data_ptr<float>(), act);
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
@@ -397,7 +397,32 @@ void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, in
   kv_store_row_scalar(dst, kv_dtype, src, dtype, n);
 }
 
+int64_t argmax_of(int64_t isa, const float* x, int n, int dtype) {
+#ifdef OPENTGI_WITH_AVX2
+  if (isa >= AVX2) return argmax_row_avx2(x, n, dtype);
+#endif
+  return argmax_row_scalar(x, n, dtype);
+}
+
+void argmax_rows(int64_t isa, const float* x, int64_t M, int64_t N, int64_t n, int dtype, int64_t* out) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) out[m] = argmax_of(isa, x + m * N, (int)n, dtype);
+  });
+}
+
 namespace {
+
+// opentgi::argmax_rows: float32 x [M, N] -> int64 [M], each row's argmax_of over its first n values
+// as rounded to bfloat16 (bf16) or as they are
+at::Tensor argmax_rows_op(const at::Tensor& x, int64_t n, bool bf16, int64_t isa) {
+  check_isa(isa, "argmax_rows");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && n >= 1 && n <= x.size(1), "argmax_rows: x float32 "
+              "[rows, N] and 1 <= n <= N");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  argmax_rows(isa, xc.data_ptr<float>(), x.size(0), x.size(1), n, bf16 ? ROW_BF16 : ROW_F32, out.data_ptr<int64_t>());
+  return out;
+}
 
 // Fused layer ops (layer_ops.h), rows split among torch's intra-op threads, each row by one thread.
 // The norm's weight: [n] for every row, or [R, n] with row r taking weight r % R (q's and k's heads
@@ -534,6 +559,7 @@ at::Tensor isas_op() {
 TORCH_LIBRARY(opentgi, m) {
   m.def("gguf_mm(Tensor x, Tensor w, int qtype, int out_features, int isa, int passes=1) -> Tensor");
   m.def("isas() -> Tensor");
+  m.def("argmax_rows(Tensor x, int n, bool bf16, int isa) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, Tensor ctx, "
         "float scale, int window, float softcap, int isa) -> Tensor");
   m.def("prompt_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq, Tensor ctx, "
@@ -548,6 +574,7 @@ TORCH_LIBRARY(opentgi, m) {
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {
   m.impl("gguf_mm", gguf_mm);
+  m.impl("argmax_rows", argmax_rows_op);
   m.impl("paged_attention", paged_attention);
   m.impl("prompt_attention", prompt_attention);
   m.impl("rms_norm", rms_norm);

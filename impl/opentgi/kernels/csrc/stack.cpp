@@ -50,33 +50,29 @@ struct Projection {
 };
 
 // out [M, N] (dtype) = x [M, K] (dtype) @ W.T, each part's outputs rounded to the dtype and then its
-// bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute
-void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, std::vector<float>& xf,
-                 std::vector<float>& of, std::vector<uint8_t>& act, void* out) {
+// bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute.
+// Returns the float32 products before that rounding; with out null, only them (in `of`).
+const float* linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, Scratch<float>& xf,
+                         Scratch<float>& of, Scratch<uint8_t>& act, void* out) {
   const int64_t K = p.K, N = p.N;
   const float* xin = (const float*)x;
   if (dtype != ROW_F32) {  // the rows as float32 (exact), a row a call of the ISA's conversion
-    xf.resize(M * K);
-    float* f = xf.data();
+    float* f = xf.get(M * K);
     at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) kv_row(isa, f + m * K, KV_F32, (const uint16_t*)x + m * K, dtype, (int)K);
     });
     xin = f;
   }
-  float* o = (float*)out;
-  if (dtype != ROW_F32) {
-    of.resize(M * N);
-    o = of.data();
-  }
+  float* o = dtype != ROW_F32 || out == nullptr ? of.get(M * N) : (float*)out;
   run_matmuls(p.parts, xin, M, isa, o, act, N);
   bool any_bias = false;
   for (const void* b : p.biases) any_bias = any_bias || b != nullptr;
-  if (dtype == ROW_F32 && !any_bias) return;
+  if (out == nullptr || (dtype == ROW_F32 && !any_bias)) return o;
   if (!any_bias) {  // rounded to the dtype once (to_dtype then st rounds twice: the same bits), a row a call
     at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) kv_row(isa, (uint16_t*)out + m * N, KV_BF16, o + m * N, ROW_F32, (int)N);
     });
-    return;
+    return o;
   }
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
@@ -88,6 +84,7 @@ void linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64
           st(out, i, v, dtype);
         }
   });
+  return o;
 }
 
 // A routed-experts layer: the router's float32 weight [E, hidden] and each expert's gate_up and
@@ -145,9 +142,17 @@ std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef q
 
 // projections_of's result (and the biases' copies it points into), kept across calls by
 // DecodeStackArgs: made again only where a call's hidden size, head_dim or dtype differ
+// A step's working memory, kept from step to step (each buffer written before it is read)
+struct StepScratch {
+  Scratch<char> qkv, att_d, o, d, gu, a;
+  Scratch<float> qf, out, xf, of;
+  Scratch<uint8_t> act;
+};
+
 struct Prepared {
   std::vector<Projection> projections;
   std::vector<at::Tensor> kept;
+  StepScratch scratch;
   int64_t hidden = -1, D = -1;
   at::ScalarType dt = at::kFloat;
 };
@@ -291,10 +296,16 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   for (int64_t l = 0; l < L; ++l) gu_max = std::max(gu_max, projections[4 * l + 2].N);
   at::Tensor x_rows = at::empty({T, hidden}, h.options());  // the normed rows (an expert call's input)
   char* x = (char*)x_rows.data_ptr();
-  std::vector<char> qkv(T * qkv_n * es), att_d(T * H * D * es), o(T * hidden * es),
-      d(T * hidden * es), gu(T * gu_max * es), a(T * gu_max / 2 * es);
-  std::vector<float> qf(T * H * D), out(T * H * D), xf, of;
-  std::vector<uint8_t> act;
+  StepScratch& sc = prepared->scratch;
+  char* qkv = sc.qkv.get(T * qkv_n * es);
+  char* att_d = sc.att_d.get(T * H * D * es);
+  char* o = sc.o.get(T * hidden * es);
+  char* d = sc.d.get(T * hidden * es);
+  char* gu = sc.gu.get(T * gu_max * es);
+  char* a = sc.a.get(T * gu_max / 2 * es);
+  float* qf = sc.qf.get(T * H * D);
+  float* out = sc.out.get(T * H * D);
+  std::memset(out, 0, sizeof(float) * T * H * D);  // a row no attention form writes reads zeros
   char* hp = (char*)h.data_ptr();
   // x = norm(src) (with `residual`: of src + h, the sum stored to h), row by row
   const auto norm_all = [&](const void* src, bool residual, const at::Tensor& w) {
@@ -318,8 +329,8 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   const int64_t per = sandwich ? 4 : 2;
   for (int64_t l = 0; l < L; ++l) {
     const Projection* mm = &projections[4 * l];
-    if (sandwich || l == 0) norm_all(hp, false, norms[per * l]); else norm_all(d.data(), true, norms[per * l]);
-    linear_rows(mm[0], x, T, dtype, isa, xf, of, act, qkv.data());
+    if (sandwich || l == 0) norm_all(hp, false, norms[per * l]); else norm_all(d, true, norms[per * l]);
+    linear_rows(mm[0], x, T, dtype, isa, sc.xf, sc.of, sc.act, qkv);
     char* kc = (char*)k_caches[l].data_ptr();
     char* vc = (char*)v_caches[l].data_ptr();
     const char* cp = (const char*)cos[ropes[l]].data_ptr();
@@ -330,7 +341,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(D + 8);
       for (int64_t t = r0; t < r1; ++t) {
-        char* row = qkv.data() + t * qkv_n * es;
+        char* row = qkv + t * qkv_n * es;
         const char* c = cp + t * D * es;
         const char* s = sp + t * D * es;
         for (int64_t j = 0; j < H + KV; ++j) {
@@ -339,7 +350,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
             norm_row(isa, hd, nullptr, nullptr, qkw + j * qkw_row, qkw_f32, (int)D, (float)eps, dtype, hd, buf.data());
           rope(isa, hd, c, s, (int)D, dtype, buf.data());  // x * cos + cat(x2, x1) * signed sin
         }
-        kv_row(isa, qf.data() + t * H * D, KV_F32, row, dtype, (int)(H * D));
+        kv_row(isa, qf + t * H * D, KV_F32, row, dtype, (int)(H * D));
         if (sl[t] >= 0) {  // in the cache's dtype (float16 caches: rounded to nearest even)
           kv_row(isa, kc + sl[t] * slot_bytes, att.kv_dtype, row + H * D * es, dtype, (int)(KV * D));
           kv_row(isa, vc + sl[t] * slot_bytes, att.kv_dtype, row + (H + KV) * D * es, dtype, (int)(KV * D));
@@ -353,39 +364,39 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     att.k_cache = kc;
     att.v_cache = vc;
     att.window = windows[l] > 0 ? (int)windows[l] : 0;
-    att.q = qf.data();
-    att.out = out.data();
+    att.q = qf;
+    att.out = out;
     if (forms.has_value()) run_attention_forms(att, *forms, isa);
     else run_attention(att, T, isa);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {  // in the row dtype, as st rounds
       for (int64_t t = r0; t < r1; ++t)
-        kv_row(isa, att_d.data() + t * H * D * es, dtype == ROW_BF16 ? KV_BF16 : KV_F32, out.data() + t * H * D,
+        kv_row(isa, att_d + t * H * D * es, dtype == ROW_BF16 ? KV_BF16 : KV_F32, out + t * H * D,
                ROW_F32, (int)(H * D));
     });
-    linear_rows(mm[1], att_d.data(), T, dtype, isa, xf, of, act, o.data());
+    linear_rows(mm[1], att_d, T, dtype, isa, sc.xf, sc.of, sc.act, o);
     if (sandwich) {
-      norm_add(o.data(), norms[per * l + 1]);
+      norm_add(o, norms[per * l + 1]);
       norm_all(hp, false, norms[per * l + 2]);
     } else {
-      norm_all(o.data(), true, norms[per * l + 1]);
+      norm_all(o, true, norms[per * l + 1]);
     }
     if (moe[l]) {
-      routed_experts(experts[l], x_rows, (int)act_kind, top_k, renormalize, isa, d.data());
+      routed_experts(experts[l], x_rows, (int)act_kind, top_k, renormalize, isa, d);
     } else {
-      linear_rows(mm[2], x, T, dtype, isa, xf, of, act, gu.data());
+      linear_rows(mm[2], x, T, dtype, isa, sc.xf, sc.of, sc.act, gu);
       const int64_t I = mm[2].N / 2;
       at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
         std::vector<float> buf(I + 8);
         for (int64_t r = r0; r < r1; ++r)
-          act_row(isa, (int)act_kind, gu.data() + r * 2 * I * es, gu.data() + (r * 2 + 1) * I * es, (int)I, dtype,
-                  a.data() + r * I * es, buf.data());
+          act_row(isa, (int)act_kind, gu + r * 2 * I * es, gu + (r * 2 + 1) * I * es, (int)I, dtype,
+                  a + r * I * es, buf.data());
       });
-      linear_rows(mm[3], a.data(), T, dtype, isa, xf, of, act, d.data());
+      linear_rows(mm[3], a, T, dtype, isa, sc.xf, sc.of, sc.act, d);
     }
-    if (sandwich) norm_add(d.data(), norms[per * l + 3]);
+    if (sandwich) norm_add(d, norms[per * l + 3]);
   }
   if (!sandwich)
-    for (int64_t i = 0; i < T * hidden; ++i) st(hp, i, ld(d.data(), i, dtype) + ld(hp, i, dtype), dtype);
+    for (int64_t i = 0; i < T * hidden; ++i) st(hp, i, ld(d, i, dtype) + ld(hp, i, dtype), dtype);
   return h;
 }
 
@@ -512,16 +523,17 @@ std::vector<at::Tensor> table_rows(at::TensorList tables, const at::Tensor& posi
 // looked up in args' embedding), their positions (their RoPE rows gathered
 // from each whole table here), slots, tails and native rows; then the final norm where args hold
 // one (models/layers/norm.py's RMSNorm: rms_norm's rows); with `logits`, the LM head's matmul of
-// the normed rows (gguf_mm's, in h's dtype) instead of them.
+// the normed rows (gguf_mm's, in h's dtype) instead of them; with `greedy` > 0 as well, each row's
+// argmax over the first `greedy` of those logits (int64 [rows]: argmax_of) instead of the logits.
 at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const at::Tensor& h,
                             const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
                             const at::Tensor& slots, const std::optional<at::Tensor>& tails,
                             const at::Tensor& block_tables, const at::Tensor& seq, const at::Tensor& ctx,
-                            bool logits, const std::optional<at::Tensor>& prompt) {
+                            bool logits, const std::optional<at::Tensor>& prompt, int64_t greedy) {
   const char* op = "decode_stack_run";
   TORCH_CHECK((h.dim() == 2 || (h.dim() == 1 && a->embedding.has_value())) && positions.numel() == h.size(0), op,
               ": h [rows, hidden] (or token ids [rows] with a Q8_0 embedding in args) and a position a row");
-  TORCH_CHECK(!logits || a->head.has_value(), op, ": logits asked of args without an LM head");
+  TORCH_CHECK((!logits && greedy == 0) || a->head.has_value(), op, ": logits asked of args without an LM head");
   std::lock_guard<std::mutex> lock(a->mu);
   const at::Tensor rows = h.dim() == 1 ? embed_q8_0(*a->embedding, h, a->embed_bf16, op) : h;
   const std::vector<at::Tensor> cos = table_rows(cos_tables, positions, op), sin = table_rows(sin_tables, positions, op);
@@ -546,17 +558,23 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
       norm_row(a->isa, xp + r * n * es, nullptr, nullptr, w.data_ptr(), w.scalar_type() == at::kFloat, (int)n,
                (float)a->final_eps, dtype, np + r * n * es, buf.data());
   });
-  if (!logits) return normed;
+  if (!logits && greedy == 0) return normed;
   Projection head;
   head.parts.push_back(
       make_matmul(*a->head, a->head_qtype, a->head_n, n, a->isa, op, a->head_passes, dtype == ROW_BF16));
   head.biases.push_back(nullptr);
   head.N = a->head_n;
   head.K = n;
+  StepScratch& sc = a->prepared.scratch;
+  if (greedy > 0) {  // each row's argmax over its first `greedy` logits, as `logits` would return them
+    TORCH_CHECK(greedy <= a->head_n, op, ": greedy=", greedy, " past the head's ", a->head_n, " outputs");
+    const float* products = linear_rows(head, normed.data_ptr(), T, dtype, a->isa, sc.xf, sc.of, sc.act, nullptr);
+    at::Tensor tokens = at::empty({T}, out.options().dtype(at::kLong));
+    argmax_rows(a->isa, products, T, a->head_n, greedy, dtype, tokens.data_ptr<int64_t>());
+    return tokens;
+  }
   at::Tensor out_logits = at::empty({T, a->head_n}, out.options());
-  std::vector<float> xf, of;
-  std::vector<uint8_t> act;
-  linear_rows(head, normed.data_ptr(), T, dtype, a->isa, xf, of, act, out_logits.data_ptr());
+  linear_rows(head, normed.data_ptr(), T, dtype, a->isa, sc.xf, sc.of, sc.act, out_logits.data_ptr());
   return out_logits;
 }
 
@@ -566,7 +584,7 @@ TORCH_LIBRARY_FRAGMENT(opentgi, m) {
   m.class_<DecodeStackArgs>("DecodeStackArgs").def(torch::init(&make_stack_args));
   m.def("decode_stack_run(__torch__.torch.classes.opentgi.DecodeStackArgs args, Tensor h, Tensor positions, "
         "Tensor[] cos_tables, Tensor[] sin_tables, Tensor slots, Tensor? tails, Tensor block_tables, Tensor seq, "
-        "Tensor ctx, bool logits=False, Tensor? prompt=None) -> Tensor");
+        "Tensor ctx, bool logits=False, Tensor? prompt=None, int greedy=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {

@@ -234,15 +234,17 @@ class PagedDecoder(nn.Module):
 
     @torch.inference_mode()
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], greedy: int = 0) -> torch.Tensor | None:
         """`compute_logits(forward(...))` of every row in one native call (the decode stack ending
         with the LM head: models/families/native_stack.py), or None where that call does not
-        take the step (the caller runs `forward` and `compute_logits`)."""
+        take the step (the caller runs `forward` and `compute_logits`). With `greedy` > 0, each
+        row's greedy token instead (int64 [rows]): the first index of the largest of its first
+        `greedy` logits, numpy's argmax of those logits."""
         stack = self.native_stack
         if stack is None or stack.head is None or self.__dict__.get("lora") is not None:
             return None
-        logits = stack(input_ids, positions, attn, kv_caches, logits=True)
-        return logits if logits is None or logits.dtype == torch.float32 else logits.float()
+        logits = stack(input_ids, positions, attn, kv_caches, logits=True, greedy=greedy)
+        return logits if logits is None or logits.dtype in (torch.float32, torch.int64) else logits.float()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -273,9 +273,11 @@ class NativeDecodeStack:
         return self.args
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits: bool = False) -> torch.Tensor | None:
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits: bool = False,
+                 greedy: int = 0) -> torch.Tensor | None:
         """The decoder's output for this step (the last layer's, normed by the final norm; with
-        `logits`, where `head` is set, the LM head's output of it instead), or None where the step
+        `logits`, where `head` is set, the LM head's output of it instead; with `greedy` > 0 as
+        well, each row's argmax over the first `greedy` of those logits, int64), or None where the step
         has tokens the native attention does not attend as decode rows (the modules take it).
         h: the rows [rows, hidden], or with `embedding` the token ids int64 [rows]; positions:
         int64 [rows]."""
@@ -305,7 +307,7 @@ class NativeDecodeStack:
         # script objects (torch.compile's), which a step never passes
         out = getattr(op, "_op", op)(args, h, positions, [cos for cos, _ in tables], [sin for _, sin in tables],
                                      meta.slot_mapping, plan.tails, rows.block_tables, rows.seq, rows.ctx, logits,
-                                     prompt)
+                                     prompt, min(greedy, self.head.out_features) if logits and greedy else 0)
         return out if self.final_weight is not None else self.final_norm(out)
 
     @staticmethod
