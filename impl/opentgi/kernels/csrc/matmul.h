@@ -14,9 +14,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "common.h"
+#include "op_helpers.h"
 
 namespace opentgi {
 
@@ -305,13 +307,20 @@ void residual(const float* row, int K, int act, const uint8_t* q, float* out) {
   }
 }
 
-void quantize_rows(const float* x, int64_t M, int K, int layout, int64_t isa, uint8_t* act, size_t arb,
-                   int passes = 1, const int64_t* src = nullptr) {
+// Rows of x (float32, or bfloat16: x_dtype, RowDtype) quantized into `layout`, row m from x's row
+// src[m] (m without src), in `passes` passes; a bfloat16 row widened (exactly) first, by its thread.
+void quantize_rows(const void* x, int64_t M, int K, int layout, int64_t isa, uint8_t* act, size_t arb,
+                   int passes = 1, const int64_t* src = nullptr, int x_dtype = ROW_F32) {
   // a few rows a thread: a decode step's 16 rows are not left to one thread while the others wait
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> rest(passes > 1 ? K : 0);
+    std::vector<float> rest(passes > 1 ? K : 0), wide(x_dtype == ROW_BF16 ? K : 0);
     for (int64_t m = begin; m < end; ++m) {
-      const float* row = x + (src ? src[m] : m) * K;
+      const int64_t at = (src ? src[m] : m) * K;
+      const float* row = (const float*)x + at;
+      if (x_dtype == ROW_BF16) {
+        kv_row(isa, wide.data(), KV_F32, (const uint16_t*)x + at, ROW_BF16, K);
+        row = wide.data();
+      }
       uint8_t* dst = act + m * passes * arb;
       quantize_one(row, K, layout, isa, dst);
       if (passes > 1) {
@@ -385,16 +394,15 @@ void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float*
 }
 
 // Weights side by side over one input (q, k, v; gate, up), out [M, sum of N] float32 (rows ldo
-// apart): the input quantized once per activation layout the parts need, and one parallel region
-// over the parts' groups of outputs (Kernel::unit), so each part's outputs come out as run_matmul's,
-// bit for bit.
-void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, int64_t isa, float* out,
-                 Scratch<uint8_t>& act, int64_t ldo) {
+// apart) from x [M, K] (float32, or bfloat16: x_dtype): the input quantized once per activation
+// layout the parts need, and one parallel region over the parts' groups of outputs
+// (Kernel::unit), so each part's outputs come out as run_matmul's, bit for bit. finish(j, c0, c1),
+// where given: outputs c0 .. c1 - 1 (of the whole width, part j's) of every row are final; called
+// in the region by the thread that made them, or (parts of two 8-bit passes) after it.
+using Finish = std::function<void(size_t, int64_t, int64_t)>;
+void run_matmuls(const std::vector<Matmul>& parts, const void* x, int64_t M, int64_t isa, float* out,
+                 Scratch<uint8_t>& act, int64_t ldo, int x_dtype = ROW_F32, const Finish* finish = nullptr) {
   if (M == 0 || parts.empty()) return;
-  if (parts.size() == 1) {
-    run_matmul(parts[0], x, M, isa, out, act, ldo);
-    return;
-  }
   // one quantized copy of the rows per (layout, passes), the parts' offsets into `act`
   std::vector<size_t> at(parts.size());
   size_t total = 0;
@@ -415,7 +423,8 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
     bool first = true;
     for (size_t k = 0; k < j; ++k) first = first && at[k] != at[j];
     if (first)
-      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, ap + at[j], parts[j].act_row_bytes, parts[j].passes);
+      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, ap + at[j], parts[j].act_row_bytes, parts[j].passes,
+                    nullptr, x_dtype);
   }
   // two-pass parts' products per pass, added after
   std::vector<size_t> ys(parts.size());
@@ -438,10 +447,21 @@ void run_matmuls(const std::vector<Matmul>& parts, const float* x, int64_t M, in
       const int64_t stride = mm.passes > 1 ? mm.N : ldo;
       mm.k.matmul(mm.w, mm.row_bytes, ap + at[j], mm.act_row_bytes, (int)(M * mm.passes), (int)n0, (int)n1,
                   (int)mm.K, dst, (int)stride);
+      if (finish != nullptr && ytotal == 0) (*finish)(j, off[j] + n0, off[j] + n1);
     }
   });
+  if (ytotal == 0) return;
   for (size_t j = 0; j < parts.size(); ++j)
     if (parts[j].passes > 1) add_passes(y.data() + ys[j], M, parts[j].N, parts[j].passes, out + off[j], ldo);
+  if (finish != nullptr)
+    at::parallel_for(0, group0.back(), 1, [&](int64_t g0, int64_t g1) {
+      for (size_t j = 0; j < parts.size(); ++j) {
+        const int64_t a = std::max(g0, group0[j]), b = std::min(g1, group0[j + 1]);
+        if (a < b)
+          (*finish)(j, off[j] + (a - group0[j]) * parts[j].k.unit,
+                    off[j] + std::min<int64_t>((b - group0[j]) * parts[j].k.unit, parts[j].N));
+      }
+    });
 }
 
 }  // namespace

@@ -50,40 +50,35 @@ struct Projection {
 };
 
 // out [M, N] (dtype) = x [M, K] (dtype) @ W.T, each part's outputs rounded to the dtype and then its
-// bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute.
-// Returns the float32 products before that rounding; with out null, only them (in `of`).
-const float* linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, Scratch<float>& xf,
-                         Scratch<float>& of, Scratch<uint8_t>& act, void* out) {
-  const int64_t K = p.K, N = p.N;
-  const float* xin = (const float*)x;
-  if (dtype != ROW_F32) {  // the rows as float32 (exact), a row a call of the ISA's conversion
-    float* f = xf.get(M * K);
-    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) kv_row(isa, f + m * K, KV_F32, (const uint16_t*)x + m * K, dtype, (int)K);
-    });
-    xin = f;
-  }
+// bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute
+// (each thread finishes the outputs it made: run_matmuls' finish). Returns the float32 products
+// before that rounding; with out null, only them (in `of`).
+const float* linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, Scratch<float>& of,
+                         Scratch<uint8_t>& act, void* out) {
+  const int64_t N = p.N;
   float* o = dtype != ROW_F32 || out == nullptr ? of.get(M * N) : (float*)out;
-  run_matmuls(p.parts, xin, M, isa, o, act, N);
   bool any_bias = false;
   for (const void* b : p.biases) any_bias = any_bias || b != nullptr;
-  if (out == nullptr || (dtype == ROW_F32 && !any_bias)) return o;
-  if (!any_bias) {  // rounded to the dtype once (to_dtype then st rounds twice: the same bits), a row a call
-    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) kv_row(isa, (uint16_t*)out + m * N, KV_BF16, o + m * N, ROW_F32, (int)N);
-    });
+  if (out == nullptr || (dtype == ROW_F32 && !any_bias)) {
+    run_matmuls(p.parts, x, M, isa, o, act, N, dtype);
     return o;
   }
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (size_t j = 0, off = 0; j < p.parts.size(); off += p.parts[j].N, ++j)
-        for (int64_t n = 0; n < p.parts[j].N; ++n) {
-          const int64_t i = m * N + off + n;
-          float v = to_dtype(o[i], dtype);
-          if (p.biases[j] != nullptr) v = to_dtype(v + ld(p.biases[j], n, dtype), dtype);
-          st(out, i, v, dtype);
-        }
-  });
+  std::vector<int64_t> off(p.parts.size(), 0);
+  for (size_t j = 1; j < p.parts.size(); ++j) off[j] = off[j - 1] + p.parts[j - 1].N;
+  const Finish finish = [&](size_t j, int64_t c0, int64_t c1) {
+    for (int64_t m = 0; m < M; ++m) {
+      if (p.biases[j] == nullptr && dtype == ROW_BF16) {  // rounded once (to_dtype then st: the same bits)
+        kv_row(isa, (uint16_t*)out + m * N + c0, KV_BF16, o + m * N + c0, ROW_F32, (int)(c1 - c0));
+        continue;
+      }
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t i = m * N + c;
+        const float v = to_dtype(o[i], dtype);
+        st(out, i, p.biases[j] == nullptr ? v : to_dtype(v + ld(p.biases[j], c - off[j], dtype), dtype), dtype);
+      }
+    }
+  };
+  run_matmuls(p.parts, x, M, isa, o, act, N, dtype, &finish);
   return o;
 }
 
@@ -145,7 +140,7 @@ std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef q
 // A step's working memory, kept from step to step (each buffer written before it is read)
 struct StepScratch {
   Scratch<char> qkv, att_d, o, d, gu, a;
-  Scratch<float> qf, out, xf, of;
+  Scratch<float> qf, out, of;
   Scratch<uint8_t> act;
 };
 
@@ -330,7 +325,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   for (int64_t l = 0; l < L; ++l) {
     const Projection* mm = &projections[4 * l];
     if (sandwich || l == 0) norm_all(hp, false, norms[per * l]); else norm_all(d, true, norms[per * l]);
-    linear_rows(mm[0], x, T, dtype, isa, sc.xf, sc.of, sc.act, qkv);
+    linear_rows(mm[0], x, T, dtype, isa, sc.of, sc.act, qkv);
     char* kc = (char*)k_caches[l].data_ptr();
     char* vc = (char*)v_caches[l].data_ptr();
     const char* cp = (const char*)cos[ropes[l]].data_ptr();
@@ -373,7 +368,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
         kv_row(isa, att_d + t * H * D * es, dtype == ROW_BF16 ? KV_BF16 : KV_F32, out + t * H * D,
                ROW_F32, (int)(H * D));
     });
-    linear_rows(mm[1], att_d, T, dtype, isa, sc.xf, sc.of, sc.act, o);
+    linear_rows(mm[1], att_d, T, dtype, isa, sc.of, sc.act, o);
     if (sandwich) {
       norm_add(o, norms[per * l + 1]);
       norm_all(hp, false, norms[per * l + 2]);
@@ -383,7 +378,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     if (moe[l]) {
       routed_experts(experts[l], x_rows, (int)act_kind, top_k, renormalize, isa, d);
     } else {
-      linear_rows(mm[2], x, T, dtype, isa, sc.xf, sc.of, sc.act, gu);
+      linear_rows(mm[2], x, T, dtype, isa, sc.of, sc.act, gu);
       const int64_t I = mm[2].N / 2;
       at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
         std::vector<float> buf(I + 8);
@@ -391,7 +386,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
           act_row(isa, (int)act_kind, gu + r * 2 * I * es, gu + (r * 2 + 1) * I * es, (int)I, dtype,
                   a + r * I * es, buf.data());
       });
-      linear_rows(mm[3], a, T, dtype, isa, sc.xf, sc.of, sc.act, d);
+      linear_rows(mm[3], a, T, dtype, isa, sc.of, sc.act, d);
     }
     if (sandwich) norm_add(d, norms[per * l + 3]);
   }
@@ -568,13 +563,13 @@ at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const 
   StepScratch& sc = a->prepared.scratch;
   if (greedy > 0) {  // each row's argmax over its first `greedy` logits, as `logits` would return them
     TORCH_CHECK(greedy <= a->head_n, op, ": greedy=", greedy, " past the head's ", a->head_n, " outputs");
-    const float* products = linear_rows(head, normed.data_ptr(), T, dtype, a->isa, sc.xf, sc.of, sc.act, nullptr);
+    const float* products = linear_rows(head, normed.data_ptr(), T, dtype, a->isa, sc.of, sc.act, nullptr);
     at::Tensor tokens = at::empty({T}, out.options().dtype(at::kLong));
     argmax_rows(a->isa, products, T, a->head_n, greedy, dtype, tokens.data_ptr<int64_t>());
     return tokens;
   }
   at::Tensor out_logits = at::empty({T, a->head_n}, out.options());
-  linear_rows(head, normed.data_ptr(), T, dtype, a->isa, sc.xf, sc.of, sc.act, out_logits.data_ptr());
+  linear_rows(head, normed.data_ptr(), T, dtype, a->isa, sc.of, sc.act, out_logits.data_ptr());
   return out_logits;
 }
 
