@@ -393,39 +393,63 @@ void run_matmul(const Matmul& mm, const float* x, int64_t M, int64_t isa, float*
   if (passes > 1) add_passes(y.data(), M, mm.N, passes, out, ldo);
 }
 
-// Weights side by side over one input (q, k, v; gate, up), out [M, sum of N] float32 (rows ldo
-// apart) from x [M, K] (float32, or bfloat16: x_dtype): the input quantized once per activation
-// layout the parts need, and one parallel region over the parts' groups of outputs
+// Where the activations of weights side by side over one input (q, k, v; gate, up) go: one
+// quantized copy of the rows per (layout, passes, K), at[j] part j's offset into the buffer (`first`:
+// the part that quantizes it), `total` bytes for M rows.
+struct Acts {
+  std::vector<size_t> at;
+  std::vector<bool> first;
+  size_t total = 0;
+};
+Acts acts_for(const std::vector<Matmul>& parts, int64_t M) {
+  Acts a;
+  a.at.resize(parts.size());
+  a.first.resize(parts.size());
+  for (size_t j = 0; j < parts.size(); ++j) {
+    size_t k = 0;
+    for (; k < j; ++k)
+      if (parts[k].k.act == parts[j].k.act && parts[k].passes == parts[j].passes && parts[k].K == parts[j].K) break;
+    a.first[j] = k == j;
+    if (k < j) {
+      a.at[j] = a.at[k];
+    } else {
+      a.at[j] = a.total;
+      a.total += (size_t)M * parts[j].passes * parts[j].act_row_bytes;
+    }
+  }
+  return a;
+}
+
+// row m (x: K values of x_dtype, RowDtype) quantized into every layout of `acts` (quantize_rows'
+// arithmetic); wide, rest: K floats of the calling thread's
+void quantize_row_for(const std::vector<Matmul>& parts, const Acts& acts, const void* x, int x_dtype, int64_t m,
+                      int64_t isa, uint8_t* ap, float* wide, float* rest) {
+  const float* row = (const float*)x;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    if (!acts.first[j]) continue;
+    const int K = (int)parts[j].K;
+    if (x_dtype == ROW_BF16 && row != wide) {
+      kv_row(isa, wide, KV_F32, x, ROW_BF16, K);
+      row = wide;
+    }
+    uint8_t* dst = ap + acts.at[j] + m * parts[j].passes * parts[j].act_row_bytes;
+    quantize_one(row, K, parts[j].k.act, isa, dst);
+    if (parts[j].passes > 1) {
+      residual(row, K, parts[j].k.act, dst, rest);
+      quantize_one(rest, K, parts[j].k.act, isa, dst + parts[j].act_row_bytes);
+    }
+  }
+}
+
+// Weights side by side over one input, out [M, sum of N] float32 (rows ldo apart) from the rows'
+// activations in `ap` (acts' layouts): one parallel region over the parts' groups of outputs
 // (Kernel::unit), so each part's outputs come out as run_matmul's, bit for bit. finish(j, c0, c1),
 // where given: outputs c0 .. c1 - 1 (of the whole width, part j's) of every row are final; called
 // in the region by the thread that made them, or (parts of two 8-bit passes) after it.
 using Finish = std::function<void(size_t, int64_t, int64_t)>;
-void run_matmuls(const std::vector<Matmul>& parts, const void* x, int64_t M, int64_t isa, float* out,
-                 Scratch<uint8_t>& act, int64_t ldo, int x_dtype = ROW_F32, const Finish* finish = nullptr) {
+void multiply_quantized(const std::vector<Matmul>& parts, const Acts& acts, const uint8_t* ap, int64_t M, float* out,
+                        int64_t ldo, const Finish* finish = nullptr) {
   if (M == 0 || parts.empty()) return;
-  // one quantized copy of the rows per (layout, passes), the parts' offsets into `act`
-  std::vector<size_t> at(parts.size());
-  size_t total = 0;
-  for (size_t j = 0; j < parts.size(); ++j) {
-    size_t k = 0;
-    for (; k < j; ++k)
-      if (parts[k].k.act == parts[j].k.act && parts[k].passes == parts[j].passes
-          && parts[k].K == parts[j].K) break;
-    if (k < j) {
-      at[j] = at[k];
-    } else {
-      at[j] = total;
-      total += (size_t)M * parts[j].passes * parts[j].act_row_bytes;
-    }
-  }
-  uint8_t* ap = act.get(total);
-  for (size_t j = 0; j < parts.size(); ++j) {
-    bool first = true;
-    for (size_t k = 0; k < j; ++k) first = first && at[k] != at[j];
-    if (first)
-      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, ap + at[j], parts[j].act_row_bytes, parts[j].passes,
-                    nullptr, x_dtype);
-  }
   // two-pass parts' products per pass, added after
   std::vector<size_t> ys(parts.size());
   size_t ytotal = 0;
@@ -445,7 +469,7 @@ void run_matmuls(const std::vector<Matmul>& parts, const void* x, int64_t M, int
       const int64_t n0 = (a - group0[j]) * mm.k.unit, n1 = std::min<int64_t>((b - group0[j]) * mm.k.unit, mm.N);
       float* dst = mm.passes > 1 ? y.data() + ys[j] : out + off[j];
       const int64_t stride = mm.passes > 1 ? mm.N : ldo;
-      mm.k.matmul(mm.w, mm.row_bytes, ap + at[j], mm.act_row_bytes, (int)(M * mm.passes), (int)n0, (int)n1,
+      mm.k.matmul(mm.w, mm.row_bytes, ap + acts.at[j], mm.act_row_bytes, (int)(M * mm.passes), (int)n0, (int)n1,
                   (int)mm.K, dst, (int)stride);
       if (finish != nullptr && ytotal == 0) (*finish)(j, off[j] + n0, off[j] + n1);
     }
@@ -462,6 +486,19 @@ void run_matmuls(const std::vector<Matmul>& parts, const void* x, int64_t M, int
                     off[j] + std::min<int64_t>((b - group0[j]) * parts[j].k.unit, parts[j].N));
       }
     });
+}
+
+// multiply_quantized over x [M, K] (float32, or bfloat16: x_dtype), its rows quantized first
+void run_matmuls(const std::vector<Matmul>& parts, const void* x, int64_t M, int64_t isa, float* out,
+                 Scratch<uint8_t>& act, int64_t ldo, int x_dtype = ROW_F32, const Finish* finish = nullptr) {
+  if (M == 0 || parts.empty()) return;
+  const Acts acts = acts_for(parts, M);
+  uint8_t* ap = act.get(acts.total);
+  for (size_t j = 0; j < parts.size(); ++j)
+    if (acts.first[j])
+      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, ap + acts.at[j], parts[j].act_row_bytes,
+                    parts[j].passes, nullptr, x_dtype);
+  multiply_quantized(parts, acts, ap, M, out, ldo, finish);
 }
 
 }  // namespace

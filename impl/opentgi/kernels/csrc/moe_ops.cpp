@@ -287,6 +287,29 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 
 }  // namespace
 
+// decode_stack's routed-experts layer (op_helpers.h)
+void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_t top, bool renormalize, int64_t isa,
+                    void* out) {
+  const int64_t T = x.size(0), hidden = x.size(1), E = ex.router.size(0);
+  const int dtype = row_dtype(x, "decode_stack");
+  const size_t es = x.element_size();
+  at::Tensor ids = at::empty({T, top}, x.options().dtype(at::kLong));
+  at::Tensor weights = at::empty({T, top}, x.options());
+  const char* xp = (const char*)x.data_ptr();
+  char* wp = (char*)weights.data_ptr();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(hidden + E);
+    for (int64_t t = t0; t < t1; ++t)
+      route_row(xp + t * hidden * es, dtype, hidden, ex.router.data_ptr<float>(), E, top, renormalize, buf.data(),
+                ip + t * top, wp + t * top * es);
+  });
+  // act(gate) * up [T * k, I], in the gate/up call
+  const at::Tensor hid = gguf_moe_up(x, ex.up, ex.up_qtype, ids, ex.up_n, isa, ex.up_passes, act_kind);
+  const at::Tensor down = gguf_moe_down(hid, ex.down, ex.down_qtype, ids, weights, hidden, isa, ex.down_passes);
+  std::memcpy(out, down.data_ptr(), T * hidden * es);
+}
+
 TORCH_LIBRARY_FRAGMENT(opentgi, m) {
   m.def("gguf_moe_up(Tensor x, Tensor[] w, int qtype, Tensor ids, int out_features, int isa, int passes=1, "
         "int act=-1) -> Tensor");

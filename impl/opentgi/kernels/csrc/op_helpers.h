@@ -59,6 +59,18 @@ at::Tensor gguf_moe_up(const at::Tensor& x, at::TensorList w, int64_t qtype, con
                        int64_t out_features, int64_t isa, int64_t passes, int64_t act = -1);
 at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, const at::Tensor& ids,
                          const at::Tensor& weights, int64_t out_features, int64_t isa, int64_t passes);
+// A routed-experts layer: the router's float32 weight [E, hidden] and each expert's gate_up and
+// down GGUF blocks, their types, activation passes and outputs.
+struct Experts {
+  at::Tensor router;
+  std::vector<at::Tensor> up, down;
+  int64_t up_qtype = 0, up_passes = 1, up_n = 0, down_qtype = 0, down_passes = 1;
+};
+// out [T, hidden] = the routed experts' weighted sum for x's rows, as SparseMoE's grouped path
+// computes it: route_row, the experts' gate_up call, act(gate) * up a (token, expert) row at a time,
+// the down call with the weighted sum
+void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_t top, bool renormalize, int64_t isa,
+                    void* out);
 // one token's routing (opentgi::moe_route): x [hidden] of the row dtype, w float32 [E, hidden] ->
 // ids [top] and weights [top] in the row dtype; buf: hidden + E floats
 void route_row(const void* x, int dtype, int64_t hidden, const float* w, int64_t E, int64_t top, bool renormalize,

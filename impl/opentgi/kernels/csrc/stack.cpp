@@ -51,16 +51,22 @@ struct Projection {
 
 // out [M, N] (dtype) = x [M, K] (dtype) @ W.T, each part's outputs rounded to the dtype and then its
 // bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute
-// (each thread finishes the outputs it made: run_matmuls' finish). Returns the float32 products
-// before that rounding; with out null, only them (in `of`).
+// (each thread finishes the outputs it made: multiply_quantized's finish). Returns the float32
+// products before that rounding; with out null, only them (in `of`). quantized: `act` holds x's
+// rows quantized already (quantize_row_for, acts_for(p.parts, M)'s layouts), x unused.
 const float* linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, Scratch<float>& of,
-                         Scratch<uint8_t>& act, void* out) {
+                         Scratch<uint8_t>& act, void* out, bool quantized = false) {
   const int64_t N = p.N;
   float* o = dtype != ROW_F32 || out == nullptr ? of.get(M * N) : (float*)out;
   bool any_bias = false;
   for (const void* b : p.biases) any_bias = any_bias || b != nullptr;
+  const auto multiply = [&](const Finish* finish) {
+    if (!quantized) return run_matmuls(p.parts, x, M, isa, o, act, N, dtype, finish);
+    const Acts acts = acts_for(p.parts, M);
+    multiply_quantized(p.parts, acts, act.get(acts.total), M, o, N, finish);
+  };
   if (out == nullptr || (dtype == ROW_F32 && !any_bias)) {
-    run_matmuls(p.parts, x, M, isa, o, act, N, dtype);
+    multiply(nullptr);
     return o;
   }
   std::vector<int64_t> off(p.parts.size(), 0);
@@ -78,17 +84,10 @@ const float* linear_rows(const Projection& p, const void* x, int64_t M, int dtyp
       }
     }
   };
-  run_matmuls(p.parts, x, M, isa, o, act, N, dtype, &finish);
+  multiply(&finish);
   return o;
 }
 
-// A routed-experts layer: the router's float32 weight [E, hidden] and each expert's gate_up and
-// down GGUF blocks, their types, activation passes and outputs.
-struct Experts {
-  at::Tensor router;
-  std::vector<at::Tensor> up, down;
-  int64_t up_qtype = 0, up_passes = 1, up_n = 0, down_qtype = 0, down_passes = 1;
-};
 
 // The four projections of each layer (qkv, o, gate_up, down; a routed-experts layer's last two
 // empty), checked against the layer's shape.
@@ -158,30 +157,6 @@ void check_norm(const at::Tensor& w, int64_t numel, at::ScalarType dt, const cha
               op, ": ", what, " weights [", numel, "] in h's dtype or float32");
 }
 
-// out [T, hidden] = the routed experts' weighted sum for x's rows, as SparseMoE's grouped path
-// computes it: route_row, the experts' gate_up call, act(gate) * up a (token, expert) row at a time,
-// the down call with the weighted sum
-void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_t top, bool renormalize, int64_t isa,
-                    void* out) {
-  const int64_t T = x.size(0), hidden = x.size(1), E = ex.router.size(0);
-  const int dtype = row_dtype(x, "decode_stack");
-  const size_t es = x.element_size();
-  at::Tensor ids = at::empty({T, top}, x.options().dtype(at::kLong));
-  at::Tensor weights = at::empty({T, top}, x.options());
-  const char* xp = (const char*)x.data_ptr();
-  char* wp = (char*)weights.data_ptr();
-  int64_t* ip = ids.data_ptr<int64_t>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf(hidden + E);
-    for (int64_t t = t0; t < t1; ++t)
-      route_row(xp + t * hidden * es, dtype, hidden, ex.router.data_ptr<float>(), E, top, renormalize, buf.data(),
-                ip + t * top, wp + t * top * es);
-  });
-  // act(gate) * up [T * k, I], in the gate/up call
-  const at::Tensor hid = gguf_moe_up(x, ex.up, ex.up_qtype, ids, ex.up_n, isa, ex.up_passes, act_kind);
-  const at::Tensor down = gguf_moe_down(hid, ex.down, ex.down_qtype, ids, weights, hidden, isa, ex.down_passes);
-  std::memcpy(out, down.data_ptr(), T * hidden * es);
-}
 
 at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
@@ -302,21 +277,45 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   float* out = sc.out.get(T * H * D);
   std::memset(out, 0, sizeof(float) * T * H * D);  // a row no attention form writes reads zeros
   char* hp = (char*)h.data_ptr();
-  // x = norm(src) (with `residual`: of src + h, the sum stored to h), row by row
-  const auto norm_all = [&](const void* src, bool residual, const at::Tensor& w) {
+  // A row op's output rows quantized on the op's threads for the projection that takes them next
+  // (linear_rows' `quantized`): row r (n values at `row`) into sc.act, in ready's layouts
+  struct Ready {
+    const Projection* next = nullptr;
+    Acts acts;
+    uint8_t* ap = nullptr;
+  };
+  const auto ready_for = [&](const Projection* next) {
+    Ready q;
+    if (next == nullptr) return q;
+    q.next = next;
+    q.acts = acts_for(next->parts, T);
+    q.ap = sc.act.get(q.acts.total);
+    return q;
+  };
+  const auto quantize = [&](const Ready& q, const char* row, int64_t r, std::vector<float>& wide,
+                            std::vector<float>& rest) {
+    if (q.next == nullptr) return;
+    wide.resize(q.next->K);
+    rest.resize(q.next->K);
+    quantize_row_for(q.next->parts, q.acts, row, dtype, r, isa, q.ap, wide.data(), rest.data());
+  };
+  // x = norm(src) (with `residual`: of src + h, the sum stored to h), row by row, quantized for `next`
+  const auto norm_all = [&](const void* src, bool residual, const at::Tensor& w, const Projection* next) {
+    const Ready q = ready_for(next);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-      std::vector<float> buf(hidden + 8);
+      std::vector<float> buf(hidden + 8), wide, rest;
       for (int64_t r = r0; r < r1; ++r) {
         const size_t off = (size_t)r * hidden * es;
         norm_row(isa, (const char*)src + off, residual ? hp + off : nullptr, residual ? hp + off : nullptr,
                  w.data_ptr(), w.scalar_type() == at::kFloat, (int)hidden, (float)eps, dtype, x + off,
                  buf.data());
+        quantize(q, x + off, r, wide, rest);
       }
     });
   };
   // h = norm(src) + h (sandwich norms: the norm's output added to the residual stream), via x
   const auto norm_add = [&](const void* src, const at::Tensor& w) {
-    norm_all(src, false, w);
+    norm_all(src, false, w, nullptr);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0 * hidden; i < r1 * hidden; ++i) st(hp, i, ld(x, i, dtype) + ld(hp, i, dtype), dtype);
     });
@@ -324,8 +323,9 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   const int64_t per = sandwich ? 4 : 2;
   for (int64_t l = 0; l < L; ++l) {
     const Projection* mm = &projections[4 * l];
-    if (sandwich || l == 0) norm_all(hp, false, norms[per * l]); else norm_all(d, true, norms[per * l]);
-    linear_rows(mm[0], x, T, dtype, isa, sc.of, sc.act, qkv);
+    if (sandwich || l == 0) norm_all(hp, false, norms[per * l], &mm[0]);
+    else norm_all(d, true, norms[per * l], &mm[0]);
+    linear_rows(mm[0], x, T, dtype, isa, sc.of, sc.act, qkv, true);
     char* kc = (char*)k_caches[l].data_ptr();
     char* vc = (char*)v_caches[l].data_ptr();
     const char* cp = (const char*)cos[ropes[l]].data_ptr();
@@ -363,30 +363,38 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     att.out = out;
     if (forms.has_value()) run_attention_forms(att, *forms, isa);
     else run_attention(att, T, isa);
+    const Ready qo = ready_for(&mm[1]);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {  // in the row dtype, as st rounds
-      for (int64_t t = r0; t < r1; ++t)
+      std::vector<float> wide, rest;
+      for (int64_t t = r0; t < r1; ++t) {
         kv_row(isa, att_d + t * H * D * es, dtype == ROW_BF16 ? KV_BF16 : KV_F32, out + t * H * D,
                ROW_F32, (int)(H * D));
+        quantize(qo, att_d + t * H * D * es, t, wide, rest);
+      }
     });
-    linear_rows(mm[1], att_d, T, dtype, isa, sc.of, sc.act, o);
+    linear_rows(mm[1], att_d, T, dtype, isa, sc.of, sc.act, o, true);
+    const Projection* up = moe[l] ? nullptr : &mm[2];
     if (sandwich) {
       norm_add(o, norms[per * l + 1]);
-      norm_all(hp, false, norms[per * l + 2]);
+      norm_all(hp, false, norms[per * l + 2], up);
     } else {
-      norm_all(o, true, norms[per * l + 1]);
+      norm_all(o, true, norms[per * l + 1], up);
     }
     if (moe[l]) {
       routed_experts(experts[l], x_rows, (int)act_kind, top_k, renormalize, isa, d);
     } else {
-      linear_rows(mm[2], x, T, dtype, isa, sc.of, sc.act, gu);
+      linear_rows(mm[2], x, T, dtype, isa, sc.of, sc.act, gu, true);
       const int64_t I = mm[2].N / 2;
+      const Ready qd = ready_for(&mm[3]);
       at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
-        std::vector<float> buf(I + 8);
-        for (int64_t r = r0; r < r1; ++r)
+        std::vector<float> buf(I + 8), wide, rest;
+        for (int64_t r = r0; r < r1; ++r) {
           act_row(isa, (int)act_kind, gu + r * 2 * I * es, gu + (r * 2 + 1) * I * es, (int)I, dtype,
                   a + r * I * es, buf.data());
+          quantize(qd, a + r * I * es, r, wide, rest);
+        }
       });
-      linear_rows(mm[3], a, T, dtype, isa, sc.of, sc.act, d);
+      linear_rows(mm[3], a, T, dtype, isa, sc.of, sc.act, d, true);
     }
     if (sandwich) norm_add(d, norms[per * l + 3]);
   }
