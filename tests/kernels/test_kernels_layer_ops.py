@@ -174,3 +174,21 @@ def test_argmax_rows_is_numpys_argmax_of_the_rounded_row(kernels):
                     assert native.argmax_rows(x, n, bf16, isa).tolist() == expected, (size, n, bf16, isa)
     with pytest.raises(RuntimeError, match="1 <= n <= N"):
         native.argmax_rows(torch.zeros(2, 4), 5, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_vector_variants_give_the_same_bits(kernels, dtype):
+    """AVX-512's row ops (sixteen values a step, then AVX2's eight) compute each value with AVX2's
+    instructions: the same bits, on rows of whole vectors and not (every vector variant this CPU
+    runs against AVX2's; the scalar one computes exp and the sum of squares its own way)."""
+    vector = [isa for isa in native.supported_isas() if isa != "scalar"]
+    assert vector[0] == "avx2" or not vector
+    for size in (8, 24, 40, 576, 1544):
+        x, y, w = rows(5, size, 21, dtype), rows(5, size, 22, dtype), rows(1, size, 23, dtype)[0]
+        gate_up = rows(5, 2 * size, 24, dtype) * 4  # exp's range ends too
+        outs = {isa: (native.rms_norm(x, w, 1e-6, isa), native.rms_norm(x, w.float() + 1, 1e-6, isa),
+                      *native.add_rms_norm(x, y, w, 1e-6, isa), native.silu_mul(gate_up, isa),
+                      native.gelu_tanh_mul(gate_up, isa)) for isa in vector}
+        for isa in vector[1:]:
+            for got, want in zip(outs[isa], outs[vector[0]], strict=True):
+                assert torch.equal(got, want), (size, isa)

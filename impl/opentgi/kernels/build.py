@@ -33,9 +33,9 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 MATMUL_SOURCES = ("quantize.cpp", "q4_0_q4_1_q8_0.cpp", "q4_k.cpp", "q6_k.cpp",
                   "q5_0_q5_1.cpp", "q5_k.cpp", "q2_k_q3_k.cpp", "iq4.cpp", "dense.cpp", "blocks_bf16.cpp")
 KERNEL_SOURCES = (*MATMUL_SOURCES, "attention.cpp", "prompt_attention.cpp", "layer_ops.cpp")
-# the AVX-VNNI variant is the matmuls' alone, the AVX-512 one the matmuls' and decode attention's:
-# prompt attention and the row ops run AVX2's there
-ISA_SOURCES = {"avxvnni": MATMUL_SOURCES, "avx512": (*MATMUL_SOURCES, "attention.cpp")}
+# the AVX-VNNI variant is the matmuls' alone, the AVX-512 one the matmuls', decode attention's and
+# the row ops': prompt attention runs AVX2's there
+ISA_SOURCES = {"avxvnni": MATMUL_SOURCES, "avx512": (*MATMUL_SOURCES, "attention.cpp", "layer_ops.cpp")}
 COMMON_FLAGS = ("-O3", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 ISA_FLAGS = {"scalar": (), "avx2": ("-mavx2", "-mfma", "-mf16c"),
              "avxvnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),

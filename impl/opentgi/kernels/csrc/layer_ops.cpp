@@ -69,8 +69,16 @@ static inline float sum_squares(const float* x, int n) {
 // silu(g) in place over n floats (n rounded up to 8 writable): every value the same instructions
 static inline void silu_inplace(float* g, int n) {
 #ifdef OPENTGI_AVX2
+  int i = 0;
+#ifdef OPENTGI_AVX512  // sixteen values a step, then eight: the same instructions a value
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    _mm512_storeu_ps(g + i, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+  }
+#endif
   const __m256 one = _mm256_set1_ps(1.0f);
-  for (int i = 0; i < n; i += 8) {
+  for (; i < n; i += 8) {
     const __m256 x = _mm256_loadu_ps(g + i);
     const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
     _mm256_storeu_ps(g + i, _mm256_div_ps(x, _mm256_add_ps(one, e)));
@@ -84,8 +92,17 @@ static inline void silu_inplace(float* g, int n) {
 static inline void gelu_tanh_inplace(float* g, int n) {
   const float k = 0.044715f, c2 = -1.5957691216057308f;  // -2 sqrt(2 / pi)
 #ifdef OPENTGI_AVX2
+  int i = 0;
+#ifdef OPENTGI_AVX512
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 inner = _mm512_add_ps(x, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(k), x), x), x));
+    const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(c2), inner));
+    _mm512_storeu_ps(g + i, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+  }
+#endif
   const __m256 one = _mm256_set1_ps(1.0f), kk = _mm256_set1_ps(k), cc = _mm256_set1_ps(c2);
-  for (int i = 0; i < n; i += 8) {
+  for (; i < n; i += 8) {
     const __m256 x = _mm256_loadu_ps(g + i);
     const __m256 inner = _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(kk, x), x), x));
     const __m256 e = exp256(_mm256_mul_ps(cc, inner));
@@ -103,6 +120,10 @@ template <void (*ACT)(float*, int)>
 static inline void act_mul_row(const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
   int i = 0;
 #ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+  if (dtype == ROW_BF16)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, bf16x16(gate, i));
+#endif
   if (dtype == ROW_BF16)  // the loops below, eight values a step (the same conversions and products)
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, bf16x8(gate, i));
 #endif
@@ -111,6 +132,11 @@ static inline void act_mul_row(const void* gate, const void* up, int n, int dtyp
   ACT(buf, n);
   i = 0;
 #ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+  if (dtype == ROW_BF16)
+    for (; i + 16 <= n; i += 16)
+      store_bf16_16(out, i, _mm512_mul_ps(round_bf16_16(_mm512_loadu_ps(buf + i)), bf16x16(up, i)));
+#endif
   if (dtype == ROW_BF16)
     for (; i + 8 <= n; i += 8) store_bf16_8(out, i, _mm256_mul_ps(round_bf16_8(_mm256_loadu_ps(buf + i)), bf16x8(up, i)));
 #endif
@@ -123,6 +149,17 @@ void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, co
                               int n, float eps, int dtype, void* out, float* buf) {
   int i = 0;
 #ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+  if (dtype == ROW_BF16)
+    for (; i + 16 <= n; i += 16) {
+      __m512 v = bf16x16(x, i);
+      if (residual != nullptr) {
+        v = round_bf16_16(_mm512_add_ps(v, bf16x16(residual, i)));
+        store_bf16_16(sum, i, v);
+      }
+      _mm512_storeu_ps(buf + i, v);
+    }
+#endif
   if (dtype == ROW_BF16)  // the loops below, eight values a step (the same sums, roundings and products)
     for (; i + 8 <= n; i += 8) {
       __m256 v = bf16x8(x, i);
@@ -146,6 +183,12 @@ void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, co
   if (weight_f32) {
     const float* w = (const float*)weight;
 #ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+    if (dtype == ROW_BF16)
+      for (; i + 16 <= n; i += 16)
+        store_bf16_16(out, i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(buf + i), _mm512_set1_ps(rstd)),
+                                            _mm512_loadu_ps(w + i)));
+#endif
     if (dtype == ROW_BF16)
       for (; i + 8 <= n; i += 8)
         store_bf16_8(out, i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(buf + i), _mm256_set1_ps(rstd)),
@@ -154,6 +197,12 @@ void OPENTGI_FN(rms_norm_row)(const void* x, const void* residual, void* sum, co
     for (; i < n; ++i) store(out, i, buf[i] * rstd * w[i], dtype);
   } else {
 #ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+    if (dtype == ROW_BF16)
+      for (; i + 16 <= n; i += 16)
+        store_bf16_16(out, i, _mm512_mul_ps(round_bf16_16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), _mm512_set1_ps(rstd))),
+                                            bf16x16(weight, i)));
+#endif
     if (dtype == ROW_BF16)
       for (; i + 8 <= n; i += 8)
         store_bf16_8(out, i, _mm256_mul_ps(round_bf16_8(_mm256_mul_ps(_mm256_loadu_ps(buf + i), _mm256_set1_ps(rstd))),
@@ -195,8 +244,17 @@ void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int 
   for (; i < D; ++i) buf[i] = load(x, i, dtype);
   const int half = D / 2;
   i = 0;
+#ifdef OPENTGI_AVX512
+  if (half % 16 == 0 && dtype == ROW_BF16) {  // sixteen values a step, none straddling the halves
+    for (; i < D; i += 16) {
+      const __m512 h = _mm512_loadu_ps(buf + i), rot = _mm512_loadu_ps(buf + (i < half ? i + half : i - half));
+      store_bf16_16(x, i, _mm512_add_ps(round_bf16_16(_mm512_mul_ps(h, bf16x16(cos, i))),
+                                        round_bf16_16(_mm512_mul_ps(rot, bf16x16(sin, i)))));
+    }
+  }
+#endif
 #ifdef OPENTGI_AVX2
-  if (half % 8 == 0) {  // eight values a step, none of them straddling the halves
+  if (half % 8 == 0 && i < D) {  // eight values a step, none of them straddling the halves
     for (; i < D; i += 8) {
       const __m256 h = _mm256_loadu_ps(buf + i), rot = _mm256_loadu_ps(buf + (i < half ? i + half : i - half));
       if (dtype == ROW_BF16) {
@@ -262,6 +320,12 @@ void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtyp
   int i = 0;
   if (kv_dtype == KV_F16) {
     uint16_t* out = (uint16_t*)dst;
+#ifdef OPENTGI_AVX512
+    if (dtype == ROW_F32)
+      for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i*)(out + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps((const float*)src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
 #ifdef OPENTGI_AVX2
     if (dtype == ROW_F32)
       for (; i + 8 <= n; i += 8)
@@ -272,13 +336,20 @@ void OPENTGI_FN(kv_store_row)(void* dst, int kv_dtype, const void* src, int dtyp
   } else if (kv_dtype == KV_BF16) {
     uint16_t* out = (uint16_t*)dst;
 #ifdef OPENTGI_AVX2
-    if (dtype == ROW_F32) {  // bf16_store's bits, eight at a time
+    if (dtype == ROW_F32) {  // bf16_store's bits, eight (sixteen) at a time
+#ifdef OPENTGI_AVX512
+      for (; i + 16 <= n; i += 16) store_bf16_16(out, i, _mm512_loadu_ps((const float*)src + i));
+#endif
       for (; i + 8 <= n; i += 8) store_bf16_8(out, i, _mm256_loadu_ps((const float*)src + i));
     }
 #endif
     for (; i < n; ++i) out[i] = bf16_store(load(src, i, dtype));
   } else {
 #ifdef OPENTGI_AVX2
+#ifdef OPENTGI_AVX512
+    if (dtype == ROW_BF16)
+      for (; i + 16 <= n; i += 16) _mm512_storeu_ps((float*)dst + i, bf16x16(src, i));
+#endif
     if (dtype == ROW_BF16)  // bfloat16 is float32's upper half: exact
       for (; i + 8 <= n; i += 8)
         _mm256_storeu_si256((__m256i*)((float*)dst + i),

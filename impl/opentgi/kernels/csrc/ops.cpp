@@ -140,8 +140,8 @@ PagedAttention attention_args(const at::Tensor& k_cache, const at::Tensor& v_cac
 // Each row's visible blocks in splits (attention.h), every (split, kv head chunk) a work item among
 // torch's intra-op threads; then each row of several splits gets its heads' splits combined in split
 // order: max of the running maxima, then the sums and accumulators rescaled and added, then divided.
-// (The AVX-512 variant holds the matmuls and this decode attention: prompt attention and the row ops
-// run AVX2's on an AVX-512 CPU.)
+// (The AVX-512 variant holds the matmuls, this decode attention and the row ops: prompt attention
+// runs AVX2's on an AVX-512 CPU.)
 void run_attention(const PagedAttention& args, int64_t rows, int64_t isa) {
   PagedAttention a = args;
   const int bs = a.block_size, per = a.kv_heads_per_item, chunks = a.num_kv_heads / per;
@@ -357,52 +357,39 @@ void check_isa(int64_t isa, const char* op) {
               , op, ": no kernel for ISA ", isa);
 }
 
+// a layer op (layer_ops.h) on the ISA's variant: AVX-512's, AVX2's (AVX-VNNI's too) or the scalar one
+#if defined(OPENTGI_WITH_AVX512)
+#define ROW_OP(name, ...) \
+  (isa == AVX512 ? name##_avx512(__VA_ARGS__) : isa >= AVX2 ? name##_avx2(__VA_ARGS__) : name##_scalar(__VA_ARGS__))
+#elif defined(OPENTGI_WITH_AVX2)
+#define ROW_OP(name, ...) (isa >= AVX2 ? name##_avx2(__VA_ARGS__) : name##_scalar(__VA_ARGS__))
+#else
+#define ROW_OP(name, ...) name##_scalar(__VA_ARGS__)
+#endif
+
 void norm_row(int64_t isa, const void* x, const void* residual, void* sum, const void* weight, bool weight_f32, int n,
               float eps, int dtype, void* out, float* buf) {
-#ifdef OPENTGI_WITH_AVX2
-  if (isa >= AVX2) return rms_norm_row_avx2(x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
-#endif
-  rms_norm_row_scalar(x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
+  ROW_OP(rms_norm_row, x, residual, sum, weight, weight_f32, n, eps, dtype, out, buf);
 }
 
 void act_row(int64_t isa, int act, const void* gate, const void* up, int n, int dtype, void* out, float* buf) {
-#ifdef OPENTGI_WITH_AVX2
-  if (isa >= AVX2) {
-    if (act == ACT_GELU_TANH) return gelu_tanh_mul_row_avx2(gate, up, n, dtype, out, buf);
-    return silu_mul_row_avx2(gate, up, n, dtype, out, buf);
-  }
-#endif
-  if (act == ACT_GELU_TANH) return gelu_tanh_mul_row_scalar(gate, up, n, dtype, out, buf);
-  silu_mul_row_scalar(gate, up, n, dtype, out, buf);
+  if (act == ACT_GELU_TANH) ROW_OP(gelu_tanh_mul_row, gate, up, n, dtype, out, buf);
+  else ROW_OP(silu_mul_row, gate, up, n, dtype, out, buf);
 }
 
 void weighted_row(int64_t isa, float* acc, const float* y, float w, int n, int dtype) {
-#ifdef OPENTGI_WITH_AVX2
-  if (isa >= AVX2) return weighted_add_row_avx2(acc, y, w, n, dtype);
-#endif
-  weighted_add_row_scalar(acc, y, w, n, dtype);
+  ROW_OP(weighted_add_row, acc, y, w, n, dtype);
 }
 
 void rope(int64_t isa, void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
-#ifdef OPENTGI_WITH_AVX2
-  if (isa >= AVX2) return rope_row_avx2(x, cos, sin, D, dtype, buf);
-#endif
-  rope_row_scalar(x, cos, sin, D, dtype, buf);
+  ROW_OP(rope_row, x, cos, sin, D, dtype, buf);
 }
 
 void kv_row(int64_t isa, void* dst, int kv_dtype, const void* src, int dtype, int n) {
-#ifdef OPENTGI_WITH_AVX2
-  if (isa >= AVX2) return kv_store_row_avx2(dst, kv_dtype, src, dtype, n);
-#endif
-  kv_store_row_scalar(dst, kv_dtype, src, dtype, n);
+  ROW_OP(kv_store_row, dst, kv_dtype, src, dtype, n);
 }
 
-int64_t argmax_of(int64_t isa, const float* x, int n, int dtype) {
-#ifdef OPENTGI_WITH_AVX2
-  if (isa >= AVX2) return argmax_row_avx2(x, n, dtype);
-#endif
-  return argmax_row_scalar(x, n, dtype);
-}
+int64_t argmax_of(int64_t isa, const float* x, int n, int dtype) { return ROW_OP(argmax_row, x, n, dtype); }
 
 void argmax_rows(int64_t isa, const float* x, int64_t M, int64_t N, int64_t n, int dtype, int64_t* out) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
