@@ -74,7 +74,8 @@ MatmulFn matmul_bf16_dp_avx512();  // dense.cpp: nullptr where the CPU lacks AVX
 namespace {
 
 // ids the ops take (kernels/native.py ISAS); AVX-VNNI's is the newest, not a rank: `isa >= AVX2`
-// holds for every x86-64 variant (prompt attention and the row ops run AVX2's code on all of them)
+// holds for every x86-64 variant (prompt attention runs AVX2's code on all of them, the row ops on
+// all but AVX-512)
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, AVXVNNI = 3 };
 
 // activation layouts: common.h's blocks; for dense weights (dense.cpp) the row's float32 values
@@ -307,20 +308,14 @@ void residual(const float* row, int K, int act, const uint8_t* q, float* out) {
   }
 }
 
-// Rows of x (float32, or bfloat16: x_dtype, RowDtype) quantized into `layout`, row m from x's row
-// src[m] (m without src), in `passes` passes; a bfloat16 row widened (exactly) first, by its thread.
-void quantize_rows(const void* x, int64_t M, int K, int layout, int64_t isa, uint8_t* act, size_t arb,
-                   int passes = 1, const int64_t* src = nullptr, int x_dtype = ROW_F32) {
+// Rows of x quantized into `layout`, row m from x's row src[m] (m without src), in `passes` passes
+void quantize_rows(const float* x, int64_t M, int K, int layout, int64_t isa, uint8_t* act, size_t arb,
+                   int passes = 1, const int64_t* src = nullptr) {
   // a few rows a thread: a decode step's 16 rows are not left to one thread while the others wait
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> rest(passes > 1 ? K : 0), wide(x_dtype == ROW_BF16 ? K : 0);
+    std::vector<float> rest(passes > 1 ? K : 0);
     for (int64_t m = begin; m < end; ++m) {
-      const int64_t at = (src ? src[m] : m) * K;
-      const float* row = (const float*)x + at;
-      if (x_dtype == ROW_BF16) {
-        kv_row(isa, wide.data(), KV_F32, (const uint16_t*)x + at, ROW_BF16, K);
-        row = wide.data();
-      }
+      const float* row = x + (src ? src[m] : m) * K;
       uint8_t* dst = act + m * passes * arb;
       quantize_one(row, K, layout, isa, dst);
       if (passes > 1) {
@@ -488,16 +483,19 @@ void multiply_quantized(const std::vector<Matmul>& parts, const Acts& acts, cons
     });
 }
 
-// multiply_quantized over x [M, K] (float32, or bfloat16: x_dtype), its rows quantized first
+// multiply_quantized over x [M, K] (float32, or bfloat16: x_dtype), its rows quantized first (a few
+// rows a thread: a decode step's 16 rows are not left to one thread while the others wait)
 void run_matmuls(const std::vector<Matmul>& parts, const void* x, int64_t M, int64_t isa, float* out,
                  Scratch<uint8_t>& act, int64_t ldo, int x_dtype = ROW_F32, const Finish* finish = nullptr) {
   if (M == 0 || parts.empty()) return;
   const Acts acts = acts_for(parts, M);
   uint8_t* ap = act.get(acts.total);
-  for (size_t j = 0; j < parts.size(); ++j)
-    if (acts.first[j])
-      quantize_rows(x, M, (int)parts[j].K, parts[j].k.act, isa, ap + acts.at[j], parts[j].act_row_bytes,
-                    parts[j].passes, nullptr, x_dtype);
+  const int64_t K = parts[0].K, row_bytes = K * (x_dtype == ROW_BF16 ? 2 : 4);
+  at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+    std::vector<float> wide(K), rest(K);
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row_for(parts, acts, (const char*)x + m * row_bytes, x_dtype, m, isa, ap, wide.data(), rest.data());
+  });
   multiply_quantized(parts, acts, ap, M, out, ldo, finish);
 }
 

@@ -88,7 +88,6 @@ const float* linear_rows(const Projection& p, const void* x, int64_t M, int dtyp
   return o;
 }
 
-
 // The four projections of each layer (qkv, o, gate_up, down; a routed-experts layer's last two
 // empty), checked against the layer's shape.
 std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
@@ -134,8 +133,6 @@ std::vector<Projection> projections_of(at::TensorList weights, at::IntArrayRef q
   return projections;
 }
 
-// projections_of's result (and the biases' copies it points into), kept across calls by
-// DecodeStackArgs: made again only where a call's hidden size, head_dim or dtype differ
 // A step's working memory, kept from step to step (each buffer written before it is read)
 struct StepScratch {
   Scratch<char> qkv, att_d, o, d, gu, a;
@@ -143,6 +140,9 @@ struct StepScratch {
   Scratch<uint8_t> act;
 };
 
+// projections_of's result (and the biases' copies it points into) and the steps' working memory,
+// kept across calls by DecodeStackArgs: made again only where a call's hidden size, head_dim or
+// dtype differ
 struct Prepared {
   std::vector<Projection> projections;
   std::vector<at::Tensor> kept;
@@ -156,7 +156,6 @@ void check_norm(const at::Tensor& w, int64_t numel, at::ScalarType dt, const cha
   TORCH_CHECK(w.numel() == numel && (w.scalar_type() == dt || w.scalar_type() == at::kFloat) && w.is_contiguous(),
               op, ": ", what, " weights [", numel, "] in h's dtype or float32");
 }
-
 
 at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::TensorList sin, at::IntArrayRef ropes,
                         at::TensorList weights, at::IntArrayRef qtypes, at::IntArrayRef passes,
