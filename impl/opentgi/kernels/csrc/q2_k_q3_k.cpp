@@ -207,7 +207,7 @@ struct TileLowBit {
             const __m256i q = lowbit_values<Q3>(bits, hm, j), s = scale_pair(sc, j);
             for (int r = 0; r < R; ++r) {
               const __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i*)(a[r][b].qs + 32 * j)));
-              sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(p, s));
+              sum[r] = madd_add(sum[r], p, s);
             }
           }
         }
