@@ -89,6 +89,24 @@ static inline __m256i lowbit_values(__m256i bits, __m256i hm, int j) {
 }
 #endif
 
+#ifdef OPENTGI_AVX512
+// two rows' 256-bit vectors as one: a in the low half, b in the high one
+static inline __m512i pair512(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+// lowbit_values and scale_pair on two rows at once (every step within a 128-bit lane or a byte)
+template <bool Q3>
+static inline __m512i lowbit_values512(__m512i bits, __m512i hm, int j) {
+  __m512i q = _mm512_and_si512(_mm512_srli_epi16(bits, 2 * (j % 4)), _mm512_set1_epi8(0x03));
+  if constexpr (Q3) {
+    const __m512i hb = j <= 2 ? _mm512_slli_epi16(hm, 2 - j) : _mm512_srli_epi16(hm, j - 2);
+    q = _mm512_or_si512(q, _mm512_and_si512(hb, _mm512_set1_epi8(0x04)));
+  }
+  return q;
+}
+static inline __m512i scale_pair512(__m512i split, int j) {
+  return _mm512_shuffle_epi8(split, _mm512_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+}
+#endif
+
 template <bool Q3>
 struct TileLowBit {
   using Block = std::conditional_t<Q3, BlockQ3_K, BlockQ2_K>;
@@ -190,6 +208,40 @@ struct TileLowBit {
         if constexpr (Q3) bs[r] = _mm256_slli_epi16(bs[r], 2);
       }
       __m256i sums[R][8], offs[Q3 ? 1 : R][8];
+#ifdef OPENTGI_AVX512  // rows c and c + 1 side by side, one in each 256-bit half: the same integers
+      for (int c = 0; c < 8; c += 2) {
+        __m256i sc2[2], mn2[2], hm2[2];
+        for (int i = 0; i < 2; ++i) {
+          const uint8_t* x = base + (c + i) * row_bytes;
+          lowbit_scales<Q3>(x, &sc2[i], &mn2[i]);
+          if constexpr (!Q3)
+            for (int r = 0; r < R; ++r) offs[r][c + i] = _mm256_madd_epi16(mn2[i], bs[r]);
+          hm2[i] = load_hmask<Q3>(x);
+        }
+        const __m512i sc = pair512(sc2[0], sc2[1]), hm = pair512(hm2[0], hm2[1]);
+        __m512i sum[R];
+        for (int r = 0; r < R; ++r)
+          sum[r] = Q3 ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_madd_epi16(sc, pair512(bs[r], bs[r])))
+                      : _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          const __m512i bits = pair512(
+              _mm256_loadu_si256((const __m256i*)(((const Block*)(base + c * row_bytes))->qs + 32 * h)),
+              _mm256_loadu_si256((const __m256i*)(((const Block*)(base + (c + 1) * row_bytes))->qs + 32 * h)));
+          for (int t = 0; t < 4; ++t) {
+            const int j = 4 * h + t;
+            const __m512i q = lowbit_values512<Q3>(bits, hm, j), sv = scale_pair512(sc, j);
+            for (int r = 0; r < R; ++r) {
+              const __m512i y = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(a[r][b].qs + 32 * j)));
+              sum[r] = _mm512_dpwssd_epi32(sum[r], _mm512_maddubs_epi16(q, y), sv);
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          sums[r][c] = _mm512_castsi512_si256(sum[r]);
+          sums[r][c + 1] = _mm512_extracti64x4_epi64(sum[r], 1);
+        }
+      }
+#else
       for (int c = 0; c < 8; ++c) {
         const Block& x = *(const Block*)(base + c * row_bytes);
         __m256i sc, mn;
@@ -213,6 +265,7 @@ struct TileLowBit {
         }
         for (int r = 0; r < R; ++r) sums[r][c] = sum[r];
       }
+#endif
       const __m256 d = fp16_8(base + offsetof(Block, d), row_bytes);
       for (int r = 0; r < R; ++r) {
         const __m256 dy = _mm256_mul_ps(d, _mm256_set1_ps(a[r][b].d));
