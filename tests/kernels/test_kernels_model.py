@@ -128,7 +128,7 @@ def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(native_model):
 
 def test_greedy_rows_without_logprobs_take_the_stacks_argmax_and_the_same_tokens(native_model):
     """A step whose rows want only their greedy tokens gets them from the decode stack's call
-    (StepOutput.sample_tokens, no logits); the tokens are those the logits give."""
+    (StepOutput.sample_tokens, no logits); the tokens are those the logits give, alone or in a batch."""
     prompt = native_model.tokenizer("Once upon a time")["input_ids"]
 
     async def tokens(needs_logprobs: bool) -> tuple[list[int], int]:
@@ -146,6 +146,15 @@ def test_greedy_rows_without_logprobs_take_the_stacks_argmax_and_the_same_tokens
                 needs_logprobs=needs_logprobs))
             return result.sequences[0].token_ids, sum(argmaxed)
 
+    async def among_others() -> list[int]:  # the same request beside two others, submitted together
+        others = [native_model.tokenizer(t)["input_ids"] for t in ("The quick brown fox", "A b c d e f g")]
+        async with running(native_model) as engine:
+            handles = [await engine.submit(GenerationRequest(
+                p, SamplingParams(), StoppingParams(max_new_tokens=12, ignore_eos=True), needs_logprobs=False))
+                for p in (others[0], prompt, others[1])]
+            return (await handles[1].result()).sequences[0].token_ids
+
     (with_logprobs, none), (without, taken) = asyncio.run(tokens(True)), asyncio.run(tokens(False))
     assert without == with_logprobs and len(without) == 12
     assert none == 0 and taken == 11  # every decode step; the prompt's step goes through the modules
+    assert asyncio.run(among_others()) == without

@@ -52,18 +52,24 @@ struct Projection {
 // out [M, N] (dtype) = x [M, K] (dtype) @ W.T, each part's outputs rounded to the dtype and then its
 // bias added in the dtype: gguf_mm's rounding, then add_'s, part by part, as the modules compute
 // (each thread finishes the outputs it made: multiply_quantized's finish). Returns the float32
-// products before that rounding; with out null, only them (in `of`). quantized: `act` holds x's
-// rows quantized already (quantize_row_for, acts_for(p.parts, M)'s layouts), x unused.
+// products before that rounding; with out null, only them (in `of`). With `ready`, x's rows are
+// quantized already (by the row op that wrote them) and x is unused.
+// Rows quantized for the projection `next` by the row op that wrote them: their layouts and buffer
+struct Ready {
+  const Projection* next = nullptr;
+  Acts acts;
+  uint8_t* ap = nullptr;
+};
+
 const float* linear_rows(const Projection& p, const void* x, int64_t M, int dtype, int64_t isa, Scratch<float>& of,
-                         Scratch<uint8_t>& act, void* out, bool quantized = false) {
+                         Scratch<uint8_t>& act, void* out, const Ready* ready = nullptr) {
   const int64_t N = p.N;
   float* o = dtype != ROW_F32 || out == nullptr ? of.get(M * N) : (float*)out;
   bool any_bias = false;
   for (const void* b : p.biases) any_bias = any_bias || b != nullptr;
   const auto multiply = [&](const Finish* finish) {
-    if (!quantized) return run_matmuls(p.parts, x, M, isa, o, act, N, dtype, finish);
-    const Acts acts = acts_for(p.parts, M);
-    multiply_quantized(p.parts, acts, act.get(acts.total), M, o, N, finish);
+    if (ready == nullptr) return run_matmuls(p.parts, x, M, isa, o, act, N, dtype, finish);
+    multiply_quantized(p.parts, ready->acts, ready->ap, M, o, N, finish);
   };
   if (out == nullptr || (dtype == ROW_F32 && !any_bias)) {
     multiply(nullptr);
@@ -277,12 +283,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   std::memset(out, 0, sizeof(float) * T * H * D);  // a row no attention form writes reads zeros
   char* hp = (char*)h.data_ptr();
   // A row op's output rows quantized on the op's threads for the projection that takes them next
-  // (linear_rows' `quantized`): row r (n values at `row`) into sc.act, in ready's layouts
-  struct Ready {
-    const Projection* next = nullptr;
-    Acts acts;
-    uint8_t* ap = nullptr;
-  };
+  // (linear_rows' `ready`): row r (at `row`) into sc.act, in the projection's layouts
   const auto ready_for = [&](const Projection* next) {
     Ready q;
     if (next == nullptr) return q;
@@ -299,6 +300,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
     quantize_row_for(q.next->parts, q.acts, row, dtype, r, isa, q.ap, wide.data(), rest.data());
   };
   // x = norm(src) (with `residual`: of src + h, the sum stored to h), row by row, quantized for `next`
+  // (returned: linear_rows' `ready`)
   const auto norm_all = [&](const void* src, bool residual, const at::Tensor& w, const Projection* next) {
     const Ready q = ready_for(next);
     at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
@@ -311,6 +313,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
         quantize(q, x + off, r, wide, rest);
       }
     });
+    return q;
   };
   // h = norm(src) + h (sandwich norms: the norm's output added to the residual stream), via x
   const auto norm_add = [&](const void* src, const at::Tensor& w) {
@@ -322,9 +325,9 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
   const int64_t per = sandwich ? 4 : 2;
   for (int64_t l = 0; l < L; ++l) {
     const Projection* mm = &projections[4 * l];
-    if (sandwich || l == 0) norm_all(hp, false, norms[per * l], &mm[0]);
-    else norm_all(d, true, norms[per * l], &mm[0]);
-    linear_rows(mm[0], x, T, dtype, isa, sc.of, sc.act, qkv, true);
+    const Ready qn = sandwich || l == 0 ? norm_all(hp, false, norms[per * l], &mm[0])
+                                        : norm_all(d, true, norms[per * l], &mm[0]);
+    linear_rows(mm[0], x, T, dtype, isa, sc.of, sc.act, qkv, &qn);
     char* kc = (char*)k_caches[l].data_ptr();
     char* vc = (char*)v_caches[l].data_ptr();
     const char* cp = (const char*)cos[ropes[l]].data_ptr();
@@ -371,18 +374,15 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
         quantize(qo, att_d + t * H * D * es, t, wide, rest);
       }
     });
-    linear_rows(mm[1], att_d, T, dtype, isa, sc.of, sc.act, o, true);
+    linear_rows(mm[1], att_d, T, dtype, isa, sc.of, sc.act, o, &qo);
     const Projection* up = moe[l] ? nullptr : &mm[2];
-    if (sandwich) {
-      norm_add(o, norms[per * l + 1]);
-      norm_all(hp, false, norms[per * l + 2], up);
-    } else {
-      norm_all(o, true, norms[per * l + 1], up);
-    }
+    if (sandwich) norm_add(o, norms[per * l + 1]);
+    const Ready qu = sandwich ? norm_all(hp, false, norms[per * l + 2], up)
+                              : norm_all(o, true, norms[per * l + 1], up);
     if (moe[l]) {
       routed_experts(experts[l], x_rows, (int)act_kind, top_k, renormalize, isa, d);
     } else {
-      linear_rows(mm[2], x, T, dtype, isa, sc.of, sc.act, gu, true);
+      linear_rows(mm[2], x, T, dtype, isa, sc.of, sc.act, gu, &qu);
       const int64_t I = mm[2].N / 2;
       const Ready qd = ready_for(&mm[3]);
       at::parallel_for(0, T, 4, [&](int64_t r0, int64_t r1) {
@@ -393,7 +393,7 @@ at::Tensor decode_stack_on(const at::Tensor& h_in, at::TensorList cos, at::Tenso
           quantize(qd, a + r * I * es, r, wide, rest);
         }
       });
-      linear_rows(mm[3], a, T, dtype, isa, sc.of, sc.act, d, true);
+      linear_rows(mm[3], a, T, dtype, isa, sc.of, sc.act, d, &qd);
     }
     if (sandwich) norm_add(d, norms[per * l + 3]);
   }
@@ -525,8 +525,8 @@ std::vector<at::Tensor> table_rows(at::TensorList tables, const at::Tensor& posi
 // looked up in args' embedding), their positions (their RoPE rows gathered
 // from each whole table here), slots, tails and native rows; then the final norm where args hold
 // one (models/layers/norm.py's RMSNorm: rms_norm's rows); with `logits`, the LM head's matmul of
-// the normed rows (gguf_mm's, in h's dtype) instead of them; with `greedy` > 0 as well, each row's
-// argmax over the first `greedy` of those logits (int64 [rows]: argmax_of) instead of the logits.
+// the normed rows (gguf_mm's, in h's dtype) instead of them; with `greedy` > 0, each row's argmax
+// over the first `greedy` of those logits (int64 [rows]: argmax_of) instead of the logits.
 at::Tensor decode_stack_run(const c10::intrusive_ptr<DecodeStackArgs>& a, const at::Tensor& h,
                             const at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables,
                             const at::Tensor& slots, const std::optional<at::Tensor>& tails,
