@@ -1,10 +1,10 @@
-"""Q4_1, Q8_0, Q4_K and Q6_K repacked by sixteen rows (kernels.native.BY_16_ROWS, kernels/csrc/r16.h):
-the same bytes moved. Q4_1_R16, Q8_0_R16 and Q4_K_R16 take their type's kernels, the same bits for
-every row count and thread count;
-Q6_K_R16 is multiplied by bfloat16 rows in one order of float32 operations on every instruction
-set where the CPU has AVX-512 BF16. models/quantization/gguf_blocks.py repacks Q4_K wherever the
-AVX-512 variant runs (Q4_1 and Q8_0 too, a model's LM head included) and a bfloat16 model's
-`passes=2` Q6_K weights where the CPU has AVX-512 BF16, and nowhere else."""
+"""Weights repacked by sixteen rows (kernels.native.BY_16_ROWS, kernels/csrc/r16.h): the same bytes
+moved. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS and Q4_K repacked take their type's kernels, the
+same bits for every row count and thread count; Q6_K_R16 is multiplied by bfloat16 rows in one order
+of float32 operations on every instruction set where the CPU has AVX-512 BF16.
+models/quantization/gguf_blocks.py repacks those eight wherever the AVX-512 variant runs (a model's
+LM head included) and a bfloat16 model's `passes=2` Q6_K weights where the CPU has AVX-512 BF16, and
+nowhere else."""
 
 from __future__ import annotations
 
@@ -37,13 +37,14 @@ def _words(raw: np.ndarray, block: int) -> np.ndarray:
     return np.ascontiguousarray(words).reshape(n, -1)
 
 
-def _q8_0_layout(raw: np.ndarray) -> np.ndarray:
-    """r16.h's Q8_0 layout, from its description: block b of a group of sixteen rows as the rows'
-    d side by side (32 bytes), then the quants' eight words, word v of row c at 32 + 64 * v + 4 * c."""
-    n, nb = raw.shape[0], raw.shape[1] // 34
-    blocks = raw.reshape(n // 16, 16, nb, 34).transpose(0, 2, 1, 3)  # [groups, nb, 16 rows, 34]
+def _d_first(raw: np.ndarray, block: int) -> np.ndarray:
+    """r16.h's layout of blocks of 2 + 4k bytes (Q4_0, Q5_0, Q8_0, IQ4_NL), from its description:
+    block b of a group of sixteen rows as the rows' d side by side (32 bytes), then the rest's k
+    words, word v of row c at 32 + 64 * v + 4 * c."""
+    n, nb, k = raw.shape[0], raw.shape[1] // block, (block - 2) // 4
+    blocks = raw.reshape(n // 16, 16, nb, block).transpose(0, 2, 1, 3)  # [groups, nb, 16 rows, block]
     ds = blocks[..., :2].reshape(n // 16, nb, 32)
-    words = blocks[..., 2:].reshape(n // 16, nb, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(n // 16, nb, 512)
+    words = blocks[..., 2:].reshape(n // 16, nb, 16, k, 4).transpose(0, 1, 3, 2, 4).reshape(n // 16, nb, 64 * k)
     return np.ascontiguousarray(np.concatenate([ds, words], axis=2)).reshape(n, -1)
 
 
@@ -119,13 +120,16 @@ def _repacked(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     return raw, native.repack_by_16_rows(torch.from_numpy(raw), Q.Q6_K, k)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+REPACKED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q4_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda q: q.name)
 def test_the_repack_moves_the_file_bytes_as_its_layout_says_and_back(kernels, qtype):
     raw = random_blocks(qtype, 48, 512, seed=1)
     r16 = native.repack_by_16_rows(torch.from_numpy(raw), qtype, 512)
     assert r16.dtype == torch.uint8 and r16.shape == raw.shape
-    want = {Q.Q4_1: lambda: _words(raw, 20), Q.Q8_0: lambda: _q8_0_layout(raw), Q.Q4_K: lambda: _words(raw, 144),
-            Q.Q6_K: lambda: _layout(raw)}[qtype]()
+    block = native.BLOCK_TYPES[int(qtype)][2]
+    want = _layout(raw) if qtype == Q.Q6_K else _d_first(raw, block) if block % 4 == 2 else _words(raw, block)
     assert np.array_equal(r16.numpy(), want)
     assert torch.equal(native.repack_by_16_rows(r16, qtype, 512, back=True), torch.from_numpy(raw))
 
@@ -135,17 +139,18 @@ def test_the_repack_refuses_shapes_and_types_it_cannot_group(kernels):
         native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 24, 256)), Q.Q6_K, 256)
     with pytest.raises(RuntimeError, match="rows of 420 bytes"):
         native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 16, 256)), Q.Q6_K, 512)
-    with pytest.raises(RuntimeError, match="not Q4_1, Q8_0, Q4_K or Q6_K"):
-        native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q4_0, 16, 256)), Q.Q4_0, 256)
+    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1, .* or Q6_K"):
+        native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q2_K, 16, 256)), Q.Q2_K, 256)
 
 
 @pytest.mark.parametrize("passes", [1, 2])
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
-def test_q4_1_q8_0_and_q4_k_by_16_rows_give_the_file_layouts_bits_on_every_instruction_set(kernels, qtype, passes):
+@pytest.mark.parametrize("qtype", REPACKED[:-1], ids=lambda q: q.name)
+def test_types_by_16_rows_give_the_file_layouts_bits_on_every_instruction_set(kernels, qtype, passes):
     """Their kernels on the repacked groups: the same integers and float arithmetic as on the file's
     rows, for any row count (one row too, which the file's layout may take eight outputs at a time),
-    float32 and bfloat16 rows, and thread count. Q4_1's `passes=2` exists by bfloat16 rows on a CPU
-    with AVX-512 BF16 only (its 16-bit activation blocks keep the file's layout), Q8_0's not at all."""
+    float32 and bfloat16 rows, and thread count. Q4_0's and Q4_1's `passes=2` exist by bfloat16 rows
+    on a CPU with AVX-512 BF16 only (their 16-bit activation blocks keep the file's layout), Q8_0's
+    not at all; Q5_0's, Q5_1's, IQ4_NL's and IQ4_XS's are two 8-bit passes, as on the file's rows."""
     raw = random_blocks(qtype, 64, 512, seed=11)
     blocks = torch.from_numpy(raw)
     r16 = native.repack_by_16_rows(blocks, qtype, 512)
@@ -156,7 +161,7 @@ def test_q4_1_q8_0_and_q4_k_by_16_rows_give_the_file_layouts_bits_on_every_instr
         with pytest.raises(RuntimeError, match="no kernel"):
             native.gguf_mm(rows.bfloat16(), r16, native.BY_16_ROWS[int(qtype)], 64, passes=2)
         return
-    if qtype == Q.Q4_1 and passes == 2:
+    if qtype in (Q.Q4_0, Q.Q4_1) and passes == 2:
         with pytest.raises(RuntimeError, match="no kernel"):
             native.gguf_mm(rows, r16, native.BY_16_ROWS[int(qtype)], 64, passes=2)
         taken = [rows.bfloat16()] if native.takes_bf16_rows() else []
@@ -274,12 +279,12 @@ def _mapped(raw: np.ndarray, path) -> tuple[np.memmap, torch.Tensor]:
         return mapped, torch.from_numpy(mapped)
 
 
-def test_a_model_repacks_its_q4_k_q4_1_q8_0_and_bfloat16_q6_k_weights_and_keeps_the_file_intact(kernels, tmp_path):
+def test_a_model_repacks_its_block_weights_and_bfloat16_q6_k_and_keeps_the_file_intact(kernels, tmp_path):
     """Where the AVX-512 variant runs: Q4_K (from the file's memory map: its pages released, the
-    file's bytes untouched), Q4_1 and one-pass Q8_0 are repacked, with the same outputs (Q4_1's two-pass weight
-    where its bfloat16-row kernel takes it); the two-pass Q6_K down only for a bfloat16 model on a
-    CPU with AVX-512 BF16. An expert's weights, a one-pass Q6_K and
-    a weight of 24 rows keep the file's layout. Elsewhere nothing changes."""
+    file's bytes untouched), Q4_0, Q4_1, one-pass Q8_0 and two-pass IQ4_XS are repacked, with the same
+    outputs (Q4_0's and Q4_1's two-pass weights where their bfloat16-row kernels take them); the
+    two-pass Q6_K down only for a bfloat16 model on a CPU with AVX-512 BF16. An expert's weights, a
+    one-pass Q6_K and a weight of 24 rows keep the file's layout. Elsewhere nothing changes."""
     q4k, q6k = random_blocks(Q.Q4_K, 32, 512, seed=8), random_blocks(Q.Q6_K, 32, 512, seed=9)
     mapped, view = _mapped(q4k, tmp_path / "q4k.bin")
     layers = nn.Module()
@@ -294,26 +299,34 @@ def test_a_model_repacks_its_q4_k_q4_1_q8_0_and_bfloat16_q6_k_weights_and_keeps_
     layers.up_proj, layers.k_proj = _linear(q41, Q.Q4_1, 512, passes=1), _linear(q41.copy(), Q.Q4_1, 512, passes=2)
     q80 = random_blocks(Q.Q8_0, 32, 512, seed=15)
     layers.q_proj, layers.v_proj2 = _linear(q80, Q.Q8_0, 512, passes=1), _linear(q80.copy(), Q.Q8_0, 512, passes=2)
+    q40, iq4 = random_blocks(Q.Q4_0, 32, 512, seed=16), random_blocks(Q.IQ4_XS, 32, 512, seed=17)
+    layers.q4_0, layers.q4_0_two = _linear(q40, Q.Q4_0, 512, passes=1), _linear(q40.copy(), Q.Q4_0, 512, passes=2)
+    layers.iq4_xs = _linear(iq4, Q.IQ4_XS, 512, passes=2)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(10)).bfloat16()
-    before = [layers.gate_proj(x), layers.up_proj(x), layers.k_proj(x), layers.q_proj(x), layers.v_proj2(x)]
+    compared = (layers.gate_proj, layers.up_proj, layers.k_proj, layers.q_proj, layers.v_proj2, layers.q4_0,
+                layers.q4_0_two, layers.iq4_xs)
+    before = [m(x) for m in compared]
     avx512 = native.loaded().isa == "avx512"
     repacked = repack_by_16_rows(layers, torch.bfloat16)
     kept = [layers.experts[0].up_proj, layers.o_proj, layers.v_proj]
     assert [m.weight_format.qtype for m in kept] == [Q.Q4_K, Q.Q6_K, Q.Q4_K]
     gate = layers.gate_proj.weight_format
     assert gate.qtype == (native.Q4_K_R16 if avx512 else Q.Q4_K) and gate.mapped == (not avx512)
-    assert all(torch.equal(m(x), b) for m, b in zip((layers.gate_proj, layers.up_proj, layers.k_proj, layers.q_proj,
-                                                      layers.v_proj2), before))
+    assert all(torch.equal(m(x), b) for m, b in zip(compared, before))
+    assert layers.q4_0.weight_format.qtype == (native.Q4_0_R16 if avx512 else Q.Q4_0)
+    assert layers.iq4_xs.weight_format.qtype == (native.IQ4_XS_R16 if avx512 else Q.IQ4_XS)
     assert layers.up_proj.weight_format.qtype == (native.Q4_1_R16 if avx512 else Q.Q4_1)
     assert layers.q_proj.weight_format.qtype == (native.Q8_0_R16 if avx512 else Q.Q8_0)
     assert layers.v_proj2.weight_format.qtype == Q.Q8_0  # two passes: its 16-bit kernel, the file's layout
     two_pass_q41 = avx512 and native.takes_bf16_rows()  # its bfloat16-row kernel
     assert layers.k_proj.weight_format.qtype == (native.Q4_1_R16 if two_pass_q41 else Q.Q4_1)
+    assert layers.q4_0_two.weight_format.qtype == (native.Q4_0_R16 if two_pass_q41 else Q.Q4_0)
     assert np.array_equal(np.asarray(mapped), q4k) and np.array_equal(np.fromfile(tmp_path / "q4k.bin", np.uint8),
                                                                         q4k.reshape(-1))
     down = layers.down_proj.weight_format
     assert down.qtype == (native.Q6_K_R16 if native.takes_bf16_rows() else Q.Q6_K)
-    assert repacked == ((q4k.nbytes + q41.nbytes + q80.nbytes if avx512 else 0) + (q41.nbytes if two_pass_q41 else 0)
+    assert repacked == ((q4k.nbytes + q41.nbytes + q80.nbytes + q40.nbytes + iq4.nbytes if avx512 else 0)
+                        + (q41.nbytes + q40.nbytes if two_pass_q41 else 0)
                         + (q6k.nbytes if native.takes_bf16_rows() else 0))
     if native.takes_bf16_rows():
         assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(q6k, x)).bfloat16())

@@ -3,7 +3,7 @@ with native bfloat16, float32 elsewhere: models/loader.py), so that the next cli
 (oneDNN's packed weights), int8 per channel, int4 groups of 32 (torch's kernel, in
 `int4.kernel_dtype`), and the native kernels on GGUF blocks of each type (opentgi.kernels) where
 they build (Q4_1, Q4_K and Q6_K also with `passes=2`, the ~16-bit activations q/k/v and down
-projections take; Q4_1, Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so:
+projections take; each also repacked by 16 rows where a model served here holds it so:
 models/quantization/gguf_blocks.py), at 1, 4, 16 and 64 rows, on 2048x2048 and 8192x2048 weights (a 1B model's attention
 and MLP shapes).
 
@@ -286,7 +286,7 @@ def _by_16_rows(qtype, dtype: torch.dtype) -> tuple[int, ...]:
 def measure_bandwidth(megabytes: int, repeats: int, dtype: torch.dtype = torch.float32):
     """(streaming GB/s, [(kernel, GB/s)]): each block type at one row (in `dtype`, as served) over
     weights of `megabytes` in all, met in turn as a model's layers are; the best of `repeats`
-    sweeps. Q4_1, Q4_K and Q6_K also repacked by 16 rows where a model served here holds them so."""
+    sweeps. Each type also repacked by 16 rows where a model served here holds it so."""
     from gguf import GGMLQuantizationType as Q
 
     from opentgi.kernels import native
@@ -308,7 +308,7 @@ def measure_bandwidth(megabytes: int, repeats: int, dtype: torch.dtype = torch.f
         first = torch.from_numpy(_gguf_blocks(Q[name], out_features, in_features))
         weights = [first] + [first.clone() for _ in range(max(1, total // first.nbytes) - 1)]
         forms = [(qtype, 1, weights, "")]
-        if name in ("Q4_1", "Q4_K", "Q6_K"):
+        if name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K"):
             forms.append((qtype, 2, weights, " 2-pass"))
         for passes in _by_16_rows(Q[name], dtype):
             forms.append((native.BY_16_ROWS[qtype], passes, [native.repack_by_16_rows(w, qtype, in_features)

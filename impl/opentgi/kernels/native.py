@@ -39,12 +39,13 @@ BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12
 # group), a row [K] of the dtype's values viewed as uint8 bytes; float32 activations, K % 16 == 0
 DENSE_TYPES = {0: ("F32", 16, 64), 1: ("F16", 16, 32), 30: ("BF16", 32, 64)}
 DENSE_TYPE_OF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
-# Q4_1, Q8_0, Q4_K and Q6_K repacked by sixteen rows (csrc/r16.h, `repack_by_16_rows`): not GGML
-# types. Q4_1_R16, Q8_0_R16 and Q4_K_R16 take their type's kernels (the same bits), on any ISA
-# (Q4_1's `passes=2` only by bfloat16 rows on CPUs with AVX-512 BF16; Q8_0's `passes=1` only);
-# Q6_K_R16 only that, the rows' own values against the blocks (csrc/blocks_bf16.cpp)
-Q4_1_R16, Q8_0_R16, Q4_K_R16, Q6_K_R16 = 1003, 1008, 1012, 1014
-BY_16_ROWS = {3: Q4_1_R16, 8: Q8_0_R16, 12: Q4_K_R16, 14: Q6_K_R16}  # GGML type -> its repacked type
+# Types repacked by sixteen rows (csrc/r16.h, `repack_by_16_rows`), each a type of its own, 1000 + the
+# file's (not GGML types). Each takes its type's kernels (the same bits) on any ISA: Q4_0's and Q4_1's
+# `passes=2` only by bfloat16 rows on CPUs with AVX-512 BF16, Q8_0's `passes=1` only, Q5_0's, Q5_1's,
+# IQ4_NL's and IQ4_XS's `passes=2` as two 8-bit passes; Q6_K_R16 only the rows' own bfloat16 values
+# against the blocks (csrc/blocks_bf16.cpp)
+BY_16_ROWS = {t: 1000 + t for t in (2, 3, 6, 7, 8, 12, 14, 20, 23)}  # GGML type -> its repacked type
+Q4_0_R16, Q4_1_R16, Q5_0_R16, Q5_1_R16, Q8_0_R16, Q4_K_R16, Q6_K_R16, IQ4_NL_R16, IQ4_XS_R16 = BY_16_ROWS.values()
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def supported_isas() -> list[str]:
 
 
 def takes_bf16_rows() -> bool:
-    """Whether the loaded library's bfloat16-row kernels run here (csrc/blocks_bf16.cpp: Q4_0/Q4_1
-    and the Q4_1_R16/Q6_K_R16 weights at `passes=2`): its AVX-512 variant on a CPU with AVX-512
+    """Whether the loaded library's bfloat16-row kernels run here (csrc/blocks_bf16.cpp: Q4_0/Q4_1,
+    repacked or not, and the Q6_K_R16 weights at `passes=2`): its AVX-512 variant on a CPU with AVX-512
     BF16's dot products."""
     path = loaded()
     return (path is not None and path.name == "native" and path.isa == "avx512"
@@ -86,8 +87,8 @@ def takes_bf16_rows() -> bool:
 
 
 def repack_by_16_rows(blocks: torch.Tensor, qtype: int, in_features: int, back: bool = False) -> torch.Tensor:
-    """Q4_1, Q8_0, Q4_K or Q6_K rows [N, bytes a row] (N a multiple of 16) as their groups of sixteen rows
-    (`BY_16_ROWS`), or (`back`) those groups as rows: the same bytes, moved."""
+    """Rows [N, bytes a row] (N a multiple of 16) of a type `BY_16_ROWS` names as their groups of sixteen
+    rows, or (`back`) those groups as rows: the same bytes, moved."""
     return torch.ops.opentgi.repack_by_16_rows(blocks, int(qtype), blocks.shape[0], in_features, back)
 
 

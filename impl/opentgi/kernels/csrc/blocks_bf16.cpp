@@ -104,8 +104,13 @@ struct TileBF16 {
     for (int b = 0; b < nb; ++b) {
       const uint8_t* base = wr + (size_t)b * sizeof(Block) * S;
       prefetch_blocks16<S>(wr, row_bytes, base, sizeof(Block), b, nb);
-      const __m512i head = header16<S>(base, row_bytes);
-      const __m512 dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
+      __m512 dv, mv;
+      if constexpr (Kind == 0) {  // d alone (Q4_0_R16: the sixteen d side by side, r16.h)
+        dv = mv = d16<S>(base, row_bytes);
+      } else {
+        const __m512i head = header16<S>(base, row_bytes);
+        dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
+      }
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as bytes
       values16<Kind, S>(base, row_bytes, w);
       __m512bh wb[16];  // pair k of ActBF16's order, row c in lane c
@@ -129,16 +134,18 @@ struct TileBF16 {
 };
 
 #ifdef OPENTGI_AVX512
-// Q4_1_R16 (r16.h): the sixteen-output form on the repacked groups (the file layout's bits)
-struct TileBF16Q41R16 : TileBF16<1> {
+// Q4_0_R16 and Q4_1_R16 (r16.h): the sixteen-output form on the repacked groups (the file layout's bits)
+template <int Kind>
+struct TileBF16R16 : TileBF16<Kind> {
   template <int R>
   __attribute__((target("avx512bf16"))) static void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act,
                                                           size_t stride, int K, float* out, int ldo) {
-    TileBF16<1>::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
+    TileBF16<Kind>::template run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
   }
 };
 #else
-using TileBF16Q41R16 = TileBF16<1>;
+template <int Kind>
+using TileBF16R16 = TileBF16<Kind>;
 #endif
 
 // q - 32 as bfloat16 for q = 0 .. 63 (the two 32-entry tables of a two-table permute)
@@ -342,9 +349,13 @@ void OPENTGI_FN(matmul_q4_1_bf16)(const uint8_t* w, size_t rb, const uint8_t* ac
                                   int n1, int K, float* out, int ldo) {
   drive<TileBF16<1>>(w, rb, act, arb, M, n0, n1, K, out, ldo);
 }
+void OPENTGI_FN(matmul_q4_0_bf16_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                      int n1, int K, float* out, int ldo) {
+  drive_r16<TileBF16<0>, TileBF16R16<0>>(w, rb, sizeof(BlockQ4_0), act, arb, M, n0, n1, K, out, ldo);
+}
 void OPENTGI_FN(matmul_q4_1_bf16_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                       int n1, int K, float* out, int ldo) {
-  drive_r16<TileBF16<1>, TileBF16Q41R16>(w, rb, sizeof(BlockQ4_1), act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<TileBF16<1>, TileBF16R16<1>>(w, rb, sizeof(BlockQ4_1), act, arb, M, n0, n1, K, out, ldo);
 }
 
 // Sixteen rows of nb Q6_K superblocks into their Q6_K_R16 group (r16.h q6k_r16_group): on AVX-512

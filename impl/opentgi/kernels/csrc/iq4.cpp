@@ -12,10 +12,6 @@
 namespace opentgi {
 namespace {
 
-struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };
-struct BlockIQ4_XS { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
-static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "ggml layout");
-
 alignas(16) constexpr int8_t kvalues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                             1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -146,8 +142,9 @@ struct TileIQ4NL {
   // four bytes broadcast): the values looked up as kvalues + 128 (unsigned), 128 * sum(y) taken off
   // (the sum's start); the same exact integer as run8's, then its float arithmetic lane by lane.
   static constexpr int rows = BYTE_TILE_ROWS;
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     const int nb = K / QK;
@@ -156,11 +153,11 @@ struct TileIQ4NL {
     start_tile(act, stride, a, acc);
     const __m512i table = shifted_table();
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_NL);
-      prefetch_next<16>(wr, row_bytes, b, nb);
-      const __m512 dv = fp16_lanes16<false>(header16(base, row_bytes));
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_NL) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(BlockIQ4_NL), b, nb);
+      const __m512 dv = d16<S>(base, row_bytes);
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, + 128
-      values16<0>(base, row_bytes, w);
+      values16<0, S>(base, row_bytes, w);
       for (int g = 0; g < 8; ++g) w[g] = _mm512_shuffle_epi8(table, w[g]);
       for (int r = 0; r < R; ++r) {
         const ActQ8& y = a[r][b];
@@ -292,8 +289,9 @@ struct TileIQ4XS {
   // values looked up as kvalues + 128, the 128 * its activations' sum taken off as the dot's
   // start), times the row's multiplier; the same exact total as run8's, then its float arithmetic.
   static constexpr int rows = BYTE_TILE_ROWS;
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     const int nb = K / QK_K;
@@ -303,10 +301,10 @@ struct TileIQ4XS {
     const __m512i table = shifted_table();
     const __m512i k15 = _mm512_set1_epi32(15), k3 = _mm512_set1_epi32(3), k32 = _mm512_set1_epi32(32);
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_XS);
-      prefetch_next<16>(wr, row_bytes, b, nb);
+      const uint8_t* base = wr + (size_t)b * sizeof(BlockIQ4_XS) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(BlockIQ4_XS), b, nb);
       __m512i hw[4];  // d | scales_h << 16, scales_l, the first qs
-      words16(base, row_bytes, hw);
+      words16<S>(base, row_bytes, hw);
       const __m512 d = fp16_lanes16<false>(hw[0]);
       const __m512i sh = _mm512_srli_epi32(hw[0], 16);
       __m512i total[R];
@@ -316,7 +314,7 @@ struct TileIQ4XS {
             _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(hw[1], 4 * j), k15),
                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(sh, 2 * j), k3), 4)), k32);
         __m512i w[8];  // w[g] lane c: values 32j + 4g .. + 3 of row c, + 128
-        nibbles16(base + offsetof(BlockIQ4_XS, qs) + 16 * j, row_bytes, w);
+        nibbles16<S>(base + (offsetof(BlockIQ4_XS, qs) + 16 * j) * S, row_bytes, w);
         for (int g = 0; g < 8; ++g) w[g] = _mm512_shuffle_epi8(table, w[g]);
         for (int r = 0; r < R; ++r) {
           const ActQ8K& y = a[r][b];
@@ -337,6 +335,15 @@ struct TileIQ4XS {
 };
 
 }  // namespace
+
+void OPENTGI_FN(matmul_iq4_nl_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                   int K, float* out, int ldo) {
+  drive_r16<TileIQ4NL>(w, rb, sizeof(BlockIQ4_NL), act, arb, M, n0, n1, K, out, ldo);
+}
+void OPENTGI_FN(matmul_iq4_xs_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                   int K, float* out, int ldo) {
+  drive_r16<TileIQ4XS>(w, rb, sizeof(BlockIQ4_XS), act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_iq4_nl)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                int K, float* out, int ldo) {

@@ -35,6 +35,12 @@ namespace opentgi {
   void repack_words16_##isa(const uint8_t*, size_t, int, size_t, uint8_t*); \
   void repack_q6_k16_##isa(const uint8_t*, size_t, int, uint8_t*); \
   void matmul_q4_1_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_0_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_0_bf16_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_0_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_1_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_iq4_nl_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_iq4_xs_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_1_bf16_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q8_0_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_k_wide_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -142,15 +148,25 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
 #else
 #define AVX512_OR_NULL(fn) nullptr
 #endif
-  if (qtype == Q4_1_R16) {  // repacked (r16.h): 8-bit rows, or bfloat16 rows at passes=2 (their kernel)
-    *k = {OPENTGI_PICK(matmul_q4_1_r16), false, QK, 20, ACT_Q8, 1, 16};
-    if (passes == 2) {
+  if (qtype == Q4_0_R16 || qtype == Q4_1_R16) {  // repacked (r16.h): 8-bit rows, or bfloat16 rows at passes=2
+    const bool q41 = qtype == Q4_1_R16;
+    *k = {q41 ? OPENTGI_PICK(matmul_q4_1_r16) : OPENTGI_PICK(matmul_q4_0_r16), false, QK, q41 ? 20 : 18, ACT_Q8, 1, 16};
+    if (passes == 2) {  // (their 16-bit activation blocks keep the file's layout)
       if (!bf16_rows || !bf16_dots()) return false;
-      k->matmul = OPENTGI_PICK(matmul_q4_1_bf16_r16);
+      k->matmul = q41 ? OPENTGI_PICK(matmul_q4_1_bf16_r16) : OPENTGI_PICK(matmul_q4_0_bf16_r16);
       k->act = ACT_BF16_BLOCKS;
     }
     return k->matmul != nullptr;
   }
+  bool plain_r16 = true;
+  switch (qtype) {  // repacked (r16.h), types without a 16-bit form: their 8-bit kernels, one pass or two
+    case Q5_0_R16: *k = {OPENTGI_PICK(matmul_q5_0_r16), false, QK, 22, ACT_Q8, (int)passes, 16}; break;
+    case Q5_1_R16: *k = {OPENTGI_PICK(matmul_q5_1_r16), false, QK, 24, ACT_Q8, (int)passes, 16}; break;
+    case IQ4_NL_R16: *k = {OPENTGI_PICK(matmul_iq4_nl_r16), false, QK, 18, ACT_Q8, (int)passes, 16}; break;
+    case IQ4_XS_R16: *k = {OPENTGI_PICK(matmul_iq4_xs_r16), true, QK_K, 136, ACT_Q8K, (int)passes, 16}; break;
+    default: plain_r16 = false;
+  }
+  if (plain_r16) return k->matmul != nullptr;
   if (qtype == Q8_0_R16) {  // repacked (r16.h): 8-bit rows (the one form `passes=1` takes)
     if (passes != 1) return false;
     *k = {OPENTGI_PICK(matmul_q8_0_r16), false, QK, 34, ACT_Q8, 1, 16};

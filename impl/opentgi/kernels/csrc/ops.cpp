@@ -40,16 +40,27 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
 
 std::vector<int64_t> isas();  // the ISA variants this CPU runs (below)
 
-// Q4_1, Q8_0, Q4_K or Q6_K rows [N, row bytes] into their groups of sixteen (r16.h: *_R16), or (back)
-// those groups into rows: the same bytes, moved
+// Rows [N, row bytes] of a type repacked by sixteen rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS,
+// Q4_K, Q6_K) into their groups of sixteen (r16.h: *_R16), or (back) those groups into rows: the same
+// bytes, moved
 at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool back) {
-  TORCH_CHECK(qtype == Q4_1 || qtype == Q8_0 || qtype == Q4_K || qtype == Q6_K, "repack_by_16_rows: GGML type ",
-              qtype, " is not Q4_1, Q8_0, Q4_K or Q6_K");
-  const int64_t values = qtype == Q4_1 || qtype == Q8_0 ? QK : QK_K;
+  int64_t values = QK, block_bytes = 0;
+  switch (qtype) {
+    case Q4_0: block_bytes = sizeof(BlockQ4_0); break;
+    case Q4_1: block_bytes = sizeof(BlockQ4_1); break;
+    case Q5_0: block_bytes = sizeof(BlockQ5_0); break;
+    case Q5_1: block_bytes = sizeof(BlockQ5_1); break;
+    case Q8_0: block_bytes = sizeof(BlockQ8_0); break;
+    case IQ4_NL: block_bytes = sizeof(BlockIQ4_NL); break;
+    case IQ4_XS: values = QK_K, block_bytes = sizeof(BlockIQ4_XS); break;
+    case Q4_K: values = QK_K, block_bytes = sizeof(BlockQ4_K); break;
+    case Q6_K: values = QK_K, block_bytes = sizeof(BlockQ6_K); break;
+    default:
+      TORCH_CHECK(false, "repack_by_16_rows: GGML type ", qtype,
+                  " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, Q4_K or Q6_K");
+  }
   TORCH_CHECK(K > 0 && K % values == 0 && N > 0 && N % 16 == 0, "repack_by_16_rows: N must be a multiple of 16 and K of ",
               values, ", not ", N, " and ", K);
-  const int64_t block_bytes = qtype == Q4_1 ? (int64_t)sizeof(BlockQ4_1) : qtype == Q8_0 ? (int64_t)sizeof(BlockQ8_0)
-                              : qtype == Q4_K ? (int64_t)sizeof(BlockQ4_K) : (int64_t)sizeof(BlockQ6_K);
   const int64_t row_bytes = K / values * block_bytes;
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * row_bytes,
               "repack_by_16_rows: w must be contiguous uint8 holding ", N, " rows of ", row_bytes, " bytes");
@@ -72,7 +83,7 @@ at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int6
       if (back) r16_group<true>(dst + at, row_bytes, nb, block_bytes, src + at);
       else if (qtype == Q6_K) q6k(src + at, row_bytes, nb, dst + at);
       else if (block_bytes % 16 == 0) words(src + at, row_bytes, nb, block_bytes, dst + at);
-      else r16_group<false>(src + at, row_bytes, nb, block_bytes, dst + at);  // Q4_1, Q8_0: word by word
+      else r16_group<false>(src + at, row_bytes, nb, block_bytes, dst + at);  // the others: word by word
     }
   });
   return out;

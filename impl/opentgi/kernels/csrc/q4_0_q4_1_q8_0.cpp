@@ -166,8 +166,8 @@ struct Tile32 {
       const uint8_t* base = wr + (size_t)b * sizeof(Block) * S;
       prefetch_blocks16<S>(wr, row_bytes, base, sizeof(Block), b, nb);
       __m512 dv, mv;
-      if constexpr (Kind == 2 && S == 16) {  // Q8_0_R16: the sixteen d side by side (r16.h)
-        dv = mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)base));
+      if constexpr (Kind != 1) {  // d alone (Q4_0_R16, Q8_0_R16: the sixteen d side by side, r16.h)
+        dv = mv = d16<S>(base, row_bytes);
       } else {
         const __m512i head = header16<S>(base, row_bytes);
         dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
@@ -352,38 +352,22 @@ struct Tile32Wide {
 #endif
 };
 
-#ifdef OPENTGI_AVX512
-// Q4_1_R16 (r16.h): the sixteen-output form on the repacked groups (the file layout's bits)
-struct Tile32Q41R16 : Tile32<BlockQ4_1, 1> {
-  template <int R>
-  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K, float* out,
-                           int ldo) {
-    Tile32<BlockQ4_1, 1>::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
-  }
-};
-// Q8_0_R16 (r16.h): the same
-struct Tile32Q80R16 : Tile32<BlockQ8_0, 2> {
-  template <int R>
-  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K, float* out,
-                           int ldo) {
-    Tile32<BlockQ8_0, 2>::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
-  }
-};
-#else
-using Tile32Q41R16 = Tile32<BlockQ4_1, 1>;
-using Tile32Q80R16 = Tile32<BlockQ8_0, 2>;
-#endif
 
 }  // namespace
 
 void OPENTGI_FN(matmul_q4_1_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                  int K, float* out, int ldo) {
-  drive_r16<Tile32<BlockQ4_1, 1>, Tile32Q41R16>(w, rb, sizeof(BlockQ4_1), act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<Tile32<BlockQ4_1, 1>>(w, rb, sizeof(BlockQ4_1), act, arb, M, n0, n1, K, out, ldo);
+}
+
+void OPENTGI_FN(matmul_q4_0_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+  drive_r16<Tile32<BlockQ4_0, 0>>(w, rb, sizeof(BlockQ4_0), act, arb, M, n0, n1, K, out, ldo);
 }
 
 void OPENTGI_FN(matmul_q8_0_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                  int K, float* out, int ldo) {
-  drive_r16<Tile32<BlockQ8_0, 2>, Tile32Q80R16>(w, rb, sizeof(BlockQ8_0), act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<Tile32<BlockQ8_0, 2>>(w, rb, sizeof(BlockQ8_0), act, arb, M, n0, n1, K, out, ldo);
 }
 
 void OPENTGI_FN(matmul_q4_0_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,

@@ -409,16 +409,8 @@ struct TileQ4KR16 : TileQ4K {
                                ldo);
   }
 };
-struct TileQ4KWideR16 : TileQ4KWide {
-  template <int R>
-  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K,
-                           float* out, int ldo) {
-    TileQ4KWide::run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
-  }
-};
 #else
 using TileQ4KR16 = TileQ4K;
-using TileQ4KWideR16 = TileQ4KWide;
 #endif
 
 }  // namespace
@@ -458,7 +450,7 @@ void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act
 
 void OPENTGI_FN(matmul_q4_k_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
                                       int n1, int K, float* out, int ldo) {
-  drive_r16<TileQ4KWide, TileQ4KWideR16>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<TileQ4KWide>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
 }
 
 }  // namespace opentgi

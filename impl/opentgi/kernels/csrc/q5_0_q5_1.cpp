@@ -10,10 +10,6 @@
 namespace opentgi {
 namespace {
 
-struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
-struct BlockQ5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
-static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "ggml layout");
-
 #ifdef OPENTGI_AVX2
 // 0xFF in byte i where bit i of the 32 bits at x is set (llama.cpp's bytes_from_bits_32)
 static inline __m256i bytes_from_bits_32(const uint8_t* x) {
@@ -156,8 +152,9 @@ struct TileQ5 {
   // test of the row's qh finds it; Q5_0's -16 * sum(y) the sum's start. run8's integers and float
   // arithmetic lane by lane.
   static constexpr int rows = BYTE_TILE_ROWS;
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     constexpr int qs_at = WithMin ? 8 : 6;
@@ -169,14 +166,21 @@ struct TileQ5 {
     // byte k of word j: the word's byte 0 (then + g / 2), in each 128-bit lane
     const __m512i word = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next<16>(wr, row_bytes, b, nb);
-      __m512i hw[4];  // the first 16 bytes: d (| m), qh
-      words16(base, row_bytes, hw);
-      const __m512 dv = fp16_lanes16<false>(hw[0]), mv = fp16_lanes16<true>(hw[0]);  // mv: Q5_1's m
-      const __m512i qh = WithMin ? hw[1] : _mm512_or_si512(_mm512_srli_epi32(hw[0], 16), _mm512_slli_epi32(hw[1], 16));
+      const uint8_t* base = wr + (size_t)b * sizeof(Block) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(Block), b, nb);
+      __m512 dv, mv;  // mv: Q5_1's m
+      __m512i qh;
+      if constexpr (!WithMin && S == 16) {  // Q5_0_R16: the sixteen d side by side, then the qh words (r16.h)
+        dv = mv = d16<S>(base, row_bytes);
+        qh = _mm512_loadu_si512((const void*)(base + 32));
+      } else {
+        __m512i hw[4];  // the first 16 bytes: d (| m), qh
+        words16<S>(base, row_bytes, hw);
+        dv = fp16_lanes16<false>(hw[0]), mv = fp16_lanes16<true>(hw[0]);
+        qh = WithMin ? hw[1] : _mm512_or_si512(_mm512_srli_epi32(hw[0], 16), _mm512_slli_epi32(hw[1], 16));
+      }
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c
-      nibbles16(base + qs_at, row_bytes, w);
+      nibbles16<S>(base + qs_at * S, row_bytes, w);
       for (int g = 0; g < 8; ++g) {  // bit 4g + k of qh to byte k: qh's byte g / 2 in every byte, tested
         const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(word, _mm512_set1_epi8((char)(g / 2))));
         const __m512i bits = _mm512_set1_epi32((int)(0x08040201u << (4 * (g % 2))));
@@ -197,6 +201,15 @@ struct TileQ5 {
 };
 
 }  // namespace
+
+void OPENTGI_FN(matmul_q5_0_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+  drive_r16<TileQ5<BlockQ5_0, false>>(w, rb, sizeof(BlockQ5_0), act, arb, M, n0, n1, K, out, ldo);
+}
+void OPENTGI_FN(matmul_q5_1_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+  drive_r16<TileQ5<BlockQ5_1, true>>(w, rb, sizeof(BlockQ5_1), act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_q5_0)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                              int K, float* out, int ldo) {

@@ -123,15 +123,33 @@ static inline void drive(const uint8_t* w, size_t row_bytes, const uint8_t* act,
   }
 }
 
+// A tile whose sixteen-output form reads its rows repacked (run16<R, 16>): the form drive_r16
+// takes for that type's *_R16 groups (r16.h), the file layout's bits. (Where the variant has no
+// sixteen-output form, drive_r16 puts the groups back and drives the tile itself.)
+#ifdef OPENTGI_AVX512
+template <class Tile>
+struct TileR16 : Tile {
+  template <int R>
+  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K, float* out,
+                           int ldo) {
+    Tile::template run16<R, 16>(grp, row_bytes, act, stride, K, out, ldo);
+  }
+};
+#else
+template <class Tile>
+using TileR16 = Tile;
+#endif
+
 // Outputs n0 .. n1 - 1 (whole groups of sixteen) of a weight repacked by sixteen rows (r16.h, blocks of
-// block_bytes): TileR16's sixteen-output form where the variant has it (AVX-512), else each group put
-// back in the file's layout and driven as Tile: the same bits.
-template <class Tile, class TileR16>
+// block_bytes): TileG's sixteen-output form (TileR16<Tile> unless the type's groups have a form of their own)
+// where the variant has it (AVX-512), else each group put back in the file's layout and driven as Tile:
+// the same bits.
+template <class Tile, class TileG = TileR16<Tile>>
 static void drive_r16(const uint8_t* w, size_t rb, size_t block_bytes, const uint8_t* act, size_t arb, int M, int n0,
                       int n1, int K, float* out, int ldo) {
 #ifdef OPENTGI_AVX512
   (void)block_bytes;
-  for (int n = n0; n + 16 <= n1; n += 16) rows_against<TileR16, 16>(w, rb, act, arb, M, n, K, out, ldo);
+  for (int n = n0; n + 16 <= n1; n += 16) rows_against<TileG, 16>(w, rb, act, arb, M, n, K, out, ldo);
 #else
   std::vector<uint8_t> rows(16 * rb);
   for (int n = n0; n + 16 <= n1; n += 16) {
@@ -441,6 +459,14 @@ static inline __m512i header16(const uint8_t* base, size_t row_bytes) {
 template <bool High>
 static inline __m512 fp16_lanes16(__m512i w) {
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(High ? _mm512_srli_epi32(w, 16) : w));
+}
+
+// Sixteen rows' float16 d, the first two bytes of blocks of 2 + 4k bytes (Q4_0, Q5_0, Q8_0, IQ4_NL),
+// row c in lane c, as floats; S = 16: the rows repacked, their d side by side at base (r16.h).
+template <int S = 1>
+static inline __m512 d16(const uint8_t* base, size_t row_bytes) {
+  if constexpr (S == 16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)base));
+  return fp16_lanes16<false>(header16(base, row_bytes));
 }
 
 // A shuffle control taking bytes 2H and 2H + 1 of each 32-bit word to its two 16-bit halves: into
