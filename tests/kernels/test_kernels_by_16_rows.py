@@ -1,9 +1,9 @@
 """Weights repacked by sixteen rows (kernels.native.BY_16_ROWS, kernels/csrc/r16.h): the same bytes
-moved. Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS and Q4_K repacked take their type's kernels, the
-same bits for every row count and thread count; Q6_K_R16 is multiplied by bfloat16 rows in one order
-of float32 operations on every instruction set where the CPU has AVX-512 BF16.
-models/quantization/gguf_blocks.py repacks those eight wherever the AVX-512 variant runs (a model's
-LM head included) and a bfloat16 model's `passes=2` Q6_K weights where the CPU has AVX-512 BF16, and
+moved. Every block type but Q6_K repacked (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, IQ4_NL,
+IQ4_XS) takes its type's kernels, the same bits for every row count and thread count; Q6_K_R16 is multiplied by bfloat16 rows
+in one order of float32 operations on every instruction set where the CPU has AVX-512 BF16.
+models/quantization/gguf_blocks.py repacks those eleven wherever the AVX-512 variant runs (a model's LM
+head included) and a bfloat16 model's `passes=2` Q6_K weights where the CPU has AVX-512 BF16, and
 nowhere else."""
 
 from __future__ import annotations
@@ -29,23 +29,20 @@ ORDER = (0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)  # blocks_bf16.cp
 COUNTS = (1, 2, 3, 5, 8, 9, 15, 16, 17, 33)
 
 
-def _words(raw: np.ndarray, block: int) -> np.ndarray:
-    """r16.h's Q4_K layout, from its description: block b of a group of sixteen rows as its words,
-    word v of row c at b * 16 * block + 64 * v + 4 * c."""
+def _fields(raw: np.ndarray, block: int) -> np.ndarray:
+    """r16.h's layout of every type but Q6_K, from its description: the field at offset o of row c's
+    block b (w bytes: 4, or 2 for the float16 d that breaks the words, the first two bytes of a block
+    of 2 + 4k bytes or Q3_K's last two) at b * 16 * block + 16 * o + w * c of its group."""
     n, nb = raw.shape[0], raw.shape[1] // block
-    words = raw.reshape(n // 16, 16, nb, block // 4, 4).transpose(0, 2, 3, 1, 4)
-    return np.ascontiguousarray(words).reshape(n, -1)
-
-
-def _d_first(raw: np.ndarray, block: int) -> np.ndarray:
-    """r16.h's layout of blocks of 2 + 4k bytes (Q4_0, Q5_0, Q8_0, IQ4_NL), from its description:
-    block b of a group of sixteen rows as the rows' d side by side (32 bytes), then the rest's k
-    words, word v of row c at 32 + 64 * v + 4 * c."""
-    n, nb, k = raw.shape[0], raw.shape[1] // block, (block - 2) // 4
-    blocks = raw.reshape(n // 16, 16, nb, block).transpose(0, 2, 1, 3)  # [groups, nb, 16 rows, block]
-    ds = blocks[..., :2].reshape(n // 16, nb, 32)
-    words = blocks[..., 2:].reshape(n // 16, nb, 16, k, 4).transpose(0, 1, 3, 2, 4).reshape(n // 16, nb, 64 * k)
-    return np.ascontiguousarray(np.concatenate([ds, words], axis=2)).reshape(n, -1)
+    d_at = 108 if block == 110 else 0 if block % 4 == 2 else -1
+    blocks = raw.reshape(n // 16, 16, nb, block)
+    out = np.empty((n // 16, nb, 16 * block), np.uint8)
+    o = 0
+    while o < block:
+        w = 2 if o == d_at else 4
+        out[:, :, 16 * o:16 * (o + w)] = blocks[..., o:o + w].transpose(0, 2, 1, 3).reshape(n // 16, nb, 16 * w)
+        o += w
+    return out.reshape(n, -1)
 
 
 def _layout(raw: np.ndarray) -> np.ndarray:
@@ -120,7 +117,7 @@ def _repacked(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     return raw, native.repack_by_16_rows(torch.from_numpy(raw), Q.Q6_K, k)
 
 
-REPACKED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q4_K, Q.Q6_K]
+REPACKED = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.IQ4_NL, Q.IQ4_XS, Q.Q4_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", REPACKED, ids=lambda q: q.name)
@@ -129,7 +126,7 @@ def test_the_repack_moves_the_file_bytes_as_its_layout_says_and_back(kernels, qt
     r16 = native.repack_by_16_rows(torch.from_numpy(raw), qtype, 512)
     assert r16.dtype == torch.uint8 and r16.shape == raw.shape
     block = native.BLOCK_TYPES[int(qtype)][2]
-    want = _layout(raw) if qtype == Q.Q6_K else _d_first(raw, block) if block % 4 == 2 else _words(raw, block)
+    want = _layout(raw) if qtype == Q.Q6_K else _fields(raw, block)
     assert np.array_equal(r16.numpy(), want)
     assert torch.equal(native.repack_by_16_rows(r16, qtype, 512, back=True), torch.from_numpy(raw))
 
@@ -139,8 +136,8 @@ def test_the_repack_refuses_shapes_and_types_it_cannot_group(kernels):
         native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 24, 256)), Q.Q6_K, 256)
     with pytest.raises(RuntimeError, match="rows of 420 bytes"):
         native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q6_K, 16, 256)), Q.Q6_K, 512)
-    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1, .* or Q6_K"):
-        native.repack_by_16_rows(torch.from_numpy(random_blocks(Q.Q2_K, 16, 256)), Q.Q2_K, 256)
+    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1, .* or IQ4_XS"):
+        native.repack_by_16_rows(torch.zeros(16, 128, dtype=torch.uint8), 0, 64)  # F32: dense, not blocks
 
 
 @pytest.mark.parametrize("passes", [1, 2])
@@ -150,7 +147,8 @@ def test_types_by_16_rows_give_the_file_layouts_bits_on_every_instruction_set(ke
     rows, for any row count (one row too, which the file's layout may take eight outputs at a time),
     float32 and bfloat16 rows, and thread count. Q4_0's and Q4_1's `passes=2` exist by bfloat16 rows
     on a CPU with AVX-512 BF16 only (their 16-bit activation blocks keep the file's layout), Q8_0's
-    not at all; Q5_0's, Q5_1's, IQ4_NL's and IQ4_XS's are two 8-bit passes, as on the file's rows."""
+    not at all; the others' (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS) are two 8-bit passes, as on
+    the file's rows."""
     raw = random_blocks(qtype, 64, 512, seed=11)
     blocks = torch.from_numpy(raw)
     r16 = native.repack_by_16_rows(blocks, qtype, 512)

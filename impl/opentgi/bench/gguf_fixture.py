@@ -5,7 +5,8 @@ comparison with llama.cpp uses (hidden 2048, 16 layers, 32 heads, 8 KV heads, in
 Q4_1 layers, Q8_0 embedding, tied head; 717 MB, about a minute). Weights are seeded normal
 values times 0.02, quantized by gguf-py's `quantize` and written by its `GGUFWriter`; the
 tokenizer (SmolLM2's, vocabulary 49152) is copied from the default model's GGUF metadata. Block
-types gguf-py cannot quantize (Q4_K, Q5_K, Q6_K) are written as random blocks with modest scales.
+types gguf-py cannot quantize (the K-quants, IQ4_NL, IQ4_XS) are written as random blocks with
+modest scales. `--layer-type` sets every layer projection's type (Q4_0, IQ4_XS, ...).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 # byte offsets of the float16 scale fields of the block types written as random blocks
-_RANDOM_BLOCK_F16 = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_RANDOM_BLOCK_F16 = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                     "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 @dataclass(frozen=True)

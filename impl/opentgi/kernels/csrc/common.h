@@ -74,12 +74,16 @@ struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };
 struct BlockQ5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };
 struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };
 struct BlockIQ4_XS { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
+struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
+struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml layout");
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "ggml layout");
 static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "ggml layout");
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml layout");
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "ggml layout");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "ggml layout");
 
 // Activations, per row: blocks of 32 int8 with their float scale and the exact sum of the
 // quantized values (Q4_1's minimum term), or superblocks of 256 with sums per 16 (K-quants).
@@ -114,8 +118,8 @@ enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
              Q5_0 = 6, Q5_1 = 7, Q2_K = 10, Q3_K = 11, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23,
              F32 = 0, F16 = 1, BF16 = 30,  // the dense types (dense.cpp)
              // not GGML's: repacked by 16 rows (r16.h), 1000 + the file's type
-             Q4_0_R16 = 1002, Q4_1_R16 = 1003, Q5_0_R16 = 1006, Q5_1_R16 = 1007, Q8_0_R16 = 1008, Q4_K_R16 = 1012,
-             Q6_K_R16 = 1014, IQ4_NL_R16 = 1020, IQ4_XS_R16 = 1023 };
+             Q4_0_R16 = 1002, Q4_1_R16 = 1003, Q5_0_R16 = 1006, Q5_1_R16 = 1007, Q8_0_R16 = 1008, Q2_K_R16 = 1010,
+             Q3_K_R16 = 1011, Q4_K_R16 = 1012, Q5_K_R16 = 1013, Q6_K_R16 = 1014, IQ4_NL_R16 = 1020, IQ4_XS_R16 = 1023 };
 
 // bfloat16 is float32's upper half: exact
 static inline float bf16_to_fp32(uint16_t h) {
@@ -230,7 +234,10 @@ void OPENTGI_FN(matmul_q4_0_r16)(const uint8_t*, size_t, const uint8_t*, size_t,
 void OPENTGI_FN(matmul_q4_0_bf16_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_1_bf16_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
-// Q5_0, Q5_1, Q8_0, IQ4_NL and IQ4_XS repacked by sixteen rows (r16.h), against ActQ8 / ActQ8K
+// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q5_K, IQ4_NL and IQ4_XS repacked by sixteen rows (r16.h), against ActQ8 / ActQ8K
+void OPENTGI_FN(matmul_q5_k_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q2_k_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q3_k_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q5_0_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q5_1_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q8_0_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);

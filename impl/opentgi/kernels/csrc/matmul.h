@@ -37,6 +37,9 @@ namespace opentgi {
   void matmul_q4_1_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_bf16_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q5_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q2_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q3_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q5_0_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q5_1_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_iq4_nl_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -164,6 +167,9 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
     case Q5_1_R16: *k = {OPENTGI_PICK(matmul_q5_1_r16), false, QK, 24, ACT_Q8, (int)passes, 16}; break;
     case IQ4_NL_R16: *k = {OPENTGI_PICK(matmul_iq4_nl_r16), false, QK, 18, ACT_Q8, (int)passes, 16}; break;
     case IQ4_XS_R16: *k = {OPENTGI_PICK(matmul_iq4_xs_r16), true, QK_K, 136, ACT_Q8K, (int)passes, 16}; break;
+    case Q2_K_R16: *k = {OPENTGI_PICK(matmul_q2_k_r16), true, QK_K, 84, ACT_Q8K, (int)passes, 16}; break;
+    case Q3_K_R16: *k = {OPENTGI_PICK(matmul_q3_k_r16), true, QK_K, 110, ACT_Q8K, (int)passes, 16}; break;
+    case Q5_K_R16: *k = {OPENTGI_PICK(matmul_q5_k_r16), true, QK_K, 176, ACT_Q8K, (int)passes, 16}; break;
     default: plain_r16 = false;
   }
   if (plain_r16) return k->matmul != nullptr;

@@ -40,8 +40,8 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
 
 std::vector<int64_t> isas();  // the ISA variants this CPU runs (below)
 
-// Rows [N, row bytes] of a type repacked by sixteen rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS,
-// Q4_K, Q6_K) into their groups of sixteen (r16.h: *_R16), or (back) those groups into rows: the same
+// Rows [N, row bytes] of a type repacked by sixteen rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+// Q5_K, Q6_K, IQ4_NL, IQ4_XS) into their groups of sixteen (r16.h: *_R16), or (back) those groups into rows: the same
 // bytes, moved
 at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K, bool back) {
   int64_t values = QK, block_bytes = 0;
@@ -53,11 +53,14 @@ at::Tensor repack_by_16_rows(const at::Tensor& w, int64_t qtype, int64_t N, int6
     case Q8_0: block_bytes = sizeof(BlockQ8_0); break;
     case IQ4_NL: block_bytes = sizeof(BlockIQ4_NL); break;
     case IQ4_XS: values = QK_K, block_bytes = sizeof(BlockIQ4_XS); break;
+    case Q2_K: values = QK_K, block_bytes = sizeof(BlockQ2_K); break;
+    case Q3_K: values = QK_K, block_bytes = sizeof(BlockQ3_K); break;
+    case Q5_K: values = QK_K, block_bytes = sizeof(BlockQ5_K); break;
     case Q4_K: values = QK_K, block_bytes = sizeof(BlockQ4_K); break;
     case Q6_K: values = QK_K, block_bytes = sizeof(BlockQ6_K); break;
     default:
       TORCH_CHECK(false, "repack_by_16_rows: GGML type ", qtype,
-                  " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS, Q4_K or Q6_K");
+                  " is not Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS");
   }
   TORCH_CHECK(K > 0 && K % values == 0 && N > 0 && N % 16 == 0, "repack_by_16_rows: N must be a multiple of 16 and K of ",
               values, ", not ", N, " and ", K);

@@ -14,10 +14,6 @@
 namespace opentgi {
 namespace {
 
-struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
-struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
-static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "ggml layout");
-
 // Q3_K's 16 six-bit scales, 0..63 (ggml's kmask1 / kmask2 unpacking); the multipliers are these - 32
 static inline void q3_scales(const uint8_t* s, uint32_t* aux) {
   std::memcpy(aux, s, 12);
@@ -287,9 +283,10 @@ struct TileLowBit {
   // VNNI (the rows' qs and hmask bytes transposed, four a lane, against the activations' four
   // bytes broadcast), times its multiplier; the offsets (Q2_K's minima, Q3_K's -4) by VNNI's 16-bit
   // multiply-add on pairs of multipliers and bsums. run8's integers and float arithmetic lane by lane.
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int rows = BYTE_TILE_ROWS;
   static constexpr int run16_from = 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     const int nb = K / QK_K;
@@ -298,15 +295,16 @@ struct TileLowBit {
     start_tile(act, stride, a, acc, accm);
     const __m512i m3 = _mm512_set1_epi8(0x03), m4 = _mm512_set1_epi8(0x0F), bit2 = _mm512_set1_epi8(0x04);
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next<16>(wr, row_bytes, b, nb);
+      const uint8_t* base = wr + (size_t)b * sizeof(Block) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(Block), b, nb);
       __m512i sw[4];  // the multipliers' bytes (Q3_K: sc - 32; Q2_K: sc), four sub-blocks a word
       __m512i mw[4];  // Q2_K: the minima's bytes, as sw
       __m512 d, dmin = _mm512_setzero_ps();
       if constexpr (Q3) {
         __m512i raw[4];  // bytes 92..107: raw[1..3] the 12 scale bytes
-        words16(base + offsetof(BlockQ3_K, scales) - 4, row_bytes, raw);
-        d = fp16_lanes16<true>(header16(base + offsetof(BlockQ3_K, d) - 2, row_bytes));
+        words16<S>(base + (offsetof(BlockQ3_K, scales) - 4) * S, row_bytes, raw);
+        if constexpr (S == 16) d = d16<S>(base + offsetof(BlockQ3_K, d) * S, row_bytes);  // the sixteen d side by side
+        else d = fp16_lanes16<true>(header16(base + offsetof(BlockQ3_K, d) - 2, row_bytes));
         const __m512i k4 = _mm512_set1_epi32(0x0F0F0F0F), k2 = _mm512_set1_epi32(0x03030303);
         const __m512i a0 = raw[1], a1 = raw[2], tmp = raw[3];
         sw[0] = _mm512_or_si512(_mm512_and_si512(a0, k4), _mm512_slli_epi32(_mm512_and_si512(tmp, k2), 4));
@@ -317,8 +315,8 @@ struct TileLowBit {
                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(tmp, 6), k2), 4));
         for (int i = 0; i < 4; ++i) sw[i] = _mm512_sub_epi8(sw[i], _mm512_set1_epi8(32));
       } else {
-        words16(base + offsetof(BlockQ2_K, scales), row_bytes, sw);
-        const __m512i head = header16(base + offsetof(BlockQ2_K, d), row_bytes);
+        words16<S>(base + offsetof(BlockQ2_K, scales) * S, row_bytes, sw);
+        const __m512i head = header16<S>(base + offsetof(BlockQ2_K, d) * S, row_bytes);
         d = fp16_lanes16<false>(head);
         dmin = fp16_lanes16<true>(head);
         for (int i = 0; i < 4; ++i) {
@@ -351,10 +349,10 @@ struct TileLowBit {
       }
       for (int u = 0; u < 2; ++u) {  // bytes l = 16u .. 16u + 15 of qs's 32-byte runs and of hmask
         __m512i hm[4];
-        if constexpr (Q3) words16(base + offsetof(BlockQ3_K, hmask) + 16 * u, row_bytes, hm);
+        if constexpr (Q3) words16<S>(base + (offsetof(BlockQ3_K, hmask) + 16 * u) * S, row_bytes, hm);
         for (int h = 0; h < 2; ++h) {
           __m512i qb[4];
-          words16(base + offsetof(Block, qs) + 32 * h + 16 * u, row_bytes, qb);
+          words16<S>(base + (offsetof(Block, qs) + 32 * h + 16 * u) * S, row_bytes, qb);
           for (int t = 0; t < 4; ++t) {  // values 128h + 32t + l: sub-block 8h + 2t + u
             const int k = 8 * h + 2 * t + u, j = 4 * h + t;
             __m512i w[4];
@@ -388,6 +386,15 @@ struct TileLowBit {
 };
 
 }  // namespace
+
+void OPENTGI_FN(matmul_q2_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+  drive_r16<TileLowBit<false>>(w, rb, sizeof(BlockQ2_K), act, arb, M, n0, n1, K, out, ldo);
+}
+void OPENTGI_FN(matmul_q3_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+  drive_r16<TileLowBit<true>>(w, rb, sizeof(BlockQ3_K), act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_q2_k)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                              int K, float* out, int ldo) {

@@ -425,7 +425,7 @@ void OPENTGI_FN(matmul_q4_k)(const uint8_t* w, size_t rb, const uint8_t* act, si
   drive<TileQ4K>(w, rb, act, arb, M, n0, n1, K, out, ldo);
 }
 
-// Sixteen rows of nb blocks (block_bytes a multiple of 16) into their group (r16.h r16_words): on
+// Sixteen rows of nb blocks (block_bytes a multiple of 16) into their group (r16.h r16_fields): on
 // AVX-512 sixteen words at once by the kernels' own transposition (words16)
 void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, size_t block_bytes, uint8_t* group) {
 #ifdef OPENTGI_AVX512
@@ -439,7 +439,7 @@ void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, s
     }
   }
 #else
-  r16_words<false>((uint8_t*)rows, row_bytes, nb, block_bytes, group);
+  r16_fields<false>((uint8_t*)rows, row_bytes, nb, block_bytes, group);
 #endif
 }
 

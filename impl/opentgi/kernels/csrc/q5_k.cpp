@@ -11,7 +11,6 @@
 namespace opentgi {
 namespace {
 
-struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 static_assert(sizeof(BlockQ5_K) == 176, "ggml layout");
 
 struct TileQ5K {
@@ -132,18 +131,24 @@ struct TileQ5K {
   // Sixteen weight rows at once (kquant_run16 with the fifth bits): run8's integers and float
   // arithmetic lane by lane. Tiles of eight activation rows here (AVX-512's registers).
   static constexpr int rows = BYTE_TILE_ROWS;
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
-    kquant_run16<R, true>(wr, row_bytes, sizeof(BlockQ5_K), offsetof(BlockQ5_K, qs), offsetof(BlockQ5_K, qh), act,
-                          stride, K, out, ldo);
+    kquant_run16<R, true, S>(wr, row_bytes, sizeof(BlockQ5_K), offsetof(BlockQ5_K, qs), offsetof(BlockQ5_K, qh), act,
+                             stride, K, out, ldo);
   }
 #endif
 #endif
 };
 
 }  // namespace
+
+void OPENTGI_FN(matmul_q5_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
+                                 int K, float* out, int ldo) {
+  drive_r16<TileQ5K>(w, rb, sizeof(BlockQ5_K), act, arb, M, n0, n1, K, out, ldo);
+}
 
 void OPENTGI_FN(matmul_q5_k)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                              int K, float* out, int ldo) {
