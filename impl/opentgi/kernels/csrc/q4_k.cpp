@@ -164,11 +164,12 @@ struct TileQ4K {
 #ifdef OPENTGI_AVX512
   // Sixteen weight rows at once, row c's exact sums in int32 lane c (kquant_totals16, kquant_mins16):
   // the same integers as run8's, then its float arithmetic lane by lane.
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 2;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
-    kquant_run16<R, false>(wr, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out, ldo);
+    kquant_run16<R, false, S>(wr, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out, ldo);
   }
 #endif
 #endif
@@ -398,21 +399,6 @@ struct TileQ4KWide {
 #endif
 };
 
-#ifdef OPENTGI_AVX512
-// Q4_K_R16 (r16.h): the sixteen-output forms on the repacked groups, from one row on (the same
-// integers and float arithmetic as the file's layout gives, so the same bits)
-struct TileQ4KR16 : TileQ4K {
-  template <int R>
-  static inline void run16(const uint8_t* grp, size_t row_bytes, const uint8_t* act, size_t stride, int K,
-                           float* out, int ldo) {
-    kquant_run16<R, false, 16>(grp, row_bytes, sizeof(BlockQ4_K), offsetof(BlockQ4_K, qs), 0, act, stride, K, out,
-                               ldo);
-  }
-};
-#else
-using TileQ4KR16 = TileQ4K;
-#endif
-
 }  // namespace
 
 void OPENTGI_FN(matmul_q4_k_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
@@ -445,7 +431,7 @@ void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, s
 
 void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                  int K, float* out, int ldo) {
-  drive_r16<TileQ4K, TileQ4KR16>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
+  drive_r16<TileQ4K>(w, rb, sizeof(BlockQ4_K), act, arb, M, n0, n1, K, out, ldo);
 }
 
 void OPENTGI_FN(matmul_q4_k_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,

@@ -1,8 +1,8 @@
 // Weights repacked by sixteen rows (types *_R16: every block type the kernels take: Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS): the same bytes as sixteen rows of the file's blocks, each 4-byte word moved so that the
-// kernels' sixteen-output forms (row c in lane c) load their vectors whole instead of transposing
-// sixteen rows' bytes a block. Rows 16g .. 16g + 15 of a weight (nb blocks a row) take the group's
-// 16 * row_bytes bytes, the same place as in the file.
+// Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS): the same bytes as sixteen rows of the
+// file's blocks, moved so that the kernels' sixteen-output forms (row c in lane c) load their vectors
+// whole instead of transposing sixteen rows' bytes a block. Rows 16g .. 16g + 15 of a weight (nb
+// blocks a row) take the group's 16 * row_bytes bytes, the same place as in the file.
 //
 // Every type but Q6_K: each block's bytes are 4-byte words and, where the block has 2 + 4k bytes,
 // one 2-byte float16 d that breaks them (Q4_0, Q5_0, Q8_0, IQ4_NL: the first two bytes; Q3_K, 110
