@@ -181,7 +181,7 @@ class PagedDecoder(nn.Module):
             if isinstance(head, nn.Module):  # a GGUF head (a tied one: the embedding's blocks)
                 repacked += repack_by_16_rows(head, self.spec.dtype)
             if repacked:
-                log.info("kernels: %.0f MiB of Q4_1/Q8_0/Q4_K/Q6_K weights repacked by 16 rows", repacked / 2**20)
+                log.info("kernels: %.0f MiB of GGUF weights repacked by 16 rows", repacked / 2**20)
             use_native(self)
             self.native_stack = NativeDecodeStack.build(self)
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form
