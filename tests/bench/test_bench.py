@@ -251,11 +251,11 @@ def test_bandwidth_mode_sets_each_block_type_beside_the_streaming_read():
     torch.set_num_threads(1)
     stream, results = bench_kernels.measure_bandwidth(megabytes=8, repeats=1)
     names = [name for name, _ in results]
-    # each type also as served where the AVX-512 variant runs: repacked by 16 rows, at the passes a
-    # float32 model holds it so (one for Q4_0, Q4_1 and Q8_0, both for the others; not Q6_K)
+    # each type also as served where the AVX-512 variant runs: repacked by 16 rows, at both passes
+    # (a float32 model: not Q6_K)
     avx512 = native.loaded().isa == "avx512"
-    one, both = ["1"], ["1", "2"]
-    served = {"Q4_0": one, "Q4_1": one, "Q8_0": one, "Q6_K": []}
+    both = ["1", "2"]
+    served = {"Q6_K": []}
     want = []
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
         want.append(f"native {name}")

@@ -145,24 +145,15 @@ def test_the_repack_refuses_shapes_and_types_it_cannot_group(kernels):
 def test_types_by_16_rows_give_the_file_layouts_bits_on_every_instruction_set(kernels, qtype, passes):
     """Their kernels on the repacked groups: the same integers and float arithmetic as on the file's
     rows, for any row count (one row too, which the file's layout may take eight outputs at a time),
-    float32 and bfloat16 rows, and thread count. Q4_0's and Q4_1's `passes=2` exist by bfloat16 rows
-    on a CPU with AVX-512 BF16 only (their 16-bit activation blocks keep the file's layout), Q8_0's
-    not at all; the others' (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS) are two 8-bit passes, as on
-    the file's rows."""
+    float32 and bfloat16 rows, and thread count; `passes=2` takes the file layout's form too: 16-bit
+    activation blocks for Q4_0, Q4_1 and Q8_0 (Q4_0's and Q4_1's bfloat16 rows by their own values on
+    a CPU with AVX-512 BF16), two 8-bit passes for the others."""
     raw = random_blocks(qtype, 64, 512, seed=11)
     blocks = torch.from_numpy(raw)
     r16 = native.repack_by_16_rows(blocks, qtype, 512)
     gen = torch.Generator().manual_seed(12)
     rows = torch.randn(40, 512, generator=gen) * torch.rand(40, 1, generator=gen).mul(4).exp()
     taken = [rows, rows.bfloat16()]
-    if qtype == Q.Q8_0 and passes == 2:
-        with pytest.raises(RuntimeError, match="no kernel"):
-            native.gguf_mm(rows.bfloat16(), r16, native.BY_16_ROWS[int(qtype)], 64, passes=2)
-        return
-    if qtype in (Q.Q4_0, Q.Q4_1) and passes == 2:
-        with pytest.raises(RuntimeError, match="no kernel"):
-            native.gguf_mm(rows, r16, native.BY_16_ROWS[int(qtype)], 64, passes=2)
-        taken = [rows.bfloat16()] if native.takes_bf16_rows() else []
     threads = torch.get_num_threads()
     try:
         for isa in native.supported_isas():
@@ -279,10 +270,10 @@ def _mapped(raw: np.ndarray, path) -> tuple[np.memmap, torch.Tensor]:
 
 def test_a_model_repacks_its_block_weights_and_bfloat16_q6_k_and_keeps_the_file_intact(kernels, tmp_path):
     """Where the AVX-512 variant runs: Q4_K (from the file's memory map: its pages released, the
-    file's bytes untouched), Q4_0, Q4_1, one-pass Q8_0 and two-pass IQ4_XS are repacked, with the same
-    outputs (Q4_0's and Q4_1's two-pass weights where their bfloat16-row kernels take them); the
-    two-pass Q6_K down only for a bfloat16 model on a CPU with AVX-512 BF16. An expert's weights, a
-    one-pass Q6_K and a weight of 24 rows keep the file's layout. Elsewhere nothing changes."""
+    file's bytes untouched), Q4_0, Q4_1, Q8_0 and IQ4_XS, one-pass and two-pass, are repacked, with
+    the same outputs; the two-pass Q6_K down only for a bfloat16 model on a CPU with AVX-512 BF16. An
+    expert's weights, a one-pass Q6_K and a weight of 24 rows keep the file's layout. Elsewhere
+    nothing changes."""
     q4k, q6k = random_blocks(Q.Q4_K, 32, 512, seed=8), random_blocks(Q.Q6_K, 32, 512, seed=9)
     mapped, view = _mapped(q4k, tmp_path / "q4k.bin")
     layers = nn.Module()
@@ -315,17 +306,15 @@ def test_a_model_repacks_its_block_weights_and_bfloat16_q6_k_and_keeps_the_file_
     assert layers.iq4_xs.weight_format.qtype == (native.IQ4_XS_R16 if avx512 else Q.IQ4_XS)
     assert layers.up_proj.weight_format.qtype == (native.Q4_1_R16 if avx512 else Q.Q4_1)
     assert layers.q_proj.weight_format.qtype == (native.Q8_0_R16 if avx512 else Q.Q8_0)
-    assert layers.v_proj2.weight_format.qtype == Q.Q8_0  # two passes: its 16-bit kernel, the file's layout
-    two_pass_q41 = avx512 and native.takes_bf16_rows()  # its bfloat16-row kernel
-    assert layers.k_proj.weight_format.qtype == (native.Q4_1_R16 if two_pass_q41 else Q.Q4_1)
-    assert layers.q4_0_two.weight_format.qtype == (native.Q4_0_R16 if two_pass_q41 else Q.Q4_0)
+    assert layers.v_proj2.weight_format.qtype == (native.Q8_0_R16 if avx512 else Q.Q8_0)
+    assert layers.k_proj.weight_format.qtype == (native.Q4_1_R16 if avx512 else Q.Q4_1)
+    assert layers.q4_0_two.weight_format.qtype == (native.Q4_0_R16 if avx512 else Q.Q4_0)
     assert np.array_equal(np.asarray(mapped), q4k) and np.array_equal(np.fromfile(tmp_path / "q4k.bin", np.uint8),
                                                                         q4k.reshape(-1))
     down = layers.down_proj.weight_format
     assert down.qtype == (native.Q6_K_R16 if native.takes_bf16_rows() else Q.Q6_K)
-    assert repacked == ((q4k.nbytes + q41.nbytes + q80.nbytes + q40.nbytes + iq4.nbytes if avx512 else 0)
-                        + (q41.nbytes + q40.nbytes if two_pass_q41 else 0)
-                        + (q6k.nbytes if native.takes_bf16_rows() else 0))
+    assert repacked == (2 * (q41.nbytes + q80.nbytes + q40.nbytes) + q4k.nbytes + iq4.nbytes if avx512 else 0) + (
+        q6k.nbytes if native.takes_bf16_rows() else 0)
     if native.takes_bf16_rows():
         assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(q6k, x)).bfloat16())
         assert "Q6_K blocks by 16 rows" in down.description

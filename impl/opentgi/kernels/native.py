@@ -40,10 +40,10 @@ BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12
 DENSE_TYPES = {0: ("F32", 16, 64), 1: ("F16", 16, 32), 30: ("BF16", 32, 64)}
 DENSE_TYPE_OF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # Every block type repacked by sixteen rows (csrc/r16.h, `repack_by_16_rows`), each a type of its own,
-# 1000 + the file's (not GGML types). Each takes its type's kernels (the same bits) on any ISA: Q4_0's and Q4_1's
-# `passes=2` only by bfloat16 rows on CPUs with AVX-512 BF16, Q8_0's `passes=1` only, the others'
-# `passes=2` (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS) as two 8-bit passes; Q6_K_R16 only the
-# rows' own bfloat16 values against the blocks (csrc/blocks_bf16.cpp)
+# 1000 + the file's (not GGML types). Each takes its type's kernels (the same bits) on any ISA, at
+# `passes=2` the form the file's layout takes (Q4_0, Q4_1 and Q8_0 16-bit activation blocks, or for
+# Q4_0 and Q4_1 bfloat16 rows on CPUs with AVX-512 BF16; the others two 8-bit passes); Q6_K_R16 only
+# the rows' own bfloat16 values against the blocks (csrc/blocks_bf16.cpp)
 BY_16_ROWS = {t: 1000 + t for t in BLOCK_TYPES}  # GGML type -> its repacked type
 (Q4_0_R16, Q4_1_R16, Q8_0_R16, Q4_K_R16, Q6_K_R16, Q5_0_R16, Q5_1_R16, Q5_K_R16, Q2_K_R16, Q3_K_R16, IQ4_NL_R16,
  IQ4_XS_R16) = BY_16_ROWS.values()

@@ -229,6 +229,10 @@ void OPENTGI_FN(matmul_q4_k_r16)(const uint8_t*, size_t, const uint8_t*, size_t,
 void OPENTGI_FN(matmul_q4_k_wide_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(repack_words16)(const uint8_t* rows, size_t row_bytes, int nb, size_t block_bytes, uint8_t* group);
 void OPENTGI_FN(repack_q6_k16)(const uint8_t* rows, size_t row_bytes, int nb, uint8_t* group);
+// Q4_0, Q4_1 and Q8_0 repacked by sixteen rows (r16.h), against wide activations (ActQ16)
+void OPENTGI_FN(matmul_q4_0_wide_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q4_1_wide_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
+void OPENTGI_FN(matmul_q8_0_wide_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 // Q4_0 and Q4_1 repacked by sixteen rows (r16.h), against ActQ8 and bfloat16 rows
 void OPENTGI_FN(matmul_q4_0_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);
 void OPENTGI_FN(matmul_q4_0_bf16_r16)(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int);

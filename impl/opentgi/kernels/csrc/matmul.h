@@ -37,6 +37,9 @@ namespace opentgi {
   void matmul_q4_1_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q4_0_bf16_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_0_wide_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q4_1_wide_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
+  void matmul_q8_0_wide_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q5_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q2_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
   void matmul_q3_k_r16_##isa(const uint8_t*, size_t, const uint8_t*, size_t, int, int, int, int, float*, int); \
@@ -151,13 +154,20 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
 #else
 #define AVX512_OR_NULL(fn) nullptr
 #endif
-  if (qtype == Q4_0_R16 || qtype == Q4_1_R16) {  // repacked (r16.h): 8-bit rows, or bfloat16 rows at passes=2
-    const bool q41 = qtype == Q4_1_R16;
-    *k = {q41 ? OPENTGI_PICK(matmul_q4_1_r16) : OPENTGI_PICK(matmul_q4_0_r16), false, QK, q41 ? 20 : 18, ACT_Q8, 1, 16};
-    if (passes == 2) {  // (their 16-bit activation blocks keep the file's layout)
-      if (!bf16_rows || !bf16_dots()) return false;
-      k->matmul = q41 ? OPENTGI_PICK(matmul_q4_1_bf16_r16) : OPENTGI_PICK(matmul_q4_0_bf16_r16);
-      k->act = ACT_BF16_BLOCKS;
+  if (qtype == Q4_0_R16 || qtype == Q4_1_R16 || qtype == Q8_0_R16) {
+    // repacked (r16.h): 8-bit rows; at passes=2 16-bit activation blocks, or (Q4_0, Q4_1) bfloat16
+    // rows where the CPU has AVX-512 BF16: the forms and the precedence of the file's layout
+    const bool q41 = qtype == Q4_1_R16, q80 = qtype == Q8_0_R16;
+    *k = {q80 ? OPENTGI_PICK(matmul_q8_0_r16) : q41 ? OPENTGI_PICK(matmul_q4_1_r16) : OPENTGI_PICK(matmul_q4_0_r16),
+          false, QK, q80 ? 34 : q41 ? 20 : 18, ACT_Q8, 1, 16};
+    if (passes == 2) {
+      k->matmul = q80 ? OPENTGI_PICK(matmul_q8_0_wide_r16)
+                      : q41 ? OPENTGI_PICK(matmul_q4_1_wide_r16) : OPENTGI_PICK(matmul_q4_0_wide_r16);
+      k->act = ACT_Q16;
+      if (!q80 && bf16_rows && bf16_dots()) {
+        k->matmul = q41 ? OPENTGI_PICK(matmul_q4_1_bf16_r16) : OPENTGI_PICK(matmul_q4_0_bf16_r16);
+        k->act = ACT_BF16_BLOCKS;
+      }
     }
     return k->matmul != nullptr;
   }
@@ -173,11 +183,6 @@ bool kernel_for(int64_t qtype, int64_t isa, Kernel* k, int64_t passes = 1, bool 
     default: plain_r16 = false;
   }
   if (plain_r16) return k->matmul != nullptr;
-  if (qtype == Q8_0_R16) {  // repacked (r16.h): 8-bit rows (the one form `passes=1` takes)
-    if (passes != 1) return false;
-    *k = {OPENTGI_PICK(matmul_q8_0_r16), false, QK, 34, ACT_Q8, 1, 16};
-    return k->matmul != nullptr;
-  }
   if (qtype == Q4_K_R16) {  // repacked (r16.h; native.py repack_by_16_rows): Q4_K's kernels on the groups
     *k = {OPENTGI_PICK(matmul_q4_k_r16), true, QK_K, 144, ACT_Q8K, 1, 16};
     if (passes == 2) {

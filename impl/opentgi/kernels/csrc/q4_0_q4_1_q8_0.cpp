@@ -300,8 +300,9 @@ struct Tile32Wide {
   // Sixteen weight rows at once, row c's block sum formed in int32 lane c: the weights as int16
   // pairs (w16[k] lane c: values 2k, 2k + 1 of row c), each pair of activations broadcast (VNNI's
   // 16-bit multiply-add), no horizontal sums; then run<R>'s float arithmetic lane by lane.
+  // (S = 16: the rows repacked, r16.h.)
   static constexpr int run16_from = 4;
-  template <int R>
+  template <int R, int S = 1>
   static inline void run16(const uint8_t* wr, size_t row_bytes, const uint8_t* act, size_t stride, int K,
                            float* out, int ldo) {
     const int nb = K / QK;
@@ -313,12 +314,17 @@ struct Tile32Wide {
     // byte (nibbles), or into the high byte then shifted back with the sign (Q8_0)
     const __m512i pick0 = pair_pick<0, Kind == 2>(), pick1 = pair_pick<1, Kind == 2>();
     for (int b = 0; b < nb; ++b) {
-      const uint8_t* base = wr + (size_t)b * sizeof(Block);
-      prefetch_next<16>(wr, row_bytes, b, nb);
-      const __m512i head = header16(base, row_bytes);
-      const __m512 dv = fp16_lanes16<false>(head);
+      const uint8_t* base = wr + (size_t)b * sizeof(Block) * S;
+      prefetch_blocks16<S>(wr, row_bytes, base, sizeof(Block), b, nb);
+      __m512 dv, mv;  // mv: Q4_1's m
+      if constexpr (Kind != 1) {  // d alone (Q4_0_R16, Q8_0_R16: the sixteen d side by side, r16.h)
+        dv = mv = d16<S>(base, row_bytes);
+      } else {
+        const __m512i head = header16<S>(base, row_bytes);
+        dv = fp16_lanes16<false>(head), mv = fp16_lanes16<true>(head);
+      }
       __m512i w[8];  // w[g] lane c: values 4g .. 4g + 3 of row c, as bytes
-      values16<Kind>(base, row_bytes, w);
+      values16<Kind, S>(base, row_bytes, w);
       __m512i w16[16];
       for (int g = 0; g < 8; ++g) {
         w16[2 * g] = _mm512_shuffle_epi8(w[g], pick0);
@@ -338,7 +344,7 @@ struct Tile32Wide {
         const __m512 dy = _mm512_mul_ps(dv, _mm512_set1_ps(y.d));
         _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_mul_ps(dy, _mm512_cvtepi32_ps(sum))));
         if constexpr (Kind == 1) {
-          const __m512 m = _mm512_mul_ps(fp16_lanes16<true>(head), _mm512_set1_ps(y.d * (float)y.sum));
+          const __m512 m = _mm512_mul_ps(mv, _mm512_set1_ps(y.d * (float)y.sum));
           _mm512_store_ps(mins[r], _mm512_add_ps(_mm512_load_ps(mins[r]), m));
         }
       }
@@ -368,6 +374,19 @@ void OPENTGI_FN(matmul_q4_0_r16)(const uint8_t* w, size_t rb, const uint8_t* act
 void OPENTGI_FN(matmul_q8_0_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0, int n1,
                                  int K, float* out, int ldo) {
   drive_r16<Tile32<BlockQ8_0, 2>>(w, rb, sizeof(BlockQ8_0), act, arb, M, n0, n1, K, out, ldo);
+}
+
+void OPENTGI_FN(matmul_q4_0_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                      int n1, int K, float* out, int ldo) {
+  drive_r16<Tile32Wide<BlockQ4_0, 0>>(w, rb, sizeof(BlockQ4_0), act, arb, M, n0, n1, K, out, ldo);
+}
+void OPENTGI_FN(matmul_q4_1_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                      int n1, int K, float* out, int ldo) {
+  drive_r16<Tile32Wide<BlockQ4_1, 1>>(w, rb, sizeof(BlockQ4_1), act, arb, M, n0, n1, K, out, ldo);
+}
+void OPENTGI_FN(matmul_q8_0_wide_r16)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,
+                                      int n1, int K, float* out, int ldo) {
+  drive_r16<Tile32Wide<BlockQ8_0, 2>>(w, rb, sizeof(BlockQ8_0), act, arb, M, n0, n1, K, out, ldo);
 }
 
 void OPENTGI_FN(matmul_q4_0_wide)(const uint8_t* w, size_t rb, const uint8_t* act, size_t arb, int M, int n0,

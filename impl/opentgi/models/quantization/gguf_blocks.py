@@ -112,23 +112,15 @@ def passes_by_16_rows(dtype: torch.dtype) -> dict[int, tuple[int, ...]]:
     """GGML type -> the activation passes at which a model served here in `dtype` holds that type
     repacked by sixteen rows (kernels.native.BY_16_ROWS: the same bytes, moved), so that the
     kernels' sixteen-output forms read their vectors whole instead of transposing sixteen rows'
-    bytes a block (docs/quantization.md). Where the AVX-512 variant runs: Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, IQ4_NL and IQ4_XS (their kernels on the groups give the file's layout's bits; Q4_0
-    and Q4_1 at `passes=2` where their bfloat16-row kernels take it, Q8_0 at `passes=1`); Q6_K at
-    `passes=2` (v and down of a Q4_K_M file) where the model runs in bfloat16 on a CPU with AVX-512
-    BF16, for the rows' own bfloat16 values against the blocks."""
+    bytes a block (docs/quantization.md). Where the AVX-512 variant runs: every block type's
+    weights at both passes (their kernels on the groups give the file's layout's bits), but Q6_K's:
+    only at `passes=2` (v and down of a Q4_K_M file) where the model runs in bfloat16 on a CPU with
+    AVX-512 BF16, for the rows' own bfloat16 values against the blocks."""
     path = native.loaded()
     if path is None or path.name != "native" or path.isa != "avx512":
         return {}
-    bf16_rows = dtype == torch.bfloat16 and native.takes_bf16_rows()
-    both = (1, 2)
-    wanted = {GGMLQuantizationType.Q4_K: both, GGMLQuantizationType.Q8_0: (1,),
-              GGMLQuantizationType.Q4_0: both if bf16_rows else (1,),
-              GGMLQuantizationType.Q4_1: both if bf16_rows else (1,),
-              GGMLQuantizationType.Q5_0: both, GGMLQuantizationType.Q5_1: both,
-              GGMLQuantizationType.Q2_K: both, GGMLQuantizationType.Q3_K: both, GGMLQuantizationType.Q5_K: both,
-              GGMLQuantizationType.IQ4_NL: both, GGMLQuantizationType.IQ4_XS: both}
-    if bf16_rows:
+    wanted = {GGMLQuantizationType(t): (1, 2) for t in native.BY_16_ROWS if t != GGMLQuantizationType.Q6_K}
+    if dtype == torch.bfloat16 and native.takes_bf16_rows():
         wanted[GGMLQuantizationType.Q6_K] = (2,)
     return wanted
 
