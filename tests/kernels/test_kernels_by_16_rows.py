@@ -270,10 +270,10 @@ def _mapped(raw: np.ndarray, path) -> tuple[np.memmap, torch.Tensor]:
 
 def test_a_model_repacks_its_block_weights_and_bfloat16_q6_k_and_keeps_the_file_intact(kernels, tmp_path):
     """Where the AVX-512 variant runs: Q4_K (from the file's memory map: its pages released, the
-    file's bytes untouched), Q4_0, Q4_1, Q8_0 and IQ4_XS, one-pass and two-pass, are repacked, with
-    the same outputs; the two-pass Q6_K down only for a bfloat16 model on a CPU with AVX-512 BF16. An
-    expert's weights, a one-pass Q6_K and a weight of 24 rows keep the file's layout. Elsewhere
-    nothing changes."""
+    file's bytes untouched), Q4_0, Q4_1, Q8_0 and IQ4_XS, one-pass and two-pass, and an expert's
+    weights are repacked, with the same outputs; the two-pass Q6_K down only for a bfloat16 model on
+    a CPU with AVX-512 BF16. A one-pass Q6_K and a weight of 24 rows keep the file's layout.
+    Elsewhere nothing changes."""
     q4k, q6k = random_blocks(Q.Q4_K, 32, 512, seed=8), random_blocks(Q.Q6_K, 32, 512, seed=9)
     mapped, view = _mapped(q4k, tmp_path / "q4k.bin")
     layers = nn.Module()
@@ -297,8 +297,9 @@ def test_a_model_repacks_its_block_weights_and_bfloat16_q6_k_and_keeps_the_file_
     before = [m(x) for m in compared]
     avx512 = native.loaded().isa == "avx512"
     repacked = repack_by_16_rows(layers, torch.bfloat16)
-    kept = [layers.experts[0].up_proj, layers.o_proj, layers.v_proj]
-    assert [m.weight_format.qtype for m in kept] == [Q.Q4_K, Q.Q6_K, Q.Q4_K]
+    kept = [layers.o_proj, layers.v_proj]
+    assert [m.weight_format.qtype for m in kept] == [Q.Q6_K, Q.Q4_K]
+    assert layers.experts[0].up_proj.weight_format.qtype == (native.Q4_K_R16 if avx512 else Q.Q4_K)
     gate = layers.gate_proj.weight_format
     assert gate.qtype == (native.Q4_K_R16 if avx512 else Q.Q4_K) and gate.mapped == (not avx512)
     assert all(torch.equal(m(x), b) for m, b in zip(compared, before))
@@ -313,7 +314,7 @@ def test_a_model_repacks_its_block_weights_and_bfloat16_q6_k_and_keeps_the_file_
                                                                         q4k.reshape(-1))
     down = layers.down_proj.weight_format
     assert down.qtype == (native.Q6_K_R16 if native.takes_bf16_rows() else Q.Q6_K)
-    assert repacked == (2 * (q41.nbytes + q80.nbytes + q40.nbytes) + q4k.nbytes + iq4.nbytes if avx512 else 0) + (
+    assert repacked == (2 * (q41.nbytes + q80.nbytes + q40.nbytes + q4k.nbytes) + iq4.nbytes if avx512 else 0) + (
         q6k.nbytes if native.takes_bf16_rows() else 0)
     if native.takes_bf16_rows():
         assert torch.equal(layers.down_proj(x), torch.from_numpy(_reference(q6k, x)).bfloat16())
@@ -327,3 +328,26 @@ def test_a_float32_model_keeps_its_q6_k_in_the_file_layout(kernels):
     layers.down_proj = _linear(random_blocks(Q.Q6_K, 32, 512, seed=13), Q.Q6_K, 512, passes=2)
     assert repack_by_16_rows(layers, torch.float32) == 0
     assert layers.down_proj.weight_format.qtype == Q.Q6_K
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.IQ4_XS], ids=lambda q: q.name)
+def test_grouped_experts_by_16_rows_give_the_file_layouts_bits(kernels, qtype):
+    """A mixture of experts' grouped gate/up and down calls on repacked experts (gguf_blocks repacks
+    routed experts too): each (token, expert) pair's bits are the file layout's, on every ISA."""
+    experts, hidden, inter = 4, 256, 256
+    up = [torch.from_numpy(random_blocks(qtype, 2 * inter, hidden, seed=20 + e)) for e in range(experts)]
+    down = [torch.from_numpy(random_blocks(qtype, hidden, inter, seed=40 + e)) for e in range(experts)]
+    up16 = [native.repack_by_16_rows(w, qtype, hidden) for w in up]
+    down16 = [native.repack_by_16_rows(w, qtype, inter) for w in down]
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(9, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=gen)
+    r16 = native.BY_16_ROWS[int(qtype)]
+    for isa in native.supported_isas():
+        for count in (1, 2, 9):
+            h = native.moe_up(x[:count], up, int(qtype), ids[:count], 2 * inter, isa=isa, gelu_tanh=False)
+            assert torch.equal(native.moe_up(x[:count], up16, r16, ids[:count], 2 * inter, isa=isa, gelu_tanh=False), h)
+            want = native.moe_down(h, down, int(qtype), ids[:count], weights[:count], hidden, passes=2, isa=isa)
+            got = native.moe_down(h, down16, r16, ids[:count], weights[:count], hidden, passes=2, isa=isa)
+            assert torch.equal(got, want), (isa, count)

@@ -182,6 +182,9 @@ class PagedDecoder(nn.Module):
                 repacked += repack_by_16_rows(head, self.spec.dtype)
             if repacked:
                 log.info("kernels: %.0f MiB of GGUF weights repacked by 16 rows", repacked / 2**20)
+                for layer in self.model.layers:
+                    if isinstance(layer.feed_forward, SparseMoE):
+                        layer.feed_forward.group_experts()
             use_native(self)
             self.native_stack = NativeDecodeStack.build(self)
         if self.batch_invariant and hasattr(backend, "prompt_form"):  # prompt tokens' attention form

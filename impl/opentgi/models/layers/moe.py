@@ -163,6 +163,11 @@ class SparseMoE(ForwardWithoutHooks, nn.Module):
                 expert.gate_up_proj, expert.down_proj = native_dense(expert.gate_up_proj), native_dense(expert.down_proj)
         if type(self.gate) is nn.Linear and self.gate.bias is None:  # a quantized router stays as it is
             self.gate = RouterLogits(self.gate.weight)
+        self.group_experts()
+
+    def group_experts(self) -> None:
+        """The grouped call's weights, taken from the experts' formats as they are now (again after
+        a repack by sixteen rows: gguf_blocks.repack_by_16_rows)."""
         self.grouped = GroupedExperts.of(self.experts, self.experts[0].act_name, self.intermediate)
 
     def route(self, x: torch.Tensor, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,8 +127,8 @@ def passes_by_16_rows(dtype: torch.dtype) -> dict[int, tuple[int, ...]]:
 
 def repack_by_16_rows(modules: nn.Module, dtype: torch.dtype) -> int:
     """The weights under `modules` (a model's layers, its LM head) that `passes_by_16_rows` names,
-    repacked by sixteen rows. Routed experts keep the file's layout (their grouped kernels read
-    it). The file's pages under a repacked weight are released from the process (a tied head's
+    repacked by sixteen rows (routed experts too: a SparseMoE groups its experts' weights again
+    after, `group_experts`). The file's pages under a repacked weight are released from the process (a tied head's
     are the embedding's too: the rows it looks up are mapped again as it reads them). Returns the
     bytes repacked."""
     wanted = passes_by_16_rows(dtype)
@@ -136,7 +136,7 @@ def repack_by_16_rows(modules: nn.Module, dtype: torch.dtype) -> int:
     for name, module in modules.named_modules():
         fmt = getattr(module, "weight_format", None)
         if (type(fmt) is not GGUFBlockWeight or fmt.passes not in wanted.get(fmt.qtype, ())
-                or fmt.out_features % 16 or ".experts." in f".{name}."):
+                or fmt.out_features % 16):
             continue
         blocks = native.repack_by_16_rows(fmt.blocks, fmt.qtype, fmt.in_features)
         if fmt.mapped:
