@@ -104,6 +104,10 @@ def test_decode_steps_equal_the_modules_bit_for_bit(request, float32_model, unif
         layout = model.layout
         assert layout.structure.qk_norm == (file not in ("gemma2", "mixtral"))
         assert layout.moe == {"qwen3_moe": (True, False), "mixtral": (True, True)}.get(file, (False, False))
+        if layout.moe[0] and native.loaded().isa == "avx512":  # experts repacked by 16 rows, grouped again
+            moe = model.model.layers[0].feed_forward
+            assert moe.grouped.gate_up_format.qtype == moe.grouped.down_format.qtype == native.Q8_0_R16
+            assert moe.grouped.gate_up[0] is moe.experts[0].gate_up_proj.weight_format.blocks
         if file.startswith("gemma"):  # windows shorter than the prompts; Gemma 2 soft-caps, Gemma 3 has 2 tables
             assert layout.structure.sandwich_norms and layout.act == "gelu_pytorch_tanh" and layout.windows[0] == 8
             assert (layout.attn_softcap, len(model.rotary)) == ((2.0, 1) if file == "gemma2" else (None, 2))

@@ -45,8 +45,8 @@ DENSE_TYPE_OF = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # Q4_0 and Q4_1 bfloat16 rows on CPUs with AVX-512 BF16; the others two 8-bit passes); Q6_K_R16 only
 # the rows' own bfloat16 values against the blocks (csrc/blocks_bf16.cpp)
 BY_16_ROWS = {t: 1000 + t for t in BLOCK_TYPES}  # GGML type -> its repacked type
-(Q4_0_R16, Q4_1_R16, Q8_0_R16, Q4_K_R16, Q6_K_R16, Q5_0_R16, Q5_1_R16, Q5_K_R16, Q2_K_R16, Q3_K_R16, IQ4_NL_R16,
- IQ4_XS_R16) = BY_16_ROWS.values()
+(Q4_0_R16, Q4_1_R16, Q5_0_R16, Q5_1_R16, Q8_0_R16, Q2_K_R16, Q3_K_R16, Q4_K_R16, Q5_K_R16, Q6_K_R16, IQ4_NL_R16,
+ IQ4_XS_R16) = (BY_16_ROWS[t] for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23))
 
 
 @dataclass(frozen=True)

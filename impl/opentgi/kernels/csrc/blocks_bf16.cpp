@@ -134,7 +134,8 @@ struct TileBF16 {
 };
 
 #ifdef OPENTGI_AVX512
-// Q4_0_R16 and Q4_1_R16 (r16.h): the sixteen-output form on the repacked groups (the file layout's bits)
+// Q4_0_R16 and Q4_1_R16 (r16.h): the sixteen-output form on the repacked groups (the file layout's bits);
+// tiles.h's TileR16 with AVX-512 BF16's target, so that the form inlines into its call
 template <int Kind>
 struct TileBF16R16 : TileBF16<Kind> {
   template <int R>
