@@ -156,16 +156,16 @@ def test_nan_and_inf_scales_or_inputs_never_crash(kernels, qtype):
 
 
 @pytest.mark.parametrize("passes", [1, 2])
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
 def test_activation_blocks_come_out_alike_on_every_instruction_set_at_their_edges(kernels, qtype, passes):
-    """The rows' quantization (8-bit blocks; at passes=2 16-bit ones, or bfloat16 blocks for
-    bfloat16 rows where the CPU takes them) gives every ISA the same bits for blocks of zeros, with a
-    NaN, an Inf or a subnormal, near float32's top, and of products halfway between integers
-    (rounded to even), in float32 and bfloat16 rows."""
+    """The rows' quantization (8-bit blocks, or superblocks for Q4_K; at passes=2 16-bit ones, or
+    bfloat16 blocks for bfloat16 rows where the CPU takes them) gives every ISA the same bits for
+    blocks of zeros, with a NaN, an Inf or a subnormal, near float32's top, and of products halfway
+    between integers (rounded to even), in float32 and bfloat16 rows."""
     k = 1024
     raw = random_blocks(qtype, 32, k, seed=21)
     x = rows(6, k, seed=22)
-    x[0, :32] = 0
+    x[0, :256] = 0
     x[1, 37] = float("nan")
     x[2, 70] = float("inf")
     x[3, 96:128] = 1e-3
