@@ -39,112 +39,145 @@ static inline int16_t to_q16(float v, float top) {
   return (int16_t)(int)v;
 }
 
+#if defined(OPENTGI_AVX512) || defined(OPENTGI_AVX2)
+// The vector variants quantize W values an instruction by the scalar loops' arithmetic: the
+// largest magnitude (a maximum: exact in any order), the same scale and reciprocal, each value's
+// product rounded to nearest even by the conversion (MXCSR's default mode, as nearbyint) and
+// clamped, and exact integer sums; so every variant gives the same bits.
+#define OPENTGI_VECTOR_QUANTIZE
+namespace lanes {
 #ifdef OPENTGI_AVX512
-// The largest magnitude of n values (a multiple of 16; a maximum: exact in any order), or false
-// where one is NaN or Inf (block_scale's test)
-static inline bool amax16(const float* v, int n, float* amax) {
+constexpr int W = 16;
+using I = __m512i;
+// the largest magnitude of n values (a multiple of W), or false where one is NaN or Inf (block_scale's test)
+static inline bool amax(const float* v, int n, float* out) {
   const __m512 top = _mm512_set1_ps(FLT_MAX);
   __m512 m = _mm512_setzero_ps();
   __mmask16 finite = 0xFFFF;
-  for (int i = 0; i < n; i += 16) {
+  for (int i = 0; i < n; i += W) {
     const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(v + i));
     finite &= _mm512_cmp_ps_mask(a, top, _CMP_LE_OQ);
     m = _mm512_max_ps(m, a);
   }
-  *amax = _mm512_reduce_max_ps(m);
+  *out = _mm512_reduce_max_ps(m);
   return finite == 0xFFFF;
 }
-
-// sixteen values times inv, rounded to nearest even (as nearbyint) and clamped to +-top, as int32
-static inline __m512i rounded_lanes(const float* v, __m512 inv, int top) {
-  const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), inv));
+// W values times inv, rounded and clamped to +-top, as int32
+static inline I rounded(const float* v, float inv, int top) {
+  const I q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(inv)));
   return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_set1_epi32(-top)), _mm512_set1_epi32(top));
 }
-
-// One block of 32 as the scalar loop below quantizes it, sixteen values an instruction: the largest
-// magnitude (a maximum: exact in any order), the same scale and reciprocal, each value's product
-// rounded to nearest even by the conversion (MXCSR's default mode, as nearbyint) and clamped, and
-// the exact sum of the integers. The wide blocks and the superblocks below take the same steps.
-static inline void quantize_q8_block16(const float* v, ActQ8* out) {
-  float amax;
-  if (!amax16(v, QK, &amax)) {
-    out->d = out->ds = NAN;  // NaN or Inf in the block: zero values (the scalar loop's, times a zero reciprocal)
-    out->sum = 0;
-    std::memset(out->qs, 0, QK);
-    return;
+static inline I zero() { return _mm512_setzero_si512(); }
+static inline I add(I a, I b) { return _mm512_add_epi32(a, b); }
+static inline int32_t sum(I q) { return _mm512_reduce_add_epi32(q); }
+static inline I high(I q) { return _mm512_srai_epi32(q, 7); }  // q >> 7 (q = 128 * high + low)
+static inline I low(I q) { return _mm512_and_si512(q, _mm512_set1_epi32(127)); }
+static inline void store8(int8_t* p, I q) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(q)); }
+static inline void store16(int16_t* p, I q) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(q)); }
+#else
+constexpr int W = 8;
+using I = __m256i;
+static inline bool amax(const float* v, int n, float* out) {
+  const __m256 top = _mm256_set1_ps(FLT_MAX), sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  int finite = 0xFF;
+  for (int i = 0; i < n; i += W) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i));
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, top, _CMP_LE_OQ));
+    m = _mm256_max_ps(m, a);
   }
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  out->d = amax / 127.0f;
-  const __m512 iv = _mm512_set1_ps(inv);
-  const __m512i qa = rounded_lanes(v, iv, 127), qb = rounded_lanes(v + 16, iv, 127);
-  _mm_storeu_si128((__m128i*)out->qs, _mm512_cvtepi32_epi8(qa));
-  _mm_storeu_si128((__m128i*)(out->qs + 16), _mm512_cvtepi32_epi8(qb));
-  out->sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-  out->ds = out->d * (float)out->sum;
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  *out = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  return finite == 0xFF;
 }
+static inline I rounded(const float* v, float inv, int top) {
+  const I q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), _mm256_set1_ps(inv)));
+  return _mm256_min_epi32(_mm256_max_epi32(q, _mm256_set1_epi32(-top)), _mm256_set1_epi32(top));
+}
+static inline I zero() { return _mm256_setzero_si256(); }
+static inline I add(I a, I b) { return _mm256_add_epi32(a, b); }
+static inline int32_t sum(I q) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+}
+static inline I high(I q) { return _mm256_srai_epi32(q, 7); }
+static inline I low(I q) { return _mm256_and_si256(q, _mm256_set1_epi32(127)); }
+// (the values are clamped, so the saturating packs keep them)
+static inline __m128i words(I q) { return _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)); }
+static inline void store8(int8_t* p, I q) { const __m128i w = words(q); _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w)); }
+static inline void store16(int16_t* p, I q) { _mm_storeu_si128((__m128i*)p, words(q)); }
+#endif
+}  // namespace lanes
 
-// One block of 32 as the scalar loop below quantizes it (quantize_q8_block16's steps, int16 values)
-static inline void quantize_q16_block16(const float* v, ActQ16* out) {
+// One block of 32 (ActQ8: top 127, int8 values; ActQ16: Q16_MAX, int16) as the scalar loops
+// quantize it; a block with NaN or Inf gets a NaN scale and zero values (the scalar loops' products
+// by a zero reciprocal).
+template <class Block, int Top>
+static inline void quantize_block(const float* v, Block* out) {
   float amax;
-  if (!amax16(v, QK, &amax)) {  // NaN or Inf in the block: zero values, a NaN scale
+  if (!lanes::amax(v, QK, &amax)) {
+    std::memset(out->qs, 0, sizeof(out->qs));
     out->d = NAN;
     out->sum = 0;
-    std::memset(out->qs, 0, sizeof(out->qs));
+    if constexpr (Top == 127) ((ActQ8*)out)->ds = NAN;
     return;
   }
-  const float inv = amax > 0.0f ? (float)Q16_MAX / amax : 0.0f;
-  out->d = amax / (float)Q16_MAX;
-  const __m512 iv = _mm512_set1_ps(inv);
-  const __m512i qa = rounded_lanes(v, iv, Q16_MAX), qb = rounded_lanes(v + 16, iv, Q16_MAX);
-  _mm256_storeu_si256((__m256i*)out->qs, _mm512_cvtepi32_epi16(qa));
-  _mm256_storeu_si256((__m256i*)(out->qs + 16), _mm512_cvtepi32_epi16(qb));
-  out->sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-}
-
-// One superblock of 256 as the scalar loop below quantizes it: the int16 values and their sums by
-// 32, then the byte halves (hi = q >> 7, lo = q & 127: q = 128 * hi + lo) and their sums by 16
-static inline void quantize_q16k_block16(const float* v, ActQ16K* out, ActQ16KBytes* bytes) {
-  float amax;
-  const bool finite = amax16(v, QK_K, &amax);
-  const float inv = finite && amax > 0.0f ? (float)Q16K_MAX / amax : 0.0f;
-  out->d = finite ? amax / (float)Q16K_MAX : NAN;
-  const __m512 iv = _mm512_set1_ps(inv);
-  const __m512i low7 = _mm512_set1_epi32(127);
-  for (int j = 0; j < 16; ++j) {  // sixteen values a step
-    // (NaN or Inf in the superblock: zero values, as the scalar loop's products by a zero reciprocal)
-    const __m512i q = finite ? rounded_lanes(v + 16 * j, iv, Q16K_MAX) : _mm512_setzero_si512();
-    const __m512i hi = _mm512_srai_epi32(q, 7), lo = _mm512_and_si512(q, low7);
-    _mm256_storeu_si256((__m256i*)(out->qs + 16 * j), _mm512_cvtepi32_epi16(q));
-    _mm_storeu_si128((__m128i*)(bytes->hi + 16 * j), _mm512_cvtepi32_epi8(hi));
-    _mm_storeu_si128((__m128i*)(bytes->lo + 16 * j), _mm512_cvtepi32_epi8(lo));
-    bytes->bsums_hi[j] = (int16_t)_mm512_reduce_add_epi32(hi);
-    bytes->bsums_lo[j] = (int16_t)_mm512_reduce_add_epi32(lo);
-    const int32_t s = _mm512_reduce_add_epi32(q);
-    if (j % 2 == 0) out->sums[j / 2] = s;
-    else out->sums[j / 2] += s;
+  const float inv = amax > 0.0f ? (float)Top / amax : 0.0f;
+  out->d = amax / (float)Top;
+  lanes::I total = lanes::zero();
+  for (int i = 0; i < QK; i += lanes::W) {
+    const lanes::I q = lanes::rounded(v + i, inv, Top);
+    if constexpr (Top == 127) lanes::store8((int8_t*)out->qs + i, q);
+    else lanes::store16((int16_t*)out->qs + i, q);
+    total = lanes::add(total, q);
   }
+  out->sum = lanes::sum(total);
+  if constexpr (Top == 127) ((ActQ8*)out)->ds = out->d * (float)out->sum;
 }
 
-// One superblock of 256 as the scalar loop below quantizes it: the values (clamped to +-127) and
-// their sums by 16
-static inline void quantize_q8k_block16(const float* v, ActQ8K* out) {
+// One superblock of 256 as the scalar loops quantize it: ActQ8K's values (clamped to +-127) and
+// their sums by 16; or (bytes given) ActQ16K's int16 values and their sums by 32, then the byte
+// halves (hi = q >> 7, lo = q & 127: q = 128 * hi + lo) and their sums by 16
+template <class Super, int Top>
+static inline void quantize_super(const float* v, Super* out, ActQ16KBytes* bytes = nullptr) {
   float amax;
-  const bool finite = amax16(v, QK_K, &amax);
-  const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
-  out->d = finite ? amax / 127.0f : NAN;
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (int j = 0; j < 16; ++j) {  // (NaN or Inf in the superblock: zero values, as in quantize_q16k_block16)
-    const __m512i q = finite ? rounded_lanes(v + 16 * j, iv, 127) : _mm512_setzero_si512();
-    _mm_storeu_si128((__m128i*)(out->qs + 16 * j), _mm512_cvtepi32_epi8(q));
-    out->bsums[j] = (int16_t)_mm512_reduce_add_epi32(q);
+  const bool finite = lanes::amax(v, QK_K, &amax);
+  const float inv = finite && amax > 0.0f ? (float)Top / amax : 0.0f;
+  out->d = finite ? amax / (float)Top : NAN;
+  int32_t s16 = 0, hi16 = 0, lo16 = 0;  // the running sums of the current 16 values
+  for (int i = 0; i < QK_K; i += lanes::W) {
+    const lanes::I q = finite ? lanes::rounded(v + i, inv, Top) : lanes::zero();
+    s16 += lanes::sum(q);
+    if constexpr (Top == 127) {
+      lanes::store8(((ActQ8K*)out)->qs + i, q);
+    } else {
+      const lanes::I hi = lanes::high(q), lo = lanes::low(q);
+      lanes::store16(((ActQ16K*)out)->qs + i, q);
+      lanes::store8(bytes->hi + i, hi);
+      lanes::store8(bytes->lo + i, lo);
+      hi16 += lanes::sum(hi);
+      lo16 += lanes::sum(lo);
+    }
+    if ((i + lanes::W) % 16 != 0) continue;
+    if constexpr (Top == 127) {
+      ((ActQ8K*)out)->bsums[i / 16] = (int16_t)s16;
+    } else {
+      bytes->bsums_hi[i / 16] = (int16_t)hi16;
+      bytes->bsums_lo[i / 16] = (int16_t)lo16;
+      if (i % 32 < 16) ((ActQ16K*)out)->sums[i / 32] = s16;
+      else ((ActQ16K*)out)->sums[i / 32] += s16;
+    }
+    s16 = hi16 = lo16 = 0;
   }
 }
 #endif
 
 void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out) {
   for (int b = 0; b < K / QK; ++b) {
-#ifdef OPENTGI_AVX512
-    quantize_q8_block16(x + b * QK, out + b);
+#ifdef OPENTGI_VECTOR_QUANTIZE
+    quantize_block<ActQ8, 127>(x + b * QK, out + b);
 #else
     const float* v = x + b * QK;
     float inv;
@@ -162,8 +195,8 @@ void OPENTGI_FN(quantize_q8)(const float* x, int K, ActQ8* out) {
 
 void OPENTGI_FN(quantize_q8k)(const float* x, int K, ActQ8K* out) {
   for (int b = 0; b < K / QK_K; ++b) {
-#ifdef OPENTGI_AVX512
-    quantize_q8k_block16(x + b * QK_K, out + b);
+#ifdef OPENTGI_VECTOR_QUANTIZE
+    quantize_super<ActQ8K, 127>(x + b * QK_K, out + b);
 #else
     const float* v = x + b * QK_K;
     float inv;
@@ -178,11 +211,10 @@ void OPENTGI_FN(quantize_q8k)(const float* x, int K, ActQ8K* out) {
   }
 }
 
-
 void OPENTGI_FN(quantize_q16)(const float* x, int K, ActQ16* out) {
   for (int b = 0; b < K / QK; ++b) {
-#ifdef OPENTGI_AVX512
-    quantize_q16_block16(x + b * QK, out + b);
+#ifdef OPENTGI_VECTOR_QUANTIZE
+    quantize_block<ActQ16, Q16_MAX>(x + b * QK, out + b);
 #else
     const float* v = x + b * QK;
     float inv;
@@ -200,8 +232,8 @@ void OPENTGI_FN(quantize_q16)(const float* x, int K, ActQ16* out) {
 void OPENTGI_FN(quantize_q16k)(const float* x, int K, ActQ16K* out) {
   ActQ16KBytes* bytes = (ActQ16KBytes*)(out + K / QK_K);
   for (int b = 0; b < K / QK_K; ++b) {
-#ifdef OPENTGI_AVX512
-    quantize_q16k_block16(x + b * QK_K, out + b, bytes + b);
+#ifdef OPENTGI_VECTOR_QUANTIZE
+    quantize_super<ActQ16K, Q16K_MAX>(x + b * QK_K, out + b, bytes + b);
 #else
     const float* v = x + b * QK_K;
     float inv;
