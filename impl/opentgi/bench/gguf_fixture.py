@@ -37,6 +37,11 @@ class LlamaShape:
 
 
 LLAMA_1B = LlamaShape()
+# A Qwen3-30B-A3B-like mixture of experts at half its depth and half its experts: 24 layers, 64 experts
+# of 768 features, 8 a token (~7.5B weights, ~1.1B a token), heads of 128
+QWEN3_MOE_HALF = LlamaShape(layers=24, heads=16, kv_heads=4, intermediate=768, rope_theta=1000000.0, experts=64,
+                            experts_used=8, arch="qwen3moe")
+SHAPES = {"1b": LLAMA_1B, "qwen3-moe": QWEN3_MOE_HALF}
 
 
 def _copy_tokenizer(writer, source: Path) -> int:
@@ -160,13 +165,20 @@ def main(argv=None) -> None:
                                                  "embedding, SmolLM2's tokenizer)")
     parser.add_argument("out", help="the .gguf file to write")
     parser.add_argument("--layer-type", default="Q4_1", help="GGML type of every layer projection")
+    parser.add_argument("--down-type", help="GGML type of the v and down projections (default: --layer-type; "
+                                            "Q6_K with Q4_K layers: the Q4_K_M mix)")
     parser.add_argument("--embedding-type", default="Q8_0")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b",
+                        help="1b: Llama-1B; qwen3-moe: a Qwen3-30B-A3B-like MoE at half its depth and experts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     layer_types = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"),
                                 args.layer_type)
-    path = write_random_llama_gguf(args.out, layer_types=layer_types, embedding_type=args.embedding_type,
-                                   seed=args.seed, progress=lambda i, n: print(f"layer {i}/{n}", flush=True))
+    if args.down_type:
+        layer_types.update(attn_v=args.down_type, ffn_down=args.down_type)
+    path = write_random_llama_gguf(args.out, SHAPES[args.shape], layer_types=layer_types,
+                                   embedding_type=args.embedding_type, seed=args.seed,
+                                   progress=lambda i, n: print(f"layer {i}/{n}", flush=True))
     print(f"wrote {path} ({path.stat().st_size / 2**20:,.0f} MiB)")
 
 
