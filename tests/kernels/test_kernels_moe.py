@@ -205,6 +205,21 @@ def test_native_routing_picks_the_torch_routes_experts_within_float_rounding(ker
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_gives_the_same_bits_on_every_isa(kernels, dtype):
+    """moe_route's logits (sixteen running sums, then in order, then the tail: hidden 2056 has one)
+    and so its experts and weights are the same on every ISA, and a token's alone."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 2056, generator=g).to(dtype)
+    w = torch.randn(64, 2056, generator=g) * 0.05
+    for renormalize in (True, False):
+        routes = [native.moe_route(x, w, 8, renormalize, isa) for isa in native.supported_isas()]
+        for weights, experts in routes[1:]:
+            assert torch.equal(weights, routes[0][0]) and torch.equal(experts, routes[0][1]), renormalize
+        alone = native.moe_route(x[4:5], w, 8, renormalize)
+        assert torch.equal(alone[0], routes[0][0][4:5]) and torch.equal(alone[1], routes[0][1][4:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gelu_tanh", [False, True])
 def test_the_activation_in_the_gate_up_call_gives_the_two_calls_bits(kernels, dtype, gelu_tanh):
     """moe_up with its activation (SiLU or GELU-tanh and multiply, [T * k, N / 2]) against moe_up

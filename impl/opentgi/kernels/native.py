@@ -171,7 +171,7 @@ def _register_fake() -> None:
         return x.new_empty(x.shape[0], dtype=torch.long)
 
     @torch.library.register_fake("opentgi::moe_route")
-    def _(x, w, k, renormalize):
+    def _(x, w, k, renormalize, isa):
         return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
 
 
@@ -206,13 +206,14 @@ def moe_down(h: torch.Tensor, blocks: list[torch.Tensor], qtype: int, experts: t
     return torch.ops.opentgi.gguf_moe_down(h, blocks, qtype, experts, weights, out_features, _isa(isa), passes)
 
 
-def moe_route(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool,
+              isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A router's top k: x [T, hidden] (float32 or bfloat16) by weight (float32 [experts, hidden]) ->
     (weights [T, k] in x's dtype, experts int64 [T, k]), as models/layers/moe.py's SparseMoE.route:
-    the logits rounded to x's dtype (each a sum in one fixed order), the k largest, their weights the
-    float32 softmax of those k (`renormalize`) or of every logit. A token's bits are its own."""
-    _isa(None)  # the library is loaded
-    return torch.ops.opentgi.moe_route(x, weight, int(k), bool(renormalize))
+    the logits rounded to x's dtype (each a sum in one fixed order, the same bits on every ISA), the
+    k largest, their weights the float32 softmax of those k (`renormalize`) or of every logit. A
+    token's bits are its own."""
+    return torch.ops.opentgi.moe_route(x, weight, int(k), bool(renormalize), _isa(isa))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -235,6 +235,34 @@ void OPENTGI_FN(weighted_add_row)(float* acc, const float* y, float w, int n, in
 }
 
 
+void OPENTGI_FN(router_logits_row)(const float* x, const float* w, int n, int E, float* logits) {
+  for (int e = 0; e < E; ++e) {
+    const float* we = w + (size_t)e * n;
+    alignas(64) float p[16] = {0};  // the sixteen running sums
+    int i = 0;
+#ifdef OPENTGI_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(we + i)));
+    _mm512_store_ps(p, acc);
+#elif defined(OPENTGI_AVX2)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(we + i)));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(we + i + 8)));
+    }
+    _mm256_store_ps(p, lo);
+    _mm256_store_ps(p + 8, hi);
+#else
+    for (; i + 16 <= n; i += 16)
+      for (int j = 0; j < 16; ++j) p[j] += x[i + j] * we[i + j];
+#endif
+    float s = 0.0f;
+    for (int j = 0; j < 16; ++j) s += p[j];
+    for (; i < n; ++i) s += x[i] * we[i];
+    logits[e] = s;
+  }
+}
+
 void OPENTGI_FN(rope_row)(void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
   int i = 0;
 #ifdef OPENTGI_AVX2

@@ -46,6 +46,13 @@ void weighted_add_row_scalar(float* acc, const float* y, float w, int n, int dty
 void weighted_add_row_avx2(float* acc, const float* y, float w, int n, int dtype);
 void weighted_add_row_avx512(float* acc, const float* y, float w, int n, int dtype);
 
+// The router's logits of one token (moe_route): logits[e] = x . w_e over E rows of w (float32
+// [E, n]), each summed in one fixed order: sixteen running sums (value i into sum i % 16, each
+// product rounded, then added), those added in order, then the tail. The same bits in every variant.
+void router_logits_row_scalar(const float* x, const float* w, int n, int E, float* logits);
+void router_logits_row_avx2(const float* x, const float* w, int n, int E, float* logits);
+void router_logits_row_avx512(const float* x, const float* w, int n, int E, float* logits);
+
 // A token's keys or values (n values of the row dtype) stored into the KV cache's row in the
 // cache's dtype (attention.h's KvDtype): copied as they are where the dtypes agree, else rounded to
 // nearest even (float16: F16C's conversion in the AVX2 variant, the same bits in the scalar one), as

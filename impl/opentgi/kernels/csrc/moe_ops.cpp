@@ -215,27 +215,19 @@ at::Tensor gguf_moe_down(const at::Tensor& h, at::TensorList w, int64_t qtype, c
   return out;
 }
 
-// A token's routing (moe_route): the router's logits x . w_e, each summed in one fixed order (16
-// running sums, then those in order, then the tail) and rounded to the dtype, as a linear layer in
-// the dtype rounds; the top k logits (the first of equal ones); their weights the softmax of the
-// top k (renormalize) or of every logit, in float32, rounded to the dtype.
+// A token's routing (moe_route): the router's logits x . w_e, each summed in one fixed order
+// (router_logits_row, the ISA's variant: the same bits on every one) and rounded to the dtype, as a
+// linear layer in the dtype rounds; the top k logits (the first of equal ones); their weights the
+// softmax of the top k (renormalize) or of every logit, in float32, rounded to the dtype.
 void route_row(const void* x, int dtype, int64_t hidden, const float* w, int64_t E, int64_t top, bool renormalize,
-               float* buf, int64_t* ids, void* weights) {
+               int64_t isa, float* buf, int64_t* ids, void* weights) {
   float* xf = buf;
   float* logits = buf + hidden;
   for (int64_t i = 0; i < hidden; ++i)
     xf[i] = dtype == ROW_BF16 ? bf16_to_fp32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
-  for (int64_t e = 0; e < E; ++e) {
-    const float* we = w + e * hidden;
-    float p[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= hidden; i += 16)
-      for (int j = 0; j < 16; ++j) p[j] += xf[i + j] * we[i + j];
-    float s = 0.0f;
-    for (int j = 0; j < 16; ++j) s += p[j];
-    for (; i < hidden; ++i) s += xf[i] * we[i];
-    logits[e] = dtype == ROW_BF16 ? bf16_to_fp32(bf16_store(s)) : s;
-  }
+  router_logits(isa, xf, w, (int)hidden, (int)E, logits);
+  if (dtype == ROW_BF16)
+    for (int64_t e = 0; e < E; ++e) logits[e] = bf16_to_fp32(bf16_store(logits[e]));
   for (int64_t j = 0; j < top; ++j) {
     int64_t best = -1;
     for (int64_t e = 0; e < E; ++e) {
@@ -260,11 +252,13 @@ void route_row(const void* x, int dtype, int64_t hidden, const float* w, int64_t
 
 namespace {
 
-// opentgi::moe_route(x [T, hidden] float32 or bfloat16, w float32 [E, hidden], k, renormalize) ->
+// opentgi::moe_route(x [T, hidden] float32 or bfloat16, w float32 [E, hidden], k, renormalize, isa) ->
 // (weights [T, k] in x's dtype, experts int64 [T, k]): route_row for each token, tokens split among
 // torch's intra-op threads (a token's bits are its own).
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& w, int64_t top, bool renormalize) {
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& w, int64_t top, bool renormalize,
+                                             int64_t isa) {
   const int dtype = row_dtype(x, "moe_route");
+  check_isa(isa, "moe_route");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.size(1) == x.size(1) && w.scalar_type() == at::kFloat
                   && w.device().is_cpu(), "moe_route: x [tokens, hidden], w float32 [experts, hidden]");
   const int64_t T = x.size(0), hidden = x.size(1), E = w.size(0);
@@ -276,10 +270,10 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
   char* wp = (char*)weights.data_ptr();
   int64_t* ip = ids.data_ptr<int64_t>();
   const size_t es = xc.element_size();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(hidden + E);
     for (int64_t t = t0; t < t1; ++t)
-      route_row(xp + t * hidden * es, dtype, hidden, wc.data_ptr<float>(), E, top, renormalize, buf.data(),
+      route_row(xp + t * hidden * es, dtype, hidden, wc.data_ptr<float>(), E, top, renormalize, isa, buf.data(),
                 ip + t * top, wp + t * top * es);
   });
   return {weights, ids};
@@ -298,11 +292,11 @@ void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_
   const char* xp = (const char*)x.data_ptr();
   char* wp = (char*)weights.data_ptr();
   int64_t* ip = ids.data_ptr<int64_t>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(hidden + E);
     for (int64_t t = t0; t < t1; ++t)
-      route_row(xp + t * hidden * es, dtype, hidden, ex.router.data_ptr<float>(), E, top, renormalize, buf.data(),
-                ip + t * top, wp + t * top * es);
+      route_row(xp + t * hidden * es, dtype, hidden, ex.router.data_ptr<float>(), E, top, renormalize, isa,
+                buf.data(), ip + t * top, wp + t * top * es);
   });
   // act(gate) * up [T * k, I], in the gate/up call
   const at::Tensor hid = gguf_moe_up(x, ex.up, ex.up_qtype, ids, ex.up_n, isa, ex.up_passes, act_kind);
@@ -315,7 +309,7 @@ TORCH_LIBRARY_FRAGMENT(opentgi, m) {
         "int act=-1) -> Tensor");
   m.def("gguf_moe_down(Tensor h, Tensor[] w, int qtype, Tensor ids, Tensor weights, int out_features, int isa, "
         "int passes=1) -> Tensor");
-  m.def("moe_route(Tensor x, Tensor w, int k, bool renormalize) -> (Tensor, Tensor)");
+  m.def("moe_route(Tensor x, Tensor w, int k, bool renormalize, int isa) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(opentgi, CPU, m) {

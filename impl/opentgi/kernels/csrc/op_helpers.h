@@ -34,6 +34,8 @@ void argmax_rows(int64_t isa, const float* x, int64_t M, int64_t N, int64_t n, i
 void rope(int64_t isa, void* x, const void* cos, const void* sin, int D, int dtype, float* buf);
 // weighted_add_row (layer_ops.h) on the ISA's variant
 void weighted_row(int64_t isa, float* acc, const float* y, float w, int n, int dtype);
+// router_logits_row (layer_ops.h) on the ISA's variant
+void router_logits(int64_t isa, const float* x, const float* w, int n, int E, float* logits);
 
 // The attention's arguments but q and out, after checking that every block a row reads (through
 // its table, from its window's first key to its last) is one of the cache's.
@@ -74,6 +76,6 @@ void routed_experts(const Experts& ex, const at::Tensor& x, int act_kind, int64_
 // one token's routing (opentgi::moe_route): x [hidden] of the row dtype, w float32 [E, hidden] ->
 // ids [top] and weights [top] in the row dtype; buf: hidden + E floats
 void route_row(const void* x, int dtype, int64_t hidden, const float* w, int64_t E, int64_t top, bool renormalize,
-               float* buf, int64_t* ids, void* weights);
+               int64_t isa, float* buf, int64_t* ids, void* weights);
 
 }  // namespace opentgi

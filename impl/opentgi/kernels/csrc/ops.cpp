@@ -395,6 +395,10 @@ void weighted_row(int64_t isa, float* acc, const float* y, float w, int n, int d
   ROW_OP(weighted_add_row, acc, y, w, n, dtype);
 }
 
+void router_logits(int64_t isa, const float* x, const float* w, int n, int E, float* logits) {
+  ROW_OP(router_logits_row, x, w, n, E, logits);
+}
+
 void rope(int64_t isa, void* x, const void* cos, const void* sin, int D, int dtype, float* buf) {
   ROW_OP(rope_row, x, cos, sin, D, dtype, buf);
 }
