@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 from opentgi.cli import build_parser, inference_mode_line, settings_from
 from opentgi.config import Settings
 from opentgi.engine.execution.assembly import batch_invariant
+from opentgi.kernels import native
 from opentgi.models.families import decoder as decoder_family
 from opentgi.models.layers import linear as linear_module
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
 from opentgi.models.loader import load_model
+from opentgi.models.quantization.linear import QuantizedLinear
 from tests.helpers import tiny_models
 from tests.helpers.cpu_kernels import (
     needs_onednn,
@@ -104,17 +106,49 @@ def test_a_request_computes_the_same_bits_whatever_the_batch(model_path, dtype, 
     assert got == alone(loaded, target)
 
 
+def _native_dense_head(loaded) -> bool:
+    """Whether the model's LM head is the native dense rows on its tied embedding's own bytes."""
+    head = loaded.model.logits_proj
+    return (type(head) is QuantizedLinear and head.weight_format.qtype in native.DENSE_TYPES
+            and head.weight_format.blocks.untyped_storage().data_ptr()
+            == loaded.model.model.embed_tokens.weight.untyped_storage().data_ptr())
+
+
 def test_bfloat16_without_onednn_through_row_tiled_linears(model_path, monkeypatch):
     """Where oneDNN has no kernel for the dtype, F.linear multiplies at most a measured number of
-    rows a call, so that rows stay invariant there too."""
+    rows a call, so that rows stay invariant there too (the LM head: the native dense rows where
+    the kernels are loaded)."""
     monkeypatch.setattr(decoder_family, "onednn_linear_usable", lambda device, dtype: False)
     loaded = load_model(Settings(model_id=str(model_path), dtype="bfloat16"))
     assert loaded.model.batch_invariant
     assert isinstance(loaded.model.model.layers[0].feed_forward.down_proj, RowTiledLinear)
-    assert isinstance(loaded.model.logits_proj, RowTiledLinear)
+    if native.loaded() is not None:
+        assert _native_dense_head(loaded)
+    else:
+        assert isinstance(loaded.model.logits_proj, RowTiledLinear)
     reference = asyncio.run(run_target(loaded, TARGET))
     assert asyncio.run(run_target(loaded, TARGET, OTHERS, position=4, stagger=True)) == reference
     assert asyncio.run(run_target(loaded, TARGET, warmup=TARGET, chunked_prefill_tokens=7)) == reference
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_tied_head_too_large_for_a_copy_multiplies_by_the_embedding_on_the_native_rows(
+        model_path, monkeypatch, dtype):
+    """A tied LM head over the packed copy's size limit (a 128k vocabulary's) takes the native dense
+    rows on the embedding's own bytes, where the kernels are loaded (else the row-tiled F.linear):
+    no copy, and a request's tokens and logprobs stay bitwise those it gets alone."""
+    monkeypatch.setattr(decoder_family, "TIED_HEAD_COPY_MAX_BYTES", 0)
+    loaded = load_model(Settings(model_id=str(model_path), dtype=dtype))
+    if native.loaded() is not None:
+        assert _native_dense_head(loaded)
+    else:
+        assert isinstance(loaded.model.logits_proj, RowTiledLinear)
+    reference = asyncio.run(run_target(loaded, TARGET))
+    assert asyncio.run(run_target(loaded, TARGET, OTHERS, position=4, stagger=True)) == reference
+    hidden = torch.randn(5, loaded.model.model.embed_tokens.weight.shape[1]).to(loaded.model.model.embed_tokens.weight)
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(hidden.double(), loaded.model.model.embed_tokens.weight.double())
+        torch.testing.assert_close(loaded.model.compute_logits(hidden).double(), want, atol=1e-4, rtol=1e-2)
 
 
 _LINEAR_CASES = [

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from opentgi.config import Settings
+from opentgi.kernels import native
 from opentgi.models.checkpoints.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
 from opentgi.models.checkpoints.gguf_header import GGUFHeader
 from opentgi.models.layers.linear import OneDNNLinear, RowTiledLinear
@@ -177,8 +178,8 @@ def test_a_dense_tensor_is_never_dequantized_whole_into_its_weight(tiny_gguf, gg
 @pytest.mark.slow  # the ci tier: a long run
 def test_a_large_tied_head_keeps_one_copy(tiny_gguf, gguf_cache, monkeypatch):
     """A tied LM head above TIED_HEAD_COPY_MAX_BYTES multiplies by the embedding itself (no oneDNN
-    copy; batch invariance row-tiles that product over the embedding's own storage), with the same
-    logits up to summation order."""
+    copy: the native dense rows on the embedding's own bytes where the kernels are loaded, else
+    F.linear row-tiled over its storage), with the same logits up to summation order."""
     from opentgi.models.families import decoder
 
     small = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache)))
@@ -186,8 +187,13 @@ def test_a_large_tied_head_keeps_one_copy(tiny_gguf, gguf_cache, monkeypatch):
     large = load_model(Settings(model_id=str(tiny_gguf), dtype="float32", cache_dir=str(gguf_cache)))
     assert isinstance(small.model.logits_proj, OneDNNLinear)
     head = large.model.logits_proj  # the embedding's own storage, not a copy
-    assert isinstance(head, RowTiledLinear)
-    assert head.weight.data_ptr() == large.model.model.embed_tokens.weight.data_ptr()
+    if native.loaded() is not None:
+        assert type(head) is QuantizedLinear and head.weight_format.qtype in native.DENSE_TYPES
+        stored = head.weight_format.blocks
+    else:
+        assert isinstance(head, RowTiledLinear)
+        stored = head.weight
+    assert stored.data_ptr() == large.model.model.embed_tokens.weight.data_ptr()
 
     def total_mib(model) -> int:
         return int(re.search(r"total ([\d,]+) MiB", model.resident).group(1).replace(",", ""))

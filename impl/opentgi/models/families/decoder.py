@@ -37,7 +37,7 @@ from opentgi.models.layers.mlp import GatedMLP, PlainMLP
 from opentgi.models.layers.moe import SparseMoE
 from opentgi.models.layers.norm import add_and_norm, make_norm, use_native
 from opentgi.models.layers.rotary import MRotaryEmbedding, RotaryEmbedding, local_rope_config, mrope_section
-from opentgi.models.quantization.gguf_blocks import repack_by_16_rows
+from opentgi.models.quantization.gguf_blocks import native_dense_linear, repack_by_16_rows
 from opentgi.models.quantization.prompt_copy import add_prompt_copies
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class DecoderModel(nn.Module):
 
 # A tied LM head gets its own copy in oneDNN's layout only up to this size: for a small model the
 # copy saves a visible share of each step; for a larger one it would cost a large share of the
-# resident weights for little of the step (docs/benchmarks.md).
+# resident weights for little of the step (docs/benchmarks.md). A larger one multiplies by the
+# embedding itself: on the native dense rows where the kernels are loaded, else row-tiled F.linear.
 TIED_HEAD_COPY_MAX_BYTES = 64 << 20
 
 
@@ -171,6 +172,11 @@ class PagedDecoder(nn.Module):
                     self.logits_proj.make_row_invariant(head_weight)
         elif self.batch_invariant:
             tile_linears(self.model.layers)
+        if self.logits_proj is None and head_weight is not None and native_kernels:
+            # (a tied head too large for a packed copy) the native dense rows on the weight's own
+            # bytes: each output's sum in one fixed order, so row-invariant, and faster than the
+            # row-tiled F.linear at every row count (docs/benchmarks.md)
+            self.logits_proj = native_dense_linear(head_weight)
         if self.logits_proj is None and head_weight is not None and self.batch_invariant:
             self.logits_proj = RowTiledLinear(head_weight)  # shares the weight's storage
         if self.logits_proj is not None and not self.tie_word_embeddings:

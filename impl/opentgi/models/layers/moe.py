@@ -49,7 +49,7 @@ from opentgi.kernels import native
 from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.layers.elementwise import NATIVE_ACTIVATIONS, act_and_mul
 from opentgi.models.layers.mlp import GatedMLP
-from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight
+from opentgi.models.quantization.gguf_blocks import GGUFBlockWeight, native_dense_linear
 from opentgi.models.quantization.linear import QuantizedLinear
 
 ROUTER_TEMP_BYTES = 16 << 20  # the router's float32 products [rows, experts, hidden] held at once
@@ -80,16 +80,9 @@ class RouterLogits(ForwardWithoutHooks, nn.Module):
 def native_dense(linear: nn.Module) -> nn.Module:
     """A bias-free dense CPU nn.Linear of a dtype the native kernels multiply (kernels.native's
     DENSE_TYPES) as a QuantizedLinear on them, holding the weight's own bytes; else `linear`."""
-    weight = getattr(linear, "weight", None)
-    qtype = None if weight is None else native.DENSE_TYPE_OF.get(weight.dtype)
-    if (type(linear) is not nn.Linear or linear.bias is not None or qtype is None or weight.device.type != "cpu"
-            or weight.shape[1] % native.DENSE_TYPES[qtype][1] or native.loaded() is None):
+    if type(linear) is not nn.Linear or linear.bias is not None:
         return linear
-    out_features, in_features = weight.shape
-    dense = QuantizedLinear(in_features, out_features)
-    dense.weight_format = GGUFBlockWeight(weight.detach().contiguous().view(torch.uint8).reshape(out_features, -1),
-                                          qtype, in_features)
-    return dense
+    return native_dense_linear(linear.weight) or linear
 
 
 def _blocks_of(linears: list[nn.Module]) -> list[GGUFBlockWeight] | None:

@@ -26,6 +26,7 @@ from torch import nn
 from opentgi.kernels import native
 from opentgi.models.base import ForwardWithoutHooks
 from opentgi.models.quantization import ggml
+from opentgi.models.quantization.linear import QuantizedLinear
 from opentgi.models.quantization.single_thread_cat import cat_on_one_thread
 
 NATIVE_TYPES = frozenset(native.BLOCK_TYPES)  # GGML type ids the kernel multiplies
@@ -106,6 +107,21 @@ class GGUFBlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return native.gguf_mm(x, self.blocks, self.qtype, self.out_features, passes=self.passes)
+
+
+def native_dense_linear(weight: torch.Tensor) -> QuantizedLinear | None:
+    """A dense CPU weight [N, K] of a dtype the native kernels multiply (`native.DENSE_TYPES`) as a
+    QuantizedLinear on their dense rows (csrc/dense.cpp: each output's sum in one fixed order),
+    holding the weight's own bytes; None where the kernels are not loaded or cannot take it."""
+    qtype = native.DENSE_TYPE_OF.get(weight.dtype)
+    if (qtype is None or weight.dim() != 2 or weight.device.type != "cpu" or native.loaded() is None
+            or weight.shape[1] % native.DENSE_TYPES[qtype][1]):
+        return None
+    out_features, in_features = weight.shape
+    linear = QuantizedLinear(in_features, out_features)
+    linear.weight_format = GGUFBlockWeight(weight.detach().contiguous().view(torch.uint8).reshape(out_features, -1),
+                                           qtype, in_features)
+    return linear
 
 
 def passes_by_16_rows(dtype: torch.dtype) -> dict[int, tuple[int, ...]]:
