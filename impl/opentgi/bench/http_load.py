@@ -1,5 +1,5 @@
 """The load a benchmark drives: prompts of known token counts, TGI `/generate_stream` requests at a
-fixed concurrency (time to first token, inter-token latency, throughput), the tenants issue's late
+fixed concurrency (time to first token, inter-token latency, throughput), the tenants scenario's late
 tenant behind a flood (`late_tenant_comparison`), and an `opentgi serve` in a child process on
 loopback to drive them against."""
 
@@ -204,7 +204,7 @@ def latency(timing: RequestTiming) -> float:
 
 
 def late_tenant_comparison(args, tokenizer, machine: str) -> str:
-    """The tenants issue's scenario on two `--max-batch-size 1` servers, one with `--tenants`
+    """The tenants scenario on two `--max-batch-size 1` servers, one with `--tenants`
     (alpha and beta, weight 1 each) and one without (first-come): beta's latencies idle, then
     behind alpha's flood; each server's median ratio to its own idle median, as markdown. The flood
     comes first on a fresh server, warmed up by a third tenant: beta's own service in the last 60 s

@@ -13,7 +13,7 @@ In one run, on one machine:
 then prints the numbers and the ratios as markdown tables (`--output FILE` also appends them to FILE).
 Separate modes: `--lora K,...` (adapters mixed; with `--shards N`, one value, on an N-shard
 server), `--shards K,...` (tensor parallelism),
-`--late-tenant` (the tenants issue's scenario: a late tenant's latency behind another's flood, with
+`--late-tenant` (the tenants scenario: a late tenant's latency behind another's flood, with
 `--tenants` and first-come, against idle: `http_load.late_tenant_comparison`),
 `--architectures A,...` (each family at the default model's shape beside Llama:
 `bench/architectures.py`) and `--speculate N` (speculative decoding on a
