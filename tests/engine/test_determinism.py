@@ -106,12 +106,15 @@ def test_a_request_computes_the_same_bits_whatever_the_batch(model_path, dtype, 
     assert got == alone(loaded, target)
 
 
-def _native_dense_head(loaded) -> bool:
-    """Whether the model's LM head is the native dense rows on its tied embedding's own bytes."""
-    head = loaded.model.logits_proj
-    return (type(head) is QuantizedLinear and head.weight_format.qtype in native.DENSE_TYPES
-            and head.weight_format.blocks.untyped_storage().data_ptr()
-            == loaded.model.model.embed_tokens.weight.untyped_storage().data_ptr())
+def _assert_head_on_the_embedding(loaded) -> None:
+    """The model's LM head multiplies by its tied embedding's own storage: the native dense rows
+    where the kernels are loaded, else row-tiled F.linear."""
+    head, embedding = loaded.model.logits_proj, loaded.model.model.embed_tokens.weight
+    if native.loaded() is None:
+        assert isinstance(head, RowTiledLinear)
+        return
+    assert type(head) is QuantizedLinear and head.weight_format.qtype in native.DENSE_TYPES
+    assert head.weight_format.blocks.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
 
 
 def test_bfloat16_without_onednn_through_row_tiled_linears(model_path, monkeypatch):
@@ -122,10 +125,7 @@ def test_bfloat16_without_onednn_through_row_tiled_linears(model_path, monkeypat
     loaded = load_model(Settings(model_id=str(model_path), dtype="bfloat16"))
     assert loaded.model.batch_invariant
     assert isinstance(loaded.model.model.layers[0].feed_forward.down_proj, RowTiledLinear)
-    if native.loaded() is not None:
-        assert _native_dense_head(loaded)
-    else:
-        assert isinstance(loaded.model.logits_proj, RowTiledLinear)
+    _assert_head_on_the_embedding(loaded)
     reference = asyncio.run(run_target(loaded, TARGET))
     assert asyncio.run(run_target(loaded, TARGET, OTHERS, position=4, stagger=True)) == reference
     assert asyncio.run(run_target(loaded, TARGET, warmup=TARGET, chunked_prefill_tokens=7)) == reference
@@ -139,10 +139,7 @@ def test_a_tied_head_too_large_for_a_copy_multiplies_by_the_embedding_on_the_nat
     no copy, and a request's tokens and logprobs stay bitwise those it gets alone."""
     monkeypatch.setattr(decoder_family, "TIED_HEAD_COPY_MAX_BYTES", 0)
     loaded = load_model(Settings(model_id=str(model_path), dtype=dtype))
-    if native.loaded() is not None:
-        assert _native_dense_head(loaded)
-    else:
-        assert isinstance(loaded.model.logits_proj, RowTiledLinear)
+    _assert_head_on_the_embedding(loaded)
     reference = asyncio.run(run_target(loaded, TARGET))
     assert asyncio.run(run_target(loaded, TARGET, OTHERS, position=4, stagger=True)) == reference
     hidden = torch.randn(5, loaded.model.model.embed_tokens.weight.shape[1]).to(loaded.model.model.embed_tokens.weight)
