@@ -355,9 +355,13 @@ struct TileLowBit {
           words16<S>(base + (offsetof(Block, qs) + 32 * h + 16 * u) * S, row_bytes, qb);
           for (int t = 0; t < 4; ++t) {  // values 128h + 32t + l: sub-block 8h + 2t + u
             const int k = 8 * h + 2 * t + u, j = 4 * h + t;
+            // Q2_K at one or two rows: the values left in place (q * 4^t <= 192, still a byte),
+            // each dot shifted back exactly (a multiple of 4^t): one shift a row instead of four
+            constexpr bool in_place = !Q3 && R <= 2;
             __m512i w[4];
             for (int g = 0; g < 4; ++g) {
-              w[g] = _mm512_and_si512(_mm512_srli_epi16(qb[g], 2 * t), m3);
+              w[g] = in_place ? _mm512_and_si512(qb[g], _mm512_set1_epi8((char)(3 << (2 * t))))
+                              : _mm512_and_si512(_mm512_srli_epi16(qb[g], 2 * t), m3);
               if constexpr (Q3) {  // hmask bit j to bit 2
                 const __m512i hb = j <= 2 ? _mm512_slli_epi16(hm[g], 2 - j) : _mm512_srli_epi16(hm[g], j - 2);
                 w[g] = _mm512_or_si512(w[g], _mm512_and_si512(hb, bit2));
@@ -367,6 +371,7 @@ struct TileLowBit {
               const int8_t* yq = a[r][b].qs + 16 * k;
               __m512i dot = _mm512_setzero_si512();
               for (int g = 0; g < 4; ++g) dot = dpbusd_word(dot, w[g], yq + 4 * g);
+              if (in_place && t > 0) dot = _mm512_srai_epi32(dot, 2 * t);
               total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(dot, sc[k]));
             }
           }
