@@ -80,9 +80,8 @@ class RouterLogits(ForwardWithoutHooks, nn.Module):
 def native_dense(linear: nn.Module) -> nn.Module:
     """A bias-free dense CPU nn.Linear of a dtype the native kernels multiply (kernels.native's
     DENSE_TYPES) as a QuantizedLinear on them, holding the weight's own bytes; else `linear`."""
-    if type(linear) is not nn.Linear or linear.bias is not None:
-        return linear
-    return native_dense_linear(linear.weight) or linear
+    dense = native_dense_linear(linear.weight) if type(linear) is nn.Linear and linear.bias is None else None
+    return linear if dense is None else dense
 
 
 def _blocks_of(linears: list[nn.Module]) -> list[GGUFBlockWeight] | None:
